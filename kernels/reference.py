@@ -1,0 +1,106 @@
+"""Pure-MLX paged attention: the oracle every kernel is tested against, and the CPU path.
+
+Decode rows (one query token) are gathered into one padded batch and run as a
+single attention call; each prefill chunk runs on its own with a causal mask
+offset by its cached context. Nothing is padded across prefill chunks.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+
+from kernels.metadata import AttentionMetadata
+
+
+def write_kv(
+    k_cache: mx.array, v_cache: mx.array, k: mx.array, v: mx.array, slot_mapping: mx.array
+) -> tuple[mx.array, mx.array]:
+    """Scatter new rows ``k, v [T, H_kv, D]`` into the caches at ``slot_mapping``; returns the new caches."""
+    nb, bs, hkv, d = k_cache.shape
+    kf = k_cache.reshape(nb * bs, hkv, d)
+    vf = v_cache.reshape(nb * bs, hkv, d)
+    kf[slot_mapping] = k.astype(kf.dtype)
+    vf[slot_mapping] = v.astype(vf.dtype)
+    return kf.reshape(nb, bs, hkv, d), vf.reshape(nb, bs, hkv, d)
+
+
+def _attend(q, k, v, mask, scale, softcap):
+    """q [B, H, Lq, D], k/v [B, H_kv, Lk, D], boolean mask broadcastable to [B, H, Lq, Lk]."""
+    if softcap is None:
+        return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
+    b, h, lq, d = q.shape
+    hkv = k.shape[1]
+    qg = q.reshape(b, hkv, h // hkv, lq, d)
+    scores = (qg * scale) @ k[:, :, None].swapaxes(-1, -2)
+    scores = mx.tanh(scores / softcap) * softcap
+    scores = mx.where(mask[:, :, None], scores, mx.finfo(scores.dtype).min)
+    probs = mx.softmax(scores.astype(mx.float32), axis=-1).astype(v.dtype)
+    return (probs @ v[:, :, None]).reshape(b, h, lq, d)
+
+
+def _gather_context(cache: mx.array, tables: mx.array, length: int) -> mx.array:
+    """[B, max_blocks] block ids -> [B, H_kv, length, D] contiguous context."""
+    nb, bs, hkv, d = cache.shape
+    blocks = -(-length // bs)
+    ctx = cache[tables[:, :blocks]].reshape(tables.shape[0], blocks * bs, hkv, d)
+    return ctx[:, :length].transpose(0, 2, 1, 3)
+
+
+def paged_attention(
+    q: mx.array,
+    k_cache: mx.array,
+    v_cache: mx.array,
+    meta: AttentionMetadata,
+    scale: float,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+) -> mx.array:
+    """Attention of packed queries ``q [T, H, D]`` over each request's paged context.
+
+    Row ``i`` of request ``b`` sits at absolute position
+    ``seq_lens[b] - query_lens[b] + i`` and sees keys at positions ``<=`` its own
+    (and, with ``sliding_window = w``, ``> pos - w``). GQA maps head ``h`` to
+    KV head ``h // (H // H_kv)``. Returns ``[T, H, D]`` in ``q``'s dtype.
+    """
+    qlens, slens, cu = meta.query_lens_np, meta.seq_lens_np, meta.cu_seqlens_q_np
+    pieces: list[mx.array] = []
+    order: list[np.ndarray] = []
+
+    decode = np.flatnonzero(qlens == 1)
+    if len(decode):
+        idx = mx.array(decode.astype(np.int32))
+        length = int(slens[decode].max())
+        k = _gather_context(k_cache, meta.block_tables[idx], length)
+        v = _gather_context(v_cache, meta.block_tables[idx], length)
+        rows = mx.array(cu[decode].astype(np.int32))
+        qd = q[rows][:, :, None, :]  # [Bd, H, 1, D]
+        key_pos = mx.arange(length)[None, :]
+        last = mx.array(slens[decode] - 1)[:, None]
+        mask = key_pos <= last
+        if sliding_window is not None:
+            mask = mask & (key_pos > last - sliding_window)
+        out = _attend(qd, k, v, mask[:, None, None, :], scale, softcap)
+        pieces.append(out[:, :, 0, :])
+        order.append(cu[decode])
+
+    for b in np.flatnonzero(qlens > 1):
+        start, ql, sl = int(cu[b]), int(qlens[b]), int(slens[b])
+        k = _gather_context(k_cache, meta.block_tables[b : b + 1], sl)
+        v = _gather_context(v_cache, meta.block_tables[b : b + 1], sl)
+        qp = q[start : start + ql].transpose(1, 0, 2)[None]  # [1, H, ql, D]
+        q_pos = mx.arange(sl - ql, sl)[:, None]
+        key_pos = mx.arange(sl)[None, :]
+        mask = key_pos <= q_pos
+        if sliding_window is not None:
+            mask = mask & (key_pos > q_pos - sliding_window)
+        out = _attend(qp, k, v, mask[None, None], scale, softcap)
+        pieces.append(out[0].transpose(1, 0, 2))
+        order.append(np.arange(start, start + ql))
+
+    packed = mx.concatenate(pieces, axis=0) if len(pieces) > 1 else pieces[0]
+    if len(decode) in (0, len(qlens)) and len(pieces) == 1:
+        return packed  # already in packed order
+    inverse = np.empty(meta.num_tokens, dtype=np.int32)
+    inverse[np.concatenate(order)] = np.arange(meta.num_tokens, dtype=np.int32)
+    return packed[mx.array(inverse)]

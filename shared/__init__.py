@@ -1,0 +1,1 @@
+"""Code used by both processes: the wire protocol, configuration, errors and paths."""

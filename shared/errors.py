@@ -1,0 +1,87 @@
+"""The one hierarchy of mlxd errors.
+
+Every error that can reach a client is one of these. The engine sends its
+``code`` on the wire; the gateway maps ``status`` to the HTTP status and
+``type`` to the OpenAI error body in exactly one place.
+"""
+
+from __future__ import annotations
+
+
+class MlxdError(Exception):
+    status = 500
+    type = "internal_error"
+    code = "internal_error"
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.message = message
+        self.param = param
+
+
+class InvalidRequestError(MlxdError):
+    """The request itself is wrong (a field, a prompt too long, a bad grammar)."""
+
+    status = 400
+    type = "invalid_request_error"
+    code = "invalid_request"
+
+
+class ContextLengthError(InvalidRequestError):
+    """The prompt (plus what it asks to generate) can never fit."""
+
+    code = "context_length_exceeded"
+
+
+class AuthenticationError(MlxdError):
+    status = 401
+    type = "authentication_error"
+    code = "invalid_api_key"
+
+
+class NotFoundError(MlxdError):
+    status = 404
+    type = "not_found_error"
+    code = "model_not_found"
+
+
+class OverloadedError(MlxdError):
+    """The waiting queue is full; the client should retry later."""
+
+    status = 429
+    type = "rate_limit_error"
+    code = "overloaded"
+
+
+class EngineUnavailableError(MlxdError):
+    """The engine is loading, dead or unreachable."""
+
+    status = 503
+    type = "service_unavailable"
+    code = "engine_unavailable"
+
+
+class ModelLoadError(MlxdError):
+    """A model could not be found or loaded (missing file, offline and not cached, unsupported)."""
+
+    code = "model_load_error"
+
+
+_BY_CODE = {
+    cls.code: cls
+    for cls in (
+        MlxdError,
+        InvalidRequestError,
+        ContextLengthError,
+        AuthenticationError,
+        NotFoundError,
+        OverloadedError,
+        EngineUnavailableError,
+        ModelLoadError,
+    )
+}
+
+
+def error_from_code(code: str, message: str, param: str | None = None) -> MlxdError:
+    """Rebuild an error received on the wire from its code."""
+    return _BY_CODE.get(code, MlxdError)(message, param)

@@ -1,0 +1,61 @@
+"""Per-request sampling parameters: built by the gateway, carried on the wire, applied by the engine."""
+
+from __future__ import annotations
+
+import msgspec
+
+from shared.errors import InvalidRequestError
+
+
+class SamplingParams(msgspec.Struct, array_like=True, gc=False, omit_defaults=True):
+    """What to generate for one request (one choice; ``n > 1`` is fanned out by the gateway).
+
+    Fields may only be appended: the struct travels as an array.
+    """
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: off
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[int, float] | None = None
+    seed: int | None = None
+    logprobs: int | None = None  # None: none; 0: the sampled token's; k: plus the top k
+    min_tokens: int = 0
+    stop_token_ids: list[int] = []
+    ignore_eos: bool = False
+
+    def validate(self, vocab_size: int) -> None:
+        """Raise InvalidRequestError naming the first field out of range."""
+        checks = (
+            ("max_tokens", self.max_tokens >= 1, "must be at least 1"),
+            ("temperature", 0.0 <= self.temperature <= 100.0, "must be in [0, 100]"),
+            ("top_p", 0.0 < self.top_p <= 1.0, "must be in (0, 1]"),
+            ("top_k", self.top_k >= -1, "must be -1, 0 or positive"),
+            ("min_p", 0.0 <= self.min_p <= 1.0, "must be in [0, 1]"),
+            ("repetition_penalty", self.repetition_penalty > 0.0, "must be positive"),
+            ("presence_penalty", -2.0 <= self.presence_penalty <= 2.0, "must be in [-2, 2]"),
+            ("frequency_penalty", -2.0 <= self.frequency_penalty <= 2.0, "must be in [-2, 2]"),
+            ("logprobs", self.logprobs is None or 0 <= self.logprobs <= 20, "must be in [0, 20]"),
+            ("min_tokens", 0 <= self.min_tokens <= self.max_tokens, "must be in [0, max_tokens]"),
+            (
+                "logit_bias",
+                not self.logit_bias or all(0 <= t < vocab_size for t in self.logit_bias),
+                f"token ids must be in [0, {vocab_size})",
+            ),
+            (
+                "stop_token_ids",
+                all(0 <= t < vocab_size for t in self.stop_token_ids),
+                f"token ids must be in [0, {vocab_size})",
+            ),
+        )
+        for name, ok, why in checks:
+            if not ok:
+                raise InvalidRequestError(f"{name} {why}", param=name)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
