@@ -1,0 +1,143 @@
+"""Local mlx_lm / Hugging Face model directories and cached Hugging Face repos."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.utils import load_model as mlx_lm_load_model
+
+from shared.errors import ModelLoadError
+
+
+@dataclass
+class DirModel:
+    model: nn.Module
+    config: dict
+    eos_token_ids: list[int]
+    bos_token_id: int | None
+
+
+def is_model_dir(path: Path) -> bool:
+    return path.is_dir() and (path / "config.json").is_file()
+
+
+def _ids(value) -> list[int]:
+    if value is None:
+        return []
+    return [int(v) for v in value] if isinstance(value, (list, tuple)) else [int(value)]
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def _special_token_ids(path: Path) -> tuple[list[int], int | None]:
+    """EOS ids and BOS id as the checkpoint's configs and tokenizer files state them."""
+    config = _read_json(path / "config.json")
+    text = config.get("text_config", {})
+    gen = _read_json(path / "generation_config.json")
+    eos: list[int] = []
+    for v in (gen.get("eos_token_id"), config.get("eos_token_id"), text.get("eos_token_id")):
+        eos += [i for i in _ids(v) if i not in eos]
+    bos = gen.get("bos_token_id", config.get("bos_token_id", text.get("bos_token_id")))
+
+    # Otherwise, the tokenizer's named eos token.
+    tok_config = _read_json(path / "tokenizer_config.json")
+    if (not eos or bos is None) and (path / "tokenizer.json").is_file():
+        from tokenizers import Tokenizer
+
+        tok = Tokenizer.from_file(str(path / "tokenizer.json"))
+
+        def token_id(name):
+            t = tok_config.get(name)
+            t = t.get("content") if isinstance(t, dict) else t
+            return tok.token_to_id(t) if t else None
+
+        if not eos and (i := token_id("eos_token")) is not None:
+            eos.append(i)
+        if bos is None:
+            bos = token_id("bos_token")
+    return eos, None if bos is None else int(bos)
+
+
+def load_dir(path: Path) -> DirModel:
+    """Load an mlx_lm/HF safetensors directory through mlx_lm's own loader (weights evaluated)."""
+    try:
+        model, config = mlx_lm_load_model(path, lazy=False)
+    except FileNotFoundError as e:
+        raise ModelLoadError(f"{path}: {e}") from e
+    except ValueError as e:  # mlx_lm's message for an unknown model_type or mismatched weights
+        raise ModelLoadError(f"{path}: {e}") from e
+    eos, bos = _special_token_ids(path)
+    return DirModel(model=model, config=config, eos_token_ids=eos, bos_token_id=bos)
+
+
+def resolve_hf_repo(repo_id: str) -> Path:
+    """A repo id's snapshot directory from the local Hugging Face cache; never downloads."""
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
+
+    offline = os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on")
+    try:
+        return Path(snapshot_download(repo_id, local_files_only=True))
+    except HFValidationError as e:
+        raise ModelLoadError(
+            f"{repo_id!r} is neither a local path nor a valid Hugging Face repo id "
+            "(expected a .gguf file, a model directory with config.json, or 'owner/name')",
+            param="model",
+        ) from e
+    except (LocalEntryNotFoundError, FileNotFoundError, OSError) as e:
+        why = "HF_HUB_OFFLINE is set and it is" if offline else "it is"
+        raise ModelLoadError(
+            f"model {repo_id!r}: {why} not in the local Hugging Face cache. "
+            f"Download it first with `hf download {repo_id}` "
+            "(or pass a local model directory or .gguf file).",
+            param="model",
+        ) from e
+
+
+def dense_weights(model: nn.Module, dtype: mx.Dtype) -> None:
+    """Dequantize every quantized layer and cast all float parameters to ``dtype`` (in place).
+
+    Scales and biases are widened before dequantizing so that a float32
+    target gets the exact values of the quantized weights (dequantizing in
+    the scales' float16 would round them first).
+    """
+    from mlx.utils import tree_unflatten
+    from mlx_lm.utils import dequantize_model
+
+    dense = []
+    for name, m in model.named_modules():
+        if not isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
+            continue
+        affine = m.scales.dtype != mx.uint8  # mx/nv fp formats keep uint8 exponent scales
+        biases = m.get("biases")
+        weight = mx.dequantize(
+            m.weight,
+            m.scales.astype(mx.float32) if affine else m.scales,
+            None if biases is None else biases.astype(mx.float32),
+            m.group_size,
+            m.bits,
+            m.mode,
+        ).astype(dtype)
+        if isinstance(m, nn.QuantizedLinear):
+            layer = nn.Linear(weight.shape[1], weight.shape[0], bias="bias" in m)
+            if "bias" in m:
+                layer.bias = m.bias
+        else:
+            layer = nn.Embedding(weight.shape[0], weight.shape[1])
+        layer.weight = weight
+        dense.append((name, layer))
+    if dense:
+        model.update_modules(tree_unflatten(dense))
+    dequantize_model(model)  # whatever else mlx_lm knows how to dequantize (MoE switch layers)
+    model.set_dtype(dtype)
+    mx.eval(model.parameters())
