@@ -1,0 +1,234 @@
+"""The in-process engine: requests in, token ids out, one packed step at a time.
+
+    schedule -> run the packed forward -> sample -> update requests -> outputs
+
+The daemon wraps this object; tests and benchmarks use it directly.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+from dataclasses import dataclass
+
+import mlx.core as mx
+from mlx.utils import tree_flatten
+
+from engined.kv_manager import KVCacheManager
+from engined.loaders import LoadedModel, load_model
+from engined.request import Request
+from engined.runner import ModelRunner
+from engined.sampler import Sampler, logprobs_for
+from engined.scheduler import Scheduler, SchedulerOutput
+from shared.config import EngineConfig
+from shared.errors import ContextLengthError, InvalidRequestError
+from shared.protocol import RequestOutput
+from shared.sampling import SamplingParams
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    model_id: str
+    served_model_name: str
+    tokenizer_dir: str
+    max_model_len: int
+    block_size: int
+    num_kv_blocks: int
+    vocab_size: int
+    eos_token_ids: list[int]
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    num_free_blocks: int
+    num_total_blocks: int
+    num_preemptions: int
+
+
+def device_memory() -> int:
+    """Bytes the device can use: Metal's recommended working set, CUDA's memory, else the OS's RAM."""
+    info = mx.device_info() if hasattr(mx, "device_info") else {}
+    for key in ("max_recommended_working_set_size", "memory_size", "total_memory"):
+        if info.get(key):
+            return int(info[key])
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+class Engine:
+    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None):
+        self.config = config
+        loaded = loaded or load_model(config.model, config.dtype)
+        self.loaded = loaded
+        self.max_model_len = config.max_model_len or loaded.context_length
+        dtype = next(
+            (p.dtype for _, p in tree_flatten(loaded.model.parameters()) if mx.issubdtype(p.dtype, mx.floating)),
+            mx.float32,
+        )
+        num_blocks = self._num_blocks(loaded, dtype)
+        self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
+        self.runner = ModelRunner(
+            loaded.model, num_blocks, config.block_size, loaded.num_kv_heads, loaded.head_dim, dtype
+        )
+        self.sampler = Sampler(loaded.vocab_size, loaded.eos_token_ids)
+        self.requests: dict[str, Request] = {}
+        self._seeds = random.Random(config.seed)
+        self._aborted: list[RequestOutput] = []
+        self.info = ModelInfo(
+            model_id=loaded.model_id,
+            served_model_name=config.served_model_name or loaded.model_id,
+            tokenizer_dir=loaded.tokenizer_dir,
+            max_model_len=self.max_model_len,
+            block_size=config.block_size,
+            num_kv_blocks=num_blocks,
+            vocab_size=loaded.vocab_size,
+            eos_token_ids=list(loaded.eos_token_ids),
+        )
+
+    def _num_blocks(self, loaded: LoadedModel, dtype: mx.Dtype) -> int:
+        cfg = self.config
+        per_block = 2 * loaded.num_layers * cfg.block_size * loaded.num_kv_heads * loaded.head_dim * dtype.size
+        if cfg.num_kv_blocks is not None:
+            return cfg.num_kv_blocks
+        if cfg.kv_cache_memory is not None:
+            return max(cfg.kv_cache_memory // per_block, 1)
+        # Budget minus the weights already resident and a scratch allowance for
+        # activations of the largest step; never more than the running cap can use.
+        scratch = 64 * cfg.max_num_batched_tokens * loaded.vocab_size // 16 + (256 << 20)
+        budget = int(cfg.gpu_memory_utilization * device_memory()) - mx.get_active_memory() - scratch
+        useful = cfg.max_num_seqs * -(-self.max_model_len // cfg.block_size)
+        return max(1, min(budget // per_block, useful))
+
+    # -- requests ---------------------------------------------------------------------------
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Queue a request; raises at once if it is malformed or can never fit."""
+        if request_id in self.requests:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use")
+        if not prompt_token_ids:
+            raise InvalidRequestError("the prompt is empty", param="prompt")
+        params.validate(self.info.vocab_size)
+        n = len(prompt_token_ids)
+        if n >= self.max_model_len:
+            raise ContextLengthError(
+                f"this model's maximum context length is {self.max_model_len} tokens; "
+                f"the prompt has {n} tokens", param="messages",
+            )
+        if min(max(prompt_token_ids), min(prompt_token_ids)) < 0 or max(prompt_token_ids) >= self.info.vocab_size:
+            raise InvalidRequestError("prompt token ids out of range", param="prompt")
+        longest = min(n + params.max_tokens, self.max_model_len)
+        if self.kv.blocks_for(longest) > self.kv.pool.num_blocks:
+            raise ContextLengthError(
+                f"the request needs up to {longest} tokens of KV cache but the pool holds "
+                f"{self.kv.pool.num_blocks * self.config.block_size}", param="max_tokens",
+            )
+        seed = params.seed if params.seed is not None else self._seeds.getrandbits(63)
+        req = Request(request_id, prompt_token_ids, params, seed)
+        self.requests[request_id] = req
+        self.scheduler.add(req)
+
+    def abort(self, request_ids) -> None:
+        """Stop requests now and free their blocks; unknown or finished ids are ignored."""
+        for rid in request_ids:
+            req = self.requests.pop(rid, None)
+            if req is None:
+                continue
+            self.scheduler.finish(req, "abort")
+            self._aborted.append(self._output(req))
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished() or bool(self._aborted)
+
+    def stats(self) -> EngineStats:
+        return EngineStats(
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            num_free_blocks=self.kv.num_free_blocks,
+            num_total_blocks=self.kv.pool.num_blocks,
+            num_preemptions=self.scheduler.num_preemptions,
+        )
+
+    # -- the step -----------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        outputs, self._aborted = self._aborted, []
+        sched = self.scheduler.schedule()
+        if not sched.scheduled:
+            return outputs
+        # Requests whose last scheduled token completes their known tokens are sampled.
+        sample_rows = [i for i, (r, n) in enumerate(sched.scheduled) if r.num_computed_tokens + n == r.num_tokens]
+        tables = [self.kv.block_ids(r.request_id) for r, _ in sched.scheduled]
+        logits = self.runner.execute(sched.scheduled, tables, sample_rows)
+        sampled_reqs = [sched.scheduled[i][0] for i in sample_rows]
+        tokens = lp_parts = None
+        if sampled_reqs:
+            tokens, lp_parts = self.sampler(logits, sampled_reqs)
+            mx.eval(tokens, self.runner.caches(), lp_parts if lp_parts else [])
+        else:
+            mx.eval(logits, self.runner.caches())
+        return outputs + self._update(sched, sampled_reqs, tokens, lp_parts)
+
+    def _update(self, sched: SchedulerOutput, reqs: list[Request], tokens, lp_parts) -> list[RequestOutput]:
+        for req, n in sched.scheduled:
+            req.num_computed_tokens += n
+            self.kv.commit(req)
+        if not reqs:
+            return []
+        token_list = tokens.tolist()
+        logprobs = logprobs_for(lp_parts, token_list, reqs) if lp_parts else [None] * len(reqs)
+        outputs = []
+        for req, token, lp in zip(reqs, token_list, logprobs):
+            req.token_ids.append(token)
+            if lp is not None:
+                req.pending_logprobs.append(lp)
+            req.pending_tokens.append(token)
+            reason = self._stop_reason(req, token)
+            if reason:
+                self.scheduler.finish(req, reason)
+                del self.requests[req.request_id]
+            outputs.append(self._output(req))
+        return outputs
+
+    def _stop_reason(self, req: Request, token: int) -> str | None:
+        p = req.params
+        # The sampler masks stop tokens until min_tokens are out, so a stop token here is final.
+        if token in p.stop_token_ids or (not p.ignore_eos and token in self.sampler.eos_token_ids):
+            req.stop_token_id = token
+            return "stop"
+        if req.num_output_tokens >= p.max_tokens or req.num_tokens >= self.max_model_len:
+            return "length"
+        return None
+
+    def _output(self, req: Request) -> RequestOutput:
+        out = RequestOutput(
+            request_id=req.request_id,
+            new_token_ids=req.pending_tokens,
+            finish_reason=req.finish_reason,
+            logprobs=req.pending_logprobs or None,
+            num_prompt_tokens=req.num_prompt_tokens,
+            num_cached_tokens=req.num_cached_tokens,
+            stop_token_id=req.stop_token_id,
+        )
+        req.pending_tokens, req.pending_logprobs = [], []
+        return out
+
+    # -- convenience --------------------------------------------------------------------------
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[list[int]]:
+        """Run prompts to completion together; returns each one's generated token ids."""
+        plist = params if isinstance(params, list) else [params] * len(prompts)
+        ids = [f"generate-{os.getpid()}-{id(self)}-{i}" for i in range(len(prompts))]
+        for rid, prompt, p in zip(ids, prompts, plist):
+            self.add_request(rid, prompt, p)
+        results: dict[str, list[int]] = {rid: [] for rid in ids}
+        pending = set(ids)
+        while pending:
+            for out in self.step():
+                if out.request_id in results:
+                    results[out.request_id].extend(out.new_token_ids)
+                    if out.finish_reason:
+                        pending.discard(out.request_id)
+        return [results[rid] for rid in ids]
+

@@ -1,0 +1,64 @@
+"""One request's state inside the engine."""
+
+from __future__ import annotations
+
+import enum
+import time
+
+from shared.protocol import Logprob
+from shared.sampling import SamplingParams
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class Request:
+    """Tokens, progress and sampling state of one sequence.
+
+    ``token_ids`` is prompt + generated; ``num_computed_tokens`` of them have
+    their K/V in the cache. After preemption ``num_computed_tokens`` drops to
+    the prefix still cached and the rest is recomputed.
+    """
+
+    __slots__ = (
+        "request_id", "params", "token_ids", "num_prompt_tokens", "num_computed_tokens",
+        "num_cached_tokens", "status", "finish_reason", "stop_token_id", "seed",
+        "arrival_time", "pending_tokens", "pending_logprobs", "block_hashes",
+    )
+
+    def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, seed: int):
+        self.request_id = request_id
+        self.params = params
+        self.token_ids = list(prompt_token_ids)
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = 0
+        self.status = Status.WAITING
+        self.finish_reason: str | None = None
+        self.stop_token_id: int | None = None
+        self.seed = seed
+        self.arrival_time = time.monotonic()
+        # Generated since the last output was sent.
+        self.pending_tokens: list[int] = []
+        self.pending_logprobs: list[Logprob] = []
+        # Chained hashes of this request's full blocks, grown as blocks fill.
+        self.block_hashes: list[int] = []
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def finished(self) -> bool:
+        return self.status is Status.FINISHED

@@ -1,0 +1,57 @@
+"""Runs one packed step: builds the step's metadata once, runs the model, returns the sampled rows' logits."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+
+from engined import attention
+from engined.request import Request
+from kernels import AttentionMetadata
+
+
+class ModelRunner:
+    def __init__(
+        self, model: nn.Module, num_blocks: int, block_size: int,
+        num_kv_heads: int, head_dim: int, dtype: mx.Dtype,
+    ):
+        self.model = model
+        self.block_size = block_size
+        self.ctx = attention.StepContext()
+        layers = attention.install(model, self.ctx)
+        shape = (num_blocks, block_size, num_kv_heads, head_dim)
+        self.ctx.k_caches = [mx.zeros(shape, dtype=dtype) for _ in layers]
+        self.ctx.v_caches = [mx.zeros(shape, dtype=dtype) for _ in layers]
+        mx.eval(self.ctx.k_caches, self.ctx.v_caches)
+
+    @property
+    def kv_bytes(self) -> int:
+        return sum(c.nbytes for c in self.ctx.k_caches) + sum(c.nbytes for c in self.ctx.v_caches)
+
+    def execute(
+        self, scheduled: list[tuple[Request, int]], block_tables: list[list[int]],
+        sample_rows: list[int],
+    ) -> mx.array:
+        """Forward the packed batch; returns logits ``[len(sample_rows), vocab]`` (not yet evaluated).
+
+        ``scheduled[b] = (request, n)`` computes the request's tokens
+        ``[num_computed, num_computed + n)``; ``sample_rows`` are indices ``b``
+        whose last scheduled token is sampled.
+        """
+        query_lens = [n for _, n in scheduled]
+        seq_lens = [r.num_computed_tokens + n for r, n in scheduled]
+        tokens = np.concatenate(
+            [np.asarray(r.token_ids[r.num_computed_tokens : r.num_computed_tokens + n], dtype=np.int32)
+             for r, n in scheduled]
+        )
+        meta = AttentionMetadata.build(query_lens, seq_lens, block_tables, self.block_size)
+        self.ctx.meta = meta
+        self.ctx.logit_rows = mx.array(meta.cu_seqlens_q_np[1:][sample_rows] - 1)
+        logits = self.model(mx.array(tokens)[None])[0]
+        self.ctx.meta = None
+        return logits
+
+    def caches(self) -> list[mx.array]:
+        """The KV arrays written by the last forward; evaluate them with its outputs."""
+        return self.ctx.k_caches + self.ctx.v_caches

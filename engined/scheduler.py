@@ -1,0 +1,99 @@
+"""Continuous batching with vLLM V1 semantics.
+
+Each step has one token budget (``max_num_batched_tokens``) and a cap on
+running sequences (``max_num_seqs``). Running requests go first: a decode
+takes one token, an unfinished prefill takes its next chunk. Waiting requests
+are admitted only while their blocks can be allocated. When a running request
+cannot grow, the newest running request is preempted: its blocks are freed and
+it is recomputed later from its prompt and the tokens it already generated.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from engined.kv_manager import KVCacheManager
+from engined.request import Request, Status
+
+
+@dataclass
+class SchedulerOutput:
+    # (request, number of its tokens computed this step), in batch order.
+    scheduled: list[tuple[Request, int]] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(n for _, n in self.scheduled)
+
+
+class Scheduler:
+    def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int):
+        self.kv = kv
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+
+    def add(self, req: Request) -> None:
+        self.waiting.append(req)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+
+        # Running requests first, oldest first; preempt from the newest end.
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            while not self.kv.allocate(req, num_new):
+                victim = self.running.pop()
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim is req:
+                    break
+            else:
+                out.scheduled.append((req, num_new))
+                budget -= num_new
+                i += 1
+
+        # Admit waiting requests only if nothing had to be preempted this step.
+        while self.waiting and budget > 0 and not out.preempted and len(self.running) < self.max_num_seqs:
+            req = self.waiting[0]
+            prefix = self.kv.cached_prefix(req) if req.num_computed_tokens == 0 else []
+            cached = len(prefix) * self.kv.block_size
+            num_new = min(req.num_tokens - req.num_computed_tokens - cached, budget)
+            if not self.kv.allocate(req, num_new, prefix):
+                break
+            self.waiting.popleft()
+            if req.num_computed_tokens == 0 and req.num_output_tokens == 0:
+                req.num_cached_tokens = cached
+            req.num_computed_tokens += cached
+            req.status = Status.RUNNING
+            self.running.append(req)
+            out.scheduled.append((req, num_new))
+            budget -= num_new
+        return out
+
+    def _preempt(self, req: Request) -> None:
+        self.kv.free(req)
+        req.num_computed_tokens = 0
+        req.status = Status.WAITING
+        self.waiting.appendleft(req)
+        self.num_preemptions += 1
+
+    def finish(self, req: Request, reason: str) -> None:
+        """Take a request out of the queues and free its blocks (finish or abort)."""
+        if req.status is Status.RUNNING:
+            self.running.remove(req)
+        elif req.status is Status.WAITING:
+            self.waiting.remove(req)
+        req.status = Status.FINISHED
+        req.finish_reason = reason
+        self.kv.free(req)
