@@ -79,7 +79,7 @@ class Engine:
         self.info = ModelInfo(
             model_id=loaded.model_id,
             served_model_name=config.served_model_name or loaded.model_id,
-            tokenizer_dir=loaded.tokenizer_dir,
+            tokenizer_dir=str(loaded.tokenizer_dir),
             max_model_len=self.max_model_len,
             block_size=config.block_size,
             num_kv_blocks=num_blocks,
