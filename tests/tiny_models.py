@@ -1,0 +1,255 @@
+"""Tiny random-weight models for tests: mlx_lm/HF directories and GGUF files of the same weights.
+
+``make_tiny_model(dir, arch)`` writes config.json, model.safetensors and a
+small byte-level BPE tokenizer (with a ChatML template) in Hugging Face
+layout; ``write_tiny_gguf(model_dir, path, qtype)`` writes the same weights as
+a llama.cpp GGUF file the way llama.cpp's converter would (tensor names, Q/K
+row permutation for llama, F32 norms, 2-D weights in ``qtype``);
+``gguf_roundtrip_weights`` gives the weights as they come back out of that
+quantization, for parity checks. Everything is deterministic in ``seed``.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+ARCHS = ("llama", "qwen2", "qwen3")
+QTYPES = ("F32", "F16", "Q8_0", "Q4_0", "Q4_1")
+
+_BASE = {
+    "hidden_size": 64,
+    "num_hidden_layers": 2,
+    "intermediate_size": 128,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "rms_norm_eps": 1e-6,
+    "vocab_size": 272,
+    "max_position_embeddings": 2048,
+    "bos_token_id": 256 + 8,
+    "eos_token_id": 256 + 8 + 2,
+}
+_ARCH = {
+    "llama": {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "rope_theta": 10000.0, "tie_word_embeddings": False},
+    "qwen2": {"model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"], "rope_theta": 1000000.0, "tie_word_embeddings": True},
+    "qwen3": {"model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"], "rope_theta": 1000000.0, "tie_word_embeddings": True},
+}
+
+CHAT_TEMPLATE = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+_MERGES = [("Ġ", "t"), ("h", "e"), ("Ġt", "he"), ("i", "n"), ("e", "r"), ("a", "n"), ("o", "n"), ("Ġ", "a")]
+_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+
+
+def _byte_chars() -> list[str]:
+    """GPT-2's printable stand-in character for each byte value 0..255."""
+    keep = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in keep:
+            chars[b] = chr(b)
+        else:
+            chars[b] = chr(256 + extra)
+            extra += 1
+    return [chars[b] for b in range(256)]
+
+
+def tiny_vocab(vocab_size: int) -> tuple[list[str], list[tuple[str, str]], list[bool]]:
+    """(tokens, merges, is_special): 256 bytes, merged pieces, ChatML specials, reserved specials."""
+    tokens = _byte_chars() + ["".join(m) for m in _MERGES] + _SPECIALS
+    if vocab_size < len(tokens):
+        raise ValueError(f"vocab_size must be at least {len(tokens)}")
+    tokens += [f"<|reserved_{i}|>" for i in range(vocab_size - len(tokens))]
+    special = [i >= 256 + len(_MERGES) for i in range(len(tokens))]
+    return tokens, list(_MERGES), special
+
+
+def _write_tokenizer(out: Path, config: dict) -> None:
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+
+    tokens, merges, special = tiny_vocab(config["vocab_size"])
+    tok = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t, s in zip(tokens, special) if s])
+    tok.save(str(out / "tokenizer.json"))
+    tok_config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": tokens[config["bos_token_id"]],
+        "eos_token": tokens[config["eos_token_id"]],
+        "pad_token": tokens[config["bos_token_id"]],
+        "add_bos_token": False,
+        "clean_up_tokenization_spaces": False,
+        "model_max_length": config["max_position_embeddings"],
+        "chat_template": CHAT_TEMPLATE,
+    }
+    (out / "tokenizer_config.json").write_text(json.dumps(tok_config, indent=2))
+
+
+def tiny_config(arch: str, **overrides) -> dict:
+    if arch not in _ARCH:
+        raise ValueError(f"arch must be one of {ARCHS}")
+    return {**_BASE, **_ARCH[arch], **overrides}
+
+
+def _random_weights(config: dict, seed: int) -> dict[str, np.ndarray]:
+    """HF-named float32 weights for the shapes mlx_lm's model of ``config`` has."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+    from mlx_lm.utils import _get_classes
+
+    model_class, args_class = _get_classes(config)
+    shapes = {k: v.shape for k, v in tree_flatten(model_class(args_class.from_dict(config)).parameters())}
+    del mx  # only the shapes are needed; values come from numpy for reproducibility
+    rng = np.random.default_rng(seed)
+    weights = {}
+    for name in sorted(shapes):
+        shape = shapes[name]
+        if name.endswith("norm.weight"):
+            # Not all ones, so that a norm applied to the wrong tensor shows.
+            w = 1.0 + 0.2 * rng.standard_normal(shape)
+        elif name.endswith(".bias"):
+            w = 0.1 * rng.standard_normal(shape)
+        elif "embed_tokens" in name or "lm_head" in name:
+            w = 0.3 * rng.standard_normal(shape)
+        else:
+            w = rng.standard_normal(shape) / np.sqrt(shape[-1])
+        weights[name] = w.astype(np.float32)
+    return weights
+
+
+def make_tiny_model(directory, arch: str = "llama", seed: int = 0, **overrides) -> Path:
+    """Write a tiny random-weight mlx_lm/HF model directory; returns its path.
+
+    Defaults: hidden 64, 2 layers, 4 heads of 16, 2 KV heads, FFN 128, vocab
+    272 (256 bytes, 8 merges, <|endoftext|> <|im_start|> <|im_end|>,
+    reserved). ``overrides`` replace config.json entries.
+    """
+    import mlx.core as mx
+
+    out = Path(directory)
+    out.mkdir(parents=True, exist_ok=True)
+    config = tiny_config(arch, **overrides)
+    weights = _random_weights(config, seed)
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    mx.save_safetensors(str(out / "model.safetensors"), {k: mx.array(v) for k, v in weights.items()}, metadata={"format": "mlx"})
+    _write_tokenizer(out, config)
+    return out
+
+
+# ---- GGUF -------------------------------------------------------------------
+
+_GGUF_LAYER = {
+    "input_layernorm": "attn_norm",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm",
+    "post_attention_layernorm": "ffn_norm",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+}
+_GGUF_GLOBAL = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
+
+
+def gguf_name(hf_name: str) -> str:
+    module, kind = hf_name.rsplit(".", 1)
+    if module in _GGUF_GLOBAL:
+        return f"{_GGUF_GLOBAL[module]}.{kind}"
+    _, _, layer, rest = module.split(".", 3)
+    return f"blk.{layer}.{_GGUF_LAYER[rest]}.{kind}"
+
+
+def _permute_for_llama_cpp(w: np.ndarray, n_heads: int) -> np.ndarray:
+    # llama.cpp's converter interleaves the two rotary halves of each head.
+    return w.reshape(n_heads, 2, w.shape[0] // n_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _qtype_of(name: str, array: np.ndarray, qtype: str, embedding_qtype: str | None) -> str:
+    if array.ndim == 1:
+        return "F32"  # llama.cpp keeps norms and biases in float32
+    if name.startswith("model.embed_tokens") and embedding_qtype:
+        return embedding_qtype
+    return qtype
+
+
+def load_tiny_weights(model_dir) -> tuple[dict, dict[str, np.ndarray]]:
+    import mlx.core as mx
+
+    model_dir = Path(model_dir)
+    config = json.loads((model_dir / "config.json").read_text())
+    weights = {k: np.array(v.astype(mx.float32)) for k, v in mx.load(str(model_dir / "model.safetensors")).items()}
+    return config, weights
+
+
+def gguf_roundtrip_weights(model_dir, qtype: str, embedding_qtype: str | None = None) -> dict[str, np.ndarray]:
+    """The directory's weights after quantizing to ``qtype`` and back (HF names, float32)."""
+    from gguf import GGMLQuantizationType, quants
+
+    _, weights = load_tiny_weights(model_dir)
+    out = {}
+    for name, w in weights.items():
+        t = GGMLQuantizationType[_qtype_of(name, w, qtype, embedding_qtype)]
+        out[name] = quants.dequantize(quants.quantize(w, t), t).astype(np.float32).reshape(w.shape)
+    return out
+
+
+def write_tiny_gguf(model_dir, path, qtype: str = "Q4_0", embedding_qtype: str | None = None) -> Path:
+    """Write the tiny model in ``model_dir`` as a GGUF file like llama.cpp's converter would.
+
+    ``qtype``: one of QTYPES, for every 2-D weight; ``embedding_qtype``
+    overrides it for the token embedding (real files often keep it at Q8_0).
+    """
+    from gguf import GGMLQuantizationType, GGUFWriter, LlamaFileType, TokenType, quants
+
+    config, weights = load_tiny_weights(model_dir)
+    arch = config["model_type"]
+    path = Path(path)
+    writer = GGUFWriter(str(path), arch)
+    writer.add_name(f"tiny-{arch}")
+    writer.add_file_type(getattr(LlamaFileType, f"MOSTLY_{qtype}", LlamaFileType.ALL_F32))
+    writer.add_context_length(config["max_position_embeddings"])
+    writer.add_embedding_length(config["hidden_size"])
+    writer.add_block_count(config["num_hidden_layers"])
+    writer.add_feed_forward_length(config["intermediate_size"])
+    writer.add_head_count(config["num_attention_heads"])
+    writer.add_head_count_kv(config["num_key_value_heads"])
+    writer.add_key_length(config["head_dim"])
+    writer.add_value_length(config["head_dim"])
+    writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    writer.add_rope_freq_base(config["rope_theta"])
+    writer.add_vocab_size(config["vocab_size"])
+
+    tokens, merges, special = tiny_vocab(config["vocab_size"])
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("gpt-2")
+    writer.add_token_list(tokens)
+    writer.add_token_merges([f"{a} {b}" for a, b in merges])
+    writer.add_token_types([TokenType.CONTROL if s else TokenType.NORMAL for s in special])
+    writer.add_bos_token_id(config["bos_token_id"])
+    writer.add_eos_token_id(config["eos_token_id"])
+    writer.add_pad_token_id(config["bos_token_id"])
+    writer.add_add_bos_token(False)
+    writer.add_chat_template(CHAT_TEMPLATE)
+
+    for name, w in weights.items():
+        if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
+            heads = config["num_attention_heads"] if "q_proj" in name else config["num_key_value_heads"]
+            w = _permute_for_llama_cpp(w, heads)
+        t = GGMLQuantizationType[_qtype_of(name, w, qtype, embedding_qtype)]
+        data = quants.quantize(w, t)
+        writer.add_tensor(gguf_name(name), data, raw_dtype=t if t not in (GGMLQuantizationType.F32, GGMLQuantizationType.F16) else None)
+
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
