@@ -1,12 +1,37 @@
 """The wire between gateways and the engine: msgspec Structs encoded with msgpack.
 
+A frame from a gateway is ``[kind, payload]``; the engine's ROUTER socket
+prepends the gateway's identity, and the engine answers ``[identity, kind,
+payload]``. ``kind`` is one byte (the ``Kind`` values below); ``payload`` is
+one of the Structs below, msgpack-encoded. Nothing is pickled.
+
 Hot-path structs travel as arrays (``array_like=True``): their fields may only
-be appended, never reordered or removed.
+be appended, never reordered or removed. Any change that an older peer could
+misread bumps ``PROTOCOL_VERSION``; the handshake refuses a mismatch.
 """
 
 from __future__ import annotations
 
+import enum
+
 import msgspec
+
+from shared.sampling import SamplingParams
+
+PROTOCOL_VERSION = 1
+
+
+class Kind(bytes, enum.Enum):
+    HELLO = b"\x01"  # gateway -> engine: Hello
+    READY = b"\x02"  # engine -> gateway: EngineInfo
+    ADD = b"\x03"  # gateway -> engine: AddRequest
+    ABORT = b"\x04"  # gateway -> engine: Abort
+    OUTPUTS = b"\x05"  # engine -> gateway: StepOutputs (one per step per gateway)
+    ERROR = b"\x06"  # engine -> gateway: Error (a request's, or the handshake's)
+    PING = b"\x07"  # gateway -> engine: Ping
+    PONG = b"\x08"  # engine -> gateway: Pong
+    DEAD = b"\x09"  # engine -> gateway: Dead, the engine's last word
+    BYE = b"\x0a"  # gateway -> engine: Bye, a gateway leaving (its requests are aborted)
 
 
 class Logprob(msgspec.Struct, array_like=True, gc=False):
@@ -32,3 +57,122 @@ class RequestOutput(msgspec.Struct, array_like=True, gc=False):
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     stop_token_id: int | None = None
+
+
+class EngineStats(msgspec.Struct, array_like=True, gc=False):
+    """A snapshot of the scheduler and the block pool."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    num_free_blocks: int = 0
+    num_total_blocks: int = 0
+
+
+class Hello(msgspec.Struct, kw_only=True):
+    protocol_version: int
+    gateway_version: str = ""
+    pid: int = 0
+
+
+class EngineInfo(msgspec.Struct, kw_only=True):
+    """The engine's answer to HELLO: what a gateway needs to serve its model."""
+
+    protocol_version: int
+    engine_version: str
+    # Random per engine process: a gateway that sees it change knows the engine restarted.
+    instance_id: str
+    model_id: str
+    served_model_name: str
+    tokenizer_dir: str
+    max_model_len: int
+    block_size: int
+    num_kv_blocks: int
+    vocab_size: int
+    eos_token_ids: list[int]
+    pid: int = 0
+
+
+class AddRequest(msgspec.Struct, array_like=True, gc=False):
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+
+
+class Abort(msgspec.Struct, array_like=True, gc=False):
+    request_ids: list[str]
+
+
+class StepOutputs(msgspec.Struct, array_like=True, gc=False):
+    """Everything one engine step produced for the requests of one gateway."""
+
+    outputs: list[RequestOutput]
+
+
+class Error(msgspec.Struct, kw_only=True):
+    """A request refused or failed (``request_id`` set), or a refused handshake (None).
+
+    ``code`` is an ``MlxdError.code``; ``shared.errors.error_from_code`` rebuilds it.
+    """
+
+    request_id: str | None
+    code: str
+    message: str
+    param: str | None = None
+
+
+class Ping(msgspec.Struct, array_like=True):
+    sent_at: float = 0.0
+
+
+class Pong(msgspec.Struct, array_like=True):
+    instance_id: str
+    sent_at: float
+    stats: EngineStats
+
+
+class Dead(msgspec.Struct, kw_only=True):
+    reason: str
+
+
+class Bye(msgspec.Struct, array_like=True):
+    pass
+
+
+PAYLOAD_TYPES: dict[Kind, type] = {
+    Kind.HELLO: Hello,
+    Kind.READY: EngineInfo,
+    Kind.ADD: AddRequest,
+    Kind.ABORT: Abort,
+    Kind.OUTPUTS: StepOutputs,
+    Kind.ERROR: Error,
+    Kind.PING: Ping,
+    Kind.PONG: Pong,
+    Kind.DEAD: Dead,
+    Kind.BYE: Bye,
+}
+
+_encoder = msgspec.msgpack.Encoder()
+_decoders = {kind: msgspec.msgpack.Decoder(t) for kind, t in PAYLOAD_TYPES.items()}
+
+
+class MalformedFrame(ValueError):
+    """A frame that is not ``[kind, payload]`` of a known kind with a payload of its type."""
+
+
+def encode(kind: Kind, payload: msgspec.Struct) -> list[bytes]:
+    """The frames of one message (without the ROUTER's identity)."""
+    return [kind.value, _encoder.encode(payload)]
+
+
+def decode(frames: list[bytes]) -> tuple[Kind, msgspec.Struct]:
+    """Parse ``[kind, payload]``; raises MalformedFrame for anything else."""
+    if len(frames) != 2:
+        raise MalformedFrame(f"expected 2 frames, got {len(frames)}")
+    try:
+        kind = Kind(bytes(frames[0]))
+    except ValueError:
+        raise MalformedFrame(f"unknown kind {bytes(frames[0])[:8]!r}") from None
+    try:
+        return kind, _decoders[kind].decode(frames[1])
+    except (msgspec.DecodeError, msgspec.ValidationError) as e:
+        raise MalformedFrame(f"bad {kind.name} payload: {e}") from None

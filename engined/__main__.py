@@ -1,0 +1,43 @@
+"""`python -m engined` / `mlxd engine`: load the model, then serve gateways until stopped."""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+from engined.daemon import Daemon
+from shared.config import EngineConfig
+from shared.serve_config import DaemonConfig
+
+log = logging.getLogger("mlxd.engine")
+
+
+def run_engine(config: EngineConfig, daemon: DaemonConfig, parent_pid: int | None = None) -> int:
+    """Build the Engine and run the daemon loop; returns the exit code."""
+    from engined.engine import Engine
+    from shared.paths import default_engine_endpoint
+
+    endpoint = daemon.engine_endpoint or default_engine_endpoint()
+    log.info("loading %s", config.model or "the embedded SmolLM2")
+    try:
+        engine = Engine(config)
+    except KeyboardInterrupt:
+        return 130
+    d = Daemon(engine, endpoint, gateway_timeout=daemon.gateway_timeout,
+               shutdown_timeout=daemon.shutdown_timeout, parent_pid=parent_pid)
+    d.install_signal_handlers()
+    info = d.info
+    print(f"mlxd engine ready: {info.served_model_name} on {d.endpoint} "
+          f"(max_model_len {info.max_model_len}, {info.num_kv_blocks} KV blocks of {info.block_size})",
+          file=sys.stderr, flush=True)
+    return d.run()
+
+
+def main(argv: list[str] | None = None) -> int:
+    from shared.cli import main as cli_main
+
+    return cli_main(["engine", *(sys.argv[1:] if argv is None else argv)])
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,281 @@
+"""The engine daemon: a ZeroMQ ROUTER loop around one Engine, serving any number of gateways.
+
+The loop never waits on a gateway: while requests are running it polls the
+socket with a zero timeout between engine steps, and every send is
+non-blocking (a gateway too slow to read loses frames, never stalls the
+step). Bad frames are logged and dropped. A gateway that stops pinging is
+declared gone and its requests are aborted, freeing their blocks.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import time
+import traceback
+import uuid
+from collections import defaultdict
+
+import zmq
+
+from shared import protocol as p
+from shared.errors import EngineUnavailableError, InvalidRequestError, MlxdError
+from shared.protocol import Kind
+
+log = logging.getLogger("mlxd.engine")
+
+# How long the loop sleeps in poll when no request is running (ms): bounds how
+# late housekeeping (gateway timeouts, SIGTERM) is noticed when idle.
+_IDLE_POLL_MS = 100
+# Messages read per drain before the next step, so a flood cannot starve decoding.
+_MAX_DRAIN = 4096
+_HOUSEKEEPING_S = 0.5
+
+
+def _version() -> str:
+    try:
+        from importlib.metadata import version
+
+        return version("mlxd")
+    except Exception:
+        return "0"
+
+
+def refuse_live_ipc(endpoint: str) -> None:
+    """Refuse to bind an ipc endpoint whose socket file a live engine is serving.
+
+    ZeroMQ's ipc bind silently replaces an existing socket file, which would cut
+    the running engine off from every new gateway.
+    """
+    if not endpoint.startswith("ipc://"):
+        return
+    path = endpoint[len("ipc://"):]
+    if not os.path.exists(path):
+        return
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        s.connect(path)
+    except OSError:
+        return  # a stale file left by a dead engine
+    finally:
+        s.close()
+    raise RuntimeError(f"another engine is already serving {endpoint}")
+
+
+class Daemon:
+    """Owns the ROUTER socket and the Engine; ``run()`` returns the process exit code."""
+
+    def __init__(self, engine, endpoint: str, *, gateway_timeout: float = 10.0,
+                 shutdown_timeout: float = 3.0, parent_pid: int | None = None):
+        self.engine = engine
+        self.endpoint = endpoint
+        self.gateway_timeout = gateway_timeout
+        self.shutdown_timeout = shutdown_timeout
+        self.parent_pid = parent_pid
+        self.instance_id = uuid.uuid4().hex
+        self.info = self._engine_info()
+        # request id -> identity of the gateway that sent it
+        self.owner: dict[str, bytes] = {}
+        # gateway identity -> monotonic time it was last heard from
+        self.last_seen: dict[bytes, float] = {}
+        self.stop_reason: str | None = None
+        self._stop_deadline = 0.0
+        self.ctx = zmq.Context.instance()
+        self.sock = self.ctx.socket(zmq.ROUTER)
+        # A full send queue for a slow gateway drops frames instead of blocking the step.
+        self.sock.setsockopt(zmq.SNDHWM, 0)
+        self.sock.setsockopt(zmq.RCVHWM, 0)
+        self.sock.setsockopt(zmq.LINGER, 1000)
+        refuse_live_ipc(endpoint)
+        self.sock.bind(endpoint)
+        if endpoint.startswith("ipc://"):
+            os.chmod(endpoint[len("ipc://"):], 0o600)
+        self.endpoint = self.sock.getsockopt_string(zmq.LAST_ENDPOINT) or endpoint
+
+    def _engine_info(self) -> p.EngineInfo:
+        mi = self.engine.info
+        return p.EngineInfo(
+            protocol_version=p.PROTOCOL_VERSION,
+            engine_version=_version(),
+            instance_id=self.instance_id,
+            model_id=mi.model_id,
+            served_model_name=mi.served_model_name,
+            tokenizer_dir=str(mi.tokenizer_dir),
+            max_model_len=mi.max_model_len,
+            block_size=mi.block_size,
+            num_kv_blocks=mi.num_kv_blocks,
+            vocab_size=mi.vocab_size,
+            eos_token_ids=list(mi.eos_token_ids),
+            pid=os.getpid(),
+        )
+
+    # -- signals -------------------------------------------------------------
+
+    def install_signal_handlers(self) -> None:
+        def on_signal(signum, _frame):
+            if self.stop_reason is None:
+                self.request_stop(f"engine stopped by {signal.Signals(signum).name}")
+        signal.signal(signal.SIGTERM, on_signal)
+        signal.signal(signal.SIGINT, on_signal)
+
+    def request_stop(self, reason: str) -> None:
+        """Stop taking requests; running ones get ``shutdown_timeout`` to finish."""
+        self.stop_reason = reason
+        self._stop_deadline = time.monotonic() + self.shutdown_timeout
+        log.info("%s; finishing in-flight requests", reason)
+
+    # -- the loop ------------------------------------------------------------
+
+    def run(self) -> int:
+        log.info("engine serving %s on %s", self.info.served_model_name, self.endpoint)
+        next_housekeeping = time.monotonic() + _HOUSEKEEPING_S
+        try:
+            while True:
+                busy = self.engine.has_unfinished()
+                if self.sock.poll(0 if busy else _IDLE_POLL_MS, zmq.POLLIN):
+                    self._drain()
+                if self.engine.has_unfinished():
+                    self._send_outputs(self.engine.step())
+                now = time.monotonic()
+                if now >= next_housekeeping:
+                    next_housekeeping = now + _HOUSEKEEPING_S
+                    self._housekeeping(now)
+                if self.stop_reason is not None:
+                    if not self.engine.has_unfinished() or now >= self._stop_deadline:
+                        self._abort_all(EngineUnavailableError(self.stop_reason))
+                        self._broadcast_dead(self.stop_reason)
+                        return 0
+        except Exception as e:  # the engine itself failed: tell every gateway, then exit
+            log.error("engine failed:\n%s", traceback.format_exc())
+            self._broadcast_dead(f"engine failed: {type(e).__name__}: {e}")
+            return 1
+        finally:
+            self.sock.close()
+
+    def _drain(self) -> None:
+        for _ in range(_MAX_DRAIN):
+            try:
+                frames = self.sock.recv_multipart(zmq.NOBLOCK, copy=True)
+            except zmq.Again:
+                return
+            if len(frames) < 2:
+                log.warning("dropped a frame without identity or kind")
+                continue
+            identity, body = frames[0], frames[1:]
+            try:
+                kind, msg = p.decode(body)
+            except p.MalformedFrame as e:
+                log.warning("dropped a malformed frame from gateway %s: %s", identity.hex(), e)
+                continue
+            try:
+                self._handle(identity, kind, msg)
+            except Exception:
+                # A message the engine could not act on must not take the engine down
+                # unless the engine itself broke (that surfaces from step()).
+                log.error("failed to handle %s from %s:\n%s", kind.name, identity.hex(),
+                          traceback.format_exc())
+
+    def _handle(self, identity: bytes, kind: Kind, msg) -> None:
+        self.last_seen[identity] = time.monotonic()
+        if kind is Kind.ADD:
+            self._add(identity, msg)
+        elif kind is Kind.ABORT:
+            ids = [r for r in msg.request_ids if self.owner.get(r) == identity]
+            for r in ids:
+                del self.owner[r]
+            if ids:
+                self.engine.abort(ids)
+        elif kind is Kind.PING:
+            self._send(identity, Kind.PONG, p.Pong(self.instance_id, msg.sent_at, self._stats()))
+        elif kind is Kind.HELLO:
+            if msg.protocol_version != p.PROTOCOL_VERSION:
+                self._send(identity, Kind.ERROR, p.Error(
+                    request_id=None, code="protocol_mismatch",
+                    message=f"engine speaks protocol {p.PROTOCOL_VERSION}, gateway "
+                            f"{msg.protocol_version}; upgrade the older one"))
+                self.last_seen.pop(identity, None)
+                return
+            log.info("gateway %s connected (pid %d)", identity.hex(), msg.pid)
+            self._send(identity, Kind.READY, self.info)
+        elif kind is Kind.BYE:
+            self._forget_gateway(identity, "said goodbye")
+        else:
+            log.warning("dropped a %s frame: not a gateway's message", kind.name)
+
+    def _add(self, identity: bytes, msg: p.AddRequest) -> None:
+        rid = msg.request_id
+        try:
+            if self.stop_reason is not None:
+                raise EngineUnavailableError(self.stop_reason)
+            if rid in self.owner:
+                raise InvalidRequestError(f"request id {rid!r} is already in flight")
+            self.engine.add_request(rid, msg.prompt_token_ids, msg.params)
+        except MlxdError as e:
+            self._send_error(identity, rid, e)
+            return
+        except Exception as e:
+            log.error("add_request(%s) failed:\n%s", rid, traceback.format_exc())
+            self._send_error(identity, rid, InvalidRequestError(f"request refused: {e}"))
+            return
+        self.owner[rid] = identity
+
+    def _send_outputs(self, outputs) -> None:
+        if not outputs:
+            return
+        by_gateway: dict[bytes, list] = defaultdict(list)
+        owner = self.owner
+        for out in outputs:
+            identity = owner.get(out.request_id)
+            if identity is None:
+                continue  # aborted by its gateway in the meantime
+            if out.finish_reason is not None:
+                del owner[out.request_id]
+            by_gateway[identity].append(out)
+        for identity, outs in by_gateway.items():
+            self._send(identity, Kind.OUTPUTS, p.StepOutputs(outs))
+
+    def _send(self, identity: bytes, kind: Kind, payload) -> None:
+        try:
+            self.sock.send_multipart([identity, *p.encode(kind, payload)], zmq.NOBLOCK)
+        except zmq.Again:
+            log.warning("dropped a %s frame to slow gateway %s", kind.name, identity.hex())
+
+    def _send_error(self, identity: bytes, request_id: str | None, e: MlxdError) -> None:
+        self._send(identity, Kind.ERROR, p.Error(request_id=request_id, code=e.code,
+                                                 message=e.message, param=e.param))
+
+    def _stats(self) -> p.EngineStats:
+        s = self.engine.stats()
+        return p.EngineStats(num_running=s.num_running, num_waiting=s.num_waiting,
+                             num_free_blocks=s.num_free_blocks, num_total_blocks=s.num_total_blocks)
+
+    # -- housekeeping --------------------------------------------------------
+
+    def _housekeeping(self, now: float) -> None:
+        for identity, seen in list(self.last_seen.items()):
+            if now - seen > self.gateway_timeout:
+                self._forget_gateway(identity, f"silent for {now - seen:.1f}s")
+        if self.parent_pid is not None and self.stop_reason is None and os.getppid() != self.parent_pid:
+            self.request_stop("engine stopped: its parent process exited")
+
+    def _forget_gateway(self, identity: bytes, why: str) -> None:
+        self.last_seen.pop(identity, None)
+        ids = [r for r, g in self.owner.items() if g == identity]
+        for r in ids:
+            del self.owner[r]
+        if ids:
+            self.engine.abort(ids)
+        log.info("gateway %s %s; aborted %d request(s)", identity.hex(), why, len(ids))
+
+    def _abort_all(self, e: MlxdError) -> None:
+        ids = list(self.owner)
+        if ids:
+            self.engine.abort(ids)
+        for rid in ids:
+            self._send_error(self.owner.pop(rid), rid, e)
+
+    def _broadcast_dead(self, reason: str) -> None:
+        for identity in list(self.last_seen):
+            self._send(identity, Kind.DEAD, p.Dead(reason=reason))

@@ -1,0 +1,171 @@
+"""The `mlxd` command: `serve`, `engine`, `gateway`.
+
+Flags are generated from the config Structs (EngineConfig, DaemonConfig,
+GatewayConfig): each field is one flag with vLLM's name. Each subcommand
+imports its process's package only when it runs, so the gateway never loads
+MLX and the engine never loads the HTTP stack.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import subprocess
+import sys
+import types
+import typing
+
+import msgspec
+
+from shared.config import EngineConfig
+from shared.errors import MlxdError
+from shared.serve_config import DaemonConfig, GatewayConfig
+
+_HELP = {
+    "model": "GGUF file, mlx_lm/Hugging Face directory or repo id (default: the embedded SmolLM2)",
+    "served_model_name": "the model name clients use (default: derived from the model)",
+    "max_model_len": "context length (default: the model's)",
+    "gpu_memory_utilization": "fraction of device memory the engine may use",
+    "kv_cache_memory": "KV pool size in bytes (overrides the fraction)",
+    "num_kv_blocks": "KV pool size in blocks (overrides both)",
+    "engine_endpoint": "ZeroMQ endpoint of the engine (default: ipc socket in the runtime dir)",
+    "api_key": "require 'Authorization: Bearer KEY' on /v1/*",
+    "chat_template": "Jinja chat template, or a file holding one (default: the model's)",
+    "gateway_timeout": "seconds of silence after which a gateway's requests are aborted",
+    "shutdown_timeout": "seconds in-flight requests get to finish on SIGTERM",
+    "engine_timeout": "seconds of silence after which the engine is declared dead",
+    "sse_keepalive": "seconds between keep-alive comments on an idle stream",
+    "allowed_origins": "CORS origins allowed (default: none)",
+}
+
+
+def _base_type(tp):
+    """int for `int | None`, and so on; (type, is_list)."""
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        tp = next(a for a in typing.get_args(tp) if a is not type(None))
+    if typing.get_origin(tp) is list:
+        return typing.get_args(tp)[0], True
+    return tp, False
+
+
+def _add_struct_flags(parser: argparse.ArgumentParser, struct: type, skip=()) -> None:
+    hints = typing.get_type_hints(struct)
+    for f in msgspec.structs.fields(struct):
+        if f.name in skip:
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        tp, is_list = _base_type(hints[f.name])
+        kw = dict(dest=f.name, default=argparse.SUPPRESS, help=_HELP.get(f.name))
+        if tp is bool:
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, **kw)
+        elif is_list:
+            parser.add_argument(flag, type=tp, nargs="*", **kw)
+        else:
+            parser.add_argument(flag, type=tp, **kw)
+
+
+def _build(struct: type, ns: argparse.Namespace):
+    names = {f.name for f in msgspec.structs.fields(struct)}
+    return struct(**{k: v for k, v in vars(ns).items() if k in names})
+
+
+def _to_flags(obj, skip=()) -> list[str]:
+    """The flags that rebuild ``obj`` (fields left at their default are omitted)."""
+    out = []
+    for f in msgspec.structs.fields(type(obj)):
+        v = getattr(obj, f.name)
+        if f.name in skip or v == f.default or v is None:
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        if isinstance(v, bool):
+            out.append(flag if v else "--no-" + flag[2:])
+        elif isinstance(v, list):
+            out += [flag, *map(str, v)]
+        else:
+            out += [flag, str(v)]
+    return out
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="mlxd", description=__doc__.splitlines()[0])
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING, ERROR")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    serve = sub.add_parser("serve", parents=[common],
+                           help="run the engine and an OpenAI-compatible gateway")
+    serve.add_argument("model_pos", nargs="?", metavar="MODEL", help=_HELP["model"])
+    _add_struct_flags(serve, EngineConfig)
+    _add_struct_flags(serve, DaemonConfig)
+    _add_struct_flags(serve, GatewayConfig, skip=("engine_endpoint",))
+
+    engine = sub.add_parser("engine", parents=[common], help="run the engine daemon alone")
+    engine.add_argument("model_pos", nargs="?", metavar="MODEL", help=_HELP["model"])
+    _add_struct_flags(engine, EngineConfig)
+    _add_struct_flags(engine, DaemonConfig)
+    # Set by `serve` for its child: the engine stops when the serve process is gone.
+    engine.add_argument("--parent-pid", type=int, default=None, help=argparse.SUPPRESS)
+
+    gateway = sub.add_parser("gateway", parents=[common],
+                             help="run an OpenAI-compatible gateway to a running engine")
+    _add_struct_flags(gateway, GatewayConfig)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if getattr(args, "model_pos", None):
+        args.model = args.model_pos
+    try:
+        return {"serve": _serve, "engine": _engine, "gateway": _gateway}[args.command](args)
+    except MlxdError as e:
+        print(f"mlxd: {e.message}", file=sys.stderr)
+        return 2
+
+
+def _engine(args) -> int:
+    from engined.__main__ import run_engine
+
+    return run_engine(_build(EngineConfig, args), _build(DaemonConfig, args), parent_pid=args.parent_pid)
+
+
+def _gateway(args) -> int:
+    from gateway.server import run_gateway
+
+    return run_gateway(_build(GatewayConfig, args))
+
+
+def _serve(args) -> int:
+    from shared.paths import default_engine_endpoint
+
+    engine_cfg = _build(EngineConfig, args)
+    daemon_cfg = _build(DaemonConfig, args)
+    if daemon_cfg.engine_endpoint is None:
+        daemon_cfg.engine_endpoint = default_engine_endpoint()
+    gateway_cfg = _build(GatewayConfig, args)
+    gateway_cfg.engine_endpoint = daemon_cfg.engine_endpoint
+
+    cmd = [sys.executable, "-m", "engined", "--log-level", args.log_level,
+           *_to_flags(engine_cfg), *_to_flags(daemon_cfg), "--parent-pid", str(os.getpid())]
+    child = subprocess.Popen(cmd)
+    try:
+        from gateway.server import run_gateway
+
+        rc = run_gateway(gateway_cfg, engine_process=child)
+    finally:
+        if child.poll() is None:
+            child.send_signal(signal.SIGTERM)
+            try:
+                child.wait(timeout=daemon_cfg.shutdown_timeout + 10)
+            except subprocess.TimeoutExpired:
+                child.kill()
+                child.wait()
+    return rc
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,52 @@
+"""Settings of the two processes beyond the engine's own (EngineConfig): the wire and HTTP.
+
+CLI flags map 1:1 onto these fields, like EngineConfig's.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from shared.errors import InvalidRequestError
+
+
+class DaemonConfig(msgspec.Struct, kw_only=True):
+    # None: ipc://<runtime dir>/engine.sock (shared.paths.default_engine_endpoint).
+    engine_endpoint: str | None = None
+    # A gateway silent this long is gone: its requests are aborted and their blocks freed.
+    gateway_timeout: float = 10.0
+    # On SIGTERM/SIGINT, in-flight requests get this long to finish before they are aborted.
+    shutdown_timeout: float = 3.0
+
+    def __post_init__(self) -> None:
+        if self.gateway_timeout <= 0:
+            raise InvalidRequestError("gateway_timeout must be positive", param="gateway_timeout")
+        if self.shutdown_timeout < 0:
+            raise InvalidRequestError("shutdown_timeout must be >= 0", param="shutdown_timeout")
+
+
+class GatewayConfig(msgspec.Struct, kw_only=True):
+    engine_endpoint: str | None = None
+    host: str = "127.0.0.1"
+    port: int = 8000
+    # Clients must send "Authorization: Bearer <api_key>" to /v1/* when set.
+    api_key: str | None = None
+    # A Jinja template, or the path of a file holding one; None: the model's own.
+    chat_template: str | None = None
+    # An engine silent this long (no PONG, no output) is declared dead. A single
+    # engine step can take seconds on a CPU, so this is well above the ping interval;
+    # a killed engine is noticed at once through the socket's disconnect instead.
+    engine_timeout: float = 15.0
+    # A comment line is sent on an SSE stream idle this long (a long prefill) so
+    # that proxies and clients keep the connection.
+    sse_keepalive: float = 5.0
+    # CORS origins allowed; empty: no CORS headers.
+    allowed_origins: list[str] = []
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port < 65536:
+            raise InvalidRequestError("port must be in [0, 65536)", param="port")
+        if self.engine_timeout <= 0:
+            raise InvalidRequestError("engine_timeout must be positive", param="engine_timeout")
+        if self.sse_keepalive <= 0:
+            raise InvalidRequestError("sse_keepalive must be positive", param="sse_keepalive")
