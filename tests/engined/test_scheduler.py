@@ -1,0 +1,165 @@
+"""Scheduler + block pool invariants under random arrivals, aborts, preemptions and finishes.
+
+No model runs here: a step "computes" what the scheduler scheduled exactly as
+Engine._update does (advance, commit full blocks, append a token when a
+request's known tokens are all computed).
+"""
+
+import random
+
+from hypothesis import given, settings, strategies as st
+
+from engined.kv_manager import KVCacheManager
+from engined.request import Request, Status
+from engined.scheduler import Scheduler
+from shared.sampling import SamplingParams
+
+
+def check_invariants(sched: Scheduler, kv: KVCacheManager, out, budget: int, max_seqs: int):
+    assert out.num_tokens <= budget
+    assert len(sched.running) <= max_seqs
+    assert all(n >= 1 for _, n in out.scheduled)
+    held = {}
+    for rid, blocks in kv.req_blocks.items():
+        for b in blocks:
+            held[b.block_id] = held.get(b.block_id, 0) + 1
+    for block in kv.pool.blocks:
+        assert block.ref_count == held.get(block.block_id, 0), "reference count disagrees with holders"
+        assert (block.ref_count == 0) == (block.block_id in kv.pool.free_queue)
+    for req in sched.running:
+        assert len(kv.req_blocks[req.request_id]) * kv.block_size >= req.num_computed_tokens
+    for req, n in out.scheduled:
+        assert len(kv.req_blocks[req.request_id]) * kv.block_size >= req.num_computed_tokens + n
+    running_ids = {r.request_id for r in sched.running}
+    assert set(kv.req_blocks) <= running_ids
+
+
+def simulate(seed, num_blocks, block_size, budget, max_seqs, caching, n_requests, abort_rate):
+    rng = random.Random(seed)
+    kv = KVCacheManager(num_blocks, block_size, caching)
+    sched = Scheduler(kv, max_seqs, budget)
+    # Shared system prompts make prefix hits (and shared blocks) likely.
+    systems = [[rng.randrange(1, 50) for _ in range(rng.randrange(0, 3 * block_size))] for _ in range(3)]
+    pending = []
+    for i in range(n_requests):
+        # Only requests the engine admits (prompt + max_tokens fit the whole pool) reach the scheduler.
+        capacity = num_blocks * block_size
+        max_tokens = rng.randrange(1, min(20, capacity))
+        prompt = (rng.choice(systems) + [rng.randrange(1, 50) for _ in range(rng.randrange(1, 40))])
+        prompt = prompt[: capacity - max_tokens]
+        pending.append(Request(f"r{i}", prompt, SamplingParams(max_tokens=max_tokens), seed=i))
+    live: dict[str, Request] = {}
+    steps = 0
+    while pending or live:
+        steps += 1
+        assert steps < 5000, "no progress: scheduler deadlocked"
+        for _ in range(rng.randrange(0, 3)):
+            if pending:
+                req = pending.pop(0)
+                live[req.request_id] = req
+                sched.add(req)
+        if live and rng.random() < abort_rate:
+            victim = live.pop(rng.choice(sorted(live)))
+            sched.finish(victim, "abort")
+        out = sched.schedule()
+        check_invariants(sched, kv, out, budget, max_seqs)
+        for req, n in out.scheduled:
+            req.num_computed_tokens += n
+            kv.commit(req)
+            if req.num_computed_tokens == req.num_tokens:
+                req.token_ids.append(rng.randrange(1, 50))
+                if req.num_output_tokens >= req.params.max_tokens:
+                    sched.finish(req, "length")
+                    del live[req.request_id]
+        if not out.scheduled:
+            # Nothing ran: only possible when nothing is left to run.
+            assert not sched.running and not sched.waiting
+    assert not sched.has_unfinished()
+    kv.pool.check_whole()
+    return sched
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    seed=st.integers(0, 10_000),
+    num_blocks=st.integers(8, 40),
+    block_size=st.sampled_from([1, 4, 16]),
+    budget=st.integers(1, 96),
+    max_seqs=st.integers(1, 8),
+    caching=st.booleans(),
+    n_requests=st.integers(1, 25),
+    abort_rate=st.sampled_from([0.0, 0.1, 0.4]),
+)
+def test_scheduler_never_exceeds_budgets_and_never_leaks_blocks(
+    seed, num_blocks, block_size, budget, max_seqs, caching, n_requests, abort_rate
+):
+    simulate(seed, num_blocks, block_size, budget, max_seqs, caching, n_requests, abort_rate)
+
+
+def test_scheduler_preempts_newest_when_pool_is_tight():
+    # Two requests that each grow past half the pool: one must be preempted and recomputed.
+    kv = KVCacheManager(4, 4, False)
+    s = Scheduler(kv, 4, 64)
+    a = Request("a", list(range(1, 8)), SamplingParams(max_tokens=8), 0)
+    b = Request("b", list(range(1, 8)), SamplingParams(max_tokens=8), 1)
+    s.add(a)
+    s.add(b)
+    preempted = []
+    for _ in range(40):
+        out = s.schedule()
+        preempted += out.preempted
+        for req, n in out.scheduled:
+            req.num_computed_tokens += n
+            if req.num_computed_tokens == req.num_tokens:
+                req.token_ids.append(1)
+                if req.num_output_tokens >= 8:
+                    s.finish(req, "length")
+        if not s.has_unfinished():
+            break
+    assert preempted and preempted[0] is b, "the newest running request is the one preempted"
+    assert a.finished and b.finished
+    kv.pool.check_whole()
+
+
+def test_chunked_prefill_splits_a_long_prompt_by_the_token_budget():
+    kv = KVCacheManager(64, 16, False)
+    s = Scheduler(kv, 8, 32)
+    long = Request("long", list(range(1, 101)), SamplingParams(max_tokens=1), 0)
+    s.add(long)
+    chunks = []
+    while long.num_computed_tokens < long.num_tokens:
+        out = s.schedule()
+        (req, n), = out.scheduled
+        chunks.append(n)
+        req.num_computed_tokens += n
+    assert chunks == [32, 32, 32, 4]
+
+
+def test_abort_frees_blocks_in_the_same_step():
+    kv = KVCacheManager(16, 4, True)
+    s = Scheduler(kv, 8, 64)
+    req = Request("x", list(range(1, 30)), SamplingParams(max_tokens=4), 0)
+    s.add(req)
+    s.schedule()
+    assert kv.num_free_blocks < 16
+    s.finish(req, "abort")
+    assert req.status is Status.FINISHED
+    kv.pool.check_whole()
+
+
+def test_prefix_hit_shares_blocks_and_skips_computed_tokens():
+    kv = KVCacheManager(32, 4, True)
+    s = Scheduler(kv, 8, 64)
+    first = Request("a", list(range(1, 18)), SamplingParams(max_tokens=1), 0)
+    s.add(first)
+    out = s.schedule()
+    first.num_computed_tokens += out.scheduled[0][1]
+    kv.commit(first)
+    second = Request("b", list(range(1, 18)) + [40, 41], SamplingParams(max_tokens=1), 1)
+    s.add(second)
+    out = s.schedule()
+    scheduled = dict((r.request_id, n) for r, n in out.scheduled)
+    assert second.num_cached_tokens == 16  # four full blocks of the 17-token prefix
+    assert scheduled["b"] == 19 - 16
+    shared = kv.req_blocks["a"][:4]
+    assert kv.req_blocks["b"][:4] == shared and all(b.ref_count == 2 for b in shared)
