@@ -11,7 +11,9 @@ like Hugging Face does, so the permutation is undone here.
 
 from __future__ import annotations
 
+import mmap
 import re
+import struct
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -150,9 +152,101 @@ def _quant_params(weights: dict) -> dict[str, dict]:
     return params
 
 
+# GGUF value types -> byte size of fixed-size scalars (8 = string, 9 = array).
+_SCALAR_SIZE = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+# ggml tensor types -> (block width, bytes per block), for the types checked here.
+_BLOCK = {0: (1, 4), 1: (1, 2), 2: (32, 18), 3: (32, 20), 8: (32, 34), 30: (1, 2)}
+
+
+def check_gguf_structure(path: str) -> None:
+    """Walk the GGUF header, metadata and tensor table; raise ModelLoadError if anything is out of bounds.
+
+    MLX's GGUF reader trusts the counts and offsets in the file, so a
+    truncated or corrupt file crashes the process instead of raising; this
+    walk reads only the header and table, not the tensor data.
+    """
+
+    def bad(why: str):
+        return ModelLoadError(f"{path}: cannot read GGUF file ({why})")
+
+    with open(path, "rb") as f:
+        try:
+            buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        except ValueError:
+            raise bad("empty file") from None
+    with buf:
+        size, pos = len(buf), 0
+
+        def take(n: int) -> bytes:
+            nonlocal pos
+            if n < 0 or pos + n > size:
+                raise bad("truncated or corrupt header")
+            pos += n
+            return buf[pos - n : pos]
+
+        def u32() -> int:
+            return struct.unpack("<I", take(4))[0]
+
+        def u64() -> int:
+            return struct.unpack("<Q", take(8))[0]
+
+        def string() -> bytes:
+            return take(u64())
+
+        def skip_value(kind: int) -> None:
+            if kind in _SCALAR_SIZE:
+                take(_SCALAR_SIZE[kind])
+            elif kind == 8:
+                string()
+            elif kind == 9:
+                inner, count = u32(), u64()
+                if inner in _SCALAR_SIZE:
+                    take(_SCALAR_SIZE[inner] * count)
+                elif inner == 8:
+                    for _ in range(count):
+                        string()
+                else:
+                    raise bad(f"unsupported array element type {inner}")
+            else:
+                raise bad(f"unknown metadata value type {kind}")
+
+        if take(4) != b"GGUF":
+            raise bad("not a GGUF file")
+        if (version := u32()) not in (2, 3):
+            raise bad(f"unsupported GGUF version {version}")
+        n_tensors, n_kv = u64(), u64()
+        if n_tensors > size or n_kv > size:
+            raise bad("corrupt header counts")
+        alignment = 32
+        for _ in range(n_kv):
+            key, kind = string(), u32()
+            if key == b"general.alignment" and kind == 4:
+                alignment = struct.unpack("<I", buf[pos : pos + 4])[0] if pos + 4 <= size else 0
+                if alignment == 0 or alignment & (alignment - 1):
+                    raise bad("bad alignment")
+            skip_value(kind)
+        tensors = []
+        for _ in range(n_tensors):
+            name = string()
+            n_dims = u32()
+            if n_dims > 4:
+                raise bad(f"tensor {name!r} has {n_dims} dimensions")
+            dims = [u64() for _ in range(n_dims)]
+            tensors.append((name, dims, u32(), u64()))
+        data_start = -(-pos // alignment) * alignment
+        for name, dims, kind, offset in tensors:
+            count = 1
+            for d in dims:
+                count *= d
+            width, nbytes = _BLOCK.get(kind, (1, 0))
+            if count % width or data_start + offset + count // width * nbytes > size:
+                raise bad(f"tensor {name.decode(errors='replace')!r} lies outside the file")
+
+
 def load_gguf(path: str | Path) -> GGUFModel:
     """Build the mlx_lm model of a GGUF file, with its checkpoint's (quantized) weights, evaluated."""
     path = str(path)
+    check_gguf_structure(path)
     try:
         raw, meta = mx.load(path, return_metadata=True)
     except Exception as e:  # mx.load raises plain RuntimeError/ValueError for unreadable or unsupported files
