@@ -69,6 +69,27 @@ def tiny_vocab(vocab_size: int) -> tuple[list[str], list[tuple[str, str]], list[
     return tokens, list(_MERGES), special
 
 
+def tiny_spm_vocab(vocab_size: int) -> tuple[list[str], list[float], list[int]]:
+    """(tokens, scores, token types) of a SentencePiece-style vocabulary with byte fallback.
+
+    <unk> <s> </s>, the 256 byte tokens <0x00>..<0xFF>, then pieces whose
+    scores make "▁the" and "▁cat" whole words and leave other text to single
+    pieces or bytes; reserved control tokens fill up to ``vocab_size``.
+    """
+    pieces = {"▁t": -1.0, "he": -2.0, "▁the": -3.0, "at": -4.0, "▁c": -5.0, "▁cat": -6.0}
+    singles = ["▁", "t", "h", "e", "c", "a", "s"]
+    tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)] + singles + list(pieces)
+    scores = [0.0, 0.0, 0.0] + [0.0] * 256 + [-100.0 - i for i in range(len(singles))] + list(pieces.values())
+    types = [2, 3, 3] + [6] * 256 + [1] * (len(singles) + len(pieces))
+    if vocab_size < len(tokens):
+        raise ValueError(f"vocab_size must be at least {len(tokens)}")
+    for i in range(vocab_size - len(tokens)):
+        tokens.append(f"<reserved_{i}>")
+        scores.append(0.0)
+        types.append(3)
+    return tokens, scores, types
+
+
 def _write_tokenizer(out: Path, config: dict) -> None:
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
@@ -202,11 +223,30 @@ def gguf_roundtrip_weights(model_dir, qtype: str, embedding_qtype: str | None = 
     return out
 
 
-def write_tiny_gguf(model_dir, path, qtype: str = "Q4_0", embedding_qtype: str | None = None) -> Path:
+def llama3_rope_factors(config: dict) -> np.ndarray:
+    """Per-frequency factors llama.cpp stores as `rope_freqs.weight` for llama3 RoPE scaling.
+
+    llama.cpp divides each rotation frequency by its factor; MLX's llama3 RoPE
+    holds the stretched wavelengths, so the factor is their ratio to the
+    unscaled ones.
+    """
+    from mlx_lm.models.rope_utils import Llama3RoPE
+
+    dims, base = config["head_dim"], config["rope_theta"]
+    scaled = np.array(Llama3RoPE(dims, base=base, scaling_config=config["rope_scaling"])._freqs)
+    return (scaled / base ** (np.arange(0, dims, 2) / dims)).astype(np.float32)
+
+
+def write_tiny_gguf(
+    model_dir, path, qtype: str = "Q4_0", embedding_qtype: str | None = None, tokenizer: str = "gpt2"
+) -> Path:
     """Write the tiny model in ``model_dir`` as a GGUF file like llama.cpp's converter would.
 
     ``qtype``: one of QTYPES, for every 2-D weight; ``embedding_qtype``
     overrides it for the token embedding (real files often keep it at Q8_0).
+    ``tokenizer``: "gpt2" (the directory's byte-level BPE) or "llama" (the
+    SentencePiece vocabulary of ``tiny_spm_vocab``). A llama3 ``rope_scaling``
+    in config.json is written as a `rope_freqs` tensor, as llama.cpp does.
     """
     from gguf import GGMLQuantizationType, GGUFWriter, LlamaFileType, TokenType, quants
 
@@ -228,17 +268,34 @@ def write_tiny_gguf(model_dir, path, qtype: str = "Q4_0", embedding_qtype: str |
     writer.add_rope_freq_base(config["rope_theta"])
     writer.add_vocab_size(config["vocab_size"])
 
-    tokens, merges, special = tiny_vocab(config["vocab_size"])
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("gpt-2")
-    writer.add_token_list(tokens)
-    writer.add_token_merges([f"{a} {b}" for a, b in merges])
-    writer.add_token_types([TokenType.CONTROL if s else TokenType.NORMAL for s in special])
-    writer.add_bos_token_id(config["bos_token_id"])
-    writer.add_eos_token_id(config["eos_token_id"])
-    writer.add_pad_token_id(config["bos_token_id"])
-    writer.add_add_bos_token(False)
-    writer.add_chat_template(CHAT_TEMPLATE)
+    if tokenizer == "gpt2":
+        tokens, merges, special = tiny_vocab(config["vocab_size"])
+        writer.add_tokenizer_model("gpt2")
+        writer.add_tokenizer_pre("gpt-2")
+        writer.add_token_list(tokens)
+        writer.add_token_merges([f"{a} {b}" for a, b in merges])
+        writer.add_token_types([TokenType.CONTROL if s else TokenType.NORMAL for s in special])
+        writer.add_bos_token_id(config["bos_token_id"])
+        writer.add_eos_token_id(config["eos_token_id"])
+        writer.add_pad_token_id(config["bos_token_id"])
+        writer.add_add_bos_token(False)
+        writer.add_chat_template(CHAT_TEMPLATE)
+    else:
+        tokens, scores, types = tiny_spm_vocab(config["vocab_size"])
+        writer.add_tokenizer_model("llama")
+        writer.add_tokenizer_pre("default")
+        writer.add_token_list(tokens)
+        writer.add_token_scores(scores)
+        writer.add_token_types(types)
+        writer.add_bos_token_id(1)
+        writer.add_eos_token_id(2)
+        writer.add_unk_token_id(0)
+        writer.add_add_bos_token(True)
+        writer.add_add_space_prefix(True)
+
+    scaling = config.get("rope_scaling") or {}
+    if (scaling.get("rope_type") or scaling.get("type")) == "llama3":
+        writer.add_tensor("rope_freqs.weight", llama3_rope_factors(config))
 
     for name, w in weights.items():
         if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):

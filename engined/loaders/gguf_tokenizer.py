@@ -139,7 +139,7 @@ def build_tokenizer_dir(meta: dict, gguf_path: str | os.PathLike) -> Path:
     # User-defined ones are matched whole too but are ordinary text.
     added = []
     for i, (t, ty) in enumerate(zip(tokens, types)):
-        if ty in (CONTROL, USER_DEFINED) or (ty == UNKNOWN and kind == "gpt2"):
+        if ty in (CONTROL, USER_DEFINED, UNKNOWN):
             added.append(AddedToken(t, special=ty != USER_DEFINED, normalized=False))
     tok.add_tokens([a for a in added if not a.special])
     tok.add_special_tokens([a for a in added if a.special])

@@ -117,6 +117,35 @@ def test_gguf_tokenizer_matches_the_directory_tokenizer(tiny_dirs, tmp_path):
     assert loaded.eos_token_ids[0] == 266 and 266 in loaded.eos_token_ids and loaded.bos_token_id == 264
 
 
+def test_gguf_sentencepiece_tokenizer_merges_by_score_and_falls_back_to_bytes(tiny_dirs, tmp_path):
+    from transformers import AutoTokenizer
+
+    from tests.tiny_models import tiny_spm_vocab
+
+    path = write_tiny_gguf(tiny_dirs["llama"], tmp_path / "spm.gguf", "Q8_0", tokenizer="llama")
+    loaded = load_model(str(path))
+    tok = AutoTokenizer.from_pretrained(str(loaded.tokenizer_dir))
+    ids = {t: i for i, t in enumerate(tiny_spm_vocab(272)[0])}
+    # add_bos_token: <s> first; add_space_prefix: "▁" before the first word.
+    assert tok.encode("the cat") == [ids["<s>"], ids["▁the"], ids["▁cat"]]
+    # "€" is not in the vocabulary: its UTF-8 bytes stand in for it.
+    assert tok.encode("hat€", add_special_tokens=False) == [
+        ids["▁"], ids["h"], ids["at"], ids["<0xE2>"], ids["<0x82>"], ids["<0xAC>"]
+    ]
+    for text in ["the cat sat", "hat€ and ✓", "  two  spaces"]:
+        assert tok.decode(tok.encode(text), skip_special_tokens=True) == text
+    assert (loaded.bos_token_id, loaded.eos_token_ids) == (1, [2])
+
+
+def test_gguf_llama3_rope_freqs_parity(tmp_path):
+    scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 16}
+    model_dir = make_tiny_model(tmp_path / "llama3", "llama", rope_scaling=scaling)
+    loaded = load_model(str(write_tiny_gguf(model_dir, tmp_path / "llama3.gguf", "F32")))
+    reference, _ = mlx_lm_load_model(model_dir)
+    np.testing.assert_allclose(np.array(loaded.model(TOKENS)), np.array(reference(TOKENS)), rtol=0, atol=PARITY_ATOL)
+
+
 # ---- the real SmolLM2 GGUF ---------------------------------------------------------------------
 
 
