@@ -13,6 +13,7 @@ import pytest
 from mlx.utils import tree_flatten
 from mlx_lm.utils import load_model as mlx_lm_load_model
 
+from engined.backend import on_cpu
 from engined.loaders import default_model_path, load_model
 from engined.loaders.gguf_tokenizer import cache_dir_for
 from shared.errors import ModelLoadError
@@ -20,8 +21,9 @@ from tests.tiny_models import ARCHS, QTYPES, gguf_roundtrip_weights, make_tiny_m
 
 TOKENS = mx.array([[264, 5, 72, 101, 108, 256, 111, 32, 199, 3, 64, 265]])
 
-# Float32 end to end on both sides; the only differences allowed are
-# summation order in matmuls. Observed: exactly 0.0 on x86-64 CPU.
+# Float32 end to end on both sides (dtype="float32" on every backend); the
+# only differences allowed are summation order in matmuls. Observed: exactly
+# 0.0 on x86-64 CPU.
 PARITY_ATOL = 1e-4
 
 
@@ -49,7 +51,7 @@ def _float_dtypes(model: nn.Module) -> set:
 @pytest.mark.parametrize("arch", ARCHS)
 def test_gguf_logits_parity_with_mlx_lm_on_roundtripped_weights(tiny_dirs, tmp_path, arch, qtype):
     model_dir = tiny_dirs[arch]
-    loaded = load_model(str(write_tiny_gguf(model_dir, tmp_path / f"{arch}-{qtype}.gguf", qtype)))
+    loaded = load_model(str(write_tiny_gguf(model_dir, tmp_path / f"{arch}-{qtype}.gguf", qtype)), dtype="float32")
 
     reference, _ = mlx_lm_load_model(model_dir)
     reference.load_weights([(k, mx.array(v)) for k, v in gguf_roundtrip_weights(model_dir, qtype).items()])
@@ -67,10 +69,10 @@ def test_gguf_llama_permutation_is_what_makes_parity(tiny_dirs, tmp_path):
     from engined.loaders import gguf
 
     path = write_tiny_gguf(tiny_dirs["llama"], tmp_path / "llama.gguf", "F32")
-    good = load_model(str(path)).model(TOKENS)
+    good = load_model(str(path), dtype="float32").model(TOKENS)
     try:
         gguf._PERMUTED.discard("llama")
-        bad = load_model(str(path)).model(TOKENS)
+        bad = load_model(str(path), dtype="float32").model(TOKENS)
     finally:
         gguf._PERMUTED.add("llama")
     assert float(mx.abs(good - bad).max()) > 0.1
@@ -93,11 +95,19 @@ def test_gguf_per_module_bits_kept_quantized_when_asked(tiny_dirs, tmp_path):
     np.testing.assert_allclose(got, np.array(reference(TOKENS)), rtol=0, atol=0.05)
 
 
-def test_gguf_dtype_auto_on_cpu_is_dense_float32(tiny_dirs, tmp_path):
+def _assert_auto_dtype_policy(model: nn.Module) -> None:
+    if on_cpu():
+        # CPU quantized matmul bypasses BLAS: everything dense float32.
+        assert _quantized_modules(model) == {}
+        assert _float_dtypes(model) == {mx.float32}
+    else:
+        assert _quantized_modules(model)
+        assert mx.float32 not in _float_dtypes(model)
+
+
+def test_gguf_dtype_auto_is_dense_float32_on_cpu_and_quantized_on_gpu(tiny_dirs, tmp_path):
     path = write_tiny_gguf(tiny_dirs["llama"], tmp_path / "q.gguf", "Q4_1")
-    model = load_model(str(path)).model
-    assert _quantized_modules(model) == {}
-    assert _float_dtypes(model) == {mx.float32}
+    _assert_auto_dtype_policy(load_model(str(path)).model)
 
 
 def test_gguf_tokenizer_matches_the_directory_tokenizer(tiny_dirs, tmp_path):
@@ -123,7 +133,7 @@ def test_gguf_sentencepiece_tokenizer_merges_by_score_and_falls_back_to_bytes(ti
     from tests.tiny_models import tiny_spm_vocab
 
     path = write_tiny_gguf(tiny_dirs["llama"], tmp_path / "spm.gguf", "Q8_0", tokenizer="llama")
-    loaded = load_model(str(path))
+    loaded = load_model(str(path), dtype="float32")
     tok = AutoTokenizer.from_pretrained(str(loaded.tokenizer_dir))
     ids = {t: i for i, t in enumerate(tiny_spm_vocab(272)[0])}
     # add_bos_token: <s> first; add_space_prefix: "▁" before the first word.
@@ -141,7 +151,7 @@ def test_gguf_llama3_rope_freqs_parity(tmp_path):
     scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                "original_max_position_embeddings": 16}
     model_dir = make_tiny_model(tmp_path / "llama3", "llama", rope_scaling=scaling)
-    loaded = load_model(str(write_tiny_gguf(model_dir, tmp_path / "llama3.gguf", "F32")))
+    loaded = load_model(str(write_tiny_gguf(model_dir, tmp_path / "llama3.gguf", "F32")), dtype="float32")
     reference, _ = mlx_lm_load_model(model_dir)
     np.testing.assert_allclose(np.array(loaded.model(TOKENS)), np.array(reference(TOKENS)), rtol=0, atol=PARITY_ATOL)
 
@@ -172,9 +182,7 @@ def test_smollm2_gguf_facts(smollm):
     assert (loaded.num_layers, loaded.num_kv_heads, loaded.head_dim) == (30, 3, 64)
     assert (loaded.vocab_size, loaded.context_length) == (49152, 8192)
     assert loaded.eos_token_ids == [2] and loaded.bos_token_id == 1
-    # CPU policy: the Q4_1/Q8_0 file runs dense in float32.
-    assert _quantized_modules(loaded.model) == {}
-    assert _float_dtypes(loaded.model) == {mx.float32}
+    _assert_auto_dtype_policy(loaded.model)
 
 
 def test_smollm2_tokenizer_round_trips_and_keeps_specials_whole(smollm):
@@ -214,7 +222,7 @@ def test_smollm2_gguf_answers_paris_with_plain_mlx_lm_generate(smollm):
 def test_tiny_mlx_dir_loads_and_matches_mlx_lm(tiny_dirs, arch):
     from transformers import AutoTokenizer
 
-    loaded = load_model(str(tiny_dirs[arch]))
+    loaded = load_model(str(tiny_dirs[arch]), dtype="float32")
     reference, _ = mlx_lm_load_model(tiny_dirs[arch])
     np.testing.assert_array_equal(np.array(loaded.model(TOKENS)), np.array(reference(TOKENS)))
     assert (loaded.model_id, loaded.model_type) == (arch, arch)
@@ -223,7 +231,7 @@ def test_tiny_mlx_dir_loads_and_matches_mlx_lm(tiny_dirs, arch):
     assert tok.encode("<|im_start|>") == [265]
 
 
-def test_quantized_mlx_dir_loads_dense_on_cpu_and_quantized_when_asked(tiny_dirs, tmp_path):
+def test_quantized_mlx_dir_loads_by_the_dtype_policy_and_quantized_when_asked(tiny_dirs, tmp_path):
     from mlx_lm import convert
 
     out = tmp_path / "q4"
@@ -232,8 +240,9 @@ def test_quantized_mlx_dir_loads_dense_on_cpu_and_quantized_when_asked(tiny_dirs
     reference, _ = mlx_lm_load_model(out)
     want = np.array(reference(TOKENS))
 
-    dense = load_model(str(out))
-    assert _quantized_modules(dense.model) == {} and _float_dtypes(dense.model) == {mx.float32}
+    _assert_auto_dtype_policy(load_model(str(out)).model)
+    dense = load_model(str(out), dtype="float32")
+    assert _quantized_modules(dense.model) == {}
     np.testing.assert_allclose(np.array(dense.model(TOKENS)), want, rtol=0, atol=PARITY_ATOL)
 
     kept = load_model(str(out), dtype="quantized")
