@@ -1,0 +1,245 @@
+"""The gateway's end of the wire: a DEALER socket to the engine, with handshake and reconnect.
+
+One asyncio task reads the socket and routes each RequestOutput to the queue
+of the HTTP request that owns it. The engine is "ready" from its READY until
+any sign that it is gone: the socket's disconnect (a killed engine is seen at
+once), a DEAD message, a PONG from a different engine instance, or silence
+longer than ``engine_timeout``. Then every open request gets an
+EngineUnavailableError and new ones are refused with 503, while the socket
+keeps reconnecting and re-handshaking by itself.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+
+import zmq
+import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
+
+from shared import protocol as p
+from shared.errors import EngineUnavailableError, MlxdError, error_from_code
+from shared.protocol import Kind
+from shared.sampling import SamplingParams
+
+log = logging.getLogger("mlxd.gateway")
+
+_PING_INTERVAL = 0.5
+
+
+class EngineClient:
+    """``on_ready(info)`` runs (awaited) after each handshake, before requests are let in."""
+
+    def __init__(self, endpoint: str, engine_timeout: float = 15.0,
+                 on_ready: Callable[[p.EngineInfo], Awaitable[None]] | None = None):
+        self.endpoint = endpoint
+        self.engine_timeout = engine_timeout
+        self.on_ready = on_ready
+        self.info: p.EngineInfo | None = None  # the last engine seen; kept while it is gone
+        self.stats: p.EngineStats | None = None
+        self.ready = False
+        self.unavailable_reason = "waiting for the engine to start"
+        # request id -> (queue of the HTTP request, choice index)
+        self._streams: dict[str, tuple[asyncio.Queue, int]] = {}
+        self._last_heard = 0.0
+        self._handshaking = False
+        self._tasks: list[asyncio.Task] = []
+        self._sock = None
+        self._pong_waiters: list[asyncio.Future] = []
+
+    # -- lifecycle ------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        ctx = zmq.asyncio.Context.instance()
+        self._sock = ctx.socket(zmq.DEALER)
+        self._sock.setsockopt(zmq.ROUTING_ID, b"gw-" + uuid.uuid4().bytes[:12])
+        # Queue nothing for a peer that is not connected: a HELLO or ADD sent
+        # while the engine is down fails at once instead of reaching a later engine.
+        self._sock.setsockopt(zmq.IMMEDIATE, 1)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.setsockopt(zmq.SNDHWM, 0)
+        self._sock.setsockopt(zmq.RCVHWM, 0)
+        self._sock.setsockopt(zmq.RECONNECT_IVL, 100)
+        self._sock.setsockopt(zmq.RECONNECT_IVL_MAX, 500)
+        monitor = self._sock.get_monitor_socket(
+            zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED)
+        self._sock.connect(self.endpoint)
+        self._tasks = [
+            asyncio.create_task(self._recv_loop(), name="engine-recv"),
+            asyncio.create_task(self._monitor_loop(monitor), name="engine-monitor"),
+            asyncio.create_task(self._heartbeat_loop(), name="engine-heartbeat"),
+        ]
+
+    async def close(self) -> None:
+        if self._sock is not None and self.ready:
+            self._send(Kind.BYE, p.Bye())
+        for t in self._tasks:
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._fail_all(EngineUnavailableError("the gateway is shutting down"))
+        if self._sock is not None:
+            self._sock.disable_monitor()
+            self._sock.close(linger=200)
+
+    # -- requests -------------------------------------------------------------------------
+
+    def add(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
+            queue: asyncio.Queue, index: int = 0) -> None:
+        """Send a request; its outputs (or an MlxdError) arrive on ``queue`` as (index, item)."""
+        if not self.ready:
+            raise EngineUnavailableError(self.unavailable_reason)
+        self._streams[request_id] = (queue, index)
+        if not self._send(Kind.ADD, p.AddRequest(request_id, prompt_ids, params)):
+            del self._streams[request_id]
+            raise EngineUnavailableError("the engine is not connected")
+
+    def abort(self, request_ids: list[str]) -> None:
+        """Stop requests (a client went away, a stop string matched); unknown ids are ignored."""
+        ids = [r for r in request_ids if self._streams.pop(r, None) is not None]
+        if ids and self.ready:
+            self._send(Kind.ABORT, p.Abort(ids))
+
+    async def fresh_stats(self, timeout: float = 2.0) -> p.EngineStats | None:
+        """Stats from a PONG sent after this call (not the last heartbeat's)."""
+        if not self.ready:
+            return None
+        fut = asyncio.get_running_loop().create_future()
+        self._pong_waiters.append(fut)
+        self._send(Kind.PING, p.Ping(time.time()))
+        try:
+            return await asyncio.wait_for(fut, timeout)
+        except asyncio.TimeoutError:
+            return None
+
+    # -- internals ------------------------------------------------------------------------
+
+    def _send(self, kind: Kind, payload) -> bool:
+        """Send without waiting; False when the engine is not connected (nothing queued)."""
+        # With NOBLOCK, pyzmq's asyncio socket tries the send at once and returns a
+        # future already holding the result or the error (Again: no connected peer).
+        fut = self._sock.send_multipart(p.encode(kind, payload), zmq.NOBLOCK)
+        if not fut.done():
+            fut.add_done_callback(lambda f: f.cancelled() or f.exception())
+            return True
+        exc = fut.exception()
+        if exc is None:
+            return True
+        if isinstance(exc, zmq.Again):
+            return False
+        raise exc
+
+    def _hello(self) -> None:
+        self._send(Kind.HELLO, p.Hello(protocol_version=p.PROTOCOL_VERSION, pid=os.getpid()))
+
+    def _lost(self, reason: str) -> None:
+        if self.ready:
+            log.warning("engine lost: %s", reason)
+        self.ready = False
+        self.unavailable_reason = reason
+        self._fail_all(EngineUnavailableError(reason))
+
+    def _fail_all(self, err: MlxdError) -> None:
+        streams, self._streams = self._streams, {}
+        for queue, index in streams.values():
+            queue.put_nowait((index, err))
+
+    async def _recv_loop(self) -> None:
+        while True:
+            frames = await self._sock.recv_multipart()
+            try:
+                kind, msg = p.decode(frames)
+            except p.MalformedFrame as e:
+                log.warning("dropped a malformed frame from the engine: %s", e)
+                continue
+            self._last_heard = time.monotonic()
+            try:
+                await self._dispatch(kind, msg)
+            except Exception:
+                log.exception("failed to handle %s from the engine", kind.name)
+
+    async def _dispatch(self, kind: Kind, msg) -> None:
+        if kind is Kind.OUTPUTS:
+            streams = self._streams
+            for out in msg.outputs:
+                entry = streams.get(out.request_id)
+                if entry is None:
+                    continue  # aborted here already
+                if out.finish_reason is not None:
+                    del streams[out.request_id]
+                entry[0].put_nowait((entry[1], out))
+        elif kind is Kind.PONG:
+            if self.info is not None and msg.instance_id != self.info.instance_id:
+                self._lost("the engine restarted")
+                self._hello()
+                return
+            self.stats = msg.stats
+            waiters, self._pong_waiters = self._pong_waiters, []
+            for fut in waiters:
+                if not fut.done():
+                    fut.set_result(msg.stats)
+        elif kind is Kind.ERROR:
+            err = error_from_code(msg.code, msg.message, msg.param)
+            if msg.request_id is None:
+                log.error("engine refused the handshake: %s", msg.message)
+                self._lost(msg.message)
+                return
+            entry = self._streams.pop(msg.request_id, None)
+            if entry is not None:
+                entry[0].put_nowait((entry[1], err))
+        elif kind is Kind.READY:
+            await self._on_ready(msg)
+        elif kind is Kind.DEAD:
+            self._lost(f"the engine stopped: {msg.reason}")
+        else:
+            log.warning("dropped a %s frame: not an engine's message", kind.name)
+
+    async def _on_ready(self, info: p.EngineInfo) -> None:
+        if self.ready and self.info is not None and info.instance_id == self.info.instance_id:
+            return  # an answer to a repeated HELLO
+        if self._handshaking:
+            return
+        self._handshaking = True
+        try:
+            if self.info is not None and info.instance_id != self.info.instance_id:
+                self._fail_all(EngineUnavailableError("the engine restarted"))
+            if self.on_ready is not None:
+                await self.on_ready(info)
+            self.info = info
+            self.ready = True
+            self._last_heard = time.monotonic()
+            log.info("engine ready: %s (protocol %d, engine %s)", info.served_model_name,
+                     info.protocol_version, info.engine_version)
+        except Exception as e:
+            log.exception("could not prepare for the engine's model")
+            self.unavailable_reason = f"the gateway could not load the model's tokenizer: {e}"
+        finally:
+            self._handshaking = False
+
+    async def _monitor_loop(self, monitor) -> None:
+        try:
+            while True:
+                event = parse_monitor_message(await monitor.recv_multipart())
+                if event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                    self._hello()
+                elif event["event"] == zmq.EVENT_DISCONNECTED:
+                    self._lost("the engine disconnected")
+        finally:
+            monitor.close(linger=0)
+
+    async def _heartbeat_loop(self) -> None:
+        while True:
+            await asyncio.sleep(_PING_INTERVAL)
+            if self.ready:
+                if time.monotonic() - self._last_heard > self.engine_timeout:
+                    self._lost(f"the engine has been silent for over {self.engine_timeout:.0f}s")
+                    continue
+                self._send(Kind.PING, p.Ping(time.time()))
+            elif not self._handshaking:
+                # Until READY: covers a HELLO lost to a connection made before the
+                # engine was listening, and an engine that ignored the first one.
+                self._hello()

@@ -1,0 +1,165 @@
+"""One HTTP request's generation: its choices fanned out as engine requests, their text assembled.
+
+``n`` choices of each prompt become ``n`` engine requests (seeds seed, seed+1,
+... when a seed is given). Each choice turns its token ids into text
+(incrementally, UTF-8 safe), cuts it at the first stop string (aborting its
+engine request there), and collects logprobs and token counts for usage.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from dataclasses import dataclass, field
+
+from gateway.detokenizer import IncrementalDetokenizer
+from gateway.stops import StopMatcher
+from shared.errors import InvalidRequestError, MlxdError
+from shared.protocol import Logprob, RequestOutput
+from shared.sampling import SamplingParams
+
+
+@dataclass
+class ChoiceDelta:
+    """What one engine output added to one choice."""
+
+    index: int
+    text: str
+    # (token id, Logprob) for each token of this delta whose text is part of the output
+    logprobs: list[tuple[int, Logprob]] = field(default_factory=list)
+    finish_reason: str | None = None
+
+
+class Choice:
+    __slots__ = ("index", "request_id", "detok", "stops", "num_prompt_tokens", "num_cached_tokens",
+                 "num_completion_tokens", "finish_reason", "text_parts", "logprobs", "want_logprobs")
+
+    def __init__(self, index: int, request_id: str, decode, prompt_ids: list[int],
+                 stop: list[str], include_stop: bool, want_logprobs: bool):
+        self.index = index
+        self.request_id = request_id
+        self.detok = IncrementalDetokenizer(decode, prompt_ids)
+        self.stops = StopMatcher(stop, include_stop)
+        self.num_prompt_tokens = len(prompt_ids)
+        self.num_cached_tokens = 0
+        self.num_completion_tokens = 0
+        self.finish_reason: str | None = None
+        self.text_parts: list[str] = []
+        self.logprobs: list[tuple[int, Logprob]] = []
+        self.want_logprobs = want_logprobs
+
+    def feed(self, out: RequestOutput) -> ChoiceDelta:
+        ids = out.new_token_ids
+        # The stop token counts as a completion token but is not text.
+        text_ids = ids[:-1] if (out.stop_token_id is not None and ids and ids[-1] == out.stop_token_id
+                                and out.finish_reason == "stop") else ids
+        self.num_completion_tokens += len(ids)
+        self.num_cached_tokens = max(self.num_cached_tokens, out.num_cached_tokens)
+        text = self.detok.add(text_ids)
+        if out.finish_reason is not None:
+            text += self.detok.flush()
+        emit = self.stops.feed(text)
+        if self.stops.stopped:
+            self.finish_reason = "stop"
+        elif out.finish_reason is not None:
+            emit += self.stops.flush()
+            self.finish_reason = out.finish_reason
+        lps = []
+        if self.want_logprobs and out.logprobs:
+            lps = list(zip(text_ids, out.logprobs))
+            self.logprobs.extend(lps)
+        self.text_parts.append(emit)
+        return ChoiceDelta(self.index, emit, lps, self.finish_reason)
+
+    @property
+    def text(self) -> str:
+        return "".join(self.text_parts)
+
+
+class Generation:
+    """Fans prompts x n out to the engine and yields ChoiceDeltas as outputs arrive."""
+
+    def __init__(self, client, tokenizer, prompts: list[list[int]], params: SamplingParams, n: int,
+                 stop: list[str], include_stop: bool, skip_special_tokens: bool, want_logprobs: bool):
+        self.client = client
+        self.id_base = uuid.uuid4().hex
+        self.prompts = prompts
+        self.params = params
+        self.n = n
+        self.queue: asyncio.Queue = asyncio.Queue()
+        decode = tokenizer.decoder(skip_special_tokens)
+        self.choices = [
+            Choice(i, f"{self.id_base}-{i}", decode, prompts[i // n], stop, include_stop, want_logprobs)
+            for i in range(len(prompts) * n)
+        ]
+
+    def start(self) -> None:
+        """Send every choice's request; on a refusal, withdraw those already sent."""
+        try:
+            for c in self.choices:
+                params = self.params
+                if params.seed is not None and c.index % self.n:
+                    # Distinct but reproducible choices of one prompt.
+                    params = _replace_seed(params, params.seed + c.index % self.n)
+                self.client.add(c.request_id, self.prompts[c.index // self.n], params, self.queue, c.index)
+        except BaseException:
+            self.abort_unfinished()
+            raise
+
+    def abort_unfinished(self) -> None:
+        ids = [c.request_id for c in self.choices if c.finish_reason is None]
+        if ids:
+            self.client.abort(ids)
+
+    @property
+    def done(self) -> bool:
+        return all(c.finish_reason is not None for c in self.choices)
+
+    async def deltas(self, keepalive: float | None = None):
+        """Yield ChoiceDeltas until every choice finished; None after ``keepalive`` idle seconds.
+
+        An engine error for any choice aborts the others and raises it.
+        """
+        try:
+            while not self.done:
+                try:
+                    if keepalive is None:
+                        index, item = await self.queue.get()
+                    else:
+                        index, item = await asyncio.wait_for(self.queue.get(), keepalive)
+                except asyncio.TimeoutError:
+                    yield None
+                    continue
+                if isinstance(item, MlxdError):
+                    raise item
+                choice = self.choices[index]
+                if choice.finish_reason is not None:
+                    continue  # stopped by a stop string; its engine request was aborted
+                if item.finish_reason == "error":
+                    raise MlxdError("the engine failed to generate this request")
+                delta = choice.feed(item)
+                if choice.finish_reason is not None and item.finish_reason is None:
+                    self.client.abort([choice.request_id])
+                yield delta
+        finally:
+            self.abort_unfinished()
+
+    def usage_counts(self) -> tuple[int, int, int]:
+        """(prompt tokens, completion tokens, cached prompt tokens) over the whole request."""
+        prompt = sum(len(p) for p in self.prompts)
+        completion = sum(c.num_completion_tokens for c in self.choices)
+        cached = sum(self.choices[i * self.n].num_cached_tokens for i in range(len(self.prompts)))
+        return prompt, completion, cached
+
+
+def _replace_seed(params: SamplingParams, seed: int) -> SamplingParams:
+    import msgspec
+
+    return msgspec.structs.replace(params, seed=seed)
+
+
+def check_n(n: int | None, limit: int = 64) -> int:
+    n = 1 if n is None else n
+    if not 1 <= n <= limit:
+        raise InvalidRequestError(f"n must be in [1, {limit}]", param="n")
+    return n

@@ -1,0 +1,244 @@
+"""/v1/chat/completions and /v1/completions: request in, generation out (whole or streamed)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import msgspec
+from starlette.requests import Request
+from starlette.responses import Response
+
+from gateway import openai_types as t
+from gateway import params as P
+from gateway.errors import sse_error_event
+from gateway.generation import Generation, check_n
+from gateway.sse import DONE, KEEPALIVE, SSEResponse, event, wait_disconnect
+from gateway.state import GatewayState
+from gateway.tokenizer import message_dicts
+from shared.errors import InvalidRequestError, MlxdError
+
+_json = msgspec.json.Encoder()
+
+
+def _json_response(obj) -> Response:
+    return Response(_json.encode(obj), media_type="application/json")
+
+
+async def _decode(request: Request, typ):
+    return msgspec.json.decode(await request.body(), type=typ)
+
+
+def _check_common(req) -> None:
+    if req.stream_options is not None and not req.stream:
+        raise InvalidRequestError("stream_options is only allowed with stream=true",
+                                  param="stream_options")
+
+
+async def chat_completions(request: Request) -> Response:
+    gw: GatewayState = request.app.state.gw
+    gw.check_auth(request)
+    req = await _decode(request, t.ChatCompletionRequest)
+    _check_common(req)
+    info, tok = gw.require_ready()
+    model = gw.check_model(req.model)
+    if req.response_format and req.response_format.get("type", "text") != "text":
+        raise InvalidRequestError("response_format other than text is not supported yet",
+                                  param="response_format")
+    if not req.messages:
+        raise InvalidRequestError("messages must not be empty", param="messages")
+    n = check_n(req.n)
+    max_tokens = P.requested_max_tokens(req.max_completion_tokens, "max_completion_tokens")
+    if max_tokens is None:
+        max_tokens = P.requested_max_tokens(req.max_tokens, "max_tokens")
+    if req.top_logprobs is not None and not req.logprobs:
+        raise InvalidRequestError("top_logprobs needs logprobs=true", param="top_logprobs")
+    logprobs = (req.top_logprobs or 0) if req.logprobs else None
+    prompt_text = tok.render_chat(
+        message_dicts(req.messages), tools=req.tools, chat_template=req.chat_template,
+        add_generation_prompt=req.add_generation_prompt,
+        continue_final_message=req.continue_final_message,
+        chat_template_kwargs=req.chat_template_kwargs)
+    prompt_ids = tok.encode(prompt_text, add_special_tokens=False)
+    max_tokens = P.check_prompt(prompt_ids, info, max_tokens, "messages")
+    params = P.sampling_params(req, max_tokens, logprobs, info)
+    gen = Generation(gw.client, tok, [prompt_ids], params, n, P.stop_list(req.stop),
+                     req.include_stop_str_in_output, req.skip_special_tokens, logprobs is not None)
+    gen.start()
+    rid = "chatcmpl-" + gen.id_base
+    created = int(time.time())
+    if req.stream:
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        return SSEResponse(_chat_stream(gw, gen, rid, created, model, include_usage))
+    await _collect(request, gen)
+    choices = [
+        t.ChatChoice(
+            index=c.index,
+            message=t.AssistantMessage(content=c.text),
+            logprobs=t.ChatLogprobs(_chat_logprobs(tok, c.logprobs)) if logprobs is not None else None,
+            finish_reason=c.finish_reason,
+        )
+        for c in gen.choices
+    ]
+    return _json_response(t.ChatCompletion(id=rid, created=created, model=model, choices=choices,
+                                           usage=_usage(gen)))
+
+
+async def completions(request: Request) -> Response:
+    gw: GatewayState = request.app.state.gw
+    gw.check_auth(request)
+    req = await _decode(request, t.CompletionRequest)
+    _check_common(req)
+    info, tok = gw.require_ready()
+    model = gw.check_model(req.model)
+    if req.suffix:
+        raise InvalidRequestError("suffix is not supported", param="suffix")
+    n = check_n(req.n)
+    if req.best_of is not None and req.best_of != n:
+        raise InvalidRequestError("best_of other than n is not supported", param="best_of")
+    if req.logprobs is not None and not 0 <= req.logprobs <= 20:
+        raise InvalidRequestError("logprobs must be in [0, 20]", param="logprobs")
+    if req.echo and req.stream:
+        raise InvalidRequestError("echo is not supported with stream=true", param="echo")
+    # OpenAI's default for completions is 16 tokens.
+    requested = P.requested_max_tokens(req.max_tokens, "max_tokens")
+    prompts = P.completion_prompts(req.prompt, tok)
+    max_tokens = min(P.check_prompt(p, info, 16 if requested is None else requested, "prompt")
+                     for p in prompts)
+    params = P.sampling_params(req, max_tokens, req.logprobs, info)
+    gen = Generation(gw.client, tok, prompts, params, n, P.stop_list(req.stop),
+                     req.include_stop_str_in_output, req.skip_special_tokens, req.logprobs is not None)
+    gen.start()
+    rid = "cmpl-" + gen.id_base
+    created = int(time.time())
+    if req.stream:
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        return SSEResponse(_completion_stream(gw, gen, rid, created, model, include_usage, req.logprobs))
+    await _collect(request, gen)
+    choices = []
+    for c in gen.choices:
+        text = c.text
+        if req.echo:
+            text = tok.decode(prompts[c.index // n], skip_special_tokens=req.skip_special_tokens) + text
+        lp = _completion_logprobs(tok, c.logprobs, 0) if req.logprobs is not None else None
+        choices.append(t.CompletionChoice(index=c.index, text=text, logprobs=lp,
+                                          finish_reason=c.finish_reason))
+    return _json_response(t.Completion(id=rid, created=created, model=model, choices=choices,
+                                       usage=_usage(gen)))
+
+
+async def _collect(request: Request, gen: Generation) -> None:
+    """Run a non-streamed generation to its end; a client that hangs up aborts it."""
+    async def drain():
+        async for _ in gen.deltas():
+            pass
+
+    work = asyncio.create_task(drain())
+    gone = asyncio.create_task(wait_disconnect(request.receive))
+    try:
+        await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+        if not work.done():
+            work.cancel()
+        await asyncio.gather(work, gone, return_exceptions=True)
+        gen.abort_unfinished()
+    if work.cancelled():
+        raise asyncio.CancelledError()  # the client is gone: nothing to answer
+    work.result()
+
+
+def _usage(gen: Generation) -> t.Usage:
+    prompt, completion, cached = gen.usage_counts()
+    return t.Usage(prompt_tokens=prompt, completion_tokens=completion,
+                   total_tokens=prompt + completion,
+                   prompt_tokens_details=t.PromptTokensDetails(cached_tokens=cached))
+
+
+def _token_bytes(text: str) -> list[int]:
+    return list(text.encode("utf-8"))
+
+
+def _chat_logprobs(tok, entries) -> list[t.TokenLogprob]:
+    out = []
+    for token_id, lp in entries:
+        text = tok.token_text(token_id)
+        tops = [t.TopLogprob(token=tok.token_text(i), logprob=v, bytes=_token_bytes(tok.token_text(i)))
+                for i, v in zip(lp.top_ids, lp.top_logprobs)]
+        out.append(t.TokenLogprob(token=text, logprob=lp.logprob, bytes=_token_bytes(text),
+                                  top_logprobs=tops))
+    return out
+
+
+def _completion_logprobs(tok, entries, offset: int) -> t.CompletionLogprobs:
+    tokens, token_lps, tops, offsets = [], [], [], []
+    for token_id, lp in entries:
+        text = tok.token_text(token_id)
+        tokens.append(text)
+        token_lps.append(lp.logprob)
+        tops.append({tok.token_text(i): v for i, v in zip(lp.top_ids, lp.top_logprobs)})
+        offsets.append(offset)
+        offset += len(text)
+    return t.CompletionLogprobs(tokens=tokens, token_logprobs=token_lps, top_logprobs=tops,
+                                text_offset=offsets)
+
+
+async def _chat_stream(gw: GatewayState, gen: Generation, rid: str, created: int, model: str,
+                       include_usage: bool):
+    usage_field = None if include_usage else msgspec.UNSET
+
+    def chunk(choice: t.ChatChunkChoice) -> bytes:
+        return event(t.ChatCompletionChunk(id=rid, created=created, model=model, choices=[choice],
+                                           usage=usage_field))
+
+    try:
+        for c in gen.choices:
+            yield chunk(t.ChatChunkChoice(index=c.index, delta=t.Delta(role="assistant", content="")))
+        async for d in gen.deltas(keepalive=gw.config.sse_keepalive):
+            if d is None:
+                yield KEEPALIVE
+                continue
+            lp = t.ChatLogprobs(_chat_logprobs(gw.tokenizer, d.logprobs)) if d.logprobs else None
+            if d.text or lp is not None:
+                yield chunk(t.ChatChunkChoice(index=d.index, delta=t.Delta(content=d.text), logprobs=lp))
+            if d.finish_reason is not None:
+                yield chunk(t.ChatChunkChoice(index=d.index, delta=t.Delta(),
+                                              finish_reason=d.finish_reason))
+        if include_usage:
+            yield event(t.ChatCompletionChunk(id=rid, created=created, model=model, choices=[],
+                                              usage=_usage(gen)))
+        yield DONE
+    except MlxdError as e:
+        yield sse_error_event(e)
+    finally:
+        gen.abort_unfinished()
+
+
+async def _completion_stream(gw: GatewayState, gen: Generation, rid: str, created: int, model: str,
+                             include_usage: bool, logprobs: int | None):
+    offsets = [0] * len(gen.choices)
+
+    def chunk(choice: t.CompletionChoice) -> bytes:
+        return event(t.Completion(id=rid, created=created, model=model, choices=[choice],
+                                  usage=None if include_usage else msgspec.UNSET))
+
+    try:
+        async for d in gen.deltas(keepalive=gw.config.sse_keepalive):
+            if d is None:
+                yield KEEPALIVE
+                continue
+            lp = None
+            if logprobs is not None and d.logprobs:
+                lp = _completion_logprobs(gw.tokenizer, d.logprobs, offsets[d.index])
+                offsets[d.index] = lp.text_offset[-1] + len(lp.tokens[-1])
+            if d.text or lp is not None or d.finish_reason is not None:
+                yield chunk(t.CompletionChoice(index=d.index, text=d.text, logprobs=lp,
+                                               finish_reason=d.finish_reason))
+        if include_usage:
+            yield event(t.Completion(id=rid, created=created, model=model, choices=[],
+                                     usage=_usage(gen)))
+        yield DONE
+    except MlxdError as e:
+        yield sse_error_event(e)
+    finally:
+        gen.abort_unfinished()

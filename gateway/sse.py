@@ -1,0 +1,65 @@
+"""Server-sent events: an ASGI response that streams events and notices a vanished client.
+
+Starlette's StreamingResponse only learns of a closed connection when a
+write fails; a stream waiting on a long prefill would keep its engine request
+(and its KV blocks) until then. This response watches the connection itself
+and cancels the event source at once, whose ``finally`` aborts the requests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import msgspec
+
+DONE = b"data: [DONE]\n\n"
+KEEPALIVE = b": keep-alive\n\n"
+
+_encoder = msgspec.json.Encoder()
+
+
+def event(payload) -> bytes:
+    return b"data: " + _encoder.encode(payload) + b"\n\n"
+
+
+async def wait_disconnect(receive) -> None:
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+class SSEResponse:
+    def __init__(self, events: AsyncIterator[bytes], headers: dict[str, str] | None = None):
+        self.events = events
+        self.headers = [
+            (b"content-type", b"text/event-stream; charset=utf-8"),
+            (b"cache-control", b"no-cache"),
+            (b"x-accel-buffering", b"no"),
+            *((k.lower().encode(), v.encode()) for k, v in (headers or {}).items()),
+        ]
+
+    async def __call__(self, scope, receive, send) -> None:
+        async def pump():
+            await send({"type": "http.response.start", "status": 200, "headers": self.headers})
+            async for chunk in self.events:
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+        pump_task = asyncio.create_task(pump())
+        watch_task = asyncio.create_task(wait_disconnect(receive))
+        try:
+            await asyncio.wait({pump_task, watch_task}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for t in (pump_task, watch_task):
+                t.cancel()
+            await asyncio.gather(pump_task, watch_task, return_exceptions=True)
+            aclose = getattr(self.events, "aclose", None)
+            if aclose is not None:
+                await aclose()
+        if pump_task.done() and not pump_task.cancelled():
+            exc = pump_task.exception()
+            # A write to a connection that just closed is the client's leaving, not an error.
+            if exc is not None and not isinstance(exc, OSError):
+                raise exc

@@ -1,0 +1,57 @@
+"""What one gateway process holds: its config, the engine client, the current model's tokenizer."""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+
+from starlette.requests import Request
+
+from gateway.engine_client import EngineClient
+from gateway.tokenizer import Tokenizer, load_chat_template
+from shared.errors import AuthenticationError, EngineUnavailableError, NotFoundError
+from shared.paths import default_engine_endpoint
+from shared.protocol import EngineInfo
+from shared.serve_config import GatewayConfig
+
+log = logging.getLogger("mlxd.gateway")
+
+
+class GatewayState:
+    def __init__(self, config: GatewayConfig):
+        self.config = config
+        self.chat_template = load_chat_template(config.chat_template)
+        self.tokenizer: Tokenizer | None = None
+        self.client = EngineClient(config.engine_endpoint or default_engine_endpoint(),
+                                   engine_timeout=config.engine_timeout, on_ready=self._on_engine_ready)
+
+    async def _on_engine_ready(self, info: EngineInfo) -> None:
+        """Load the tokenizer of the engine's model (again only if the model changed)."""
+        if self.tokenizer is None or self.tokenizer.tokenizer_dir != info.tokenizer_dir:
+            log.info("loading the tokenizer from %s", info.tokenizer_dir)
+            self.tokenizer = await asyncio.to_thread(Tokenizer, info.tokenizer_dir, self.chat_template)
+
+    def check_auth(self, request: Request) -> None:
+        key = self.config.api_key
+        if key is None:
+            return
+        header = request.headers.get("authorization", "")
+        scheme, _, token = header.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key.encode()):
+            raise AuthenticationError("invalid or missing API key")
+
+    def require_ready(self):
+        """(EngineInfo, Tokenizer) of a connected engine, or EngineUnavailableError (503)."""
+        client = self.client
+        if not client.ready or client.info is None or self.tokenizer is None:
+            raise EngineUnavailableError(f"the engine is not available: {client.unavailable_reason}")
+        return client.info, self.tokenizer
+
+    def check_model(self, name: str | None) -> str:
+        """The name to answer with; NotFoundError (404) for a model this engine does not serve."""
+        info = self.client.info
+        if name is None or name in (info.served_model_name, info.model_id):
+            return info.served_model_name
+        raise NotFoundError(f"The model `{name}` does not exist; this server serves "
+                            f"`{info.served_model_name}`.", param="model")
