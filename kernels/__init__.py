@@ -1,6 +1,54 @@
-"""Paged variable-length attention: one contract, several implementations."""
+"""Paged variable-length attention: one contract, several implementations.
 
+``paged_attention`` runs the Metal kernel on a Metal GPU, the CUDA kernel on a
+CUDA GPU and the pure-MLX reference otherwise (the CPU, or a shape the kernel
+does not cover). ``MLXD_ATTENTION=reference`` forces the reference; it is read
+here, once, at import.
+"""
+
+from __future__ import annotations
+
+import os
+
+import mlx.core as mx
+
+from kernels import gpu, reference
 from kernels.metadata import AttentionMetadata
-from kernels.reference import paged_attention, write_kv
+from kernels.reference import write_kv
 
-__all__ = ["AttentionMetadata", "paged_attention", "write_kv"]
+__all__ = ["AttentionMetadata", "backend", "paged_attention", "write_kv"]
+
+_FORCE_REFERENCE = os.environ.get("MLXD_ATTENTION", "").strip().lower() == "reference"
+
+
+def backend() -> str:
+    """Which implementation ``paged_attention`` uses on the current default device."""
+    if _FORCE_REFERENCE or mx.default_device().type != mx.DeviceType.gpu:
+        return "reference"
+    if mx.metal.is_available():
+        return "metal"
+    if mx.cuda.is_available():
+        return "cuda"
+    return "reference"
+
+
+def paged_attention(
+    q: mx.array,
+    k_cache: mx.array,
+    v_cache: mx.array,
+    meta: AttentionMetadata,
+    scale: float,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+) -> mx.array:
+    """Attention of packed queries ``q [T, H, D]`` over each request's paged context.
+
+    Same contract as ``reference.paged_attention`` (see there); returns ``[T, H, D]``
+    in ``q``'s dtype.
+    """
+    which = backend()
+    if which != "reference":
+        out = gpu.paged_attention(which, q, k_cache, v_cache, meta, scale, sliding_window, softcap)
+        if out is not None:
+            return out
+    return reference.paged_attention(q, k_cache, v_cache, meta, scale, sliding_window, softcap)

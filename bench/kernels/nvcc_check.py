@@ -1,0 +1,73 @@
+"""Compile the CUDA dialect of the kernel source with a local nvcc, as MLX would wrap it.
+
+No GPU needed: it catches syntax and type errors before device time is spent.
+Usage: python bench/kernels/nvcc_check.py [--arch sm_90]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import tempfile
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
+
+from kernels import source  # noqa: E402
+
+CUDA_TYPES = {"float32": "float", "float16": "__half", "bfloat16": "__nv_bfloat16", "int32": "int32_t"}
+
+
+def wrap(name, header, body, inputs, outputs, template):
+    """Mirror of the signature MLX generates for mx.fast.cuda_kernel (inputs const, outputs mutable)."""
+    lines = [
+        "#include <cuda_bf16.h>", "#include <cuda_fp16.h>", "#include <cstdint>",
+        "#include <cooperative_groups.h>", header,
+        "namespace mlx::core::cu {", "namespace cg = cooperative_groups;",
+        f"__global__ void {name}(",
+    ]
+    params = [f"    const {CUDA_TYPES[t]}* {n}" for n, t in inputs]
+    params += [f"    {CUDA_TYPES[t]}* {n}" for n, t in outputs]
+    lines.append(",\n".join(params) + ") {")
+    for k, v in template:
+        lines.append(f"  using {k} = {CUDA_TYPES[v]};" if isinstance(v, str) else f"  constexpr int {k} = {v};")
+    lines += [body, "}", "}"]
+    return "\n".join(lines)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--arch", default="sm_90")
+    args = ap.parse_args()
+    h, b = source.render_main("cuda")
+    rh, rb = source.render_reduce("cuda")
+    ok = True
+    for dt in ("bfloat16", "float16", "float32"):
+        for d, g in ((128, 4), (64, 1), (80, 8), (96, 2), (256, 2)):
+            ins = [("q", dt), ("k_cache", dt), ("v_cache", dt), ("cu_seqlens_q", "int32"),
+                   ("seq_lens", "int32"), ("block_tables", "int32"), ("iparams", "int32"), ("fparams", "float32")]
+            outs = [("out", dt), ("part_o", "float32"), ("part_ml", "float32")]
+            tmpl = [("T", dt), ("D", d), ("G", g), ("HKV", 8), ("BS", 16), ("RT", 32), ("BN", 32),
+                    ("LPT", {64: 8, 256: 32}.get(d, 16)), ("SMEM_F", 10000), ("SMEM_I", 512)]
+            src = wrap("attn", h, b, ins, outs, tmpl)
+            rsrc = wrap("reduce", rh, rb,
+                        [("full", dt), ("part_o", "float32"), ("part_ml", "float32"), ("cu_seqlens_q", "int32"),
+                         ("seq_lens", "int32"), ("iparams", "int32")], [("out", dt)],
+                        [("T", dt), ("D", d), ("H", 8 * g)])
+            for tag, text in (("main", src), ("reduce", rsrc)):
+                with tempfile.NamedTemporaryFile("w", suffix=".cu", delete=False) as f:
+                    f.write(text)
+                r = subprocess.run(["nvcc", "-std=c++17", f"-arch={args.arch}", "-c", "-o", os.devnull,
+                                    "-Xptxas", "-v", f.name], capture_output=True, text=True)
+                regs = [ln for ln in r.stderr.splitlines() if "registers" in ln or "spill" in ln]
+                print(f"{tag} {dt} D={d} G={g}: rc={r.returncode} {' | '.join(x.strip() for x in regs)}")
+                if r.returncode:
+                    ok = False
+                    print(r.stderr[-3000:])
+                os.unlink(f.name)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,484 @@
+"""Paged attention kernel source: one body, rendered for Metal or CUDA through a small prelude.
+
+The attention algorithm lives once, in ``MAIN_BODY`` and ``REDUCE_BODY``. A
+dialect supplies only what the two languages spell differently: thread and
+group indices, the barrier, shared/threadgroup memory, lane shuffles, a few
+math intrinsics and a vector load helper. Whatever runs correctly on the GPU
+we can reach (CUDA) is therefore the same algorithm a Mac runs (Metal).
+
+Work split (``MAIN_BODY``, grid ``[num_qblocks * P, H_kv]``, 128 threads):
+
+- Each thread group owns one *q-block* (up to ``RT // G`` query tokens of one
+  request, all ``G`` query heads sharing one KV head) and one of ``P`` KV
+  partitions. It finds its request by binary search over ``cu_seqlens_q``:
+  request ``b`` owns q-blocks ``[cu[b] // BQ + b, ...)``, a monotone layout
+  that needs no host-side work list.
+- Decode rows (a request with one new token) take the *row path*: lanes split
+  the head dim, warps split the tokens of the group's KV partition, and the
+  ``G`` heads of a GQA group share every K/V load. With ``P > 1`` each
+  partition writes an unnormalised partial (``acc, max, sum``) and
+  ``REDUCE_BODY`` merges them.
+- Longer query chunks take the *tile path*: a ``RT x BN`` score tile in
+  registers from Q and K staged in shared memory, online softmax per row,
+  then ``P @ V`` into register accumulators. Only partition 0 does tile work.
+
+Decode rows and prefill chunks of one step therefore run in one launch.
+"""
+
+from __future__ import annotations
+
+NUM_THREADS = 128  # four 32-wide SIMD groups / warps per thread group
+
+METAL_HEADER = r"""
+#define TG threadgroup
+#define BARRIER() threadgroup_barrier(mem_flags::mem_threadgroup)
+#define SHFL_XOR(v, o) simd_shuffle_xor((v), (ushort)(o))
+#define EXP2(x) metal::exp2(x)
+#define TANH(x) metal::precise::tanh(x)
+#define FMAX(a, b) metal::max((a), (b))
+#define LOAD_F4(p) (*((threadgroup float4*)(p)))
+
+template <int N, typename U>
+inline void load_vec(const device U* p, thread float* o) {
+  for (int i = 0; i < N; ++i) o[i] = static_cast<float>(p[i]);
+}
+"""
+
+METAL_PROLOGUE = r"""
+  const int tid = int(thread_index_in_threadgroup);
+  const int gx = int(threadgroup_position_in_grid.x);
+  const int gy = int(threadgroup_position_in_grid.y);
+  const int lane = int(thread_index_in_simdgroup);
+  const int warp = int(simdgroup_index_in_threadgroup);
+"""
+
+METAL_SHARED = r"""
+  threadgroup float smem[SMEM_F];
+  threadgroup int ismem[SMEM_I];
+"""
+
+CUDA_HEADER = r"""
+#define TG
+#define BARRIER() __syncthreads()
+#define SHFL_XOR(v, o) __shfl_xor_sync(0xffffffffu, (v), (o))
+#define EXP2(x) exp2f(x)
+#define TANH(x) tanhf(x)
+#define FMAX(a, b) fmaxf((a), (b))
+#define LOAD_F4(p) (*reinterpret_cast<const float4*>(p))
+
+// 16-byte rows load as one vector (the common bf16/fp16 case with 8 elements).
+template <int N, typename U>
+__device__ inline void load_vec(const U* p, float* o) {
+  if constexpr (N * sizeof(U) == 16) {
+    const uint4 raw = *reinterpret_cast<const uint4*>(p);
+    const U* e = reinterpret_cast<const U*>(&raw);
+#pragma unroll
+    for (int i = 0; i < N; ++i) o[i] = static_cast<float>(e[i]);
+  } else if constexpr (N * sizeof(U) == 32) {
+    const uint4 r0 = *reinterpret_cast<const uint4*>(p);
+    const uint4 r1 = *(reinterpret_cast<const uint4*>(p) + 1);
+    const U* e0 = reinterpret_cast<const U*>(&r0);
+    const U* e1 = reinterpret_cast<const U*>(&r1);
+#pragma unroll
+    for (int i = 0; i < N / 2; ++i) {
+      o[i] = static_cast<float>(e0[i]);
+      o[N / 2 + i] = static_cast<float>(e1[i]);
+    }
+  } else {
+#pragma unroll
+    for (int i = 0; i < N; ++i) o[i] = static_cast<float>(p[i]);
+  }
+}
+"""
+
+CUDA_PROLOGUE = r"""
+  const int tid = threadIdx.x;
+  const int gx = blockIdx.x;
+  const int gy = blockIdx.y;
+  const int lane = tid & 31;
+  const int warp = tid >> 5;
+"""
+
+# Sized at launch (``shared_memory``), so one source serves every tile shape.
+CUDA_SHARED = r"""
+  extern __shared__ float smem[];
+  int* ismem = reinterpret_cast<int*>(smem + SMEM_F);
+"""
+
+COMMON = r"""
+#define IMIN(a, b) ((a) < (b) ? (a) : (b))
+#define IMAX(a, b) ((a) > (b) ? (a) : (b))
+#define NEG_BIG (-1.0e30f)
+#define LOG2E 1.4426950408889634f
+"""
+
+# Inputs: q [T,H,D], k_cache/v_cache [NB,BS,HKV,D], cu_seqlens_q [B+1], seq_lens [B],
+# block_tables [B,MAXB], iparams [B, MAXB, P, PS], fparams [scale, softcap, window].
+# Outputs: out [T,H,D], part_o [B,H,P,D] f32, part_ml [B,H,P,2] f32 (used when P > 1).
+# Template: T (q dtype), D, G, HKV, BS, RT, BN, LPT, SMEM_F, SMEM_I.
+MAIN_BODY = r"""
+  constexpr int NT = 128;
+  constexpr int NW = NT / 32;
+  constexpr int H = HKV * G;
+  constexpr int BQ = RT / G;  // query tokens per q-block
+  const int B = iparams[0];
+  const int MAXB = iparams[1];
+  const int P = iparams[2];
+  const int PS = iparams[3];
+  const float scale = fparams[0];
+  const float cap = fparams[1];
+  const int WIN = int(fparams[2]);
+  const int kvh = gy;
+  const int qb = gx / P;
+  const int part = gx - qb * P;
+
+  // The request owning q-block qb: the last b with cu[b] / BQ + b <= qb.
+  int b = 0;
+  {
+    int n = B;
+    while (n > 1) {
+      const int half = n >> 1;
+      const int mid = b + half;
+      if (cu_seqlens_q[mid] / BQ + mid <= qb) b = mid;
+      n -= half;
+    }
+  }
+  const int q0 = cu_seqlens_q[b];
+  const int qlen = cu_seqlens_q[b + 1] - q0;
+  const int q_start = (qb - (q0 / BQ + b)) * BQ;
+  const int slen = seq_lens[b];
+  const int ctx0 = slen - qlen;  // absolute position of the request's first new token
+  // Without a softcap the log2(e) of exp2 folds into the query scale.
+  const float qscale = cap > 0.0f ? scale : scale * LOG2E;
+
+  if (q_start < qlen && qlen == 1) {
+    // ---------------- row path: one query token, split over KV partitions ----------------
+    constexpr int TPW = 32 / LPT;  // tokens a warp reads per step
+    constexpr int EL = D / LPT;    // head-dim elements per lane
+    constexpr int STEP = NW * TPW;
+    const int pos = slen - 1;
+    int lo = WIN > 0 ? IMAX(0, pos - WIN + 1) : 0;
+    int hi = slen;
+    lo = IMAX(lo, part * PS);
+    hi = IMIN(hi, (part + 1) * PS);
+    const int blk0 = (part * PS) / BS;
+
+    // Stage this partition's slice of the block table: one dependent global load fewer per token.
+    TG int* tbl = ismem;
+    for (int i = tid; i < PS / BS && blk0 + i < MAXB; i += NT) {
+      tbl[i] = block_tables[b * MAXB + blk0 + i];
+    }
+    BARRIER();
+
+    const int slot = lane / LPT;
+    const int li = lane % LPT;
+    float qr[G][EL];
+    float m[G];
+    float l[G];
+    float acc[G][EL];
+    for (int g = 0; g < G; ++g) {
+      load_vec<EL>(q + ((long)q0 * H + kvh * G + g) * D + li * EL, qr[g]);
+      for (int e = 0; e < EL; ++e) {
+        qr[g][e] *= qscale;
+        acc[g][e] = 0.0f;
+      }
+      m[g] = NEG_BIG;
+      l[g] = 0.0f;
+    }
+
+    // Two tokens per lane group per iteration keep more K/V bytes in flight.
+    // The loop bound is warp-uniform so every lane reaches every shuffle.
+    for (int base = lo + warp * TPW; base < hi; base += 2 * STEP) {
+      const int t0 = base + slot;
+      const int t1 = t0 + STEP;
+      const bool ok0 = t0 < hi;
+      const bool ok1 = t1 < hi;
+      const int a0 = ok0 ? t0 : lo;
+      const int a1 = ok1 ? t1 : lo;
+      const long r0 = ((long)(tbl[a0 / BS - blk0] * BS + a0 % BS) * HKV + kvh) * D + li * EL;
+      const long r1 = ((long)(tbl[a1 / BS - blk0] * BS + a1 % BS) * HKV + kvh) * D + li * EL;
+      float k0[EL];
+      float k1[EL];
+      float v0[EL];
+      float v1[EL];
+      load_vec<EL>(k_cache + r0, k0);
+      load_vec<EL>(k_cache + r1, k1);
+      load_vec<EL>(v_cache + r0, v0);
+      load_vec<EL>(v_cache + r1, v1);
+      for (int g = 0; g < G; ++g) {
+        float s0 = 0.0f;
+        float s1 = 0.0f;
+        for (int e = 0; e < EL; ++e) {
+          s0 += qr[g][e] * k0[e];
+          s1 += qr[g][e] * k1[e];
+        }
+        for (int o = LPT / 2; o > 0; o >>= 1) {
+          s0 += SHFL_XOR(s0, o);
+          s1 += SHFL_XOR(s1, o);
+        }
+        if (cap > 0.0f) {
+          s0 = cap * TANH(s0 / cap) * LOG2E;
+          s1 = cap * TANH(s1 / cap) * LOG2E;
+        }
+        s0 = ok0 ? s0 : NEG_BIG;
+        s1 = ok1 ? s1 : NEG_BIG;
+        const float mn = FMAX(m[g], FMAX(s0, s1));
+        const float al = EXP2(m[g] - mn);
+        const float p0 = ok0 ? EXP2(s0 - mn) : 0.0f;
+        const float p1 = ok1 ? EXP2(s1 - mn) : 0.0f;
+        l[g] = l[g] * al + p0 + p1;
+        for (int e = 0; e < EL; ++e) {
+          acc[g][e] = acc[g][e] * al + p0 * v0[e] + p1 * v1[e];
+        }
+        m[g] = mn;
+      }
+    }
+
+    // Merge the token slots of a warp (lanes that differ above the LPT bits).
+    for (int o = LPT; o < 32; o <<= 1) {
+      for (int g = 0; g < G; ++g) {
+        const float mo = SHFL_XOR(m[g], o);
+        const float lo2 = SHFL_XOR(l[g], o);
+        const float mn = FMAX(m[g], mo);
+        const float ca = EXP2(m[g] - mn);
+        const float cb = EXP2(mo - mn);
+        l[g] = l[g] * ca + lo2 * cb;
+        for (int e = 0; e < EL; ++e) {
+          acc[g][e] = acc[g][e] * ca + SHFL_XOR(acc[g][e], o) * cb;
+        }
+        m[g] = mn;
+      }
+    }
+
+    // Merge the warps through shared memory.
+    TG float* red = smem;                 // [NW][G][D]
+    TG float* red_m = smem + NW * G * D;  // [NW][G]
+    TG float* red_l = red_m + NW * G;     // [NW][G]
+    if (slot == 0) {
+      for (int g = 0; g < G; ++g) {
+        for (int e = 0; e < EL; ++e) red[(warp * G + g) * D + li * EL + e] = acc[g][e];
+        if (li == 0) {
+          red_m[warp * G + g] = m[g];
+          red_l[warp * G + g] = l[g];
+        }
+      }
+    }
+    BARRIER();
+    for (int i = tid; i < G * D; i += NT) {
+      const int g = i / D;
+      const int d = i - g * D;
+      float mx_ = NEG_BIG;
+      for (int w = 0; w < NW; ++w) mx_ = FMAX(mx_, red_m[w * G + g]);
+      float lsum = 0.0f;
+      float o = 0.0f;
+      for (int w = 0; w < NW; ++w) {
+        const float c = EXP2(red_m[w * G + g] - mx_);
+        lsum += red_l[w * G + g] * c;
+        o += red[(w * G + g) * D + d] * c;
+      }
+      const int h = kvh * G + g;
+      if (P == 1) {
+        out[((long)q0 * H + h) * D + d] = static_cast<T>(lsum > 0.0f ? o / lsum : 0.0f);
+      } else {
+        const long pi = ((long)b * H + h) * P + part;
+        part_o[pi * D + d] = o;
+        if (d == 0) {
+          part_ml[pi * 2] = mx_;
+          part_ml[pi * 2 + 1] = lsum;
+        }
+      }
+    }
+  } else if (q_start < qlen && part == 0) {
+    // ---------------- tile path: a chunk of query tokens, causal within the chunk ----------------
+    constexpr int SR = RT * BN / NT;  // score rows per thread (one key column each)
+    constexpr int QS = RT + 4;        // qT row stride: float4-aligned
+    constexpr int KS = BN + 1;        // kT row stride: conflict-free transposed stores
+    constexpr int PST = BN + 1;
+    constexpr int DL = 16;            // lanes across the head dim in P @ V
+    constexpr int OR = RT * DL / NT;  // output rows per thread
+    constexpr int OD = D / DL;        // output columns per thread
+    TG float* qT = smem;              // [D][QS]  scaled Q, transposed
+    TG float* kv = qT + D * QS;       // [D][KS] K transposed, then [BN][D] V
+    TG float* pm = kv + D * KS;       // [RT][PST] probabilities
+    TG float* alpha_s = pm + RT * PST;
+    TG float* l_s = alpha_s + RT;
+    TG int* tok_row = ismem;          // [BN] cache row (block * BS + offset) of each key
+
+    const int m_rows = IMIN(BQ, qlen - q_start);
+    const int nrows = m_rows * G;
+    const int qpos0 = ctx0 + q_start;
+    const long qrow0 = (long)q0 + q_start;
+    for (int i = tid; i < RT * D; i += NT) {
+      const int r = i / D;
+      const int d = i - r * D;
+      float v = 0.0f;
+      if (r < nrows) v = static_cast<float>(q[((qrow0 + r / G) * H + kvh * G + r % G) * D + d]) * qscale;
+      qT[d * QS + r] = v;
+    }
+    const int hi = qpos0 + m_rows;
+    const int lo = WIN > 0 ? IMAX(0, qpos0 - WIN + 1) : 0;
+
+    const int c = tid % BN;
+    const int r0 = (tid / BN) * SR;
+    float mrow[SR];
+    float lrow[SR];
+    for (int i = 0; i < SR; ++i) {
+      mrow[i] = NEG_BIG;
+      lrow[i] = 0.0f;
+    }
+    const int dl = tid % DL;
+    const int ro = (tid / DL) * OR;
+    float acc[OR][OD];
+    for (int i = 0; i < OR; ++i)
+      for (int j = 0; j < OD; ++j) acc[i][j] = 0.0f;
+
+    for (int kt = lo; kt < hi; kt += BN) {
+      BARRIER();  // the previous tile's readers of kv/pm are done (and qT is written)
+      if (tid < BN) {
+        const int tok = IMIN(kt + tid, hi - 1);
+        tok_row[tid] = block_tables[b * MAXB + tok / BS] * BS + tok % BS;
+      }
+      BARRIER();
+      for (int i = tid; i < BN * D; i += NT) {
+        const int cc = i / D;
+        const int d = i - cc * D;
+        kv[d * KS + cc] = static_cast<float>(k_cache[((long)tok_row[cc] * HKV + kvh) * D + d]);
+      }
+      BARRIER();
+      float s[SR];
+      for (int i = 0; i < SR; ++i) s[i] = 0.0f;
+      for (int d = 0; d < D; ++d) {
+        const float kd = kv[d * KS + c];
+        if (SR % 4 == 0) {
+          for (int i = 0; i < SR; i += 4) {
+            const float4 qv = LOAD_F4(qT + d * QS + r0 + i);
+            s[i] += qv.x * kd;
+            s[i + 1] += qv.y * kd;
+            s[i + 2] += qv.z * kd;
+            s[i + 3] += qv.w * kd;
+          }
+        } else {
+          for (int i = 0; i < SR; ++i) s[i] += qT[d * QS + r0 + i] * kd;
+        }
+      }
+      const int kp = kt + c;
+      for (int i = 0; i < SR; ++i) {
+        const int r = r0 + i;
+        const int qp = qpos0 + r / G;
+        bool ok = r < nrows && kp <= qp;
+        if (WIN > 0) ok = ok && kp > qp - WIN;
+        float x = s[i];
+        if (cap > 0.0f) x = cap * TANH(x / cap) * LOG2E;
+        x = ok ? x : NEG_BIG;
+        float tmax = x;
+        for (int o = BN / 2; o > 0; o >>= 1) tmax = FMAX(tmax, SHFL_XOR(tmax, o));
+        const float mn = FMAX(mrow[i], tmax);
+        const float al = EXP2(mrow[i] - mn);
+        const float p = ok ? EXP2(x - mn) : 0.0f;
+        float psum = p;
+        for (int o = BN / 2; o > 0; o >>= 1) psum += SHFL_XOR(psum, o);
+        lrow[i] = lrow[i] * al + psum;
+        mrow[i] = mn;
+        pm[r * PST + c] = p;
+        if (c == 0) alpha_s[r] = al;
+      }
+      BARRIER();  // scores are read out of kv; pm and alpha_s are complete
+      for (int i = tid; i < BN * D; i += NT) {
+        const int cc = i / D;
+        const int d = i - cc * D;
+        kv[cc * D + d] = static_cast<float>(v_cache[((long)tok_row[cc] * HKV + kvh) * D + d]);
+      }
+      BARRIER();
+      for (int i = 0; i < OR; ++i) {
+        const float a = alpha_s[ro + i];
+        for (int j = 0; j < OD; ++j) acc[i][j] *= a;
+      }
+      for (int cc = 0; cc < BN; ++cc) {
+        float vv[OD];
+        for (int j = 0; j < OD; ++j) vv[j] = kv[cc * D + dl + j * DL];
+        for (int i = 0; i < OR; ++i) {
+          const float p = pm[(ro + i) * PST + cc];
+          for (int j = 0; j < OD; ++j) acc[i][j] += p * vv[j];
+        }
+      }
+    }
+    BARRIER();
+    if (c == 0) {
+      for (int i = 0; i < SR; ++i) l_s[r0 + i] = lrow[i];
+    }
+    BARRIER();
+    for (int i = 0; i < OR; ++i) {
+      const int r = ro + i;
+      if (r < nrows) {
+        const float inv = l_s[r] > 0.0f ? 1.0f / l_s[r] : 0.0f;
+        const long orow = ((qrow0 + r / G) * H + kvh * G + r % G) * D;
+        for (int j = 0; j < OD; ++j) out[orow + dl + j * DL] = static_cast<T>(acc[i][j] * inv);
+      }
+    }
+  }
+"""
+
+# Inputs: full [T,H,D] (the attention pass output), part_o, part_ml, cu_seqlens_q, seq_lens, iparams. Output: out [T,H,D].
+# Template: T, D, H. One thread group per token: merges split decode rows, copies the rest.
+REDUCE_BODY = r"""
+  constexpr int NT = 128;
+  const int B = iparams[0];
+  const int P = iparams[2];
+  const int PS = iparams[3];
+  const int t = gx;
+  int b = 0;
+  {
+    int n = B;
+    while (n > 1) {
+      const int half = n >> 1;
+      const int mid = b + half;
+      if (cu_seqlens_q[mid] <= t) b = mid;
+      n -= half;
+    }
+  }
+  const int qlen = cu_seqlens_q[b + 1] - cu_seqlens_q[b];
+  const int np = (seq_lens[b] + PS - 1) / PS;
+  const long row = (long)t * H * D;
+  if (qlen == 1 && np > 1) {
+    for (int i = tid; i < H * D; i += NT) {
+      const int h = i / D;
+      const int d = i - h * D;
+      const long base = ((long)b * H + h) * P;
+      float mx_ = NEG_BIG;
+      for (int p = 0; p < np; ++p) mx_ = FMAX(mx_, part_ml[(base + p) * 2]);
+      float lsum = 0.0f;
+      float o = 0.0f;
+      for (int p = 0; p < np; ++p) {
+        const float c = EXP2(part_ml[(base + p) * 2] - mx_);
+        lsum += part_ml[(base + p) * 2 + 1] * c;
+        o += part_o[(base + p) * D + d] * c;
+      }
+      out[row + i] = static_cast<T>(lsum > 0.0f ? o / lsum : 0.0f);
+    }
+  } else {
+    for (int i = tid; i < H * D; i += NT) out[row + i] = full[row + i];
+  }
+"""
+
+MAIN_INPUTS = ["q", "k_cache", "v_cache", "cu_seqlens_q", "seq_lens", "block_tables", "iparams", "fparams"]
+MAIN_OUTPUTS = ["out", "part_o", "part_ml"]
+REDUCE_INPUTS = ["full", "part_o", "part_ml", "cu_seqlens_q", "seq_lens", "iparams"]
+REDUCE_OUTPUTS = ["out"]
+
+DIALECTS = ("metal", "cuda")
+_PRELUDES = {
+    "metal": (METAL_HEADER, METAL_PROLOGUE, METAL_SHARED),
+    "cuda": (CUDA_HEADER, CUDA_PROLOGUE, CUDA_SHARED),
+}
+
+
+def render_main(dialect: str) -> tuple[str, str]:
+    """(header, source) of the attention pass for ``dialect`` ("metal" or "cuda")."""
+    header, prologue, shared = _PRELUDES[dialect]
+    return header + COMMON, prologue + shared + MAIN_BODY
+
+
+def render_reduce(dialect: str) -> tuple[str, str]:
+    """(header, source) of the split-KV merge pass; it needs no shared memory."""
+    header, prologue, _ = _PRELUDES[dialect]
+    return header + COMMON, prologue + REDUCE_BODY
