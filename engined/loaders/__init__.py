@@ -16,6 +16,7 @@ from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx.utils import tree_flatten
 
 from engined.backend import weight_dtype
 from shared.errors import ModelLoadError
@@ -83,17 +84,11 @@ def _apply_dtype(model: nn.Module, dtype: str) -> None:
     # Keeping quantized weights: run the remaining float tensors (norms,
     # unquantized layers) in the scales' precision, so activations are not
     # promoted to float32 by a float32 norm weight from a GGUF file.
-    floats = {p.dtype for _, p in _flat(model) if mx.issubdtype(p.dtype, mx.floating)}
+    floats = {p.dtype for _, p in tree_flatten(model.parameters()) if mx.issubdtype(p.dtype, mx.floating)}
     if mx.float32 in floats and len(floats) > 1:
         low = mx.bfloat16 if mx.bfloat16 in floats else mx.float16
         model.set_dtype(low)
         mx.eval(model.parameters())
-
-
-def _flat(model: nn.Module):
-    from mlx.utils import tree_flatten
-
-    return tree_flatten(model.parameters())
 
 
 def load_model(spec: str, dtype: str = "auto") -> LoadedModel:
@@ -120,7 +115,9 @@ def load_model(spec: str, dtype: str = "auto") -> LoadedModel:
             directory, model_id = resolve_hf_repo(spec), spec
             ggufs = sorted(directory.glob("*.gguf"))
             if not is_model_dir(directory) and len(ggufs) == 1:
-                return _finish(load_model(str(ggufs[0]), dtype), model_id)
+                loaded = load_model(str(ggufs[0]), dtype)
+                loaded.model_id = model_id
+                return loaded
             if not is_model_dir(directory):
                 raise ModelLoadError(
                     f"model {spec!r}: the cached snapshot at {directory} has no config.json"
@@ -147,8 +144,3 @@ def load_model(spec: str, dtype: str = "auto") -> LoadedModel:
         num_kv_heads=kv_heads,
         head_dim=head_dim,
     )
-
-
-def _finish(loaded: LoadedModel, model_id: str) -> LoadedModel:
-    loaded.model_id = model_id
-    return loaded

