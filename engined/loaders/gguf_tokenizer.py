@@ -15,12 +15,19 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 from pathlib import Path
 
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
 
 from shared.errors import ModelLoadError
+
+log = logging.getLogger(__name__)
+
+# Part of the cache key: bump when the directory written here changes, so
+# that tokenizers built by an older mlxd are not reused.
+_FORMAT = 1
 
 # GGUF token types (llama.cpp's llama_token_type).
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
@@ -65,7 +72,7 @@ def meta_list(meta: dict, key: str) -> list:
 def cache_dir_for(gguf_path: str | os.PathLike) -> Path:
     """Where the tokenizer of this GGUF file is kept: keyed by the file's path, size and mtime."""
     st = os.stat(gguf_path)
-    key = f"{os.path.realpath(gguf_path)}\0{st.st_size}\0{st.st_mtime_ns}"
+    key = f"{_FORMAT}\0{os.path.realpath(gguf_path)}\0{st.st_size}\0{st.st_mtime_ns}"
     digest = hashlib.sha256(key.encode()).hexdigest()[:24]
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return Path(base) / "mlxd" / "tokenizers" / digest
@@ -75,6 +82,8 @@ def _byte_level_bpe(tokens: list[str], merges: list[str], pre: str) -> Tokenizer
     vocab = {t: i for i, t in enumerate(tokens)}
     pairs = [tuple(m.split(" ", 1)) for m in merges]
     tok = Tokenizer(models.BPE(vocab=vocab, merges=pairs, ignore_merges=False))
+    if pre not in _PRE:
+        log.warning("GGUF pre-tokenizer %r is not known; splitting text like GPT-2", pre)
     pattern, split_digits = _PRE.get(pre, _PRE["default"])
     steps = []
     if split_digits:
