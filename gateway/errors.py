@@ -18,6 +18,7 @@ from shared.errors import InvalidRequestError, MlxdError
 log = logging.getLogger("mlxd.gateway")
 
 _PATH = re.compile(r"at `\$\.?([^`]*)`")
+_MISSING = re.compile(r"missing required field `([^`]*)`")
 
 
 def to_mlxd_error(exc: BaseException) -> MlxdError:
@@ -28,6 +29,9 @@ def to_mlxd_error(exc: BaseException) -> MlxdError:
         # msgspec says where: "Expected `int`, got `str` - at `$.max_tokens`"
         m = _PATH.search(str(exc))
         param = m.group(1) if m and m.group(1) else None
+        missing = _MISSING.search(str(exc))
+        if missing:
+            param = f"{param}.{missing.group(1)}" if param else missing.group(1)
         return InvalidRequestError(f"invalid request body: {exc}", param=param)
     if isinstance(exc, msgspec.DecodeError):
         return InvalidRequestError(f"the request body is not valid JSON: {exc}")
