@@ -1,0 +1,198 @@
+"""Paged attention: the reference against dense SDPA on padded batches, the GPU launch plan, and the kernel source."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+import kernels
+from kernels import gpu, reference, source
+from kernels.cases import dense_attention, make_case, rel_error
+from kernels.metadata import AttentionMetadata
+
+TOL = {mx.float32: 2e-5, mx.float16: 3e-3, mx.bfloat16: 2e-2}
+
+
+@pytest.fixture
+def rng():
+    # Fresh inputs every run: the implementations must agree on any valid batch.
+    seed = np.random.SeedSequence().entropy
+    print(f"seed={seed}")
+    return np.random.default_rng(seed)
+
+
+def _mixed_lengths(rng, num_decode, prefill_chunks, max_ctx):
+    """Decode rows with random contexts plus prefill chunks that sit after some cached context."""
+    qlens, slens = [], []
+    for _ in range(num_decode):
+        qlens.append(1)
+        slens.append(int(rng.integers(1, max_ctx + 1)))
+    for chunk in prefill_chunks:
+        qlens.append(chunk)
+        slens.append(chunk + int(rng.integers(0, max_ctx - chunk + 1)))
+    order = rng.permutation(len(qlens))  # decode and prefill rows interleaved in the packed batch
+    return [qlens[i] for i in order], [slens[i] for i in order]
+
+
+def _check(case, sliding_window=None, softcap=None, dtype=mx.float32):
+    out = reference.paged_attention(case.q, case.k_cache, case.v_cache, case.meta, case.scale,
+                                    sliding_window=sliding_window, softcap=softcap)
+    assert out.shape == case.q.shape and out.dtype == case.q.dtype
+    ref = dense_attention(case, sliding_window=sliding_window, softcap=softcap)
+    err = rel_error(out, ref)
+    assert err < TOL[dtype], err
+
+
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (8, 2), (16, 2)])  # GQA 1, 4, 8
+@pytest.mark.parametrize("block_size", [8, 16, 32])
+def test_attention_reference_mixed_batch_matches_dense_sdpa(rng, num_heads, num_kv_heads, block_size):
+    qlens, slens = _mixed_lengths(rng, num_decode=5, prefill_chunks=[1 + int(rng.integers(2, 40)), 17], max_ctx=300)
+    case = make_case(rng, qlens, slens, num_heads, num_kv_heads, 64, block_size)
+    _check(case)
+
+
+def test_attention_reference_long_contexts_up_to_8k(rng):
+    qlens = [1, 1, 64, 1]
+    slens = [8192, int(rng.integers(4000, 8192)), 8192, 3]
+    case = make_case(rng, qlens, slens, 8, 2, 64, 16)
+    _check(case)
+
+
+@pytest.mark.parametrize("window", [1, 7, 100])
+def test_attention_reference_sliding_window(rng, window):
+    qlens, slens = _mixed_lengths(rng, num_decode=4, prefill_chunks=[33, 5], max_ctx=400)
+    case = make_case(rng, qlens, slens, 8, 2, 64, 16)
+    _check(case, sliding_window=window)
+
+
+def test_attention_reference_softcap(rng):
+    qlens, slens = _mixed_lengths(rng, num_decode=3, prefill_chunks=[20], max_ctx=200)
+    case = make_case(rng, qlens, slens, 8, 4, 64, 8)
+    case.q = case.q * 4  # large logits, so the cap changes the answer
+    _check(case, softcap=5.0)
+    _check(case, sliding_window=16, softcap=5.0)
+
+
+@pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16])
+@pytest.mark.parametrize("head_dim", [80, 128])
+def test_attention_reference_half_precision(rng, dtype, head_dim):
+    qlens, slens = _mixed_lengths(rng, num_decode=3, prefill_chunks=[24], max_ctx=150)
+    case = make_case(rng, qlens, slens, 8, 2, head_dim, 16, dtype=dtype)
+    _check(case, dtype=dtype)
+
+
+def test_attention_write_kv_then_read_back_matches_dense(rng):
+    """New rows scattered by slot_mapping are exactly what the next attention call reads."""
+    qlens, slens = [1, 6, 1], [40, 6, 17]
+    case = make_case(rng, qlens, slens, 4, 2, 64, 8)
+    t = case.meta.num_tokens
+    k_new = mx.array(rng.standard_normal((t, 2, 64)).astype(np.float32))
+    v_new = mx.array(rng.standard_normal((t, 2, 64)).astype(np.float32))
+    kc, vc = kernels.write_kv(case.k_cache, case.v_cache, k_new, v_new, case.meta.slot_mapping)
+    cu = case.meta.cu_seqlens_q_np
+    for i, (ql, sl) in enumerate(zip(qlens, slens)):
+        case.k_dense[i][sl - ql:] = np.asarray(k_new[cu[i] : cu[i] + ql])
+        case.v_dense[i][sl - ql:] = np.asarray(v_new[cu[i] : cu[i] + ql])
+    case.k_cache, case.v_cache = kc, vc
+    _check(case)
+
+
+def test_attention_dispatch_uses_reference_on_cpu(rng):
+    assert mx.default_device().type == mx.DeviceType.cpu
+    assert kernels.backend() == "reference"
+    case = make_case(rng, [1, 3], [9, 5], 4, 2, 64, 8)
+    a = kernels.paged_attention(case.q, case.k_cache, case.v_cache, case.meta, case.scale)
+    b = reference.paged_attention(case.q, case.k_cache, case.v_cache, case.meta, case.scale)
+    assert mx.array_equal(a, b)
+
+
+# ---- the GPU launch plan, checked on the host -------------------------------------------------
+
+
+def _qblocks(meta: AttentionMetadata, rows_per_tile: int, group: int):
+    """Which packed rows each thread group of the kernel's grid takes (the kernel's own arithmetic)."""
+    bq = rows_per_tile // group
+    cu, b = meta.cu_seqlens_q_np, meta.num_seqs
+    for qb in range(meta.num_tokens // bq + b):
+        lo, n = 0, b
+        while n > 1:  # the kernel's binary search over cu_seqlens_q
+            half = n >> 1
+            if cu[lo + half] // bq + lo + half <= qb:
+                lo += half
+            n -= half
+        start = (qb - (cu[lo] // bq + lo)) * bq
+        qlen = cu[lo + 1] - cu[lo]
+        if start < qlen:
+            yield range(cu[lo] + start, cu[lo] + min(start + bq, qlen))
+
+
+@pytest.mark.parametrize("group", [1, 3, 4, 7, 8])
+def test_kernel_grid_covers_every_query_row_once(rng, group):
+    for _ in range(20):
+        qlens = [int(x) for x in rng.choice([1, 1, 1, 2, 5, 31, 33, 100], size=int(rng.integers(1, 12)))]
+        slens = [q + int(rng.integers(0, 50)) for q in qlens]
+        meta = AttentionMetadata.build(qlens, slens, [[0] * (-(-s // 16)) for s in slens], 16)
+        for dialect in source.DIALECTS:
+            rt, _ = gpu.tile_shape(dialect, 128)
+            if group > rt:
+                continue
+            seen = np.zeros(meta.num_tokens, int)
+            for rows in _qblocks(meta, rt, group):
+                seen[list(rows)] += 1
+            assert (seen == 1).all()
+
+
+def test_kernel_partitions_cover_the_longest_decode_context():
+    for longest in [1, 511, 512, 513, 4096, 100_000, 1_000_000]:
+        meta = AttentionMetadata.build([1, 7], [longest, 7], [[0] * (-(-longest // 16)), [0]], 16)
+        for dialect in source.DIALECTS:
+            p, ps = gpu.plan_partitions(meta, dialect)
+            assert p * ps >= longest and (p - 1) * ps < longest
+            assert ps % 16 == 0 and ps // 16 <= gpu.TABLE_SLOTS[dialect]
+
+
+def test_kernel_shapes_fit_shared_memory():
+    for dialect in source.DIALECTS:
+        for d in gpu.HEAD_DIMS:
+            q = mx.zeros((1, 8, d))
+            cache = mx.zeros((1, 16, 4, d))
+            assert gpu.supported(dialect, q, cache)  # GQA 2 at every head dim
+            rt, bn = gpu.tile_shape(dialect, d)
+            # Whole work per thread: score rows (S phase), output rows and columns (P @ V).
+            assert rt * bn % source.NUM_THREADS == 0 and rt * 16 % source.NUM_THREADS == 0
+            assert d % 16 == 0 and d % gpu.lanes_per_token(d) == 0
+
+
+# ---- the kernel source -----------------------------------------------------------------------
+
+
+def test_kernel_source_renders_one_body_in_both_dialects():
+    metal_h, metal_src = source.render_main("metal")
+    cuda_h, cuda_src = source.render_main("cuda")
+    assert source.MAIN_BODY in metal_src and source.MAIN_BODY in cuda_src
+    assert metal_src.endswith(source.MAIN_BODY) and cuda_src.endswith(source.MAIN_BODY)
+    for h in (metal_h, cuda_h):
+        assert source.COMMON in h
+    # Each dialect's primitives, and none of the other's.
+    for word in ["simd_shuffle_xor", "threadgroup_barrier", "threadgroup float smem", "thread_index_in_simdgroup"]:
+        assert word in metal_h + metal_src and word not in cuda_h + cuda_src
+    for word in ["__shfl_xor_sync", "__syncthreads", "extern __shared__", "threadIdx.x"]:
+        assert word in cuda_h + cuda_src and word not in metal_h + metal_src
+    # The body itself names no dialect primitive.
+    for word in ["simd_", "threadgroup_", "__shfl", "__sync", "threadIdx", "blockIdx", "__shared__"]:
+        assert word not in source.MAIN_BODY and word not in source.REDUCE_BODY
+    rh, rsrc = source.render_reduce("metal")
+    assert rsrc.endswith(source.REDUCE_BODY) and "threadgroup float" not in rsrc
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="no nvcc on this machine")
+def test_kernel_cuda_source_compiles_with_nvcc():
+    script = Path(__file__).resolve().parents[2] / "bench" / "kernels" / "nvcc_check.py"
+    r = subprocess.run([sys.executable, str(script), "--quick"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
