@@ -8,6 +8,7 @@ never reduce capacity.
 
 from __future__ import annotations
 
+import hashlib
 from collections import OrderedDict
 
 import numpy as np
@@ -19,12 +20,22 @@ class Block:
     def __init__(self, block_id: int):
         self.block_id = block_id
         self.ref_count = 0
-        self.block_hash: int | None = None
+        self.block_hash: bytes | None = None
 
 
-def hash_block(parent: int | None, token_ids: list[int], extra: tuple = ()) -> int:
-    """Hash of a full block, chained on its parent's so equal hashes mean equal prefixes."""
-    return hash((parent, tuple(token_ids), extra))
+def hash_block(parent: bytes | None, token_ids: list[int], extra: bytes = b"") -> bytes:
+    """Hash of a full block, chained on its parent's so equal hashes mean equal prefixes.
+
+    A cryptographic digest, not Python's ``hash``: a collision would hand one
+    request another's KV. ``extra`` (the cache salt) enters the first block
+    only; the chain carries it to every later block.
+    """
+    if parent is None:
+        h = hashlib.blake2b(len(extra).to_bytes(4, "little") + extra, digest_size=16, person=b"mlxd-first")
+    else:
+        h = hashlib.blake2b(parent, digest_size=16, person=b"mlxd-chained")
+    h.update(np.asarray(token_ids, dtype=np.int64).tobytes())
+    return h.digest()
 
 
 class BlockPool:
@@ -32,7 +43,7 @@ class BlockPool:
         self.blocks = [Block(i) for i in range(num_blocks)]
         # Insertion order is eviction order: the front is evicted first.
         self.free_queue: OrderedDict[int, Block] = OrderedDict((b.block_id, b) for b in self.blocks)
-        self.cached: dict[int, Block] = {}
+        self.cached: dict[bytes, Block] = {}
 
     @property
     def num_blocks(self) -> int:
@@ -72,10 +83,10 @@ class BlockPool:
             if block.ref_count == 0:
                 self.free_queue[block.block_id] = block
 
-    def lookup(self, block_hash: int) -> Block | None:
+    def lookup(self, block_hash: bytes) -> Block | None:
         return self.cached.get(block_hash)
 
-    def cache(self, block: Block, block_hash: int) -> None:
+    def cache(self, block: Block, block_hash: bytes) -> None:
         """Register a full block under its chained hash (first writer wins)."""
         if block.block_hash is None and block_hash not in self.cached:
             block.block_hash = block_hash

@@ -45,6 +45,8 @@ class EngineStats:
     num_free_blocks: int
     num_total_blocks: int
     num_preemptions: int
+    prefix_cache_queries: int
+    prefix_cache_hits: int
 
 
 def device_memory() -> int:
@@ -103,8 +105,14 @@ class Engine:
 
     # -- requests ---------------------------------------------------------------------------
 
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        """Queue a request; raises at once if it is malformed or can never fit."""
+    def add_request(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+        cache_salt: str | None = None,
+    ) -> None:
+        """Queue a request; raises at once if it is malformed or can never fit.
+
+        Requests share cached prefix blocks only when their ``cache_salt`` is equal.
+        """
         if request_id in self.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         if not prompt_token_ids:
@@ -125,7 +133,7 @@ class Engine:
                 f"{self.kv.pool.num_blocks * self.config.block_size}", param="max_tokens",
             )
         seed = params.seed if params.seed is not None else self._seeds.getrandbits(63)
-        req = Request(request_id, prompt_token_ids, params, seed)
+        req = Request(request_id, prompt_token_ids, params, seed, (cache_salt or "").encode())
         self.requests[request_id] = req
         self.scheduler.add(req)
 
@@ -148,6 +156,8 @@ class Engine:
             num_free_blocks=self.kv.num_free_blocks,
             num_total_blocks=self.kv.pool.num_blocks,
             num_preemptions=self.scheduler.num_preemptions,
+            prefix_cache_queries=self.kv.queries,
+            prefix_cache_hits=self.kv.hits,
         )
 
     # -- the step -----------------------------------------------------------------------------

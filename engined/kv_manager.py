@@ -12,6 +12,9 @@ class KVCacheManager:
         self.block_size = block_size
         self.enable_caching = enable_caching
         self.req_blocks: dict[str, list[Block]] = {}
+        # Prompt tokens looked up in / found in the prefix cache (vLLM's prefix_cache_queries/hits).
+        self.queries = 0
+        self.hits = 0
 
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -39,6 +42,10 @@ class KVCacheManager:
                 break
             hits.append(block)
         return hits
+
+    def record_lookup(self, num_tokens: int, num_hit_tokens: int) -> None:
+        self.queries += num_tokens
+        self.hits += num_hit_tokens
 
     def allocate(self, req: Request, num_new_tokens: int, prefix: list[Block] = ()) -> bool:
         """Hold enough blocks for ``num_new_tokens`` more tokens (after ``prefix``); False if the pool can't."""
@@ -74,4 +81,4 @@ class KVCacheManager:
         while len(hashes) < num_blocks:
             i = len(hashes)
             parent = hashes[-1] if hashes else None
-            hashes.append(hash_block(parent, req.token_ids[i * bs : (i + 1) * bs]))
+            hashes.append(hash_block(parent, req.token_ids[i * bs : (i + 1) * bs], req.cache_salt))

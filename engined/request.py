@@ -26,10 +26,13 @@ class Request:
     __slots__ = (
         "request_id", "params", "token_ids", "num_prompt_tokens", "num_computed_tokens",
         "num_cached_tokens", "status", "finish_reason", "stop_token_id", "seed",
-        "arrival_time", "pending_tokens", "pending_logprobs", "block_hashes",
+        "arrival_time", "pending_tokens", "pending_logprobs", "block_hashes", "cache_salt",
     )
 
-    def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, seed: int):
+    def __init__(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, seed: int,
+        cache_salt: bytes = b"",
+    ):
         self.request_id = request_id
         self.params = params
         self.token_ids = list(prompt_token_ids)
@@ -45,7 +48,9 @@ class Request:
         self.pending_tokens: list[int] = []
         self.pending_logprobs: list[Logprob] = []
         # Chained hashes of this request's full blocks, grown as blocks fill.
-        self.block_hashes: list[int] = []
+        self.block_hashes: list[bytes] = []
+        # Isolates prefix-cache sharing: only requests with the same salt share blocks.
+        self.cache_salt = cache_salt
 
     @property
     def num_tokens(self) -> int:

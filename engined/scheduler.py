@@ -72,8 +72,10 @@ class Scheduler:
             if not self.kv.allocate(req, num_new, prefix):
                 break
             self.waiting.popleft()
-            if req.num_computed_tokens == 0 and req.num_output_tokens == 0:
+            if req.num_output_tokens == 0:  # first admission, not a resumption after preemption
                 req.num_cached_tokens = cached
+                if self.kv.enable_caching:
+                    self.kv.record_lookup(req.num_tokens, cached)
             req.num_computed_tokens += cached
             req.status = Status.RUNNING
             self.running.append(req)
