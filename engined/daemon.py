@@ -152,7 +152,11 @@ class Daemon:
             self._broadcast_dead(f"engine failed: {type(e).__name__}: {e}")
             return 1
         finally:
+            # Terminating the context waits (up to LINGER) until the last frames,
+            # DEAD and the per-request errors, are on the wire; exiting without it
+            # would drop them.
             self.sock.close()
+            self.ctx.term()
 
     def _drain(self) -> None:
         for _ in range(_MAX_DRAIN):
@@ -187,6 +191,7 @@ class Daemon:
                 del self.owner[r]
             if ids:
                 self.engine.abort(ids)
+            log.debug("gateway %s aborted %s (%d in flight)", identity.hex(), msg.request_ids, len(ids))
         elif kind is Kind.PING:
             self._send(identity, Kind.PONG, p.Pong(self.instance_id, msg.sent_at, self._stats()))
         elif kind is Kind.HELLO:

@@ -103,6 +103,7 @@ class EngineClient:
         ids = [r for r in request_ids if self._streams.pop(r, None) is not None]
         if ids and self.ready:
             self._send(Kind.ABORT, p.Abort(ids))
+        log.debug("abort %s: sent for %s", request_ids, ids)
 
     async def fresh_stats(self, timeout: float = 2.0) -> p.EngineStats | None:
         """Stats from a PONG sent after this call (not the last heartbeat's)."""
@@ -137,11 +138,12 @@ class EngineClient:
         self._send(Kind.HELLO, p.Hello(protocol_version=p.PROTOCOL_VERSION, pid=os.getpid()))
 
     def _lost(self, reason: str) -> None:
+        """The engine is gone; the first reason given is the one clients see."""
         if self.ready:
             log.warning("engine lost: %s", reason)
-        self.ready = False
-        self.unavailable_reason = reason
-        self._fail_all(EngineUnavailableError(reason))
+            self.ready = False
+            self.unavailable_reason = reason
+        self._fail_all(EngineUnavailableError(self.unavailable_reason))
 
     def _fail_all(self, err: MlxdError) -> None:
         streams, self._streams = self._streams, {}
@@ -227,6 +229,9 @@ class EngineClient:
                 if event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                     self._hello()
                 elif event["event"] == zmq.EVENT_DISCONNECTED:
+                    # The monitor is a separate socket: let the engine's last frames
+                    # (per-request errors, DEAD with its reason) be read first.
+                    await asyncio.sleep(0.1)
                     self._lost("the engine disconnected")
         finally:
             monitor.close(linger=0)

@@ -1,0 +1,111 @@
+"""Several gateways on one engine; a client or a gateway that goes away frees its KV blocks."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import time
+
+import httpx
+import openai
+
+from tests.e2e.servers import Gateway
+
+LONG = {"messages": [{"role": "user", "content": "Write a long story about a lighthouse."}],
+        "max_tokens": 400, "ignore_eos": True, "temperature": 0, "stream": True}
+
+
+def _engine_stats(gateway) -> dict:
+    return gateway.health(fresh=True).json()["engine"]
+
+
+def _wait_idle(gateway, timeout: float) -> dict:
+    """The engine's stats once nothing runs and every block is free; fails after ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while True:
+        s = _engine_stats(gateway)
+        if s["num_running"] == 0 and s["num_waiting"] == 0 and s["num_free_blocks"] == s["num_total_blocks"]:
+            return s
+        assert time.monotonic() < deadline, f"engine still busy after {timeout}s: {s}"
+        time.sleep(0.1)
+
+
+def _start_long_stream(gateway):
+    """A stream that would run for tens of seconds, read until it is generating.
+
+    Returns (client, response, line iterator); the iterator must stay referenced:
+    httpx closes the connection when it is collected.
+    """
+    http = httpx.Client(timeout=60)
+    resp = http.send(http.build_request("POST", gateway.url + "/v1/chat/completions", json=LONG),
+                     stream=True)
+    assert resp.status_code == 200
+    lines = resp.iter_lines()
+    n = 0
+    for line in lines:
+        if line.startswith("data: "):
+            n += 1
+            if n >= 4:
+                break
+    return http, resp, lines
+
+
+def test_two_gateways_share_one_engine(engine, gateway, client, model, tmp_path):
+    second = Gateway(engine.endpoint, str(tmp_path / "gateway2.log")).start()
+    try:
+        second.wait_healthy()
+        client2 = openai.OpenAI(base_url=second.url + "/v1", api_key="x", max_retries=0, timeout=120)
+        assert client2.models.list().data[0].id == model
+        kw = dict(model=model, messages=[{"role": "user", "content": "Name a fruit."}],
+                  max_tokens=8, temperature=0)
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+            outs = list(pool.map(lambda c: c.chat.completions.create(**kw).choices[0].message.content,
+                                 [client, client2, client, client2]))
+        assert len(set(outs)) == 1 and outs[0]
+        # Both see the same engine: a stream held open through one shows in the other's stats.
+        http, resp, _lines = _start_long_stream(gateway)
+        try:
+            assert _engine_stats(second)["num_running"] == 1
+        finally:
+            resp.close()
+            http.close()
+        _wait_idle(second, 3)
+    finally:
+        second.stop()
+    # The first gateway is unaffected by the second one leaving.
+    assert client.chat.completions.create(**kw).choices[0].message.content == outs[0]
+
+
+def test_closed_connection_mid_stream_frees_its_blocks(gateway):
+    before = _wait_idle(gateway, 30)
+    http, resp, _lines = _start_long_stream(gateway)
+    busy = _engine_stats(gateway)
+    assert busy["num_running"] == 1 and busy["num_free_blocks"] < before["num_total_blocks"]
+    resp.close()
+    http.close()
+    # 400 tokens would take the engine tens of seconds; the abort frees everything at once.
+    _wait_idle(gateway, 2)
+
+
+def test_closed_connection_of_a_non_streamed_request_aborts_it(gateway):
+    _wait_idle(gateway, 30)
+    body = {**LONG, "stream": False}
+    try:
+        httpx.post(gateway.url + "/v1/chat/completions", json=body, timeout=1.5)
+    except httpx.TimeoutException:
+        pass  # the client gives up and closes the connection
+    _wait_idle(gateway, 2)
+
+
+def test_requests_of_a_killed_gateway_are_aborted(engine, gateway, tmp_path):
+    doomed = Gateway(engine.endpoint, str(tmp_path / "doomed.log")).start()
+    doomed.wait_healthy()
+    _wait_idle(gateway, 30)
+    http, resp, _lines = _start_long_stream(doomed)
+    assert _engine_stats(gateway)["num_running"] == 1
+    doomed.proc.kill()
+    doomed.proc.wait()
+    # The engine notices the silence (--gateway-timeout 3) and aborts the orphan.
+    _wait_idle(gateway, 6)
+    resp.close()
+    http.close()
+    doomed.stop()
