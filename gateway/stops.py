@@ -24,14 +24,15 @@ class StopMatcher:
         if not self.stops:
             return text
         buf = self._held + text
-        # The earliest match wins; at equal starts, the longest stop string.
+        # The stop string completed first wins, as if text arrived a character at a
+        # time (generation would have ended there); at equal ends, the longest.
         best = None
         for s in self.stops:
             i = buf.find(s)
-            if i >= 0 and (best is None or i < best[0] or (i == best[0] and len(s) > len(best[1]))):
-                best = (i, s)
+            if i >= 0 and (best is None or (i + len(s), i) < best[0]):
+                best = ((i + len(s), i), s)
         if best is not None:
-            i, s = best
+            (_, i), s = best
             self.stopped = True
             self._held = ""
             return buf[: i + len(s)] if self.include else buf[:i]
