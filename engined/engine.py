@@ -7,6 +7,7 @@ The daemon wraps this object; tests and benchmarks use it directly.
 
 from __future__ import annotations
 
+import logging
 import os
 import random
 from dataclasses import dataclass
@@ -14,6 +15,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
+from engined import memory_guard
 from engined.kv_manager import KVCacheManager
 from engined.loaders import LoadedModel, load_model
 from engined.request import Request
@@ -21,9 +23,11 @@ from engined.runner import ModelRunner
 from engined.sampler import Sampler, logprobs_for
 from engined.scheduler import Scheduler, SchedulerOutput
 from shared.config import EngineConfig
-from shared.errors import ContextLengthError, InvalidRequestError
+from shared.errors import ContextLengthError, InvalidRequestError, OverloadedError
 from shared.protocol import RequestOutput
 from shared.sampling import SamplingParams
+
+log = logging.getLogger("mlxd.engine")
 
 
 @dataclass(frozen=True)
@@ -49,17 +53,8 @@ class EngineStats:
     prefix_cache_hits: int
 
 
-def device_memory() -> int:
-    """Bytes the device can use: Metal's recommended working set, CUDA's memory, else the OS's RAM."""
-    info = mx.device_info() if hasattr(mx, "device_info") else {}
-    for key in ("max_recommended_working_set_size", "memory_size", "total_memory"):
-        if info.get(key):
-            return int(info[key])
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-
-
 class Engine:
-    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None):
+    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None, progress: bool = False):
         self.config = config
         loaded = loaded or load_model(config.model, config.dtype)
         self.loaded = loaded
@@ -68,12 +63,15 @@ class Engine:
             (p.dtype for _, p in tree_flatten(loaded.model.parameters()) if mx.issubdtype(p.dtype, mx.floating)),
             mx.float32,
         )
-        num_blocks = self._num_blocks(loaded, dtype)
+        self.runner = ModelRunner(loaded.model, config.block_size, loaded.num_kv_heads, loaded.head_dim, dtype)
+        self.memory = memory_guard.plan(
+            self.runner, config, self.max_model_len, loaded.vocab_size, self.runner.bytes_per_block, progress
+        )
+        log.info("%s", self.memory.describe())
+        num_blocks = self.memory.num_blocks
+        self.runner.allocate_kv(num_blocks)
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
-        self.runner = ModelRunner(
-            loaded.model, num_blocks, config.block_size, loaded.num_kv_heads, loaded.head_dim, dtype
-        )
         self.sampler = Sampler(loaded.vocab_size, loaded.eos_token_ids)
         self.requests: dict[str, Request] = {}
         self._seeds = random.Random(config.seed)
@@ -88,20 +86,6 @@ class Engine:
             vocab_size=loaded.vocab_size,
             eos_token_ids=list(loaded.eos_token_ids),
         )
-
-    def _num_blocks(self, loaded: LoadedModel, dtype: mx.Dtype) -> int:
-        cfg = self.config
-        per_block = 2 * loaded.num_layers * cfg.block_size * loaded.num_kv_heads * loaded.head_dim * dtype.size
-        if cfg.num_kv_blocks is not None:
-            return cfg.num_kv_blocks
-        if cfg.kv_cache_memory is not None:
-            return max(cfg.kv_cache_memory // per_block, 1)
-        # Budget minus the weights already resident and a scratch allowance for
-        # activations of the largest step; never more than the running cap can use.
-        scratch = 64 * cfg.max_num_batched_tokens * loaded.vocab_size // 16 + (256 << 20)
-        budget = int(cfg.gpu_memory_utilization * device_memory()) - mx.get_active_memory() - scratch
-        useful = cfg.max_num_seqs * -(-self.max_model_len // cfg.block_size)
-        return max(1, min(budget // per_block, useful))
 
     # -- requests ---------------------------------------------------------------------------
 
@@ -131,6 +115,11 @@ class Engine:
             raise ContextLengthError(
                 f"the request needs up to {longest} tokens of KV cache but the pool holds "
                 f"{self.kv.pool.num_blocks * self.config.block_size}", param="max_tokens",
+            )
+        if len(self.scheduler.waiting) >= self.config.max_waiting_requests:
+            raise OverloadedError(
+                f"{len(self.scheduler.waiting)} requests are already waiting "
+                f"(--max-waiting-requests {self.config.max_waiting_requests}); retry later"
             )
         seed = params.seed if params.seed is not None else self._seeds.getrandbits(63)
         req = Request(request_id, prompt_token_ids, params, seed, (cache_salt or "").encode())

@@ -12,17 +12,24 @@ from kernels import AttentionMetadata
 
 
 class ModelRunner:
-    def __init__(
-        self, model: nn.Module, num_blocks: int, block_size: int,
-        num_kv_heads: int, head_dim: int, dtype: mx.Dtype,
-    ):
+    def __init__(self, model: nn.Module, block_size: int, num_kv_heads: int, head_dim: int, dtype: mx.Dtype):
         self.model = model
         self.block_size = block_size
         self.ctx = attention.StepContext()
-        layers = attention.install(model, self.ctx)
-        shape = (num_blocks, block_size, num_kv_heads, head_dim)
-        self.ctx.k_caches = [mx.zeros(shape, dtype=dtype) for _ in layers]
-        self.ctx.v_caches = [mx.zeros(shape, dtype=dtype) for _ in layers]
+        self.num_layers = len(attention.install(model, self.ctx))
+        self.block_shape = (block_size, num_kv_heads, head_dim)
+        self.dtype = dtype
+
+    @property
+    def bytes_per_block(self) -> int:
+        return 2 * self.num_layers * int(np.prod(self.block_shape)) * self.dtype.size
+
+    def allocate_kv(self, num_blocks: int) -> None:
+        """(Re)create the per-layer K/V pools with ``num_blocks`` blocks each, dropping the old ones."""
+        self.ctx.k_caches, self.ctx.v_caches = [], []
+        shape = (num_blocks, *self.block_shape)
+        self.ctx.k_caches = [mx.zeros(shape, dtype=self.dtype) for _ in range(self.num_layers)]
+        self.ctx.v_caches = [mx.zeros(shape, dtype=self.dtype) for _ in range(self.num_layers)]
         mx.eval(self.ctx.k_caches, self.ctx.v_caches)
 
     @property

@@ -15,6 +15,8 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     max_model_len: int | None = None
     max_num_seqs: int = 32
     max_num_batched_tokens: int = 1024
+    # Requests queued beyond the running ones; past this, new requests are refused (HTTP 429).
+    max_waiting_requests: int = 256
     block_size: int = 16
     # Fraction of device memory (the OS's RAM on CPU) the engine may use in total.
     gpu_memory_utilization: float = 0.9
@@ -28,7 +30,7 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     seed: int = 0
 
     def __post_init__(self) -> None:
-        positive = ("max_num_seqs", "max_num_batched_tokens", "block_size")
+        positive = ("max_num_seqs", "max_num_batched_tokens", "block_size", "max_waiting_requests")
         for name in positive:
             if getattr(self, name) < 1:
                 raise InvalidRequestError(f"{name} must be positive", param=name)

@@ -85,3 +85,12 @@ _BY_CODE = {
 def error_from_code(code: str, message: str, param: str | None = None) -> MlxdError:
     """Rebuild an error received on the wire from its code."""
     return _BY_CODE.get(code, MlxdError)(message, param)
+
+
+class MemoryBudgetError(MlxdError):
+    """The memory budget cannot hold the weights, the warm-up activations and one full-length request."""
+
+    code = "insufficient_memory"
+
+
+_BY_CODE[MemoryBudgetError.code] = MemoryBudgetError

@@ -1,0 +1,119 @@
+"""Sizes the fixed KV pool from a memory budget, so memory does not grow with load.
+
+budget = gpu_memory_utilization x device memory (``--kv-cache-memory`` replaces
+the fraction's result for the pool). A warm-up forward of the largest step the
+scheduler can build measures what activations and scratch need at peak; MLX's
+buffer cache is capped at that, and what is left becomes the KV pool.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+
+import mlx.core as mx
+import numpy as np
+from tqdm import tqdm
+
+from shared.config import EngineConfig
+from shared.errors import MemoryBudgetError
+from shared.sampling import SamplingParams
+
+log = logging.getLogger("mlxd.engine")
+
+GiB = 1 << 30
+
+
+def device_memory() -> int:
+    """Bytes the device can use: Metal's recommended working set, CUDA's memory, else the OS's RAM."""
+    info = mx.device_info() if hasattr(mx, "device_info") else {}
+    for key in ("max_recommended_working_set_size", "memory_size", "total_memory"):
+        if info.get(key):
+            return int(info[key])
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    budget: int  # bytes the engine may use in all (0 when the pool size was given in blocks)
+    weights: int
+    activations: int  # peak scratch of the largest step, also MLX's buffer-cache cap
+    kv_bytes: int
+    num_blocks: int
+    block_size: int
+
+    @property
+    def kv_tokens(self) -> int:
+        return self.num_blocks * self.block_size
+
+    def describe(self) -> str:
+        gb = lambda b: f"{b / GiB:.2f} GiB"  # noqa: E731
+        budget = gb(self.budget) if self.budget else "n/a (--num-kv-blocks)"
+        return (
+            f"memory: budget {budget}; weights {gb(self.weights)}; activations {gb(self.activations)} "
+            f"(buffer cache capped there); KV cache {gb(self.kv_bytes)} = {self.num_blocks} blocks "
+            f"x {self.block_size} = {self.kv_tokens} tokens"
+        )
+
+
+def warm_up(runner, config: EngineConfig, max_model_len: int, vocab_size: int, progress: bool) -> int:
+    """Run the largest prefill step and the widest sampling step; returns peak scratch bytes."""
+    from engined.request import Request
+    from engined.sampler import Sampler
+
+    tokens = min(config.max_num_batched_tokens, max_model_len)
+    blocks = -(-tokens // config.block_size)
+    runner.allocate_kv(blocks)
+    base = mx.get_active_memory()
+    mx.reset_peak_memory()
+    rng = np.random.default_rng(0)
+    bar = tqdm(total=2, desc="warm-up", disable=not progress, leave=False)
+    req = Request("warm-up", rng.integers(0, vocab_size, size=tokens).tolist(), SamplingParams(), 0)
+    logits = runner.execute([(req, tokens)], [list(range(blocks))], [0])
+    mx.eval(logits, runner.caches())
+    bar.update()
+    # The widest sampling step: every running sequence with penalties and top-p.
+    rows = config.max_num_seqs
+    wide = SamplingParams(temperature=0.7, top_p=0.9, repetition_penalty=1.1, logprobs=5)
+    reqs = [Request(f"w{i}", [1, 2], wide, i) for i in range(rows)]
+    sampled, lp = Sampler(vocab_size, [])(mx.zeros((rows, vocab_size)), reqs)
+    mx.eval(sampled, lp)
+    bar.update()
+    bar.close()
+    peak = mx.get_peak_memory() - base
+    runner.allocate_kv(0)
+    mx.clear_cache()
+    return max(peak, 0)
+
+
+def plan(runner, config: EngineConfig, max_model_len: int, vocab_size: int, per_block: int,
+         progress: bool = False) -> MemoryPlan:
+    """Warm up, then choose the pool size; raises MemoryBudgetError when one full-length request cannot fit."""
+    weights = mx.get_active_memory()
+    activations = warm_up(runner, config, max_model_len, vocab_size, progress)
+    mx.set_cache_limit(activations)
+    needed = -(-max_model_len // config.block_size)
+    if config.num_kv_blocks is not None:
+        return MemoryPlan(0, weights, activations, config.num_kv_blocks * per_block,
+                          config.num_kv_blocks, config.block_size)
+    budget = int(config.gpu_memory_utilization * device_memory())
+    if config.kv_cache_memory is not None:
+        kv = config.kv_cache_memory
+        source = f"--kv-cache-memory {kv} bytes"
+    else:
+        kv = budget - weights - activations
+        source = (f"--gpu-memory-utilization {config.gpu_memory_utilization} x {device_memory() / GiB:.2f} GiB"
+                  f" = {budget / GiB:.2f} GiB, less weights {weights / GiB:.2f} GiB"
+                  f" and activations {activations / GiB:.2f} GiB")
+    num_blocks = max(kv, 0) // per_block
+    if num_blocks < needed:
+        raise MemoryBudgetError(
+            f"the KV cache budget ({source}) holds {num_blocks} blocks of {config.block_size} tokens "
+            f"({num_blocks * config.block_size} tokens), but one request of max_model_len={max_model_len} "
+            f"needs {needed} blocks ({needed * per_block / GiB:.2f} GiB); raise --gpu-memory-utilization "
+            f"or --kv-cache-memory, or lower --max-model-len"
+        )
+    # More blocks than every running sequence at full length could use would only sit idle.
+    num_blocks = min(num_blocks, config.max_num_seqs * needed)
+    return MemoryPlan(budget, weights, activations, num_blocks * per_block, num_blocks, config.block_size)

@@ -1,0 +1,82 @@
+"""The memory guard: a fixed KV pool sized from the budget, a refusal naming the numbers, flat memory under load."""
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from engined.engine import Engine
+from engined.loaders import load_model
+from engined.memory_guard import device_memory
+from shared.config import EngineConfig
+from shared.errors import MemoryBudgetError, OverloadedError
+from shared.sampling import SamplingParams
+from tests.tiny_models import make_tiny_model
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    return make_tiny_model(tmp_path_factory.mktemp("tiny"), "qwen3", seed=3, max_position_embeddings=4096)
+
+
+def engine(tiny_dir, **kw):
+    return Engine(EngineConfig(**kw), loaded=load_model(str(tiny_dir)))
+
+
+def test_budget_fraction_sets_the_pool_and_the_breakdown_adds_up(tiny_dir):
+    e = engine(tiny_dir, gpu_memory_utilization=0.01, max_num_seqs=4, max_num_batched_tokens=256)
+    m = e.memory
+    assert m.budget == int(0.01 * device_memory())
+    assert m.weights > 0 and m.activations > 0
+    per_block = e.runner.bytes_per_block
+    assert m.kv_bytes == m.num_blocks * per_block == e.runner.kv_bytes
+    # Either the budget's remainder or the most the running cap can use, whichever is less.
+    assert m.num_blocks == min((m.budget - m.weights - m.activations) // per_block, 4 * 4096 // 16)
+    assert "weights" in m.describe() and f"{m.num_blocks} blocks" in m.describe()
+
+
+def test_kv_cache_memory_overrides_the_fraction(tiny_dir):
+    e = engine(tiny_dir, kv_cache_memory=64 << 20, max_num_seqs=64, max_num_batched_tokens=256)
+    assert e.memory.num_blocks == (64 << 20) // e.runner.bytes_per_block
+
+
+def test_a_budget_too_small_for_one_full_request_refuses_to_start(tiny_dir):
+    with pytest.raises(MemoryBudgetError) as err:
+        engine(tiny_dir, kv_cache_memory=1 << 20, max_model_len=4096, max_num_batched_tokens=256)
+    msg = str(err.value)
+    assert "max_model_len=4096" in msg and "needs 256 blocks" in msg and "--kv-cache-memory" in msg
+
+
+def test_requests_wait_for_blocks_and_memory_stays_flat_under_load(tiny_dir):
+    # A pool for about two requests at a time; twelve arrive at once, in three waves.
+    e = engine(tiny_dir, num_kv_blocks=40, block_size=16, max_num_seqs=8, max_num_batched_tokens=256,
+               enable_prefix_caching=False)
+    rng = np.random.default_rng(0)
+    params = SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)
+    mx.reset_peak_memory()
+    active_before = mx.get_active_memory()
+    peaks = []
+    for wave in range(3):
+        prompts = [rng.integers(1, 260, size=int(n)).tolist() for n in rng.integers(100, 240, size=12)]
+        outs = e.generate(prompts, params)
+        assert [len(o) for o in outs] == [64] * 12
+        peaks.append(mx.get_peak_memory())
+        e.kv.pool.check_whole()
+    # The pool never grows: active memory returns to where it was, and the peak
+    # stays within weights + KV + the measured activations.
+    assert mx.get_active_memory() <= active_before + (1 << 20)
+    limit = e.memory.weights + e.memory.kv_bytes + 2 * e.memory.activations
+    assert max(peaks) <= limit
+    assert max(peaks) - min(peaks) <= e.memory.activations
+    assert mx.get_cache_memory() <= e.memory.activations
+
+
+def test_the_waiting_queue_is_bounded(tiny_dir):
+    e = engine(tiny_dir, num_kv_blocks=64, max_waiting_requests=2, max_num_batched_tokens=64)
+    params = SamplingParams(max_tokens=4, temperature=0.0)
+    e.add_request("a", [1, 2, 3], params)
+    e.add_request("b", [1, 2, 3], params)
+    with pytest.raises(OverloadedError, match="max-waiting-requests 2"):
+        e.add_request("c", [1, 2, 3], params)
+    while e.has_unfinished():
+        e.step()
+    e.add_request("c", [1, 2, 3], params)  # room again once the queue drained
