@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import os
 import random
+import time
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -17,6 +18,7 @@ from mlx.utils import tree_flatten
 
 from engined import memory_guard
 from engined.kv_manager import KVCacheManager
+from engined.metrics import EngineMetrics
 from engined.loaders import LoadedModel, load_model
 from engined.request import Request
 from engined.runner import ModelRunner
@@ -76,6 +78,7 @@ class Engine:
         self.requests: dict[str, Request] = {}
         self._seeds = random.Random(config.seed)
         self._aborted: list[RequestOutput] = []
+        self.metrics = EngineMetrics(config.served_model_name or loaded.model_id, config.metrics_prefix)
         self.info = ModelInfo(
             model_id=loaded.model_id,
             served_model_name=config.served_model_name or loaded.model_id,
@@ -133,6 +136,7 @@ class Engine:
             if req is None:
                 continue
             self.scheduler.finish(req, "abort")
+            self.metrics.on_finish(req, time.monotonic())
             self._aborted.append(self._output(req))
 
     def has_unfinished(self) -> bool:
@@ -152,9 +156,11 @@ class Engine:
     # -- the step -----------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
+        start = time.monotonic()
         outputs, self._aborted = self._aborted, []
         sched = self.scheduler.schedule()
         if not sched.scheduled:
+            self.metrics.on_step(0, 0.0, self.stats())
             return outputs
         # Requests whose last scheduled token completes their known tokens are sampled.
         sample_rows = [i for i, (r, n) in enumerate(sched.scheduled) if r.num_computed_tokens + n == r.num_tokens]
@@ -167,7 +173,9 @@ class Engine:
             mx.eval(tokens, self.runner.caches(), lp_parts if lp_parts else [])
         else:
             mx.eval(logits, self.runner.caches())
-        return outputs + self._update(sched, sampled_reqs, tokens, lp_parts)
+        outputs += self._update(sched, sampled_reqs, tokens, lp_parts)
+        self.metrics.on_step(sched.num_tokens, time.monotonic() - start, self.stats())
+        return outputs
 
     def _update(self, sched: SchedulerOutput, reqs: list[Request], tokens, lp_parts) -> list[RequestOutput]:
         for req, n in sched.scheduled:
@@ -178,14 +186,17 @@ class Engine:
         token_list = tokens.tolist()
         logprobs = logprobs_for(lp_parts, token_list, reqs) if lp_parts else [None] * len(reqs)
         outputs = []
+        now = time.monotonic()
         for req, token, lp in zip(reqs, token_list, logprobs):
             req.token_ids.append(token)
+            self.metrics.on_token(req, now)
             if lp is not None:
                 req.pending_logprobs.append(lp)
             req.pending_tokens.append(token)
             reason = self._stop_reason(req, token)
             if reason:
                 self.scheduler.finish(req, reason)
+                self.metrics.on_finish(req, now)
                 del self.requests[req.request_id]
             outputs.append(self._output(req))
         return outputs

@@ -27,6 +27,7 @@ class Request:
         "request_id", "params", "token_ids", "num_prompt_tokens", "num_computed_tokens",
         "num_cached_tokens", "status", "finish_reason", "stop_token_id", "seed",
         "arrival_time", "pending_tokens", "pending_logprobs", "block_hashes", "cache_salt",
+        "first_scheduled_time", "first_token_time", "last_token_time",
     )
 
     def __init__(
@@ -43,7 +44,11 @@ class Request:
         self.finish_reason: str | None = None
         self.stop_token_id: int | None = None
         self.seed = seed
+        # Monotonic timestamps for the latency metrics.
         self.arrival_time = time.monotonic()
+        self.first_scheduled_time: float | None = None
+        self.first_token_time: float | None = None
+        self.last_token_time: float | None = None
         # Generated since the last output was sent.
         self.pending_tokens: list[int] = []
         self.pending_logprobs: list[Logprob] = []

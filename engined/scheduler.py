@@ -10,6 +10,7 @@ it is recomputed later from its prompt and the tokens it already generated.
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -78,6 +79,8 @@ class Scheduler:
                     self.kv.record_lookup(req.num_tokens, cached)
             req.num_computed_tokens += cached
             req.status = Status.RUNNING
+            if req.first_scheduled_time is None:
+                req.first_scheduled_time = time.monotonic()
             self.running.append(req)
             out.scheduled.append((req, num_new))
             budget -= num_new

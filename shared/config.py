@@ -28,6 +28,8 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     # "auto": float32 on MLX's CPU backend, the checkpoint's own (quantized) weights on a GPU.
     dtype: str = "auto"
     seed: int = 0
+    # Metric name prefix: "mlxd", or "vllm" for dashboards written for vLLM.
+    metrics_prefix: str = "mlxd"
 
     def __post_init__(self) -> None:
         positive = ("max_num_seqs", "max_num_batched_tokens", "block_size", "max_waiting_requests")
@@ -42,5 +44,7 @@ class EngineConfig(msgspec.Struct, kw_only=True):
             )
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise InvalidRequestError("num_kv_blocks must be positive", param="num_kv_blocks")
+        if self.metrics_prefix not in ("mlxd", "vllm"):
+            raise InvalidRequestError("metrics_prefix must be 'mlxd' or 'vllm'", param="metrics_prefix")
         if self.dtype not in ("auto", "float32", "float16", "bfloat16", "quantized"):
             raise InvalidRequestError(f"unknown dtype {self.dtype!r}", param="dtype")

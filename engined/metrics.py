@@ -1,0 +1,117 @@
+"""Engine metrics, defined in one place, with vLLM's names, types, buckets and ``model_name`` label.
+
+Served under the ``mlxd:`` prefix by default, or ``vllm:`` so that dashboards
+and autoscalers written for vLLM work unchanged. Each Engine has its own
+registry (several engines may live in one test process).
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, start_http_server
+
+from engined.request import Request
+
+# vLLM's buckets.
+TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+                10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0]
+ITL_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+               20.0, 40.0, 80.0]
+REQUEST_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
+                   120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0]
+TOKEN_BUCKETS = [1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384]
+STEP_BUCKETS = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0]
+FINISH_REASONS = ("stop", "length", "abort", "error")
+
+
+class EngineMetrics:
+    def __init__(self, model_name: str, prefix: str = "mlxd"):
+        if prefix not in ("mlxd", "vllm"):
+            raise ValueError("metrics prefix must be 'mlxd' or 'vllm'")
+        self.registry = CollectorRegistry()
+        ProcessCollector(registry=self.registry)  # process_resident_memory_bytes and friends
+        self.model_name = model_name
+        labels = ["model_name"]
+
+        def name(n):
+            return f"{prefix}:{n}"
+
+        def gauge(n, doc):
+            return Gauge(name(n), doc, labels, registry=self.registry).labels(model_name)
+
+        def counter(n, doc):
+            return Counter(name(n), doc, labels, registry=self.registry).labels(model_name)
+
+        def histogram(n, doc, buckets):
+            return Histogram(name(n), doc, labels, buckets=buckets, registry=self.registry).labels(model_name)
+
+        self.running = gauge("num_requests_running", "Number of requests in the running batch.")
+        self.waiting = gauge("num_requests_waiting", "Number of requests waiting to be scheduled.")
+        self.kv_usage = gauge("kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0 to 1).")
+        self.kv_blocks_total = gauge("kv_cache_blocks_total", "KV-cache blocks in the fixed pool.")
+        self.kv_blocks_free = gauge("kv_cache_blocks_free", "KV-cache blocks free (cached prefixes included).")
+        self.mlx_active = gauge("mlx_active_memory_bytes", "Memory held by live MLX arrays.")
+        self.mlx_cache = gauge("mlx_cache_memory_bytes", "Memory in MLX's buffer cache.")
+        self.mlx_peak = gauge("mlx_peak_memory_bytes", "Peak MLX memory since start.")
+        self.prefix_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
+        self.prefix_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.")
+        self.preemptions = counter("num_preemptions", "Requests preempted (to be recomputed).")
+        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of finished requests.")
+        self.generation_tokens = counter("generation_tokens", "Generated tokens.")
+        success = Counter(name("request_success"), "Finished requests by finish reason.",
+                          labels + ["finished_reason"], registry=self.registry)
+        self.success = {r: success.labels(model_name, r) for r in FINISH_REASONS}
+        self.ttft = histogram("time_to_first_token_seconds", "Time to first token.", TTFT_BUCKETS)
+        self.itl = histogram("inter_token_latency_seconds", "Time between generated tokens.", ITL_BUCKETS)
+        self.e2e = histogram("e2e_request_latency_seconds", "Arrival to finish.", REQUEST_BUCKETS)
+        self.queue = histogram("request_queue_time_seconds", "Time waiting before first scheduled.", REQUEST_BUCKETS)
+        self.prefill = histogram("request_prefill_time_seconds", "First scheduled to first token.", REQUEST_BUCKETS)
+        self.decode = histogram("request_decode_time_seconds", "First token to finish.", REQUEST_BUCKETS)
+        self.iteration_tokens = histogram("iteration_tokens_total", "Tokens computed per engine step.", TOKEN_BUCKETS)
+        self.step_time = histogram("step_duration_seconds", "Wall time of one engine step.", STEP_BUCKETS)
+        self._prefix_seen = (0, 0)
+        self._preemptions_seen = 0
+
+    def serve(self, port: int, host: str = "127.0.0.1"):
+        """Serve /metrics over HTTP in a background thread; returns (server, thread)."""
+        return start_http_server(port, addr=host, registry=self.registry)
+
+    def on_step(self, num_tokens: int, duration: float, stats) -> None:
+        """After every step: gauges from the engine's stats, counters from their growth."""
+        self.running.set(stats.num_running)
+        self.waiting.set(stats.num_waiting)
+        self.kv_blocks_total.set(stats.num_total_blocks)
+        self.kv_blocks_free.set(stats.num_free_blocks)
+        self.kv_usage.set(1.0 - stats.num_free_blocks / max(stats.num_total_blocks, 1))
+        self.mlx_active.set(mx.get_active_memory())
+        self.mlx_cache.set(mx.get_cache_memory())
+        self.mlx_peak.set(mx.get_peak_memory())
+        queries, hits = stats.prefix_cache_queries, stats.prefix_cache_hits
+        self.prefix_queries.inc(queries - self._prefix_seen[0])
+        self.prefix_hits.inc(hits - self._prefix_seen[1])
+        self._prefix_seen = (queries, hits)
+        self.preemptions.inc(stats.num_preemptions - self._preemptions_seen)
+        self._preemptions_seen = stats.num_preemptions
+        if num_tokens:
+            self.iteration_tokens.observe(num_tokens)
+            self.step_time.observe(duration)
+
+    def on_token(self, req: Request, now: float) -> None:
+        """After a token is appended to ``req``."""
+        self.generation_tokens.inc()
+        if req.first_token_time is None:
+            req.first_token_time = now
+            self.ttft.observe(now - req.arrival_time)
+        else:
+            self.itl.observe(now - req.last_token_time)
+        req.last_token_time = now
+
+    def on_finish(self, req: Request, now: float) -> None:
+        self.success[req.finish_reason].inc()
+        self.prompt_tokens.inc(req.num_prompt_tokens)
+        self.e2e.observe(now - req.arrival_time)
+        if req.first_scheduled_time is not None:
+            self.queue.observe(req.first_scheduled_time - req.arrival_time)
+            if req.first_token_time is not None:
+                self.prefill.observe(req.first_token_time - req.first_scheduled_time)
+                self.decode.observe(now - req.first_token_time)
