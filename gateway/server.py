@@ -43,4 +43,8 @@ def run_gateway(config: GatewayConfig, engine_process: subprocess.Popen | None =
         await task
         return 0
 
-    return asyncio.run(main())
+    try:
+        return asyncio.run(main())
+    except KeyboardInterrupt:
+        # uvicorn shuts down gracefully on SIGINT/SIGTERM, then re-raises the signal.
+        return 0

@@ -9,6 +9,7 @@ MLX and the engine never loads the HTTP stack.
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import logging
 import os
 import signal
@@ -116,6 +117,8 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    # `kill -USR1 PID` prints every thread's stack: how to see where a process hangs.
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if getattr(args, "model_pos", None):

@@ -47,7 +47,8 @@ class Engine:
         self._log = open(self.log_path, "ab")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "engined", "--engine-endpoint", self.endpoint, "--log-level", "INFO",
-             *ENGINE_FLAGS, *self.extra],
+             # Stop with the test run even if it dies without tearing down.
+             "--parent-pid", str(os.getpid()), *ENGINE_FLAGS, *self.extra],
             stdout=self._log, stderr=subprocess.STDOUT, env=_env())
         return self
 
