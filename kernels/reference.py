@@ -63,40 +63,73 @@ def paged_attention(
     (and, with ``sliding_window = w``, ``> pos - w``). GQA maps head ``h`` to
     KV head ``h // (H // H_kv)``. Returns ``[T, H, D]`` in ``q``'s dtype.
     """
-    qlens, slens, cu = meta.query_lens_np, meta.seq_lens_np, meta.cu_seqlens_q_np
-    pieces: list[mx.array] = []
-    order: list[np.ndarray] = []
+    return attention_by_kind(q, k_cache, v_cache, meta, scale, sliding_window, softcap)
 
-    decode = np.flatnonzero(qlens == 1)
-    if len(decode):
-        idx = mx.array(decode.astype(np.int32))
-        length = int(slens[decode].max())
-        k = _gather_context(k_cache, meta.block_tables[idx], length)
-        v = _gather_context(v_cache, meta.block_tables[idx], length)
-        rows = mx.array(cu[decode].astype(np.int32))
-        qd = q[rows][:, :, None, :]  # [Bd, H, 1, D]
-        key_pos = mx.arange(length)[None, :]
-        last = mx.array(slens[decode] - 1)[:, None]
-        mask = key_pos <= last
-        if sliding_window is not None:
-            mask = mask & (key_pos > last - sliding_window)
-        out = _attend(qd, k, v, mask[:, None, None, :], scale, softcap)
-        pieces.append(out[:, :, 0, :])
-        order.append(cu[decode])
 
-    for b in np.flatnonzero(qlens > 1):
-        start, ql, sl = int(cu[b]), int(qlens[b]), int(slens[b])
-        k = _gather_context(k_cache, meta.block_tables[b : b + 1], sl)
-        v = _gather_context(v_cache, meta.block_tables[b : b + 1], sl)
-        qp = q[start : start + ql].transpose(1, 0, 2)[None]  # [1, H, ql, D]
+def decode_rows(
+    q: mx.array, k_cache: mx.array, v_cache: mx.array, meta: AttentionMetadata, decode: np.ndarray,
+    scale: float, sliding_window: int | None, softcap: float | None,
+) -> mx.array:
+    """The requests ``decode`` (one new token each) as one padded batch: ``[len(decode), H, D]``."""
+    slens, cu = meta.seq_lens_np, meta.cu_seqlens_q_np
+    idx = mx.array(decode.astype(np.int32))
+    length = int(slens[decode].max())
+    k = _gather_context(k_cache, meta.block_tables[idx], length)
+    v = _gather_context(v_cache, meta.block_tables[idx], length)
+    rows = mx.array(cu[decode].astype(np.int32))
+    qd = q[rows][:, :, None, :]  # [Bd, H, 1, D]
+    key_pos = mx.arange(length)[None, :]
+    last = mx.array(slens[decode] - 1)[:, None]
+    mask = key_pos <= last
+    if sliding_window is not None:
+        mask = mask & (key_pos > last - sliding_window)
+    return _attend(qd, k, v, mask[:, None, None, :], scale, softcap)[:, :, 0, :]
+
+
+def prefill_chunk(
+    q: mx.array, k_cache: mx.array, v_cache: mx.array, meta: AttentionMetadata, b: int,
+    scale: float, sliding_window: int | None, softcap: float | None,
+) -> mx.array:
+    """Request ``b``'s chunk of new rows over its whole context: ``[query_len, H, D]``."""
+    start, ql, sl = int(meta.cu_seqlens_q_np[b]), int(meta.query_lens_np[b]), int(meta.seq_lens_np[b])
+    k = _gather_context(k_cache, meta.block_tables[b : b + 1], sl)
+    v = _gather_context(v_cache, meta.block_tables[b : b + 1], sl)
+    qp = q[start : start + ql].transpose(1, 0, 2)[None]  # [1, H, ql, D]
+    if sliding_window is None and softcap is None:
+        # MLX's causal mask is aligned to the last key, which is exactly a chunk after
+        # cached context; the named mask also lets SDPA take its fused (flash) path.
+        out = mx.fast.scaled_dot_product_attention(qp, k, v, scale=scale, mask="causal")
+    else:
         q_pos = mx.arange(sl - ql, sl)[:, None]
         key_pos = mx.arange(sl)[None, :]
         mask = key_pos <= q_pos
         if sliding_window is not None:
             mask = mask & (key_pos > q_pos - sliding_window)
         out = _attend(qp, k, v, mask[None, None], scale, softcap)
-        pieces.append(out[0].transpose(1, 0, 2))
-        order.append(np.arange(start, start + ql))
+    return out[0].transpose(1, 0, 2)
+
+
+def attention_by_kind(
+    q: mx.array, k_cache: mx.array, v_cache: mx.array, meta: AttentionMetadata, scale: float,
+    sliding_window: int | None = None, softcap: float | None = None, decode_fn=None,
+) -> mx.array:
+    """Decode rows in one batch (through ``decode_fn(decode_requests)`` if given), each prefill
+    chunk on its own, then back into packed order. Nothing is padded across prefill chunks."""
+    qlens, cu = meta.query_lens_np, meta.cu_seqlens_q_np
+    pieces: list[mx.array] = []
+    order: list[np.ndarray] = []
+
+    decode = np.flatnonzero(qlens == 1)
+    if len(decode):
+        if decode_fn is None:
+            pieces.append(decode_rows(q, k_cache, v_cache, meta, decode, scale, sliding_window, softcap))
+        else:
+            pieces.append(decode_fn(decode))
+        order.append(cu[decode])
+
+    for b in np.flatnonzero(qlens > 1):
+        pieces.append(prefill_chunk(q, k_cache, v_cache, meta, int(b), scale, sliding_window, softcap))
+        order.append(np.arange(cu[b], cu[b] + qlens[b]))
 
     packed = mx.concatenate(pieces, axis=0) if len(pieces) > 1 else pieces[0]
     if len(decode) in (0, len(qlens)) and len(pieces) == 1:

@@ -37,6 +37,7 @@ METAL_HEADER = r"""
 #define TANH(x) metal::precise::tanh(x)
 #define FMAX(a, b) metal::max((a), (b))
 #define LOAD_F4(p) (*((threadgroup float4*)(p)))
+#define UNROLL _Pragma("clang loop unroll(full)")
 
 template <int N, typename U>
 inline void load_vec(const device U* p, thread float* o) {
@@ -65,6 +66,7 @@ CUDA_HEADER = r"""
 #define TANH(x) tanhf(x)
 #define FMAX(a, b) fmaxf((a), (b))
 #define LOAD_F4(p) (*reinterpret_cast<const float4*>(p))
+#define UNROLL _Pragma("unroll")
 
 // 16-byte rows load as one vector (the common bf16/fp16 case with 8 elements).
 template <int N, typename U>
@@ -115,7 +117,10 @@ COMMON = r"""
 # Inputs: q [T,H,D], k_cache/v_cache [NB,BS,HKV,D], cu_seqlens_q [B+1], seq_lens [B],
 # block_tables [B,MAXB], iparams [B, MAXB, P, PS], fparams [scale, softcap, window].
 # Outputs: out [T,H,D], part_o [B,H,P,D] f32, part_ml [B,H,P,2] f32 (used when P > 1).
-# Template: T (q dtype), D, G, HKV, BS, RT, BN, LPT, SMEM_F, SMEM_I.
+# Template: T (q dtype), D, G, HKV, BS, RT, BN, LPT, U (decode tokens per lane group per step),
+# PF (prefetch the next decode step),
+# SMEM_F, SMEM_I, and ROWS/TILES: whether the batch has decode rows / longer chunks. A
+# path the batch does not need is compiled out, so it costs no registers.
 MAIN_BODY = r"""
   constexpr int NT = 128;
   constexpr int NW = NT / 32;
@@ -151,7 +156,8 @@ MAIN_BODY = r"""
   // Without a softcap the log2(e) of exp2 folds into the query scale.
   const float qscale = cap > 0.0f ? scale : scale * LOG2E;
 
-  if (q_start < qlen && qlen == 1) {
+  // Partitions past a decode row's context have nothing to do (and must not touch out).
+  if (ROWS && q_start < qlen && qlen == 1 && part * PS < slen) {
     // ---------------- row path: one query token, split over KV partitions ----------------
     constexpr int TPW = 32 / LPT;  // tokens a warp reads per step
     constexpr int EL = D / LPT;    // head-dim elements per lane
@@ -176,9 +182,9 @@ MAIN_BODY = r"""
     float m[G];
     float l[G];
     float acc[G][EL];
-    for (int g = 0; g < G; ++g) {
+    UNROLL for (int g = 0; g < G; ++g) {
       load_vec<EL>(q + ((long)q0 * H + kvh * G + g) * D + li * EL, qr[g]);
-      for (int e = 0; e < EL; ++e) {
+      UNROLL for (int e = 0; e < EL; ++e) {
         qr[g][e] *= qscale;
         acc[g][e] = 0.0f;
       }
@@ -186,64 +192,82 @@ MAIN_BODY = r"""
       l[g] = 0.0f;
     }
 
-    // Two tokens per lane group per iteration keep more K/V bytes in flight.
-    // The loop bound is warp-uniform so every lane reaches every shuffle.
-    for (int base = lo + warp * TPW; base < hi; base += 2 * STEP) {
-      const int t0 = base + slot;
-      const int t1 = t0 + STEP;
-      const bool ok0 = t0 < hi;
-      const bool ok1 = t1 < hi;
-      const int a0 = ok0 ? t0 : lo;
-      const int a1 = ok1 ? t1 : lo;
-      const long r0 = ((long)(tbl[a0 / BS - blk0] * BS + a0 % BS) * HKV + kvh) * D + li * EL;
-      const long r1 = ((long)(tbl[a1 / BS - blk0] * BS + a1 % BS) * HKV + kvh) * D + li * EL;
-      float k0[EL];
-      float k1[EL];
-      float v0[EL];
-      float v1[EL];
-      load_vec<EL>(k_cache + r0, k0);
-      load_vec<EL>(k_cache + r1, k1);
-      load_vec<EL>(v_cache + r0, v0);
-      load_vec<EL>(v_cache + r1, v1);
-      for (int g = 0; g < G; ++g) {
-        float s0 = 0.0f;
-        float s1 = 0.0f;
-        for (int e = 0; e < EL; ++e) {
-          s0 += qr[g][e] * k0[e];
-          s1 += qr[g][e] * k1[e];
+    // U tokens per lane group per step: all their K/V loads are issued before the first
+    // use. With PF the next step's loads are issued before this step's math, so a warp
+    // keeps loads in flight while it computes. Step bounds are warp-uniform so every
+    // lane reaches every shuffle.
+#define ROW_LOAD_STEP(B0, KA, VA, OKA)                                                       \
+    UNROLL for (int u = 0; u < U; ++u) {                                                     \
+      const int tk = (B0) + slot + u * STEP;                                                 \
+      OKA[u] = tk < hi;                                                                      \
+      const int a = OKA[u] ? tk : lo;                                                        \
+      const long r = ((long)(tbl[a / BS - blk0] * BS + a % BS) * HKV + kvh) * D + li * EL;  \
+      load_vec<EL>(k_cache + r, KA[u]);                                                      \
+      load_vec<EL>(v_cache + r, VA[u]);                                                      \
+    }
+    float kx[U][EL];
+    float vx[U][EL];
+    bool okx[U];
+    float kn[PF ? U : 1][EL];
+    float vn[PF ? U : 1][EL];
+    bool okn[PF ? U : 1];
+    int base = lo + warp * TPW;
+    if (PF && base < hi) {
+      ROW_LOAD_STEP(base, kn, vn, okn)
+    }
+    for (; base < hi; base += U * STEP) {
+      if (PF) {
+        UNROLL for (int u = 0; u < U; ++u) {
+          okx[u] = okn[u];
+          UNROLL for (int e = 0; e < EL; ++e) {
+            kx[u][e] = kn[u][e];
+            vx[u][e] = vn[u][e];
+          }
         }
-        for (int o = LPT / 2; o > 0; o >>= 1) {
-          s0 += SHFL_XOR(s0, o);
-          s1 += SHFL_XOR(s1, o);
+        if (base + U * STEP < hi) {
+          ROW_LOAD_STEP(base + U * STEP, kn, vn, okn)
         }
-        if (cap > 0.0f) {
-          s0 = cap * TANH(s0 / cap) * LOG2E;
-          s1 = cap * TANH(s1 / cap) * LOG2E;
+      } else {
+        ROW_LOAD_STEP(base, kx, vx, okx)
+      }
+      UNROLL for (int g = 0; g < G; ++g) {
+        float sx[U];
+        float smax = NEG_BIG;
+        UNROLL for (int u = 0; u < U; ++u) {
+          float sv = 0.0f;
+          UNROLL for (int e = 0; e < EL; ++e) sv += qr[g][e] * kx[u][e];
+          UNROLL for (int o = LPT / 2; o > 0; o >>= 1) sv += SHFL_XOR(sv, o);
+          if (cap > 0.0f) sv = cap * TANH(sv / cap) * LOG2E;
+          sx[u] = okx[u] ? sv : NEG_BIG;
+          smax = FMAX(smax, sx[u]);
         }
-        s0 = ok0 ? s0 : NEG_BIG;
-        s1 = ok1 ? s1 : NEG_BIG;
-        const float mn = FMAX(m[g], FMAX(s0, s1));
-        const float al = EXP2(m[g] - mn);
-        const float p0 = ok0 ? EXP2(s0 - mn) : 0.0f;
-        const float p1 = ok1 ? EXP2(s1 - mn) : 0.0f;
-        l[g] = l[g] * al + p0 + p1;
-        for (int e = 0; e < EL; ++e) {
-          acc[g][e] = acc[g][e] * al + p0 * v0[e] + p1 * v1[e];
+        // Lazy rescale: the running max moves only when a score beats it by 2^8, so most
+        // steps skip rescaling the accumulators; p <= 256 stays exact enough in float.
+        if (smax > m[g] + 8.0f) {
+          const float al = EXP2(m[g] - smax);
+          l[g] *= al;
+          UNROLL for (int e = 0; e < EL; ++e) acc[g][e] *= al;
+          m[g] = smax;
         }
-        m[g] = mn;
+        UNROLL for (int u = 0; u < U; ++u) {
+          const float p = okx[u] ? EXP2(sx[u] - m[g]) : 0.0f;
+          l[g] += p;
+          UNROLL for (int e = 0; e < EL; ++e) acc[g][e] += p * vx[u][e];
+        }
       }
     }
+#undef ROW_LOAD_STEP
 
     // Merge the token slots of a warp (lanes that differ above the LPT bits).
-    for (int o = LPT; o < 32; o <<= 1) {
-      for (int g = 0; g < G; ++g) {
+    UNROLL for (int o = LPT; o < 32; o <<= 1) {
+      UNROLL for (int g = 0; g < G; ++g) {
         const float mo = SHFL_XOR(m[g], o);
         const float lo2 = SHFL_XOR(l[g], o);
         const float mn = FMAX(m[g], mo);
         const float ca = EXP2(m[g] - mn);
         const float cb = EXP2(mo - mn);
         l[g] = l[g] * ca + lo2 * cb;
-        for (int e = 0; e < EL; ++e) {
+        UNROLL for (int e = 0; e < EL; ++e) {
           acc[g][e] = acc[g][e] * ca + SHFL_XOR(acc[g][e], o) * cb;
         }
         m[g] = mn;
@@ -255,8 +279,8 @@ MAIN_BODY = r"""
     TG float* red_m = smem + NW * G * D;  // [NW][G]
     TG float* red_l = red_m + NW * G;     // [NW][G]
     if (slot == 0) {
-      for (int g = 0; g < G; ++g) {
-        for (int e = 0; e < EL; ++e) red[(warp * G + g) * D + li * EL + e] = acc[g][e];
+      UNROLL for (int g = 0; g < G; ++g) {
+        UNROLL for (int e = 0; e < EL; ++e) red[(warp * G + g) * D + li * EL + e] = acc[g][e];
         if (li == 0) {
           red_m[warp * G + g] = m[g];
           red_l[warp * G + g] = l[g];
@@ -268,16 +292,16 @@ MAIN_BODY = r"""
       const int g = i / D;
       const int d = i - g * D;
       float mx_ = NEG_BIG;
-      for (int w = 0; w < NW; ++w) mx_ = FMAX(mx_, red_m[w * G + g]);
+      UNROLL for (int w = 0; w < NW; ++w) mx_ = FMAX(mx_, red_m[w * G + g]);
       float lsum = 0.0f;
       float o = 0.0f;
-      for (int w = 0; w < NW; ++w) {
+      UNROLL for (int w = 0; w < NW; ++w) {
         const float c = EXP2(red_m[w * G + g] - mx_);
         lsum += red_l[w * G + g] * c;
         o += red[(w * G + g) * D + d] * c;
       }
       const int h = kvh * G + g;
-      if (P == 1) {
+      if (slen <= PS) {  // a single partition: the merge pass copies this row as it is
         out[((long)q0 * H + h) * D + d] = static_cast<T>(lsum > 0.0f ? o / lsum : 0.0f);
       } else {
         const long pi = ((long)b * H + h) * P + part;
@@ -288,7 +312,7 @@ MAIN_BODY = r"""
         }
       }
     }
-  } else if (q_start < qlen && part == 0) {
+  } else if (TILES && q_start < qlen && qlen > 1 && part == 0) {
     // ---------------- tile path: a chunk of query tokens, causal within the chunk ----------------
     constexpr int SR = RT * BN / NT;  // score rows per thread (one key column each)
     constexpr int QS = RT + 4;        // qT row stride: float4-aligned
@@ -322,15 +346,15 @@ MAIN_BODY = r"""
     const int r0 = (tid / BN) * SR;
     float mrow[SR];
     float lrow[SR];
-    for (int i = 0; i < SR; ++i) {
+    UNROLL for (int i = 0; i < SR; ++i) {
       mrow[i] = NEG_BIG;
       lrow[i] = 0.0f;
     }
     const int dl = tid % DL;
     const int ro = (tid / DL) * OR;
     float acc[OR][OD];
-    for (int i = 0; i < OR; ++i)
-      for (int j = 0; j < OD; ++j) acc[i][j] = 0.0f;
+    UNROLL for (int i = 0; i < OR; ++i)
+      UNROLL for (int j = 0; j < OD; ++j) acc[i][j] = 0.0f;
 
     for (int kt = lo; kt < hi; kt += BN) {
       BARRIER();  // the previous tile's readers of kv/pm are done (and qT is written)
@@ -346,11 +370,11 @@ MAIN_BODY = r"""
       }
       BARRIER();
       float s[SR];
-      for (int i = 0; i < SR; ++i) s[i] = 0.0f;
+      UNROLL for (int i = 0; i < SR; ++i) s[i] = 0.0f;
       for (int d = 0; d < D; ++d) {
         const float kd = kv[d * KS + c];
         if (SR % 4 == 0) {
-          for (int i = 0; i < SR; i += 4) {
+          UNROLL for (int i = 0; i < SR; i += 4) {
             const float4 qv = LOAD_F4(qT + d * QS + r0 + i);
             s[i] += qv.x * kd;
             s[i + 1] += qv.y * kd;
@@ -358,11 +382,11 @@ MAIN_BODY = r"""
             s[i + 3] += qv.w * kd;
           }
         } else {
-          for (int i = 0; i < SR; ++i) s[i] += qT[d * QS + r0 + i] * kd;
+          UNROLL for (int i = 0; i < SR; ++i) s[i] += qT[d * QS + r0 + i] * kd;
         }
       }
       const int kp = kt + c;
-      for (int i = 0; i < SR; ++i) {
+      UNROLL for (int i = 0; i < SR; ++i) {
         const int r = r0 + i;
         const int qp = qpos0 + r / G;
         bool ok = r < nrows && kp <= qp;
@@ -371,12 +395,12 @@ MAIN_BODY = r"""
         if (cap > 0.0f) x = cap * TANH(x / cap) * LOG2E;
         x = ok ? x : NEG_BIG;
         float tmax = x;
-        for (int o = BN / 2; o > 0; o >>= 1) tmax = FMAX(tmax, SHFL_XOR(tmax, o));
+        UNROLL for (int o = BN / 2; o > 0; o >>= 1) tmax = FMAX(tmax, SHFL_XOR(tmax, o));
         const float mn = FMAX(mrow[i], tmax);
         const float al = EXP2(mrow[i] - mn);
         const float p = ok ? EXP2(x - mn) : 0.0f;
         float psum = p;
-        for (int o = BN / 2; o > 0; o >>= 1) psum += SHFL_XOR(psum, o);
+        UNROLL for (int o = BN / 2; o > 0; o >>= 1) psum += SHFL_XOR(psum, o);
         lrow[i] = lrow[i] * al + psum;
         mrow[i] = mn;
         pm[r * PST + c] = p;
@@ -389,30 +413,30 @@ MAIN_BODY = r"""
         kv[cc * D + d] = static_cast<float>(v_cache[((long)tok_row[cc] * HKV + kvh) * D + d]);
       }
       BARRIER();
-      for (int i = 0; i < OR; ++i) {
+      UNROLL for (int i = 0; i < OR; ++i) {
         const float a = alpha_s[ro + i];
-        for (int j = 0; j < OD; ++j) acc[i][j] *= a;
+        UNROLL for (int j = 0; j < OD; ++j) acc[i][j] *= a;
       }
       for (int cc = 0; cc < BN; ++cc) {
         float vv[OD];
-        for (int j = 0; j < OD; ++j) vv[j] = kv[cc * D + dl + j * DL];
-        for (int i = 0; i < OR; ++i) {
+        UNROLL for (int j = 0; j < OD; ++j) vv[j] = kv[cc * D + dl + j * DL];
+        UNROLL for (int i = 0; i < OR; ++i) {
           const float p = pm[(ro + i) * PST + cc];
-          for (int j = 0; j < OD; ++j) acc[i][j] += p * vv[j];
+          UNROLL for (int j = 0; j < OD; ++j) acc[i][j] += p * vv[j];
         }
       }
     }
     BARRIER();
     if (c == 0) {
-      for (int i = 0; i < SR; ++i) l_s[r0 + i] = lrow[i];
+      UNROLL for (int i = 0; i < SR; ++i) l_s[r0 + i] = lrow[i];
     }
     BARRIER();
-    for (int i = 0; i < OR; ++i) {
+    UNROLL for (int i = 0; i < OR; ++i) {
       const int r = ro + i;
       if (r < nrows) {
         const float inv = l_s[r] > 0.0f ? 1.0f / l_s[r] : 0.0f;
         const long orow = ((qrow0 + r / G) * H + kvh * G + r % G) * D;
-        for (int j = 0; j < OD; ++j) out[orow + dl + j * DL] = static_cast<T>(acc[i][j] * inv);
+        UNROLL for (int j = 0; j < OD; ++j) out[orow + dl + j * DL] = static_cast<T>(acc[i][j] * inv);
       }
     }
   }

@@ -31,7 +31,12 @@ def wrap(name, header, body, inputs, outputs, template):
     params += [f"    {CUDA_TYPES[t]}* {n}" for n, t in outputs]
     lines.append(",\n".join(params) + ") {")
     for k, v in template:
-        lines.append(f"  using {k} = {CUDA_TYPES[v]};" if isinstance(v, str) else f"  constexpr int {k} = {v};")
+        if isinstance(v, bool):
+            lines.append(f"  constexpr bool {k} = {'true' if v else 'false'};")
+        elif isinstance(v, str):
+            lines.append(f"  using {k} = {CUDA_TYPES[v]};")
+        else:
+            lines.append(f"  constexpr int {k} = {v};")
     lines += [body, "}", "}"]
     return "\n".join(lines)
 
@@ -53,7 +58,8 @@ def main() -> int:
                ("seq_lens", "int32"), ("block_tables", "int32"), ("iparams", "int32"), ("fparams", "float32")]
         outs = [("out", dt), ("part_o", "float32"), ("part_ml", "float32")]
         tmpl = [("T", dt), ("D", d), ("G", g), ("HKV", 8), ("BS", 16), ("RT", 32), ("BN", 32),
-                ("LPT", {64: 8, 256: 32}.get(d, 16)), ("SMEM_F", 10000), ("SMEM_I", 512)]
+                ("LPT", {64: 8, 256: 32}.get(d, 16)), ("U", 2), ("PF", True), ("SMEM_F", 10000), ("SMEM_I", 512),
+                ("ROWS", True), ("TILES", True)]
         src = wrap("attn", h, b, ins, outs, tmpl)
         rsrc = wrap("reduce", rh, rb,
                     [("full", dt), ("part_o", "float32"), ("part_ml", "float32"), ("cu_seqlens_q", "int32"),

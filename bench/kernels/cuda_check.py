@@ -1,0 +1,353 @@
+"""The CUDA kernel on an NVIDIA GPU: correctness against the dense oracle, then timings.
+
+Run on the GPU machine with MLX's CUDA backend (see ../shared/tools/mlx-cuda-wheels.sh):
+
+    MLX_ENABLE_TF32=0 python3 bench/kernels/cuda_check.py --out DIR
+
+Writes DIR/RESULTS.md (markdown tables) and DIR/results.json, and prints the tables.
+Timings: many launches queued back to back, one synchronisation, median of
+several repetitions; inputs are random (never zeros) and larger than L2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+import traceback
+
+os.environ.setdefault("MLX_ENABLE_TF32", "0")  # a float32 oracle must not run its matmuls in tf32
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
+
+import mlx.core as mx  # noqa: E402
+import numpy as np  # noqa: E402
+
+from kernels import gpu, reference  # noqa: E402
+from kernels.cases import dense_attention, make_case, rel_error  # noqa: E402
+from kernels.metadata import AttentionMetadata  # noqa: E402
+
+TOL = {mx.float32: 1e-4, mx.float16: 3e-3, mx.bfloat16: 1.2e-2}
+DT_NAME = {mx.float32: "fp32", mx.float16: "fp16", mx.bfloat16: "bf16"}
+
+
+def kernel(q, kc, vc, meta, scale, window=None, softcap=None):
+    out = gpu.paged_attention("cuda", q, kc, vc, meta, scale, window, softcap)
+    assert out is not None, "configuration not covered by the kernel"
+    return out
+
+
+def bench(fn, iters=20, reps=7):
+    """Seconds per call: `iters` calls queued, one eval, median over `reps`."""
+    mx.eval(fn())
+    mx.synchronize()
+    times = []
+    for _ in range(reps):
+        mx.synchronize()
+        t0 = time.perf_counter()
+        outs = [fn() for _ in range(iters)]
+        mx.eval(outs)
+        mx.synchronize()
+        times.append((time.perf_counter() - t0) / iters)
+        del outs
+    return statistics.median(times), (max(times) - min(times)) / statistics.median(times)
+
+
+# ---------------------------------------------------------------- correctness
+
+
+def correctness(rng, rows, log):
+    cases = []
+    gqa = [(8, 8), (16, 4), (32, 4), (28, 4), (16, 2)]  # G = 1, 4, 8, 7, 8
+    i = 0
+    for dtype in (mx.float32, mx.float16, mx.bfloat16):
+        for d in (64, 80, 96, 128, 256):
+            h, hkv = gqa[i % len(gqa)]
+            bs = (8, 16, 32)[i % 3]
+            i += 1
+            nd = int(rng.integers(1, 9))
+            qlens = [1] * nd + [int(rng.integers(2, 80)), 33]
+            slens = [int(rng.integers(1, 3000)) for _ in range(nd)] + [0, 0]
+            slens[-2] = qlens[-2] + int(rng.integers(0, 1500))
+            slens[-1] = 33
+            cases.append((f"mixed {DT_NAME[dtype]} D={d} H={h}/{hkv} bs={bs}", qlens, slens, h, hkv, d, bs, dtype, None, None))
+    cases += [
+        ("decode 8K split + prefill at 8K, bf16", [1, 1, 64, 1], [8192, 5000, 8192, 3], 32, 8, 128, 16, mx.bfloat16, None, None),
+        ("decode only, 64 x 1..4K, fp16", [1] * 64, list(rng.integers(1, 4097, 64)), 32, 8, 128, 16, mx.float16, None, None),
+        ("prefill only, 3 chunks, fp32", [200, 57, 1], [200, 1000, 1], 8, 2, 128, 16, mx.float32, None, None),
+        ("window 1, fp32", [1, 1, 40], [3000, 20, 100], 8, 2, 64, 16, mx.float32, 1, None),
+        ("window 7, fp32", [1, 9, 1], [2000, 300, 5], 8, 2, 64, 8, mx.float32, 7, None),
+        ("window 1000 over split decode, bf16", [1, 1, 100], [6000, 900, 3000], 32, 8, 128, 16, mx.bfloat16, 1000, None),
+        ("softcap 30, fp32", [1, 1, 50], [1500, 10, 400], 16, 8, 256, 16, mx.float32, None, 30.0),
+        ("softcap 5 + window 64, fp32", [1, 70], [2500, 700], 8, 4, 128, 32, mx.float32, 64, 5.0),
+        ("GQA 32 (H=32, H_kv=1), bf16", [1, 1, 20], [700, 3000, 20], 32, 1, 128, 16, mx.bfloat16, None, None),
+    ]
+    worst = 0.0
+    for name, qlens, slens, h, hkv, d, bs, dtype, window, softcap in cases:
+        t0 = time.perf_counter()
+        case = make_case(rng, [int(x) for x in qlens], [int(x) for x in slens], h, hkv, d, bs, dtype=dtype)
+        if softcap is not None:
+            case.q = case.q * 8
+        out = kernel(case.q, case.k_cache, case.v_cache, case.meta, case.scale, window, softcap)
+        ref = dense_attention(case, sliding_window=window, softcap=softcap)
+        # The same batch with every chunk on the kernel's tile path (one launch).
+        tiled = gpu.paged_attention("cuda", case.q, case.k_cache, case.v_cache, case.meta, case.scale,
+                                    window, softcap, route_chunks=False)
+        errs = [rel_error(out, ref), rel_error(tiled, ref)]
+        mine = float("nan") if any(e != e for e in errs) else max(errs)
+        theirs = rel_error(
+            reference.paged_attention(case.q, case.k_cache, case.v_cache, case.meta, case.scale, window, softcap), ref)
+        ok = mine == mine and mine < TOL[dtype]
+        worst = max(worst, mine if mine == mine else float("inf"))
+        p, _ = gpu.plan_partitions(case.meta, "cuda")
+        rows.append([name, len(qlens), int(sum(qlens)), int(max(slens)), p, f"{mine:.2e}", f"{theirs:.2e}",
+                     f"{TOL[dtype]:.0e}", "ok" if ok else "FAIL"])
+        log.append({"case": name, "rel_err": mine, "reference_rel_err": theirs, "ok": ok,
+                    "seconds": time.perf_counter() - t0})
+        print(rows[-1], flush=True)
+    return worst
+
+
+# ---------------------------------------------------------------- timing helpers
+
+
+def random_pool(rng, seq_lens, hkv, d, bs, dtype, extra_blocks=0):
+    """Caches holding exactly the requests' blocks, physically shuffled; random values made on the GPU."""
+    per = [-(-int(s) // bs) for s in seq_lens]
+    nb = sum(per) + extra_blocks
+    perm = rng.permutation(nb)
+    tables, at = [], 0
+    for n in per:
+        tables.append([int(x) for x in perm[at : at + n]])
+        at += n
+    kc = mx.random.normal((nb, bs, hkv, d)).astype(dtype)
+    vc = mx.random.normal((nb, bs, hkv, d)).astype(dtype)
+    mx.eval(kc, vc)
+    return kc, vc, tables
+
+
+def hbm_bandwidth():
+    x = mx.random.normal((1024, 1024, 1024)).astype(mx.bfloat16)  # 2 GiB
+    mx.eval(x)
+    sec, spread = bench(lambda: -x, iters=10, reps=7)
+    return 2 * x.nbytes / sec, sec, spread
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=".")
+    ap.add_argument("--skip-correctness", action="store_true")
+    args = ap.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    assert mx.cuda.is_available(), "MLX has no CUDA device here"
+    mx.set_default_device(mx.gpu)
+    rng = np.random.default_rng()
+    log: dict = {"mlx": mx.__version__}
+    try:
+        log["gpu"] = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,clocks.sm,clocks.mem",
+                                     "--format=csv,noheader"], capture_output=True, text=True).stdout.strip()
+    except OSError:
+        log["gpu"] = "?"
+    md = [f"GPU: {log['gpu']}; MLX {mx.__version__} (CUDA backend)\n"]
+
+    def flush():
+        with open(os.path.join(args.out, "RESULTS.md"), "w") as f:
+            f.write("\n".join(md) + "\n")
+        with open(os.path.join(args.out, "results.json"), "w") as f:
+            json.dump(log, f, indent=1, default=str)
+
+    # -- correctness
+    if not args.skip_correctness:
+        rows, clog = [], []
+        log["correctness"] = clog
+        try:
+            worst = correctness(rng, rows, clog)
+        except Exception:
+            log["correctness_error"] = traceback.format_exc()
+            print(log["correctness_error"], flush=True)
+            worst = float("nan")
+        md += ["## Correctness: CUDA kernel vs dense float32 oracle (||out-ref||/||ref||)\n",
+               "| case | seqs | tokens | max ctx | KV parts | kernel err (worst of both routes) | reference err | tol | |",
+               "|---|---|---|---|---|---|---|---|---|"]
+        md += ["| " + " | ".join(str(c) for c in r) + " |" for r in rows]
+        md.append(f"\nWorst kernel error: {worst:.2e}; NaN never passes.\n")
+        flush()
+
+    # -- HBM bandwidth
+    bw, bw_sec, bw_spread = hbm_bandwidth()
+    log["hbm"] = {"bytes_per_s": bw, "sec": bw_sec, "spread": bw_spread}
+    md.append(f"## Timings\n\nMeasured HBM bandwidth (2 GiB bf16 elementwise copy, read + write): "
+              f"**{bw / 1e12:.2f} TB/s**\n")
+    print(md[-1], flush=True)
+    flush()
+
+    # -- decode: 64 x 4K, H=32, H_kv=8, D=128, bf16
+    h, hkv, d, bs, dt = 32, 8, 128, 16, mx.bfloat16
+    scale = d ** -0.5
+    nseq, ctx = 64, 4096
+    kc, vc, tables = random_pool(rng, [ctx] * nseq, hkv, d, bs, dt)
+    meta = AttentionMetadata.build([1] * nseq, [ctx] * nseq, tables, bs)
+    q = mx.random.normal((nseq, h, d)).astype(dt)
+    kv_bytes = 2 * nseq * ctx * hkv * d * 2 + 2 * q.nbytes + meta.block_tables.nbytes
+    bound = kv_bytes / bw
+    err = rel_error(kernel(q, kc, vc, meta, scale), reference.paged_attention(q, kc, vc, meta, scale))
+    drows = []
+    dlog = []
+    saved = (gpu.lanes_per_token, gpu.decode_unroll, gpu.decode_prefetch, gpu.PARTITION_TOKENS)
+    default = (gpu.lanes_per_token(d), gpu.decode_unroll(gpu.lanes_per_token(d)),
+               gpu.decode_prefetch(gpu.lanes_per_token(d)), gpu.PARTITION_TOKENS)
+    variants = [(16, 2, True), (16, 2, False), (16, 1, True), (16, 4, False), (16, 4, True),
+                (32, 4, True), (32, 4, False), (32, 8, False)]
+    for part_tokens in (512, 1024):
+        for lpt, u, pf in variants:
+            gpu.lanes_per_token = lambda _d, _v=lpt: _v
+            gpu.decode_unroll = lambda _l, _v=u: _v
+            gpu.decode_prefetch = lambda _l, _v=pf: _v
+            gpu.PARTITION_TOKENS = part_tokens
+            gpu._last_plan.clear()
+            p, _ = gpu.plan_partitions(meta, "cuda")
+            try:
+                sec, spread = bench(lambda: kernel(q, kc, vc, meta, scale))
+                e = rel_error(kernel(q, kc, vc, meta, scale), reference.paged_attention(q, kc, vc, meta, scale))
+            except Exception as exc:  # a variant that fails to build is reported, not fatal
+                print(f"variant {lpt},{u},{pf},{part_tokens}: {exc}", flush=True)
+                continue
+            mark = " (default)" if (lpt, u, pf, part_tokens) == default else ""
+            drows.append([f"{lpt} lanes/token, {u} tokens/step, prefetch {'on' if pf else 'off'}, "
+                          f"{part_tokens}-token partitions (P={p}){mark}",
+                          f"{sec * 1e6:.0f}", f"{kv_bytes / sec / 1e12:.2f}", f"{bound / sec:.0%}", f"{e:.1e}"])
+            dlog.append({"lpt": lpt, "u": u, "pf": pf, "partition": part_tokens, "P": p, "sec": sec,
+                         "spread": spread, "err": e})
+            print(drows[-1], flush=True)
+    gpu.lanes_per_token, gpu.decode_unroll, gpu.decode_prefetch, gpu.PARTITION_TOKENS = saved
+    gpu._last_plan.clear()
+    sec, _ = bench(lambda: reference.paged_attention(q, kc, vc, meta, scale), iters=5, reps=3)
+    drows.append(["reference (gather + SDPA)", f"{sec * 1e6:.0f}", f"{kv_bytes / sec / 1e12:.2f}", f"{bound / sec:.0%}", ""])
+    kd = mx.random.normal((nseq, hkv, ctx, d)).astype(dt)
+    vd = mx.random.normal((nseq, hkv, ctx, d)).astype(dt)
+    qd = q[:, :, None, :]
+    sec, _ = bench(lambda: mx.fast.scaled_dot_product_attention(qd, kd, vd, scale=scale))
+    drows.append(["SDPA on contiguous K/V (not paged)", f"{sec * 1e6:.0f}", f"{kv_bytes / sec / 1e12:.2f}", f"{bound / sec:.0%}", ""])
+    del kd, vd
+    log["decode"] = {"bytes": kv_bytes, "bound_sec": bound, "runs": dlog, "err_default": err}
+    md += [f"### Decode: {nseq} seqs x {ctx} ctx, H={h}, H_kv={hkv}, D={d}, bf16, block {bs}\n",
+           f"Bytes moved (K+V once, q, out, tables): {kv_bytes / 1e9:.3f} GB; bound at measured bandwidth "
+           f"{bound * 1e6:.0f} us. Default-plan error vs reference {err:.1e}.\n",
+           "| variant | us | TB/s | of bound | err vs reference |", "|---|---|---|---|---|"]
+    md += ["| " + " | ".join(r) + " |" for r in drows]
+    md.append("")
+    print("\n".join(md[-len(drows) - 5:]), flush=True)
+    flush()
+
+    # -- KV write (slot_mapping scatter) at the decode step's shape
+    k_new = mx.random.normal((nseq, hkv, d)).astype(dt)
+    v_new = mx.random.normal((nseq, hkv, d)).astype(dt)
+    # Slots of each sequence's last position (overwritten: same cost as a new token).
+    slots = meta.slot_mapping
+    sec_keep, _ = bench(lambda: reference.write_kv(kc, vc, k_new, v_new, slots), iters=5, reps=3)
+    # The engine's pattern: the layer's cache is replaced by the scatter's result, so no
+    # other reference holds the old buffer and MLX may update it in place.
+    state = [kc, vc]
+    kc = vc = None
+    chain = []
+    for _ in range(5):
+        mx.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(20):
+            state[0], state[1] = reference.write_kv(state[0], state[1], k_new, v_new, slots)
+        mx.eval(state)
+        mx.synchronize()
+        chain.append((time.perf_counter() - t0) / 20)
+    sec_chain = statistics.median(chain)
+    kc, vc = state
+    attn_sec = min(r["sec"] for r in dlog)
+    md += ["### KV write (MLX scatter by slot_mapping), decode step of 64 tokens\n",
+           "| how | us | vs attention |", "|---|---|---|",
+           f"| caller keeps the old cache alive (scatter must copy the cache) | {sec_keep * 1e6:.0f} | {sec_keep / attn_sec:.1f}x |",
+           f"| cache replaced by the result (as the engine does) | {sec_chain * 1e6:.0f} | {sec_chain / attn_sec:.2f}x |", ""]
+    log["kv_write"] = {"keep_sec": sec_keep, "chain_sec": sec_chain}
+    print("\n".join(md[-6:]), flush=True)
+    flush()
+    del kc, vc, state
+
+    # -- prefill: 8 x 2K
+    nseq, ctx = 8, 2048
+    kc, vc, tables = random_pool(rng, [ctx] * nseq, hkv, d, bs, dt)
+    meta = AttentionMetadata.build([ctx] * nseq, [ctx] * nseq, tables, bs)
+    q = mx.random.normal((nseq * ctx, h, d)).astype(dt)
+    out_k = kernel(q, kc, vc, meta, scale)
+    out_r = reference.paged_attention(q, kc, vc, meta, scale)
+    out_t = gpu.paged_attention("cuda", q, kc, vc, meta, scale, route_chunks=False)
+    perr = rel_error(out_k, out_r)
+    terr = rel_error(out_t, out_r)
+    sec_k, _ = bench(lambda: kernel(q, kc, vc, meta, scale), iters=5, reps=5)
+    sec_t, _ = bench(lambda: gpu.paged_attention("cuda", q, kc, vc, meta, scale, route_chunks=False), iters=3, reps=3)
+    sec_r, _ = bench(lambda: reference.paged_attention(q, kc, vc, meta, scale), iters=5, reps=5)
+    # The padded dense equivalent: contiguous [B, H, L, D], causal.
+    qp = q.reshape(nseq, ctx, h, d).transpose(0, 2, 1, 3)
+    kp = mx.random.normal((nseq, hkv, ctx, d)).astype(dt)
+    vp = mx.random.normal((nseq, hkv, ctx, d)).astype(dt)
+    mx.eval(qp, kp, vp)
+    sec_s, _ = bench(lambda: mx.fast.scaled_dot_product_attention(qp, kp, vp, scale=scale, mask="causal"), iters=5, reps=5)
+    flops = 4 * nseq * h * d * (ctx * (ctx + 1) / 2)
+    md += [f"### Prefill: {nseq} x {ctx} new tokens, H={h}, H_kv={hkv}, D={d}, bf16 (causal FLOPs {flops / 1e9:.0f} G)\n",
+           "| path | ms | TFLOP/s | vs padded SDPA |", "|---|---|---|---|",
+           f"| kernels.paged_attention (default: chunks >= {gpu.SDPA_CHUNK_TOKENS} tokens to fused SDPA) | {sec_k * 1e3:.2f} | {flops / sec_k / 1e12:.1f} | {sec_s / sec_k:.2f}x |",
+           f"| kernel tile path only (one launch) | {sec_t * 1e3:.2f} | {flops / sec_t / 1e12:.1f} | {sec_s / sec_t:.2f}x |",
+           f"| reference (gather + SDPA per chunk) | {sec_r * 1e3:.2f} | {flops / sec_r / 1e12:.1f} | {sec_s / sec_r:.2f}x |",
+           f"| mx.fast.scaled_dot_product_attention, padded batch | {sec_s * 1e3:.2f} | {flops / sec_s / 1e12:.1f} | 1.00x |",
+           f"\nError vs reference: default {perr:.1e}, tile path {terr:.1e}.\n"]
+    log["prefill"] = {"kernel_sec": sec_k, "tile_sec": sec_t, "reference_sec": sec_r, "sdpa_sec": sec_s,
+                      "err": perr, "tile_err": terr}
+    print("\n".join(md[-9:]), flush=True)
+    flush()
+    del kc, vc, q, qp, kp, vp, out_k, out_r, out_t
+
+    # -- mixed batches: one call vs its decode and prefill parts called separately
+    mixed = [
+        ("64 decode rows at 4K + 4 prefill chunks of 512 after 1536 cached", [4096] * 64, [512] * 4, [2048] * 4),
+        ("64 decode rows at 4K + 16 verify windows of 4 + 2 chunks of 32 (all in one launch)",
+         [4096] * 64, [4] * 16 + [32] * 2, [1028] * 16 + [544] * 2),
+    ]
+    log["mixed"] = []
+    for title, dec_lens, pre_q, pre_ctx in mixed:
+        kc, vc, tables = random_pool(rng, dec_lens + pre_ctx, hkv, d, bs, dt)
+        nd = len(dec_lens)
+        qlens = [1] * nd + pre_q
+        meta_mix = AttentionMetadata.build(qlens, dec_lens + pre_ctx, tables, bs)
+        meta_dec = AttentionMetadata.build([1] * nd, dec_lens, tables[:nd], bs)
+        meta_pre = AttentionMetadata.build(pre_q, pre_ctx, tables[nd:], bs)
+        q = mx.random.normal((sum(qlens), h, d)).astype(dt)
+        q_dec, q_pre = q[:nd], q[nd:]
+        mx.eval(q_dec, q_pre)
+        rows_md = []
+        entry = {"title": title}
+        for label, route in (("default", True), ("tile path only", False)):
+            def call(qq, mm, _r=route):
+                return gpu.paged_attention("cuda", qq, kc, vc, mm, scale, route_chunks=_r)
+            err = rel_error(call(q, meta_mix), reference.paged_attention(q, kc, vc, meta_mix, scale))
+            s_mix, _ = bench(lambda: call(q, meta_mix), iters=10, reps=5)
+            s_both, _ = bench(lambda: [call(q_dec, meta_dec), call(q_pre, meta_pre)], iters=10, reps=5)
+            s_dec, _ = bench(lambda: call(q_dec, meta_dec), iters=10, reps=5)
+            s_pre, _ = bench(lambda: call(q_pre, meta_pre), iters=10, reps=5)
+            rows_md.append(f"| {label} | {s_mix * 1e6:.0f} | {s_dec * 1e6:.0f} | {s_pre * 1e6:.0f} | "
+                           f"{s_both * 1e6:.0f} | {s_both / s_mix:.2f}x | {err:.1e} |")
+            entry[label] = {"mixed": s_mix, "dec": s_dec, "pre": s_pre, "both": s_both, "err": err}
+        s_ref, _ = bench(lambda: reference.paged_attention(q, kc, vc, meta_mix, scale), iters=5, reps=3)
+        entry["reference"] = s_ref
+        log["mixed"].append(entry)
+        md += [f"### Mixed batch: {title}\n",
+               "| path | mixed, one call (us) | decode part (us) | prefill part (us) | parts back to back (us) "
+               "| parts / mixed | err vs reference |", "|---|---|---|---|---|---|---|"] + rows_md
+        md.append(f"\nReference on the mixed batch: {s_ref * 1e6:.0f} us.\n")
+        print("\n".join(md[-6:]), flush=True)
+        flush()
+        del kc, vc, q, q_dec, q_pre
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
