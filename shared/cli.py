@@ -118,7 +118,10 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     # `kill -USR1 PID` prints every thread's stack: how to see where a process hangs.
-    faulthandler.register(signal.SIGUSR1, all_threads=True)
+    try:
+        faulthandler.register(signal.SIGUSR1, file=sys.__stderr__, all_threads=True)
+    except (AttributeError, ValueError, OSError):
+        pass  # no real stderr (embedded); the dump is a convenience
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if getattr(args, "model_pos", None):

@@ -177,3 +177,29 @@ def test_tokenize_detokenize_round_trip(gateway):
     assert ids["count"] == len(ids["tokens"]) and ids["max_model_len"] == 512
     text = _post(gateway, "/detokenize", {"tokens": ids["tokens"]})["prompt"]
     assert text == "héllo wörld 😀"
+
+
+def test_sse_keepalive_comments_during_a_long_prefill(engine, tmp_path):
+    from tests.e2e.servers import Gateway
+
+    g = Gateway(engine.endpoint, str(tmp_path / "gateway-ka.log"), extra=["--sse-keepalive", "0.02"]).start()
+    try:
+        g.wait_healthy()
+        # ~420 prompt tokens prefill in chunks of 256 (--max-num-batched-tokens): well over 20 ms.
+        body = {"prompt": "lorem ipsum dolor " * 60, "max_tokens": 2, "stream": True}
+        with httpx.stream("POST", g.url + "/v1/completions", json=body, timeout=60) as r:
+            lines = [line for line in r.iter_lines() if line]
+        assert ": keep-alive" in lines
+        assert lines[-1] == "data: [DONE]"
+        # Comments never break the SDK's parsing of the same stream.
+        sdk = __import__("openai").OpenAI(base_url=g.url + "/v1", api_key="x", max_retries=0)
+        body.pop("stream")
+        parts = [c.choices[0].text for c in sdk.completions.create(model=engine_model(g), stream=True, **body)
+                 if c.choices]
+        assert len(parts) >= 1
+    finally:
+        g.stop()
+
+
+def engine_model(g) -> str:
+    return httpx.get(g.url + "/v1/models").json()["data"][0]["id"]

@@ -1,0 +1,56 @@
+"""Wire structs round-trip; anything else is a MalformedFrame; hot-path layouts stay append-only."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+
+from shared import protocol as p
+from shared.protocol import Kind
+from shared.sampling import SamplingParams
+
+EXAMPLES = {
+    Kind.HELLO: p.Hello(protocol_version=p.PROTOCOL_VERSION, pid=3),
+    Kind.READY: p.EngineInfo(protocol_version=1, engine_version="0.1", instance_id="abc", model_id="m",
+                             served_model_name="m", tokenizer_dir="/t", max_model_len=512, block_size=16,
+                             num_kv_blocks=8, vocab_size=100, eos_token_ids=[2]),
+    Kind.ADD: p.AddRequest("r1", [1, 2, 3], SamplingParams(max_tokens=4, seed=9, logit_bias={5: -1.0})),
+    Kind.ABORT: p.Abort(["r1", "r2"]),
+    Kind.OUTPUTS: p.StepOutputs([p.RequestOutput("r1", [7, 2], "stop", [p.Logprob(-0.5, [7], [-0.5])],
+                                                 3, 0, 2)]),
+    Kind.ERROR: p.Error(request_id="r1", code="invalid_request", message="bad", param="max_tokens"),
+    Kind.PING: p.Ping(1.5),
+    Kind.PONG: p.Pong("abc", 1.5, p.EngineStats(1, 2, 3, 4)),
+    Kind.DEAD: p.Dead(reason="bye"),
+    Kind.BYE: p.Bye(),
+}
+
+
+@pytest.mark.parametrize("kind", list(Kind))
+def test_every_kind_round_trips(kind):
+    assert p.decode(p.encode(kind, EXAMPLES[kind])) == (kind, EXAMPLES[kind])
+
+
+@pytest.mark.parametrize("frames", [
+    [], [b"\x03"], [b"\x03", b"", b""], [b"\x7f", b"\x90"], [b"", b"\x90"],
+    [Kind.ADD.value, b"\xc1"], [Kind.ADD.value, msgspec.msgpack.encode({"request_id": "x"})],
+    [Kind.ABORT.value, msgspec.msgpack.encode([[1, 2]])],
+])
+def test_anything_else_is_malformed(frames):
+    with pytest.raises(p.MalformedFrame):
+        p.decode(frames)
+
+
+def test_request_output_layout_is_positional_and_append_only():
+    # Peers of different builds decode by position: these indexes must never move.
+    out = p.RequestOutput("r", [1], "length", None, 5, 2, None)
+    assert msgspec.msgpack.decode(msgspec.msgpack.encode(out)) == ["r", [1], "length", None, 5, 2, None]
+    assert msgspec.msgpack.decode(msgspec.msgpack.encode(p.Logprob(-1.0, [3], [-1.0]))) == [-1.0, [3], [-1.0]]
+    add = msgspec.msgpack.decode(msgspec.msgpack.encode(p.AddRequest("r", [1], SamplingParams())))
+    assert add[:2] == ["r", [1]]
+
+
+def test_a_shorter_array_from_an_older_peer_still_decodes_with_defaults():
+    older = msgspec.msgpack.encode(["r", [1, 2], None])
+    kind, msg = p.decode([Kind.OUTPUTS.value, msgspec.msgpack.encode([[msgspec.msgpack.decode(older)]])])
+    assert msg.outputs[0].num_cached_tokens == 0 and msg.outputs[0].stop_token_id is None
