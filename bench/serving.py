@@ -107,6 +107,7 @@ def main() -> None:
             vocab_size = 49152 if "SmolLM2" in vocab["id"] else 32000
             prompts = make_prompts(args.streams, vocab_size, seed=0)
             local, served = [], []
+            before = httpx.get(url + "/health?fresh=1").json()["engine"]
             for r in range(args.repeats):
                 # The in-process engine runs in a child so the two never share a process.
                 out = subprocess.run(
@@ -118,14 +119,19 @@ def main() -> None:
                 served.append(asyncio.run(_served_run(url, prompts, args.max_tokens)))
                 print(f"run {r}: in-process {local[-1][0]:.1f} tok/s ({local[-1][1]} tokens), "
                       f"served {served[-1][0]:.1f} tok/s ({served[-1][1]} tokens)", flush=True)
+            after = httpx.get(url + "/health?fresh=1").json()["engine"]
         finally:
             for proc in (gateway, engine):
                 proc.terminate()
                 proc.wait(30)
     lm = statistics.median(x[0] for x in local)
     sm = statistics.median(x[0] for x in served)
+    step = after["step_seconds"] - before["step_seconds"]
+    io = after["io_seconds"] - before["io_seconds"]
     print(f"{args.streams} streams x {args.max_tokens} tokens: in-process {lm:.1f} tok/s, "
           f"served {sm:.1f} tok/s, served / in-process = {sm / lm:.3f}")
+    print(f"served engine loop: {step:.2f} s in steps, {io:.3f} s of socket work between them "
+          f"({100 * io / max(step + io, 1e-9):.2f} % of its busy time)")
 
 
 if __name__ == "__main__":

@@ -81,6 +81,8 @@ class Daemon:
         # gateway identity -> monotonic time it was last heard from
         self.last_seen: dict[bytes, float] = {}
         self.stop_reason: str | None = None
+        self.step_seconds = 0.0
+        self.io_seconds = 0.0
         self._stop_deadline = 0.0
         self.ctx = zmq.Context.instance()
         self.sock = self.ctx.socket(zmq.ROUTER)
@@ -131,13 +133,21 @@ class Daemon:
     def run(self) -> int:
         log.info("engine serving %s on %s", self.info.served_model_name, self.endpoint)
         next_housekeeping = time.monotonic() + _HOUSEKEEPING_S
+        clock = time.perf_counter
         try:
             while True:
                 busy = self.engine.has_unfinished()
+                t0 = clock()
                 if self.sock.poll(0 if busy else _IDLE_POLL_MS, zmq.POLLIN):
                     self._drain()
                 if self.engine.has_unfinished():
-                    self._send_outputs(self.engine.step())
+                    t1 = clock()
+                    outputs = self.engine.step()
+                    t2 = clock()
+                    self._send_outputs(outputs)
+                    self.step_seconds += t2 - t1
+                    # Socket work around the step: what serving costs the engine.
+                    self.io_seconds += (t1 - t0 if busy else 0.0) + clock() - t2
                 now = time.monotonic()
                 if now >= next_housekeeping:
                     next_housekeeping = now + _HOUSEKEEPING_S
@@ -254,7 +264,9 @@ class Daemon:
     def _stats(self) -> p.EngineStats:
         s = self.engine.stats()
         return p.EngineStats(num_running=s.num_running, num_waiting=s.num_waiting,
-                             num_free_blocks=s.num_free_blocks, num_total_blocks=s.num_total_blocks)
+                             num_free_blocks=s.num_free_blocks, num_total_blocks=s.num_total_blocks,
+                             num_preemptions=getattr(s, "num_preemptions", 0),
+                             step_seconds=self.step_seconds, io_seconds=self.io_seconds)
 
     # -- housekeeping --------------------------------------------------------
 

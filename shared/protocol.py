@@ -66,6 +66,11 @@ class EngineStats(msgspec.Struct, array_like=True, gc=False):
     num_waiting: int = 0
     num_free_blocks: int = 0
     num_total_blocks: int = 0
+    num_preemptions: int = 0
+    # Since the engine started, while requests were running: seconds inside
+    # Engine.step(), and seconds of the daemon's own socket work between steps.
+    step_seconds: float = 0.0
+    io_seconds: float = 0.0
 
 
 class Hello(msgspec.Struct, kw_only=True):
