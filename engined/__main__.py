@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import sys
+import threading
 
 from engined.daemon import Daemon
 from shared.config import EngineConfig
@@ -20,7 +22,8 @@ def run_engine(config: EngineConfig, daemon: DaemonConfig, parent_pid: int | Non
     endpoint = daemon.engine_endpoint or default_engine_endpoint()
     log.info("loading %s", config.model or "the embedded SmolLM2")
     try:
-        engine = Engine(config)
+        with _progress("loading the model and warming up"):
+            engine = Engine(config)
     except KeyboardInterrupt:
         return 130
     d = Daemon(engine, endpoint, gateway_timeout=daemon.gateway_timeout,
@@ -31,6 +34,31 @@ def run_engine(config: EngineConfig, daemon: DaemonConfig, parent_pid: int | Non
           f"(max_model_len {info.max_model_len}, {info.num_kv_blocks} KV blocks of {info.block_size})",
           file=sys.stderr, flush=True)
     return d.run()
+
+
+@contextlib.contextmanager
+def _progress(what: str):
+    """An elapsed-time bar on a terminal while ``what`` runs (the load reports no fractions)."""
+    if not sys.stderr.isatty():
+        yield
+        return
+    from tqdm import tqdm
+
+    done = threading.Event()
+    bar = tqdm(desc=what, bar_format="{desc}: {elapsed}", file=sys.stderr)
+
+    def tick():
+        while not done.wait(0.2):
+            bar.refresh()
+
+    t = threading.Thread(target=tick, daemon=True)
+    t.start()
+    try:
+        yield
+    finally:
+        done.set()
+        t.join()
+        bar.close()
 
 
 def main(argv: list[str] | None = None) -> int:
