@@ -70,7 +70,8 @@ async def chat_completions(request: Request) -> Response:
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         return SSEResponse(_chat_stream(gw, gen, rid, created, model, include_usage))
-    await _collect(request, gen)
+    if not await _collect(request, gen):
+        return Response(status_code=499)  # nobody is listening; nginx's 'client closed request'
     choices = [
         t.ChatChoice(
             index=c.index,
@@ -114,7 +115,8 @@ async def completions(request: Request) -> Response:
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         return SSEResponse(_completion_stream(gw, gen, rid, created, model, include_usage, req.logprobs))
-    await _collect(request, gen)
+    if not await _collect(request, gen):
+        return Response(status_code=499)  # nobody is listening; nginx's 'client closed request'
     choices = []
     for c in gen.choices:
         text = c.text
@@ -127,8 +129,8 @@ async def completions(request: Request) -> Response:
                                        usage=_usage(gen)))
 
 
-async def _collect(request: Request, gen: Generation) -> None:
-    """Run a non-streamed generation to its end; a client that hangs up aborts it."""
+async def _collect(request: Request, gen: Generation) -> bool:
+    """Run a non-streamed generation to its end; a client that hangs up aborts it (False)."""
     async def drain():
         async for _ in gen.deltas():
             pass
@@ -144,8 +146,9 @@ async def _collect(request: Request, gen: Generation) -> None:
         await asyncio.gather(work, gone, return_exceptions=True)
         gen.abort_unfinished()
     if work.cancelled():
-        raise asyncio.CancelledError()  # the client is gone: nothing to answer
+        return False  # the client is gone
     work.result()
+    return True
 
 
 def _usage(gen: Generation) -> t.Usage:
