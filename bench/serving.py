@@ -30,19 +30,28 @@ ENGINE_FLAGS = ["--max-num-seqs", "16", "--max-num-batched-tokens", "512", "--nu
                 "--max-model-len", "1024", "--no-enable-prefix-caching"]
 
 
-def make_prompts(n: int, vocab: int, seed: int, lo=32, hi=128) -> list[list[int]]:
+_WORDS = ("river stone lamp orbit quiet violet harbor maple signal copper meadow lantern falcon "
+          "ember tide glass thunder willow cobalt saffron").split()
+
+
+def make_prompts(url: str, n: int, seed: int, lo=24, hi=96) -> list[list[int]]:
+    """n prompts of random words, as token ids (the served tokenizer's), of mixed lengths."""
     rng = np.random.default_rng(seed)
-    return [rng.integers(100, vocab - 100, size=int(k)).tolist() for k in rng.integers(lo, hi, size=n)]
+    prompts = []
+    for k in rng.integers(lo, hi, size=n):
+        text = " ".join(rng.choice(_WORDS, size=int(k)))
+        prompts.append(httpx.post(url + "/tokenize", json={"prompt": text}).json()["tokens"])
+    return prompts
 
 
-def in_process(prompts, max_tokens: int) -> tuple[float, int]:
+def in_process(prompts, max_tokens: int, model: str = "") -> tuple[float, int]:
     import engined  # noqa: F401  (the fast BLAS before mlx.core)
     from engined.engine import Engine
     from shared.cli import _build, _parser
     from shared.config import EngineConfig
     from shared.sampling import SamplingParams
 
-    args = _parser().parse_args(["engine", *ENGINE_FLAGS])
+    args = _parser().parse_args(["engine", *ENGINE_FLAGS, *(["--model", model] if model else [])])
     engine = Engine(_build(EngineConfig, args))
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     engine.generate([prompts[0][:8]], SamplingParams(max_tokens=2, temperature=0.0))  # warm-up
@@ -83,12 +92,24 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--port", type=int, default=18431)
+    ap.add_argument("--model", default="", help="default: the embedded SmolLM2")
+    ap.add_argument("--random-model", metavar="DIR",
+                    help="write a random-weight llama of SmolLM2-135M's shape to DIR and serve it "
+                         "(for machines without the GGUF; throughput depends on shape, not weights)")
     args = ap.parse_args()
+    if args.random_model:
+        from tests.tiny_models import make_tiny_model
+
+        make_tiny_model(args.random_model, "llama", hidden_size=576, num_hidden_layers=30,
+                        intermediate_size=1536, num_attention_heads=9, num_key_value_heads=3,
+                        head_dim=64, vocab_size=49152)
+        args.model = args.random_model
+    model_flags = ["--model", args.model] if args.model else []
 
     with tempfile.TemporaryDirectory() as tmp:
         endpoint = f"ipc://{tmp}/engine.sock"
         engine = subprocess.Popen([sys.executable, "-m", "engined", "--engine-endpoint", endpoint,
-                                   "--log-level", "WARNING", *ENGINE_FLAGS])
+                                   "--log-level", "WARNING", *ENGINE_FLAGS, *model_flags])
         gateway = subprocess.Popen([sys.executable, "-m", "shared.cli", "gateway", "--log-level", "WARNING",
                                     "--engine-endpoint", endpoint, "--port", str(args.port)])
         url = f"http://127.0.0.1:{args.port}"
@@ -103,9 +124,7 @@ def main() -> None:
                 if time.monotonic() > deadline:
                     raise TimeoutError("the served engine did not come up")
                 time.sleep(0.5)
-            vocab = httpx.get(url + "/v1/models").json()["data"][0]
-            vocab_size = 49152 if "SmolLM2" in vocab["id"] else 32000
-            prompts = make_prompts(args.streams, vocab_size, seed=0)
+            prompts = make_prompts(url, args.streams, seed=0)
             local, served = [], []
             before = httpx.get(url + "/health?fresh=1").json()["engine"]
             for r in range(args.repeats):
@@ -113,7 +132,8 @@ def main() -> None:
                 out = subprocess.run(
                     [sys.executable, "-c",
                      "import json,sys; from bench.serving import in_process; "
-                     f"print(json.dumps(in_process(json.loads(sys.stdin.read()), {args.max_tokens})))"],
+                     f"print(json.dumps(in_process(json.loads(sys.stdin.read()), {args.max_tokens}, "
+                     f"{args.model!r})))"],
                     input=json.dumps(prompts), capture_output=True, text=True, check=True)
                 local.append(json.loads(out.stdout.strip().splitlines()[-1]))
                 served.append(asyncio.run(_served_run(url, prompts, args.max_tokens)))
