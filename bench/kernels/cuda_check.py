@@ -31,6 +31,7 @@ from kernels.cases import dense_attention, make_case, rel_error  # noqa: E402
 from kernels.metadata import AttentionMetadata  # noqa: E402
 
 TOL = {mx.float32: 1e-4, mx.float16: 3e-3, mx.bfloat16: 1.2e-2}
+S = 1  # size divisor (only the CPU dry run shrinks the problems)
 DT_NAME = {mx.float32: "fp32", mx.float16: "fp16", mx.bfloat16: "bf16"}
 
 
@@ -42,6 +43,8 @@ def kernel(q, kc, vc, meta, scale, window=None, softcap=None):
 
 def bench(fn, iters=20, reps=7):
     """Seconds per call: `iters` calls queued, one eval, median over `reps`."""
+    if S > 1:  # the CPU dry run only checks that every section runs
+        iters, reps = 1, 1
     mx.eval(fn())
     mx.synchronize()
     times = []
@@ -130,7 +133,7 @@ def random_pool(rng, seq_lens, hkv, d, bs, dtype, extra_blocks=0):
 
 
 def hbm_bandwidth():
-    x = mx.random.normal((1024, 1024, 1024)).astype(mx.bfloat16)  # 2 GiB
+    x = mx.random.normal((1024 // S, 1024, 1024)).astype(mx.bfloat16)  # 2 GiB
     mx.eval(x)
     sec, spread = bench(lambda: -x, iters=10, reps=7)
     return 2 * x.nbytes / sec, sec, spread
@@ -140,10 +143,21 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=".")
     ap.add_argument("--skip-correctness", action="store_true")
+    ap.add_argument("--cpu-dry-run", action="store_true",
+                    help="exercise this script on the CPU: reference in place of the kernel, tiny sizes")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
-    assert mx.cuda.is_available(), "MLX has no CUDA device here"
-    mx.set_default_device(mx.gpu)
+    global S
+    if args.cpu_dry_run:
+        S = 32
+
+        def fake(dialect, q, kc, vc, meta, scale, window=None, softcap=None, route_chunks=True):
+            return reference.paged_attention(q, kc, vc, meta, scale, window, softcap)
+
+        gpu.paged_attention = fake
+    else:
+        assert mx.cuda.is_available(), "MLX has no CUDA device here"
+        mx.set_default_device(mx.gpu)
     rng = np.random.default_rng()
     log: dict = {"mlx": mx.__version__}
     try:
@@ -187,7 +201,7 @@ def main() -> int:
     # -- decode: 64 x 4K, H=32, H_kv=8, D=128, bf16
     h, hkv, d, bs, dt = 32, 8, 128, 16, mx.bfloat16
     scale = d ** -0.5
-    nseq, ctx = 64, 4096
+    nseq, ctx = 64, 4096 // S
     kc, vc, tables = random_pool(rng, [ctx] * nseq, hkv, d, bs, dt)
     meta = AttentionMetadata.build([1] * nseq, [ctx] * nseq, tables, bs)
     q = mx.random.normal((nseq, h, d)).astype(dt)
@@ -274,7 +288,7 @@ def main() -> int:
     del kc, vc, state
 
     # -- prefill: 8 x 2K
-    nseq, ctx = 8, 2048
+    nseq, ctx = 8, 2048 // S
     kc, vc, tables = random_pool(rng, [ctx] * nseq, hkv, d, bs, dt)
     meta = AttentionMetadata.build([ctx] * nseq, [ctx] * nseq, tables, bs)
     q = mx.random.normal((nseq * ctx, h, d)).astype(dt)
@@ -308,9 +322,10 @@ def main() -> int:
 
     # -- mixed batches: one call vs its decode and prefill parts called separately
     mixed = [
-        ("64 decode rows at 4K + 4 prefill chunks of 512 after 1536 cached", [4096] * 64, [512] * 4, [2048] * 4),
+        ("64 decode rows at 4K + 4 prefill chunks of 512 after 1536 cached", [4096 // S] * 64, [512 // S] * 4,
+         [2048 // S] * 4),
         ("64 decode rows at 4K + 16 verify windows of 4 + 2 chunks of 32 (all in one launch)",
-         [4096] * 64, [4] * 16 + [32] * 2, [1028] * 16 + [544] * 2),
+         [4096 // S] * 64, [4] * 16 + [32] * 2, [4 + 1024 // S] * 16 + [32 + 512 // S] * 2),
     ]
     log["mixed"] = []
     for title, dec_lens, pre_q, pre_ctx in mixed:
