@@ -40,15 +40,17 @@ def paged_attention(
     scale: float,
     sliding_window: int | None = None,
     softcap: float | None = None,
+    sinks: mx.array | None = None,
 ) -> mx.array:
     """Attention of packed queries ``q [T, H, D]`` over each request's paged context.
 
     Same contract as ``reference.paged_attention`` (see there); returns ``[T, H, D]``
-    in ``q``'s dtype.
+    in ``q``'s dtype. The GPU kernels do not take ``sinks`` yet: with sinks the
+    reference runs.
     """
     which = backend()
-    if which != "reference":
+    if which != "reference" and sinks is None:
         out = gpu.paged_attention(which, q, k_cache, v_cache, meta, scale, sliding_window, softcap)
         if out is not None:
             return out
-    return reference.paged_attention(q, k_cache, v_cache, meta, scale, sliding_window, softcap)
+    return reference.paged_attention(q, k_cache, v_cache, meta, scale, sliding_window, softcap, sinks)

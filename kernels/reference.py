@@ -25,17 +25,22 @@ def write_kv(
     return kf.reshape(nb, bs, hkv, d), vf.reshape(nb, bs, hkv, d)
 
 
-def _attend(q, k, v, mask, scale, softcap):
-    """q [B, H, Lq, D], k/v [B, H_kv, Lk, D], boolean mask broadcastable to [B, H, Lq, Lk]."""
+def _attend(q, k, v, mask, scale, softcap, sinks=None):
+    """q [B, H, Lq, D], k/v [B, H_kv, Lk, D], boolean mask broadcastable to [B, H, Lq, Lk], sinks [H]."""
     if softcap is None:
-        return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
+        return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask, sinks=sinks)
     b, h, lq, d = q.shape
     hkv = k.shape[1]
     qg = q.reshape(b, hkv, h // hkv, lq, d)
     scores = (qg * scale) @ k[:, :, None].swapaxes(-1, -2)
     scores = mx.tanh(scores / softcap) * softcap
-    scores = mx.where(mask[:, :, None], scores, mx.finfo(scores.dtype).min)
-    probs = mx.softmax(scores.astype(mx.float32), axis=-1).astype(v.dtype)
+    scores = mx.where(mask[:, :, None], scores, mx.finfo(scores.dtype).min).astype(mx.float32)
+    if sinks is not None:
+        # A sink is one more logit in each head's softmax that attends to nothing.
+        sink = mx.broadcast_to(sinks.astype(mx.float32).reshape(1, hkv, h // hkv, 1, 1), (b, hkv, h // hkv, lq, 1))
+        probs = mx.softmax(mx.concatenate([sink, scores], axis=-1), axis=-1)[..., 1:].astype(v.dtype)
+    else:
+        probs = mx.softmax(scores, axis=-1).astype(v.dtype)
     return (probs @ v[:, :, None]).reshape(b, h, lq, d)
 
 
@@ -55,20 +60,24 @@ def paged_attention(
     scale: float,
     sliding_window: int | None = None,
     softcap: float | None = None,
+    sinks: mx.array | None = None,
 ) -> mx.array:
     """Attention of packed queries ``q [T, H, D]`` over each request's paged context.
 
     Row ``i`` of request ``b`` sits at absolute position
     ``seq_lens[b] - query_lens[b] + i`` and sees keys at positions ``<=`` its own
     (and, with ``sliding_window = w``, ``> pos - w``). GQA maps head ``h`` to
-    KV head ``h // (H // H_kv)``. Returns ``[T, H, D]`` in ``q``'s dtype.
+    KV head ``h // (H // H_kv)``. ``sinks [H]`` (gpt_oss's attention sinks), if
+    given, add ``exp(sinks[h])`` to head ``h``'s softmax denominator: a logit
+    that takes probability mass and contributes no value. Returns ``[T, H, D]``
+    in ``q``'s dtype.
     """
-    return attention_by_kind(q, k_cache, v_cache, meta, scale, sliding_window, softcap)
+    return attention_by_kind(q, k_cache, v_cache, meta, scale, sliding_window, softcap, sinks=sinks)
 
 
 def decode_rows(
     q: mx.array, k_cache: mx.array, v_cache: mx.array, meta: AttentionMetadata, decode: np.ndarray,
-    scale: float, sliding_window: int | None, softcap: float | None,
+    scale: float, sliding_window: int | None, softcap: float | None, sinks: mx.array | None = None,
 ) -> mx.array:
     """The requests ``decode`` (one new token each) as one padded batch: ``[len(decode), H, D]``."""
     slens, cu = meta.seq_lens_np, meta.cu_seqlens_q_np
@@ -83,12 +92,12 @@ def decode_rows(
     mask = key_pos <= last
     if sliding_window is not None:
         mask = mask & (key_pos > last - sliding_window)
-    return _attend(qd, k, v, mask[:, None, None, :], scale, softcap)[:, :, 0, :]
+    return _attend(qd, k, v, mask[:, None, None, :], scale, softcap, sinks)[:, :, 0, :]
 
 
 def prefill_chunk(
     q: mx.array, k_cache: mx.array, v_cache: mx.array, meta: AttentionMetadata, b: int,
-    scale: float, sliding_window: int | None, softcap: float | None,
+    scale: float, sliding_window: int | None, softcap: float | None, sinks: mx.array | None = None,
 ) -> mx.array:
     """Request ``b``'s chunk of new rows over its whole context: ``[query_len, H, D]``."""
     start, ql, sl = int(meta.cu_seqlens_q_np[b]), int(meta.query_lens_np[b]), int(meta.seq_lens_np[b])
@@ -98,20 +107,21 @@ def prefill_chunk(
     if sliding_window is None and softcap is None:
         # MLX's causal mask is aligned to the last key, which is exactly a chunk after
         # cached context; the named mask also lets SDPA take its fused (flash) path.
-        out = mx.fast.scaled_dot_product_attention(qp, k, v, scale=scale, mask="causal")
+        out = mx.fast.scaled_dot_product_attention(qp, k, v, scale=scale, mask="causal", sinks=sinks)
     else:
         q_pos = mx.arange(sl - ql, sl)[:, None]
         key_pos = mx.arange(sl)[None, :]
         mask = key_pos <= q_pos
         if sliding_window is not None:
             mask = mask & (key_pos > q_pos - sliding_window)
-        out = _attend(qp, k, v, mask[None, None], scale, softcap)
+        out = _attend(qp, k, v, mask[None, None], scale, softcap, sinks)
     return out[0].transpose(1, 0, 2)
 
 
 def attention_by_kind(
     q: mx.array, k_cache: mx.array, v_cache: mx.array, meta: AttentionMetadata, scale: float,
     sliding_window: int | None = None, softcap: float | None = None, decode_fn=None,
+    sinks: mx.array | None = None,
 ) -> mx.array:
     """Decode rows in one batch (through ``decode_fn(decode_requests)`` if given), each prefill
     chunk on its own, then back into packed order. Nothing is padded across prefill chunks."""
@@ -122,13 +132,13 @@ def attention_by_kind(
     decode = np.flatnonzero(qlens == 1)
     if len(decode):
         if decode_fn is None:
-            pieces.append(decode_rows(q, k_cache, v_cache, meta, decode, scale, sliding_window, softcap))
+            pieces.append(decode_rows(q, k_cache, v_cache, meta, decode, scale, sliding_window, softcap, sinks))
         else:
             pieces.append(decode_fn(decode))
         order.append(cu[decode])
 
     for b in np.flatnonzero(qlens > 1):
-        pieces.append(prefill_chunk(q, k_cache, v_cache, meta, int(b), scale, sliding_window, softcap))
+        pieces.append(prefill_chunk(q, k_cache, v_cache, meta, int(b), scale, sliding_window, softcap, sinks))
         order.append(np.arange(cu[b], cu[b] + qlens[b]))
 
     packed = mx.concatenate(pieces, axis=0) if len(pieces) > 1 else pieces[0]

@@ -39,8 +39,8 @@ METAL_HEADER = r"""
 #define LOAD_F4(p) (*((threadgroup float4*)(p)))
 #define UNROLL _Pragma("clang loop unroll(full)")
 
-template <int N, typename U>
-inline void load_vec(const device U* p, thread float* o) {
+template <int N, typename V>
+inline void load_vec(const device V* p, thread float* o) {
   for (int i = 0; i < N; ++i) o[i] = static_cast<float>(p[i]);
 }
 """
@@ -69,18 +69,18 @@ CUDA_HEADER = r"""
 #define UNROLL _Pragma("unroll")
 
 // 16-byte rows load as one vector (the common bf16/fp16 case with 8 elements).
-template <int N, typename U>
-__device__ inline void load_vec(const U* p, float* o) {
-  if constexpr (N * sizeof(U) == 16) {
+template <int N, typename V>
+__device__ inline void load_vec(const V* p, float* o) {
+  if constexpr (N * sizeof(V) == 16) {
     const uint4 raw = *reinterpret_cast<const uint4*>(p);
-    const U* e = reinterpret_cast<const U*>(&raw);
+    const V* e = reinterpret_cast<const V*>(&raw);
 #pragma unroll
     for (int i = 0; i < N; ++i) o[i] = static_cast<float>(e[i]);
-  } else if constexpr (N * sizeof(U) == 32) {
+  } else if constexpr (N * sizeof(V) == 32) {
     const uint4 r0 = *reinterpret_cast<const uint4*>(p);
     const uint4 r1 = *(reinterpret_cast<const uint4*>(p) + 1);
-    const U* e0 = reinterpret_cast<const U*>(&r0);
-    const U* e1 = reinterpret_cast<const U*>(&r1);
+    const V* e0 = reinterpret_cast<const V*>(&r0);
+    const V* e1 = reinterpret_cast<const V*>(&r1);
 #pragma unroll
     for (int i = 0; i < N / 2; ++i) {
       o[i] = static_cast<float>(e0[i]);
@@ -142,10 +142,10 @@ MAIN_BODY = r"""
   {
     int n = B;
     while (n > 1) {
-      const int half = n >> 1;
-      const int mid = b + half;
+      const int hn = n >> 1;
+      const int mid = b + hn;
       if (cu_seqlens_q[mid] / BQ + mid <= qb) b = mid;
-      n -= half;
+      n -= hn;
     }
   }
   const int q0 = cu_seqlens_q[b];
@@ -454,10 +454,10 @@ REDUCE_BODY = r"""
   {
     int n = B;
     while (n > 1) {
-      const int half = n >> 1;
-      const int mid = b + half;
+      const int hn = n >> 1;
+      const int mid = b + hn;
       if (cu_seqlens_q[mid] <= t) b = mid;
-      n -= half;
+      n -= hn;
     }
   }
   const int qlen = cu_seqlens_q[b + 1] - cu_seqlens_q[b];
