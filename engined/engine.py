@@ -14,6 +14,7 @@ import time
 from dataclasses import dataclass
 
 import mlx.core as mx
+import numpy as np
 from mlx.utils import tree_flatten
 
 from engined import memory_guard
@@ -24,6 +25,7 @@ from engined.request import Request
 from engined.runner import ModelRunner
 from engined.sampler import Sampler, logprobs_for
 from engined.scheduler import Scheduler, SchedulerOutput
+from engined.speculative import Verifier, can_speculate, ngram_propose
 from shared.config import EngineConfig
 from shared.errors import ContextLengthError, InvalidRequestError, OverloadedError
 from shared.protocol import RequestOutput
@@ -75,6 +77,8 @@ class Engine:
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
         self.sampler = Sampler(loaded.vocab_size, loaded.eos_token_ids)
+        self.spec = config.speculative
+        self.verifier = Verifier(self.sampler)
         self.requests: dict[str, Request] = {}
         self._seeds = random.Random(config.seed)
         self._aborted: list[RequestOutput] = []
@@ -158,46 +162,115 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         start = time.monotonic()
         outputs, self._aborted = self._aborted, []
+        if self.spec is not None:
+            self._propose()
         sched = self.scheduler.schedule()
         if not sched.scheduled:
             self.metrics.on_step(0, 0.0, self.stats())
             return outputs
-        # Requests whose last scheduled token completes their known tokens are sampled.
-        sample_rows = [i for i, (r, n) in enumerate(sched.scheduled) if r.num_computed_tokens + n == r.num_tokens]
+        # Rows needing logits per request: none for a prefill chunk short of the
+        # end, the last row otherwise, plus one per draft token.
+        num_logits = [
+            len(r.spec_tokens) + 1 if r.num_computed_tokens + n >= r.num_tokens else 0
+            for r, n in sched.scheduled
+        ]
         tables = [self.kv.block_ids(r.request_id) for r, _ in sched.scheduled]
-        logits = self.runner.execute(sched.scheduled, tables, sample_rows)
-        sampled_reqs = [sched.scheduled[i][0] for i in sample_rows]
-        tokens = lp_parts = None
-        if sampled_reqs:
-            tokens, lp_parts = self.sampler(logits, sampled_reqs)
-            mx.eval(tokens, self.runner.caches(), lp_parts if lp_parts else [])
-        else:
-            mx.eval(logits, self.runner.caches())
-        outputs += self._update(sched, sampled_reqs, tokens, lp_parts)
+        logits = self.runner.execute(sched.scheduled, tables, num_logits)
+        emitted = self._sample(sched, num_logits, logits)
+        outputs += self._update(sched, emitted)
         self.metrics.on_step(sched.num_tokens, time.monotonic() - start, self.stats())
         return outputs
 
-    def _update(self, sched: SchedulerOutput, reqs: list[Request], tokens, lp_parts) -> list[RequestOutput]:
-        for req, n in sched.scheduled:
-            req.num_computed_tokens += n
-            self.kv.commit(req)
-        if not reqs:
-            return []
-        token_list = tokens.tolist()
-        logprobs = logprobs_for(lp_parts, token_list, reqs) if lp_parts else [None] * len(reqs)
+    def _propose(self) -> None:
+        """Draft tokens for running requests that are decoding and may speculate."""
+        spec = self.spec
+        for req in self.scheduler.running:
+            room = min(spec.num_speculative_tokens, req.params.max_tokens - req.num_output_tokens - 1,
+                       self.max_model_len - req.num_tokens - 1)
+            if room > 0 and req.num_computed_tokens == req.num_tokens - 1 and can_speculate(req):
+                req.spec_tokens = ngram_propose(
+                    np.asarray(req.token_ids), room, spec.prompt_lookup_min, spec.prompt_lookup_max
+                )
+
+    def _sample(self, sched: SchedulerOutput, num_logits: list[int], logits: mx.array):
+        """Sample plain rows and verify draft windows in one evaluation.
+
+        Returns {request: (new tokens, their Logprob records or Nones)}.
+        """
+        plain, spec, row = [], [], 0
+        for (req, _), k in zip(sched.scheduled, num_logits):
+            if k:
+                (spec if req.spec_tokens else plain).append((req, row))
+            row += k
+        pending = [self.runner.caches()]
+        if plain:
+            preqs = [r for r, _ in plain]
+            tokens, plp = self.sampler(logits[mx.array([o for _, o in plain])], preqs)
+            pending += [tokens, plp or []]
+        if spec:
+            sreqs = [r for r, _ in spec]
+            drafts = [list(r.spec_tokens) for r in sreqs]
+            rows_req = [r for r, d in zip(sreqs, drafts) for _ in range(len(d) + 1)]
+            idx = np.concatenate([np.arange(o, o + len(d) + 1) for (_, o), d in zip(spec, drafts)])
+            slogits = logits[mx.array(idx.astype(np.int32))]
+            accept, alt = self.verifier(slogits, sreqs, drafts)
+            slp = self.sampler.raw_logprobs(slogits, rows_req)
+            pending += [accept, alt, slp or []]
+        mx.eval(pending)
+
+        emitted = {}
+        if plain:
+            toks = tokens.tolist()
+            lps = logprobs_for(plp, toks, preqs) if plp else [None] * len(preqs)
+            for req, tok, lp in zip(preqs, toks, lps):
+                emitted[req] = ([tok], [lp])
+        if spec:
+            acc, alts, start = accept.tolist(), alt.tolist(), 0
+            row_tokens = []
+            accepted = []
+            for d in drafts:
+                n_acc = next((j for j in range(len(d)) if not acc[start + j]), len(d))
+                new = d[:n_acc] + [alts[start + n_acc]]
+                accepted.append(n_acc)
+                row_tokens += new + [0] * (len(d) - n_acc)  # rows past the rejection emit nothing
+                start += len(d) + 1
+            lps = logprobs_for(slp, row_tokens, rows_req) if slp else [None] * len(rows_req)
+            start = 0
+            for req, d, n_acc in zip(sreqs, drafts, accepted):
+                emitted[req] = (row_tokens[start : start + n_acc + 1], lps[start : start + n_acc + 1])
+                start += len(d) + 1
+            self.metrics.on_spec([len(d) for d in drafts], accepted)
+        return emitted
+
+    def _update(self, sched: SchedulerOutput, emitted: dict) -> list[RequestOutput]:
         outputs = []
         now = time.monotonic()
-        for req, token, lp in zip(reqs, token_list, logprobs):
-            req.token_ids.append(token)
-            self.metrics.on_token(req, now)
-            if lp is not None:
-                req.pending_logprobs.append(lp)
-            req.pending_tokens.append(token)
-            reason = self._stop_reason(req, token)
+        for req, n in sched.scheduled:
+            new = emitted.get(req)
+            if new is None:  # a prefill chunk short of the end
+                req.num_computed_tokens += n
+                self.kv.commit(req)
+                continue
+            tokens, lps = new
+            # Known tokens plus the accepted drafts now have their K/V in the cache.
+            req.num_computed_tokens += n - len(req.spec_tokens) + len(tokens) - 1
+            req.spec_tokens = []
+            self.metrics.on_token(req, now, len(tokens))
+            reason = None
+            for token, lp in zip(tokens, lps):
+                req.token_ids.append(token)
+                req.pending_tokens.append(token)
+                if lp is not None:
+                    req.pending_logprobs.append(lp)
+                reason = self._stop_reason(req, token)
+                if reason:
+                    break
             if reason:
                 self.scheduler.finish(req, reason)
                 self.metrics.on_finish(req, now)
                 del self.requests[req.request_id]
+            else:
+                self.kv.commit(req)
             outputs.append(self._output(req))
         return outputs
 

@@ -70,7 +70,7 @@ def warm_up(runner, config: EngineConfig, max_model_len: int, vocab_size: int, p
     rng = np.random.default_rng(0)
     bar = tqdm(total=2, desc="warm-up", disable=not progress, leave=False)
     req = Request("warm-up", rng.integers(0, vocab_size, size=tokens).tolist(), SamplingParams(), 0)
-    logits = runner.execute([(req, tokens)], [list(range(blocks))], [0])
+    logits = runner.execute([(req, tokens)], [list(range(blocks))], [1])
     mx.eval(logits, runner.caches())
     bar.update()
     # The widest sampling step: every running sequence with penalties and top-p.

@@ -69,6 +69,12 @@ class EngineMetrics:
         self.decode = histogram("request_decode_time_seconds", "First token to finish.", REQUEST_BUCKETS)
         self.iteration_tokens = histogram("iteration_tokens_total", "Tokens computed per engine step.", TOKEN_BUCKETS)
         self.step_time = histogram("step_duration_seconds", "Wall time of one engine step.", STEP_BUCKETS)
+        self.spec_drafts = counter("spec_decode_num_drafts", "Draft windows verified.")
+        self.spec_draft_tokens = counter("spec_decode_num_draft_tokens", "Draft tokens proposed.")
+        self.spec_accepted = counter("spec_decode_num_accepted_tokens", "Draft tokens accepted.")
+        per_pos = Counter(name("spec_decode_num_accepted_tokens_per_pos"), "Accepted draft tokens by position.",
+                          labels + ["position"], registry=self.registry)
+        self.spec_accepted_per_pos = lambda pos: per_pos.labels(model_name, str(pos))  # noqa: E731
         self._prefix_seen = (0, 0)
         self._preemptions_seen = 0
 
@@ -96,15 +102,24 @@ class EngineMetrics:
             self.iteration_tokens.observe(num_tokens)
             self.step_time.observe(duration)
 
-    def on_token(self, req: Request, now: float) -> None:
-        """After a token is appended to ``req``."""
-        self.generation_tokens.inc()
+    def on_token(self, req: Request, now: float, count: int = 1) -> None:
+        """After a step appended ``count`` tokens to ``req`` (more than one when drafts were accepted)."""
+        self.generation_tokens.inc(count)
         if req.first_token_time is None:
             req.first_token_time = now
             self.ttft.observe(now - req.arrival_time)
         else:
             self.itl.observe(now - req.last_token_time)
         req.last_token_time = now
+
+    def on_spec(self, drafted: list[int], accepted: list[int]) -> None:
+        """After verification: draft lengths and accepted counts, one per speculating request."""
+        self.spec_drafts.inc(len(drafted))
+        self.spec_draft_tokens.inc(sum(drafted))
+        self.spec_accepted.inc(sum(accepted))
+        for n in accepted:
+            for pos in range(n):
+                self.spec_accepted_per_pos(pos).inc()
 
     def on_finish(self, req: Request, now: float) -> None:
         self.success[req.finish_reason].inc()

@@ -37,24 +37,27 @@ class ModelRunner:
         return sum(c.nbytes for c in self.ctx.k_caches) + sum(c.nbytes for c in self.ctx.v_caches)
 
     def execute(
-        self, scheduled: list[tuple[Request, int]], block_tables: list[list[int]],
-        sample_rows: list[int],
+        self, scheduled: list[tuple[Request, int]], block_tables: list[list[int]], num_logits: list[int],
     ) -> mx.array:
-        """Forward the packed batch; returns logits ``[len(sample_rows), vocab]`` (not yet evaluated).
+        """Forward the packed batch; returns logits ``[sum(num_logits), vocab]`` (not yet evaluated).
 
-        ``scheduled[b] = (request, n)`` computes the request's tokens
-        ``[num_computed, num_computed + n)``; ``sample_rows`` are indices ``b``
-        whose last scheduled token is sampled.
+        ``scheduled[b] = (request, n)`` computes ``n`` tokens from the request's
+        ``num_computed_tokens`` on: its known tokens, then its draft tokens
+        (``spec_tokens``). The logits of its last ``num_logits[b]`` rows are
+        returned, in order.
         """
         query_lens = [n for _, n in scheduled]
         seq_lens = [r.num_computed_tokens + n for r, n in scheduled]
-        tokens = np.concatenate(
-            [np.asarray(r.token_ids[r.num_computed_tokens : r.num_computed_tokens + n], dtype=np.int32)
-             for r, n in scheduled]
-        )
+        pieces = []
+        for r, n in scheduled:
+            known = r.token_ids[r.num_computed_tokens : r.num_computed_tokens + n]
+            pieces.append(known if len(known) == n else known + r.spec_tokens[: n - len(known)])
+        tokens = np.fromiter((t for piece in pieces for t in piece), dtype=np.int32, count=sum(query_lens))
         meta = AttentionMetadata.build(query_lens, seq_lens, block_tables, self.block_size)
         self.ctx.meta = meta
-        self.ctx.logit_rows = mx.array(meta.cu_seqlens_q_np[1:][sample_rows] - 1)
+        ends = meta.cu_seqlens_q_np[1:]
+        rows = [np.arange(end - k, end) for end, k in zip(ends, num_logits) if k]
+        self.ctx.logit_rows = mx.array(np.concatenate(rows).astype(np.int32) if rows else np.zeros(0, np.int32))
         logits = self.model(mx.array(tokens)[None])[0]
         self.ctx.meta = None
         return logits

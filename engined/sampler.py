@@ -19,7 +19,7 @@ _NEG = -1e30
 _MASK64 = (1 << 64) - 1
 
 
-def _row_key(seed: int, position: int) -> mx.array:
+def row_key(seed: int, position: int) -> mx.array:
     # A position-dependent seed: splitmix-style mixing keeps nearby seeds apart.
     x = (seed * 0x9E3779B97F4A7C15 + position * 0xBF58476D1CE4E5B9 + 1) & _MASK64
     x ^= x >> 31
@@ -39,27 +39,38 @@ class Sampler:
         """
         logits = logits.astype(mx.float32)
         logits = logits[:, : self.vocab_size] if logits.shape[1] > self.vocab_size else logits
-        wants_lp = [r.params.logprobs is not None for r in reqs]
-        lp_parts = None
-        if any(wants_lp):
-            lp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-            k = max(r.params.logprobs or 0 for r in reqs)
-            top = mx.argsort(-lp, axis=-1)[:, :k] if k else None
-            lp_parts = (lp, top)
+        lp_parts = self.raw_logprobs(logits, reqs)
 
-        logits = self._penalize(logits, reqs)
+        processed = self.process(logits, reqs)
         greedy = np.array([r.params.temperature == 0.0 for r in reqs])
         if greedy.all():
-            return mx.argmax(logits, axis=-1), lp_parts
-
-        temps = mx.array([r.params.temperature or 1.0 for r in reqs], dtype=mx.float32)[:, None]
-        scaled = self._truncate(logits / temps, reqs)
-        noise = mx.stack([mx.random.gumbel((logits.shape[1],), key=_row_key(r.seed, r.num_output_tokens))
+            return mx.argmax(processed, axis=-1), lp_parts
+        noise = mx.stack([mx.random.gumbel((logits.shape[1],), key=row_key(r.seed, r.num_output_tokens))
                           for r in reqs])
-        sampled = mx.argmax(scaled + noise, axis=-1)
+        sampled = mx.argmax(processed + noise, axis=-1)
         if greedy.any():
-            sampled = mx.where(mx.array(greedy), mx.argmax(logits, axis=-1), sampled)
+            sampled = mx.where(mx.array(greedy), mx.argmax(processed, axis=-1), sampled)
         return sampled, lp_parts
+
+    @staticmethod
+    def raw_logprobs(logits: mx.array, reqs: list[Request]):
+        """(log-softmax, top-k ids) of the raw logits when any row asks for logprobs, else None."""
+        if all(r.params.logprobs is None for r in reqs):
+            return None
+        lp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        k = max(r.params.logprobs or 0 for r in reqs)
+        return lp, (mx.argsort(-lp, axis=-1)[:, :k] if k else None)
+
+    def process(self, logits: mx.array, reqs: list[Request]) -> mx.array:
+        """Logits after penalties, bias, min_tokens, then temperature and top-k/top-p/min-p.
+
+        Greedy rows skip the temperature (their argmax is what counts).
+        """
+        logits = self._penalize(logits, reqs)
+        if all(r.params.temperature == 0.0 for r in reqs):
+            return logits
+        temps = mx.array([r.params.temperature or 1.0 for r in reqs], dtype=mx.float32)[:, None]
+        return self._truncate(logits / temps, reqs)
 
     def _penalize(self, logits: mx.array, reqs: list[Request]) -> mx.array:
         """Repetition/presence/frequency penalties, logit bias and min_tokens, as one dense update."""

@@ -52,7 +52,10 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            known = req.num_tokens - req.num_computed_tokens
+            num_new = min(known + len(req.spec_tokens), budget)
+            # Drafts that don't fit the budget are dropped, never the known tokens.
+            del req.spec_tokens[max(num_new - known, 0) :]
             while not self.kv.allocate(req, num_new):
                 victim = self.running.pop()
                 self._preempt(victim)
@@ -88,6 +91,7 @@ class Scheduler:
 
     def _preempt(self, req: Request) -> None:
         self.kv.free(req)
+        req.spec_tokens = []
         req.num_computed_tokens = 0
         req.status = Status.WAITING
         self.waiting.appendleft(req)

@@ -7,6 +7,37 @@ import msgspec
 from shared.errors import InvalidRequestError
 
 
+class SpeculativeConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """``--speculative-config`` as vLLM spells it (a JSON object).
+
+    ``method`` is "ngram" (prompt lookup) or "draft_model" (a second, smaller
+    model of the same tokenizer); a model's own MTP heads would be a third.
+    """
+
+    method: str
+    num_speculative_tokens: int
+    prompt_lookup_min: int = 2
+    prompt_lookup_max: int = 4
+    model: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.method not in ("ngram", "draft_model"):
+            raise InvalidRequestError(
+                f"speculative method {self.method!r} is not one of 'ngram', 'draft_model'",
+                param="speculative_config",
+            )
+        if not 1 <= self.num_speculative_tokens <= 16:
+            raise InvalidRequestError("num_speculative_tokens must be in [1, 16]", param="speculative_config")
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise InvalidRequestError(
+                "need 1 <= prompt_lookup_min <= prompt_lookup_max", param="speculative_config"
+            )
+        if (self.method == "draft_model") != (self.model is not None):
+            raise InvalidRequestError(
+                "a draft model is given exactly when method is 'draft_model'", param="speculative_config"
+            )
+
+
 class EngineConfig(msgspec.Struct, kw_only=True):
     # Model path, GGUF file, mlx_lm directory or Hugging Face repo id; "" serves the embedded SmolLM2.
     model: str = ""
@@ -28,6 +59,8 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     # "auto": float32 on MLX's CPU backend, the checkpoint's own (quantized) weights on a GPU.
     dtype: str = "auto"
     seed: int = 0
+    # JSON, e.g. '{"method": "ngram", "num_speculative_tokens": 4}'; None: no speculation.
+    speculative_config: str | None = None
     # Metric name prefix: "mlxd", or "vllm" for dashboards written for vLLM.
     metrics_prefix: str = "mlxd"
 
@@ -44,7 +77,20 @@ class EngineConfig(msgspec.Struct, kw_only=True):
             )
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise InvalidRequestError("num_kv_blocks must be positive", param="num_kv_blocks")
+        if self.speculative_config is not None:
+            self.speculative  # parse now so a bad JSON object fails at start-up
         if self.metrics_prefix not in ("mlxd", "vllm"):
             raise InvalidRequestError("metrics_prefix must be 'mlxd' or 'vllm'", param="metrics_prefix")
         if self.dtype not in ("auto", "float32", "float16", "bfloat16", "quantized"):
             raise InvalidRequestError(f"unknown dtype {self.dtype!r}", param="dtype")
+
+    @property
+    def speculative(self) -> SpeculativeConfig | None:
+        if self.speculative_config is None:
+            return None
+        try:
+            return msgspec.json.decode(self.speculative_config, type=SpeculativeConfig)
+        except msgspec.ValidationError as e:
+            raise InvalidRequestError(f"--speculative-config: {e}", param="speculative_config") from e
+        except msgspec.DecodeError as e:
+            raise InvalidRequestError(f"--speculative-config is not JSON: {e}", param="speculative_config") from e

@@ -27,6 +27,8 @@ class SamplingParams(msgspec.Struct, array_like=True, gc=False, omit_defaults=Tr
     min_tokens: int = 0
     stop_token_ids: list[int] = []
     ignore_eos: bool = False
+    # False opts this request out of speculative decoding.
+    speculate: bool = True
 
     def validate(self, vocab_size: int) -> None:
         """Raise InvalidRequestError naming the first field out of range."""
