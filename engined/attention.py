@@ -31,29 +31,41 @@ class StepContext:
     logit_rows: mx.array | None = None
 
 
+@dataclass(frozen=True)
+class LayerSettings:
+    """What the paged step needs to know about one layer's attention, read from the layer itself."""
+
+    n_heads: int
+    n_kv_heads: int
+    scale: float
+    sliding_window: int | None = None  # keys at positions > pos - window are seen; None: all
+    softcap: float | None = None  # tanh soft cap on the logits (Gemma 2 style)
+    has_sinks: bool = False  # a learned per-head sink logit (gpt_oss)
+
+
 class PagedAttention(nn.Module):
-    def __init__(self, inner: nn.Module, layer: int, ctx: StepContext, sliding_window: int | None):
+    def __init__(self, inner: nn.Module, layer: int, ctx: StepContext, settings: LayerSettings):
         super().__init__()
         self.q_proj, self.k_proj, self.v_proj, self.o_proj = (
             inner.q_proj, inner.k_proj, inner.v_proj, inner.o_proj,
         )
-        # Per-head norms of Qwen3-style attention; absent elsewhere.
+        # Per-head norms of Qwen3/Gemma 3-style attention; absent elsewhere.
         if "q_norm" in inner:
             self.q_norm, self.k_norm = inner.q_norm, inner.k_norm
+        if settings.has_sinks:
+            self.sinks = inner.sinks  # same parameter path as the original module's
         self.rope = inner.rope
-        self.n_heads, self.n_kv_heads, self.scale = inner.n_heads, inner.n_kv_heads, inner.scale
-        self.softcap = getattr(inner, "attn_logit_softcapping", None)
-        self.sliding_window = sliding_window
+        self.settings = settings
         self._layer = layer
         self._ctx = ctx
 
     def __call__(self, x: mx.array, mask=None, cache=None) -> mx.array:
-        ctx, layer = self._ctx, self._layer
+        ctx, layer, s = self._ctx, self._layer, self.settings
         meta = ctx.meta
         _, t, _ = x.shape
-        q = self.q_proj(x).reshape(t, self.n_heads, -1)
-        k = self.k_proj(x).reshape(t, self.n_kv_heads, -1)
-        v = self.v_proj(x).reshape(t, self.n_kv_heads, -1)
+        q = self.q_proj(x).reshape(t, s.n_heads, -1)
+        k = self.k_proj(x).reshape(t, s.n_kv_heads, -1)
+        v = self.v_proj(x).reshape(t, s.n_kv_heads, -1)
         if "q_norm" in self:
             q, k = self.q_norm(q), self.k_norm(k)
         # Each token is its own "batch" row so RoPE takes a per-token offset.
@@ -62,7 +74,8 @@ class PagedAttention(nn.Module):
         kc, vc = kernels.write_kv(ctx.k_caches[layer], ctx.v_caches[layer], k, v, meta.slot_mapping)
         ctx.k_caches[layer], ctx.v_caches[layer] = kc, vc
         out = kernels.paged_attention(
-            q, kc, vc, meta, self.scale, sliding_window=self.sliding_window, softcap=self.softcap
+            q, kc, vc, meta, s.scale, sliding_window=s.sliding_window, softcap=s.softcap,
+            sinks=self.sinks if "sinks" in self else None,
         )
         return self.o_proj(out.reshape(1, t, -1))
 
@@ -79,7 +92,52 @@ class LastTokenNorm(nn.Module):
         return self.inner(h[:, self._ctx.logit_rows])
 
 
-_REQUIRED = ("q_proj", "k_proj", "v_proj", "o_proj", "rope", "n_heads", "n_kv_heads", "scale")
+_REQUIRED = ("q_proj", "k_proj", "v_proj", "o_proj", "rope")
+
+
+def _first(*pairs):
+    """The first attribute that exists and is not None among ``(object, name)`` pairs, else None."""
+    for obj, name in pairs:
+        value = getattr(obj, name, None)
+        if value is not None:
+            return value
+    return None
+
+
+def layer_settings(model: nn.Module, i: int, layer: nn.Module, attn: nn.Module) -> LayerSettings:
+    """Read layer ``i``'s attention settings under the names mlx_lm's families use for them.
+
+    Heads and scale come from the attention module (``n_heads``/``num_attention_heads``,
+    ``scale``/``sm_scale``); whether the layer slides from the layer or its attention
+    (``use_sliding``, ``is_sliding``, ``use_sliding_window``) or the model's
+    ``layer_types``; the window size from the model body or its args.
+    """
+    inner = getattr(model, "model", model)
+    args = getattr(model, "args", None)
+    n_heads = _first((attn, "n_heads"), (attn, "num_attention_heads"))
+    n_kv_heads = _first((attn, "n_kv_heads"), (attn, "num_key_value_heads"))
+    scale = _first((attn, "scale"), (attn, "sm_scale"))
+    missing = [n for n, v in (("heads", n_heads), ("kv heads", n_kv_heads), ("scale", scale)) if v is None]
+    if missing:
+        raise ModelLoadError(
+            f"{type(model).__module__} layer {i}: cannot read the attention's {', '.join(missing)}; "
+            "this architecture is not supported by the paged runner yet"
+        )
+    sliding = _first((layer, "use_sliding"), (attn, "is_sliding"), (attn, "use_sliding_window"))
+    if sliding is None:
+        types = _first((inner, "layer_types"), (args, "layer_types"))
+        sliding = types is not None and types[i] == "sliding_attention"
+    window = None
+    if sliding:
+        window = _first((inner, "window_size"), (inner, "sliding_window"), (args, "sliding_window"))
+        if window is None:
+            raise ModelLoadError(f"{type(model).__module__} layer {i}: sliding-window layer without a window size")
+    return LayerSettings(
+        n_heads=int(n_heads), n_kv_heads=int(n_kv_heads), scale=float(scale),
+        sliding_window=int(window) if window is not None else None,
+        softcap=getattr(attn, "attn_logit_softcapping", None),
+        has_sinks="sinks" in attn,
+    )
 
 
 def install(model: nn.Module, ctx: StepContext) -> list[PagedAttention]:
@@ -88,7 +146,6 @@ def install(model: nn.Module, ctx: StepContext) -> list[PagedAttention]:
     layers = getattr(inner_model, "layers", None) or getattr(model, "layers", None)
     if not layers:
         raise ModelLoadError(f"{type(model).__module__}: no transformer layers found")
-    window = getattr(inner_model, "sliding_window", None)
     swapped = []
     for i, layer in enumerate(layers):
         attn = getattr(layer, "self_attn", None)
@@ -98,7 +155,7 @@ def install(model: nn.Module, ctx: StepContext) -> list[PagedAttention]:
                 f"{type(model).__module__} layer {i}: attention lacks {', '.join(missing)}; "
                 "this architecture is not supported by the paged runner yet"
             )
-        paged = PagedAttention(attn, i, ctx, window if getattr(layer, "use_sliding", False) else None)
+        paged = PagedAttention(attn, i, ctx, layer_settings(model, i, layer, attn))
         layer.self_attn = paged
         swapped.append(paged)
     norm = getattr(inner_model, "norm", None)

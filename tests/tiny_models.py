@@ -36,6 +36,25 @@ _ARCH = {
     "llama": {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "rope_theta": 10000.0, "tie_word_embeddings": False},
     "qwen2": {"model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"], "rope_theta": 1000000.0, "tie_word_embeddings": True},
     "qwen3": {"model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"], "rope_theta": 1000000.0, "tie_word_embeddings": True},
+    # Mixture of experts: layer 0 routes 2 of 4 experts, layer 1 is a dense MLP.
+    "qwen3_moe": {
+        "model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"], "rope_theta": 1000000.0,
+        "tie_word_embeddings": False, "num_experts": 4, "num_experts_per_tok": 2, "decoder_sparse_step": 1,
+        "mlp_only_layers": [1], "moe_intermediate_size": 32, "norm_topk_prob": True,
+    },
+    # MoE with attention sinks; layer 0 slides over 12 tokens (not a multiple of any block size), layer 1 is global.
+    "gpt_oss": {
+        "model_type": "gpt_oss", "architectures": ["GptOssForCausalLM"], "rope_theta": 150000,
+        "num_local_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 32, "sliding_window": 12,
+        "layer_types": ["sliding_attention", "full_attention"],
+    },
+    # Gemma 3 text: sliding and global layers with their own RoPE bases, q/k norms, a query scale
+    # that is not head_dim ** -0.5.
+    "gemma3_text": {
+        "model_type": "gemma3_text", "architectures": ["Gemma3ForCausalLM"], "rope_theta": 1000000.0,
+        "rope_local_base_freq": 10000.0, "query_pre_attn_scalar": 24, "sliding_window": 12,
+        "sliding_window_pattern": 2,
+    },
 }
 
 CHAT_TEMPLATE = (
@@ -114,7 +133,7 @@ def _write_tokenizer(out: Path, config: dict) -> None:
 
 def tiny_config(arch: str, **overrides) -> dict:
     if arch not in _ARCH:
-        raise ValueError(f"arch must be one of {ARCHS}")
+        raise ValueError(f"arch must be one of {sorted(_ARCH)}")
     return {**_BASE, **_ARCH[arch], **overrides}
 
 
@@ -136,6 +155,8 @@ def _random_weights(config: dict, seed: int) -> dict[str, np.ndarray]:
             w = 1.0 + 0.2 * rng.standard_normal(shape)
         elif name.endswith(".bias"):
             w = 0.1 * rng.standard_normal(shape)
+        elif name.endswith("sinks"):
+            w = rng.standard_normal(shape)  # logits of the order of the attention scores
         elif "embed_tokens" in name or "lm_head" in name:
             w = 0.3 * rng.standard_normal(shape)
         else:

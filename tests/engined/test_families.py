@@ -1,0 +1,100 @@
+"""Every family of the model-support matrix runs through the packed paged step exactly.
+
+Per family (``tests/model_support.py``): a tiny random-weight model built from
+mlx_lm's own classes; the mixed step of ``test_parity`` (decode row, middle
+prefill chunk, fresh prefill) must give mlx_lm's own forward logits, with
+float32 and with 4-bit weights; greedy outputs must be the same with prefix
+caching on and off while the cache hits. The README table is rendered from the
+same matrix and must be current.
+"""
+
+import mlx.nn as nn
+import numpy as np
+import pytest
+
+from engined import attention
+from engined.engine import Engine
+from engined.loaders import load_model
+from shared.config import EngineConfig
+from shared.sampling import SamplingParams
+from tests import model_support
+from tests.engined.test_parity import check_parity
+from tests.tiny_models import make_tiny_model
+
+FAMILIES = {f.arch: f for f in model_support.FAMILIES}
+
+
+@pytest.fixture(scope="module")
+def tiny_dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("families")
+    made = {}
+
+    def get(arch):
+        if arch not in made:
+            made[arch] = make_tiny_model(root / arch, arch, seed=np.random.randint(1 << 30))
+        return made[arch]
+
+    return get
+
+
+def _load(path, weights):
+    loaded = load_model(str(path))
+    if weights == "4-bit":
+        # Every linear layer, expert bank and embedding whose rows split into groups of 32.
+        nn.quantize(loaded.model, group_size=32, bits=4,
+                    class_predicate=lambda _, m: hasattr(m, "to_quantized") and m.weight.shape[-1] % 32 == 0)
+    return loaded
+
+
+@pytest.mark.parametrize("arch,weights", [(f.arch, w) for f in model_support.FAMILIES for w in f.weights])
+def test_family_mixed_step_matches_mlx_lm_forward(tiny_dirs, arch, weights):
+    path = tiny_dirs(arch)
+    check_parity(_load(path, weights), _load(path, weights).model, vocab=272, block_size=8)
+
+
+@pytest.mark.parametrize("arch", [f.arch for f in model_support.FAMILIES if f.prefix_caching])
+def test_family_outputs_equal_with_prefix_caching_on_and_off(tiny_dirs, arch):
+    rng = np.random.default_rng()
+    shared = rng.integers(0, 256, size=29).tolist()
+    first = [shared + rng.integers(0, 256, size=5).tolist()]
+    second = [shared + rng.integers(0, 256, size=n).tolist() for n in (3, 11)]
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    results = {}
+    for caching in (True, False):
+        # Chunks of 12 tokens: prefills cross block boundaries mid-chunk, and windowed layers
+        # see context that is partly cached, partly new.
+        config = EngineConfig(num_kv_blocks=64, block_size=8, max_num_batched_tokens=12,
+                              enable_prefix_caching=caching)
+        engine = Engine(config, loaded=load_model(str(tiny_dirs(arch))))
+        results[caching] = (engine.generate(first, params), engine.generate(second, params))
+        if caching:
+            assert engine.stats().prefix_cache_hits >= 2 * 24  # both second-round prompts reuse 3 blocks
+        engine.kv.pool.check_whole()
+    assert results[True] == results[False]
+
+
+def test_layer_settings_read_from_each_layer():
+    """Windows, scales and sinks come from the layer's own module, not from a per-family table."""
+    from tests.tiny_models import tiny_config
+    from mlx_lm.utils import _get_classes
+
+    def settings(arch):
+        config = tiny_config(arch)
+        model_class, args_class = _get_classes(config)
+        model = model_class(args_class.from_dict(config))
+        return [attention.layer_settings(model, i, layer, layer.self_attn) for i, layer in enumerate(model.layers)]
+
+    gemma = settings("gemma3_text")
+    assert [s.sliding_window for s in gemma] == [12, None]
+    assert all(s.scale == pytest.approx(24 ** -0.5) and not s.has_sinks for s in gemma)
+    oss = settings("gpt_oss")
+    assert [s.sliding_window for s in oss] == [12, None]
+    assert all(s.has_sinks and s.scale == pytest.approx(16 ** -0.5) for s in oss)
+    assert [s.sliding_window for s in settings("qwen3_moe")] == [None, None]
+
+
+def test_readme_model_table_is_generated_from_the_matrix():
+    text = model_support.README.read_text()
+    assert model_support.section() in text, "README model table is stale: run `python -m tests.model_support`"
+    for f in model_support.FAMILIES:
+        assert f"`{f.arch}`" in model_support.render()
