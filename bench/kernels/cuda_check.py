@@ -213,10 +213,10 @@ def main() -> int:
     saved = (gpu.lanes_per_token, gpu.decode_unroll, gpu.decode_prefetch, gpu.PARTITION_TOKENS)
     default = (gpu.lanes_per_token(d), gpu.decode_unroll(gpu.lanes_per_token(d)),
                gpu.decode_prefetch(gpu.lanes_per_token(d)), gpu.PARTITION_TOKENS)
-    variants = [(16, 2, True), (16, 2, False), (16, 1, True), (16, 4, False), (16, 4, True),
-                (32, 4, True), (32, 4, False), (32, 8, False)]
-    for part_tokens in (512, 1024):
-        for lpt, u, pf in variants:
+    variants = [(16, 2, True, 512), (16, 2, False, 512), (16, 4, False, 512), (16, 4, True, 512),
+                (32, 4, True, 512), (32, 8, False, 512), (16, 2, True, 1024), (16, 4, True, 1024)]
+    if True:
+        for lpt, u, pf, part_tokens in variants:
             gpu.lanes_per_token = lambda _d, _v=lpt: _v
             gpu.decode_unroll = lambda _l, _v=u: _v
             gpu.decode_prefetch = lambda _l, _v=pf: _v
