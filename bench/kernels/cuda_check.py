@@ -215,27 +215,26 @@ def main() -> int:
                gpu.decode_prefetch(gpu.lanes_per_token(d)), gpu.PARTITION_TOKENS)
     variants = [(16, 2, True, 512), (16, 2, False, 512), (16, 4, False, 512), (16, 4, True, 512),
                 (32, 4, True, 512), (32, 8, False, 512), (16, 2, True, 1024), (16, 4, True, 1024)]
-    if True:
-        for lpt, u, pf, part_tokens in variants:
-            gpu.lanes_per_token = lambda _d, _v=lpt: _v
-            gpu.decode_unroll = lambda _l, _v=u: _v
-            gpu.decode_prefetch = lambda _l, _v=pf: _v
-            gpu.PARTITION_TOKENS = part_tokens
-            gpu._last_plan.clear()
-            p, _ = gpu.plan_partitions(meta, "cuda")
-            try:
-                sec, spread = bench(lambda: kernel(q, kc, vc, meta, scale))
-                e = rel_error(kernel(q, kc, vc, meta, scale), reference.paged_attention(q, kc, vc, meta, scale))
-            except Exception as exc:  # a variant that fails to build is reported, not fatal
-                print(f"variant {lpt},{u},{pf},{part_tokens}: {exc}", flush=True)
-                continue
-            mark = " (default)" if (lpt, u, pf, part_tokens) == default else ""
-            drows.append([f"{lpt} lanes/token, {u} tokens/step, prefetch {'on' if pf else 'off'}, "
-                          f"{part_tokens}-token partitions (P={p}){mark}",
-                          f"{sec * 1e6:.0f}", f"{kv_bytes / sec / 1e12:.2f}", f"{bound / sec:.0%}", f"{e:.1e}"])
-            dlog.append({"lpt": lpt, "u": u, "pf": pf, "partition": part_tokens, "P": p, "sec": sec,
-                         "spread": spread, "err": e})
-            print(drows[-1], flush=True)
+    for lpt, u, pf, part_tokens in variants:
+        gpu.lanes_per_token = lambda _d, _v=lpt: _v
+        gpu.decode_unroll = lambda _l, _v=u: _v
+        gpu.decode_prefetch = lambda _l, _v=pf: _v
+        gpu.PARTITION_TOKENS = part_tokens
+        gpu._last_plan.clear()
+        p, _ = gpu.plan_partitions(meta, "cuda")
+        try:
+            sec, spread = bench(lambda: kernel(q, kc, vc, meta, scale))
+            e = rel_error(kernel(q, kc, vc, meta, scale), reference.paged_attention(q, kc, vc, meta, scale))
+        except Exception as exc:  # a variant that fails to build is reported, not fatal
+            print(f"variant {lpt},{u},{pf},{part_tokens}: {exc}", flush=True)
+            continue
+        mark = " (default)" if (lpt, u, pf, part_tokens) == default else ""
+        drows.append([f"{lpt} lanes/token, {u} tokens/step, prefetch {'on' if pf else 'off'}, "
+                      f"{part_tokens}-token partitions (P={p}){mark}",
+                      f"{sec * 1e6:.0f}", f"{kv_bytes / sec / 1e12:.2f}", f"{bound / sec:.0%}", f"{e:.1e}"])
+        dlog.append({"lpt": lpt, "u": u, "pf": pf, "partition": part_tokens, "P": p, "sec": sec,
+                     "spread": spread, "err": e})
+        print(drows[-1], flush=True)
     gpu.lanes_per_token, gpu.decode_unroll, gpu.decode_prefetch, gpu.PARTITION_TOKENS = saved
     gpu._last_plan.clear()
     sec, _ = bench(lambda: reference.paged_attention(q, kc, vc, meta, scale), iters=5, reps=3)
