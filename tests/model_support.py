@@ -29,6 +29,7 @@ class Family:
     mlp: str
     weights: tuple[str, ...] = WEIGHTS  # parity tests run with each
     prefix_caching: bool = True  # a test compares outputs with prefix caching on and off
+    speculative: bool = True  # a test compares greedy outputs with n-gram speculation on and off
 
 
 FAMILIES: tuple[Family, ...] = (
@@ -48,13 +49,14 @@ def _mark(ok: bool) -> str:
 def render() -> str:
     """The markdown table, one row per family."""
     lines = [
-        "| architecture (`model_type`) | e.g. | attention | MLP | weights tested | prefix caching |",
-        "|---|---|---|---|---|---|",
+        "| architecture (`model_type`) | e.g. | attention | MLP | weights tested | prefix caching "
+        "| speculative decoding |",
+        "|---|---|---|---|---|---|---|",
     ]
     for f in FAMILIES:
         lines.append(
             f"| `{f.arch}` | {f.examples} | {f.attention} | {f.mlp} | {', '.join(f.weights)} "
-            f"| {_mark(f.prefix_caching)} |"
+            f"| {_mark(f.prefix_caching)} | {_mark(f.speculative)} |"
         )
     return "\n".join(lines)
 

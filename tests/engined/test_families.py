@@ -4,7 +4,8 @@ Per family (``tests/model_support.py``): a tiny random-weight model built from
 mlx_lm's own classes; the mixed step of ``test_parity`` (decode row, middle
 prefill chunk, fresh prefill) must give mlx_lm's own forward logits, with
 float32 and with 4-bit weights; greedy outputs must be the same with prefix
-caching on and off while the cache hits. The README table is rendered from the
+caching on and off while the cache hits, and with n-gram speculation on and
+off while drafts are made. The README table is rendered from the
 same matrix and must be current.
 """
 
@@ -31,7 +32,9 @@ def tiny_dirs(tmp_path_factory):
 
     def get(arch):
         if arch not in made:
-            made[arch] = make_tiny_model(root / arch, arch, seed=np.random.randint(1 << 30))
+            seed = np.random.randint(1 << 30)
+            print(f"{arch}: model seed {seed}")
+            made[arch] = make_tiny_model(root / arch, arch, seed=seed)
         return made[arch]
 
     return get
@@ -71,6 +74,30 @@ def test_family_outputs_equal_with_prefix_caching_on_and_off(tiny_dirs, arch):
             assert engine.stats().prefix_cache_hits >= 2 * 24  # both second-round prompts reuse 3 blocks
         engine.kv.pool.check_whole()
     assert results[True] == results[False]
+
+
+def _counter(engine, name):
+    return sum(s.value for m in engine.metrics.registry.collect() for s in m.samples if s.name.endswith(name))
+
+
+@pytest.mark.parametrize("arch", [f.arch for f in model_support.FAMILIES if f.speculative])
+def test_family_greedy_outputs_equal_with_ngram_speculation_on_and_off(tiny_dirs, arch):
+    seed = np.random.SeedSequence().entropy
+    print(f"prompt seed {seed}")
+    rng = np.random.default_rng(seed)
+    # Every token of the vocabulary occurs in each prompt, so with n-grams from 1 token the
+    # proposer drafts at every decode step; the repeats give longer matches too.
+    motif = rng.integers(0, 256, size=7).tolist()
+    prompts = [rng.permutation(272).tolist() + motif * 3, motif * 2 + rng.permutation(272).tolist()]
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    outputs = []
+    ngram = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}'
+    for spec in (None, ngram):
+        config = EngineConfig(num_kv_blocks=128, block_size=8, speculative_config=spec)
+        engine = Engine(config, loaded=load_model(str(tiny_dirs(arch))))
+        outputs.append(engine.generate(prompts, params))
+    assert _counter(engine, "spec_decode_num_draft_tokens_total") > 0
+    assert outputs[0] == outputs[1], outputs
 
 
 def test_layer_settings_read_from_each_layer():
