@@ -249,4 +249,5 @@ def paged_attention(
         rows = mx.array(meta.cu_seqlens_q_np[decode].astype(np.int32))
         return _launch(plan.decode_plan(), q[rows], k_cache, v_cache, scale, sliding_window, softcap)
 
-    return reference.attention_by_kind(q, k_cache, v_cache, meta, scale, sliding_window, softcap, decode_fn)
+    return reference.attention_by_kind(q, k_cache, v_cache, meta, scale, sliding_window, softcap,
+                                       decode_fn=decode_fn)
