@@ -25,9 +25,9 @@ from engined.request import Request
 from engined.runner import ModelRunner
 from engined.sampler import Sampler, logprobs_for
 from engined.scheduler import Scheduler, SchedulerOutput
-from engined.speculative import Verifier, can_speculate, ngram_propose
+from engined.speculative import DraftProposer, Verifier, can_speculate, ngram_propose
 from shared.config import EngineConfig
-from shared.errors import ContextLengthError, InvalidRequestError, OverloadedError
+from shared.errors import ContextLengthError, InvalidRequestError, ModelLoadError, OverloadedError
 from shared.protocol import RequestOutput
 from shared.sampling import SamplingParams
 
@@ -68,17 +68,21 @@ class Engine:
             mx.float32,
         )
         self.runner = ModelRunner(loaded.model, config.block_size, loaded.num_kv_heads, loaded.head_dim, dtype)
+        self.spec = config.speculative
+        self.sampler = Sampler(loaded.vocab_size, loaded.eos_token_ids)
+        self.verifier = Verifier(self.sampler)
+        self.drafter = self._load_drafter(loaded, dtype) if self.spec and self.spec.method == "draft_model" else None
+        runners = [self.runner] + ([self.drafter.runner] if self.drafter else [])
         self.memory = memory_guard.plan(
-            self.runner, config, self.max_model_len, loaded.vocab_size, self.runner.bytes_per_block, progress
+            self.runner, config, self.max_model_len, loaded.vocab_size,
+            sum(r.bytes_per_block for r in runners), progress,
         )
         log.info("%s", self.memory.describe())
         num_blocks = self.memory.num_blocks
-        self.runner.allocate_kv(num_blocks)
+        for runner in runners:
+            runner.allocate_kv(num_blocks)
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
-        self.sampler = Sampler(loaded.vocab_size, loaded.eos_token_ids)
-        self.spec = config.speculative
-        self.verifier = Verifier(self.sampler)
         self.requests: dict[str, Request] = {}
         self._seeds = random.Random(config.seed)
         self._aborted: list[RequestOutput] = []
@@ -93,6 +97,16 @@ class Engine:
             vocab_size=loaded.vocab_size,
             eos_token_ids=list(loaded.eos_token_ids),
         )
+
+    def _load_drafter(self, target: LoadedModel, dtype: mx.Dtype) -> DraftProposer:
+        draft = load_model(self.spec.model, self.config.dtype)
+        if draft.vocab_size != target.vocab_size:
+            raise ModelLoadError(
+                f"draft model {self.spec.model!r} has a vocabulary of {draft.vocab_size} tokens; "
+                f"the target's has {target.vocab_size}: they must share a tokenizer"
+            )
+        runner = ModelRunner(draft.model, self.config.block_size, draft.num_kv_heads, draft.head_dim, dtype)
+        return DraftProposer(runner, self.sampler)
 
     # -- requests ---------------------------------------------------------------------------
 
@@ -175,8 +189,13 @@ class Engine:
             for r, n in sched.scheduled
         ]
         tables = [self.kv.block_ids(r.request_id) for r, _ in sched.scheduled]
+        draft_probs = None
+        if self.drafter:
+            drafting = [(r, t) for (r, _), t in zip(sched.scheduled, tables) if r.spec_tokens]
+            if drafting:
+                draft_probs = self.drafter.propose([r for r, _ in drafting], [t for _, t in drafting])
         logits = self.runner.execute(sched.scheduled, tables, num_logits)
-        emitted = self._sample(sched, num_logits, logits)
+        emitted = self._sample(sched, num_logits, logits, draft_probs)
         outputs += self._update(sched, emitted)
         self.metrics.on_step(sched.num_tokens, time.monotonic() - start, self.stats())
         return outputs
@@ -187,12 +206,17 @@ class Engine:
         for req in self.scheduler.running:
             room = min(spec.num_speculative_tokens, req.params.max_tokens - req.num_output_tokens - 1,
                        self.max_model_len - req.num_tokens - 1)
-            if room > 0 and req.num_computed_tokens == req.num_tokens - 1 and can_speculate(req):
+            if room <= 0 or req.num_computed_tokens != req.num_tokens - 1 or not can_speculate(req):
+                continue
+            if self.drafter:
+                # Room reserved now; the draft model fills it once the step is scheduled.
+                req.spec_tokens = [0] * room
+            else:
                 req.spec_tokens = ngram_propose(
                     np.asarray(req.token_ids), room, spec.prompt_lookup_min, spec.prompt_lookup_max
                 )
 
-    def _sample(self, sched: SchedulerOutput, num_logits: list[int], logits: mx.array):
+    def _sample(self, sched: SchedulerOutput, num_logits: list[int], logits: mx.array, draft_probs=None):
         """Sample plain rows and verify draft windows in one evaluation.
 
         Returns {request: (new tokens, their Logprob records or Nones)}.
@@ -213,7 +237,7 @@ class Engine:
             rows_req = [r for r, d in zip(sreqs, drafts) for _ in range(len(d) + 1)]
             idx = np.concatenate([np.arange(o, o + len(d) + 1) for (_, o), d in zip(spec, drafts)])
             slogits = logits[mx.array(idx.astype(np.int32))]
-            accept, alt = self.verifier(slogits, sreqs, drafts)
+            accept, alt = self.verifier(slogits, sreqs, drafts, draft_probs)
             slp = self.sampler.raw_logprobs(slogits, rows_req)
             pending += [accept, alt, slp or []]
         mx.eval(pending)
@@ -254,6 +278,7 @@ class Engine:
             tokens, lps = new
             # Known tokens plus the accepted drafts now have their K/V in the cache.
             req.num_computed_tokens += n - len(req.spec_tokens) + len(tokens) - 1
+            req.draft_computed = min(req.draft_computed, req.num_computed_tokens)
             req.spec_tokens = []
             self.metrics.on_token(req, now, len(tokens))
             reason = None

@@ -28,6 +28,7 @@ class Request:
         "num_cached_tokens", "status", "finish_reason", "stop_token_id", "seed",
         "arrival_time", "pending_tokens", "pending_logprobs", "block_hashes", "cache_salt",
         "first_scheduled_time", "first_token_time", "last_token_time", "spec_tokens",
+        "draft_computed",
     )
 
     def __init__(
@@ -46,6 +47,8 @@ class Request:
         self.seed = seed
         # Draft tokens proposed for the coming step (speculative decoding).
         self.spec_tokens: list[int] = []
+        # Tokens whose K/V the draft model has written (draft-model speculation).
+        self.draft_computed = 0
         # Monotonic timestamps for the latency metrics.
         self.arrival_time = time.monotonic()
         self.first_scheduled_time: float | None = None

@@ -46,12 +46,18 @@ class ModelRunner:
         (``spec_tokens``). The logits of its last ``num_logits[b]`` rows are
         returned, in order.
         """
-        query_lens = [n for _, n in scheduled]
-        seq_lens = [r.num_computed_tokens + n for r, n in scheduled]
         pieces = []
         for r, n in scheduled:
             known = r.token_ids[r.num_computed_tokens : r.num_computed_tokens + n]
             pieces.append(known if len(known) == n else known + r.spec_tokens[: n - len(known)])
+        return self.forward(pieces, [r.num_computed_tokens for r, _ in scheduled], block_tables, num_logits)
+
+    def forward(
+        self, pieces: list[list[int]], offsets: list[int], block_tables: list[list[int]], num_logits: list[int],
+    ) -> mx.array:
+        """Forward token ``pieces[b]`` at positions ``offsets[b]...``; logits of each piece's last ``num_logits[b]`` rows."""
+        query_lens = [len(p) for p in pieces]
+        seq_lens = [o + n for o, n in zip(offsets, query_lens)]
         tokens = np.fromiter((t for piece in pieces for t in piece), dtype=np.int32, count=sum(query_lens))
         meta = AttentionMetadata.build(query_lens, seq_lens, block_tables, self.block_size)
         self.ctx.meta = meta

@@ -92,6 +92,7 @@ class Scheduler:
     def _preempt(self, req: Request) -> None:
         self.kv.free(req)
         req.spec_tokens = []
+        req.draft_computed = 0
         req.num_computed_tokens = 0
         req.status = Status.WAITING
         self.waiting.appendleft(req)

@@ -92,3 +92,58 @@ class Verifier:
         alt = mx.argmax(mx.log(residual + 1e-30) + mx.where(residual > 0, noise, _NEG), axis=-1)
         g = mx.array(greedy)
         return mx.where(g, argmax == d, accept), mx.where(g, argmax, alt)
+
+
+# Keeps the draft's sampling noise independent of the verifier's for the same seed and position.
+_DRAFT_SEED_OFFSET = 0x5DEECE66D
+
+
+class DraftProposer:
+    """A smaller model of the same vocabulary drafts ``k`` tokens per request, one pass per token.
+
+    Its paged KV lives in its own per-layer arrays indexed by the target's block
+    ids, so one block allocation covers both models (the memory guard bills a
+    block for both). ``req.draft_computed`` counts the tokens whose draft K/V is
+    written; the first pass of a step catches up from there.
+    """
+
+    def __init__(self, runner, sampler: Sampler):
+        self.runner = runner
+        self.sampler = sampler
+
+    def propose(self, reqs: list[Request], tables: list[list[int]]) -> mx.array:
+        """Fill each request's ``spec_tokens`` (already sized) with drafts; returns their distributions.
+
+        The result has the verifier's row layout: per request ``k`` rows of the
+        draft's distribution and one zero row for the bonus position.
+        """
+        ks = [len(r.spec_tokens) for r in reqs]
+        pieces = [r.token_ids[r.draft_computed :] for r in reqs]
+        offsets = [r.draft_computed for r in reqs]
+        rows: list[list[mx.array]] = [[] for _ in reqs]
+        vocab = self.sampler.vocab_size
+        for j in range(max(ks)):
+            active = [i for i, k in enumerate(ks) if k > j]
+            logits = self.runner.forward(
+                [pieces[i] for i in active], [offsets[i] for i in active], [tables[i] for i in active],
+                [1] * len(active),
+            )
+            areqs = [reqs[i] for i in active]
+            processed = self.sampler.process(logits.astype(mx.float32)[:, :vocab], areqs)
+            probs = mx.softmax(processed, axis=-1)
+            noise = mx.stack([
+                mx.random.gumbel((vocab,), key=row_key(r.seed + _DRAFT_SEED_OFFSET, r.num_output_tokens + j))
+                for r in areqs
+            ])
+            greedy = mx.array([r.params.temperature == 0.0 for r in areqs])
+            tokens = mx.where(greedy, mx.argmax(processed, axis=-1), mx.argmax(processed + noise, axis=-1))
+            mx.eval(tokens, probs, self.runner.caches())
+            for row, (i, tok) in enumerate(zip(active, tokens.tolist())):
+                reqs[i].spec_tokens[j] = tok
+                rows[i].append(probs[row])
+                offsets[i] += len(pieces[i])
+                pieces[i] = [tok]
+        zero = mx.zeros((vocab,), dtype=mx.float32)
+        for req, off in zip(reqs, offsets):
+            req.draft_computed = off
+        return mx.stack([row for per_req in rows for row in per_req + [zero]])

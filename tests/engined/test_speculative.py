@@ -139,3 +139,62 @@ def test_sampled_token_frequencies_agree_with_and_without_speculation(tmp_path):
     for pos in range(steps):
         stat, dof = chi2_two_sample(results["plain"][:, pos], results["spec"][:, pos])
         assert stat < CHI2_999.get(dof, dof + 4 * np.sqrt(2 * dof)), (pos, stat, dof)
+
+
+def test_greedy_outputs_with_a_draft_model_equal_outputs_without(smol, tmp_path):
+    from engined.loaders import default_model_path
+
+    plain, _ = smol
+    prompt = list(range(300, 340)) * 2
+    texts = [prompt, prompt[:50], list(range(1000, 1100))]
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    expected = plain.generate(texts, params)
+    # A good draft (a second copy of the model) and a useless one (random weights,
+    # same vocabulary): outputs must not depend on the draft's quality.
+    random_draft = make_tiny_model(tmp_path / "draft", "llama", seed=2, vocab_size=plain.info.vocab_size)
+    for draft, good in ((default_model_path(), True), (str(random_draft), False)):
+        cfg = f'{{"method": "draft_model", "model": "{draft}", "num_speculative_tokens": 3}}'
+        eng = Engine(EngineConfig(num_kv_blocks=200, max_num_batched_tokens=256, speculative_config=cfg),
+                     loaded=load_model(""))
+        assert eng.generate(texts, params) == expected
+        assert eng.generate([texts[0]], params) == expected[:1]  # alone, too
+        drafted = eng.metrics.spec_draft_tokens._value.get()
+        accepted = eng.metrics.spec_accepted._value.get()
+        assert drafted > 0
+        if good:
+            assert accepted / drafted > 0.9
+        # Both models' KV share one block allocation: the pool is billed for both.
+        assert eng.memory.kv_bytes == eng.runner.kv_bytes + eng.drafter.runner.kv_bytes
+        eng.kv.pool.check_whole()
+
+
+def test_draft_model_sampling_keeps_the_target_distribution(tmp_path):
+    d = make_tiny_model(tmp_path / "m", "llama", seed=11)
+    draft = make_tiny_model(tmp_path / "d", "llama", seed=12)  # a different model: real rejections
+    cfg = f'{{"method": "draft_model", "model": "{draft}", "num_speculative_tokens": 2}}'
+    kw = dict(num_kv_blocks=2048, max_num_seqs=64, max_num_batched_tokens=2048)
+    plain = Engine(EngineConfig(**kw), loaded=load_model(str(d)))
+    spec = Engine(EngineConfig(**kw, speculative_config=cfg), loaded=load_model(str(d)))
+    prompt = [40, 41, 42, 43] * 4
+    results = {}
+    for name, eng in (("plain", plain), ("spec", spec)):
+        outs = []
+        for start in range(0, 640, 64):
+            params = [SamplingParams(max_tokens=3, temperature=0.8, top_k=12, seed=s, ignore_eos=True)
+                      for s in range(start, start + 64)]
+            outs += eng.generate([prompt] * 64, params)
+        results[name] = np.array(outs)
+    accepted = spec.metrics.spec_accepted._value.get()
+    assert 0 < accepted < spec.metrics.spec_draft_tokens._value.get()
+    for pos in range(3):
+        stat, dof = chi2_two_sample(results["plain"][:, pos], results["spec"][:, pos])
+        assert stat < CHI2_999.get(dof, dof + 4 * np.sqrt(2 * dof)), (pos, stat, dof)
+
+
+def test_draft_model_with_another_vocabulary_is_refused(tmp_path):
+    from shared.errors import ModelLoadError
+
+    draft = make_tiny_model(tmp_path / "d", "llama", seed=1)  # 272 tokens vs SmolLM2's 49152
+    cfg = f'{{"method": "draft_model", "model": "{draft}", "num_speculative_tokens": 2}}'
+    with pytest.raises(ModelLoadError, match="same tokenizer|share a tokenizer"):
+        Engine(EngineConfig(num_kv_blocks=64, speculative_config=cfg))
