@@ -15,6 +15,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 import kernels
+from engined.linear_attention import SlottedLinearAttention
 from kernels import AttentionMetadata
 from shared.errors import ModelLoadError
 
@@ -29,6 +30,12 @@ class StepContext:
     v_caches: list[mx.array] = field(default_factory=list)
     # Rows of the packed batch whose logits are needed (each sampling request's last token).
     logit_rows: mx.array | None = None
+    # Hybrid models: the linear-attention layers (in order), their state slots per layer
+    # ([num_slots, ...] arrays, replaced as they are written), this step's plan of who runs with which slot.
+    linear: list = field(default_factory=list)
+    states: list[list[mx.array]] = field(default_factory=list)
+    state_plan: object | None = None
+    hidden_size: int = 0
 
 
 @dataclass(frozen=True)
@@ -41,6 +48,8 @@ class LayerSettings:
     sliding_window: int | None = None  # keys at positions > pos - window are seen; None: all
     softcap: float | None = None  # tanh soft cap on the logits (Gemma 2 style)
     has_sinks: bool = False  # a learned per-head sink logit (gpt_oss)
+    # q_proj also yields a per-head output gate (Qwen3-Next): [q | gate] per head, out * sigmoid(gate).
+    output_gate: bool = False
 
 
 class PagedAttention(nn.Module):
@@ -64,6 +73,8 @@ class PagedAttention(nn.Module):
         meta = ctx.meta
         _, t, _ = x.shape
         q = self.q_proj(x).reshape(t, s.n_heads, -1)
+        if s.output_gate:
+            q, gate = mx.split(q, 2, axis=-1)
         k = self.k_proj(x).reshape(t, s.n_kv_heads, -1)
         v = self.v_proj(x).reshape(t, s.n_kv_heads, -1)
         if "q_norm" in self:
@@ -77,7 +88,10 @@ class PagedAttention(nn.Module):
             q, kc, vc, meta, s.scale, sliding_window=s.sliding_window, softcap=s.softcap,
             sinks=self.sinks if "sinks" in self else None,
         )
-        return self.o_proj(out.reshape(1, t, -1))
+        out = out.reshape(1, t, -1)
+        if s.output_gate:
+            out = out * mx.sigmoid(gate.reshape(1, t, -1))
+        return self.o_proj(out)
 
 
 class LastTokenNorm(nn.Module):
@@ -132,8 +146,12 @@ def layer_settings(model: nn.Module, i: int, layer: nn.Module, attn: nn.Module) 
         window = _first((inner, "window_size"), (inner, "sliding_window"), (args, "sliding_window"))
         if window is None:
             raise ModelLoadError(f"{type(model).__module__} layer {i}: sliding-window layer without a window size")
+    # Output widths are not packed by quantization: q_proj twice the heads' width carries a gate.
+    q_width, k_width = attn.q_proj.weight.shape[0], attn.k_proj.weight.shape[0]
+    head_dim = k_width // int(n_kv_heads)
     return LayerSettings(
         n_heads=int(n_heads), n_kv_heads=int(n_kv_heads), scale=float(scale),
+        output_gate=q_width == 2 * int(n_heads) * head_dim,
         sliding_window=int(window) if window is not None else None,
         softcap=getattr(attn, "attn_logit_softcapping", None),
         has_sinks="sinks" in attn,
@@ -141,13 +159,23 @@ def layer_settings(model: nn.Module, i: int, layer: nn.Module, attn: nn.Module) 
 
 
 def install(model: nn.Module, ctx: StepContext) -> list[PagedAttention]:
-    """Swap every layer's attention for a PagedAttention bound to ``ctx``; returns them in layer order."""
+    """Swap every layer's attention for a PagedAttention bound to ``ctx``; returns them in layer order.
+
+    Linear-attention layers of hybrid models (``linear_attn``) are wrapped to run on
+    state slots instead (``engined.linear_attention``) and listed in ``ctx.linear``;
+    only the attention layers get paged K/V, numbered in their own order.
+    """
     inner_model = getattr(model, "model", None)
     layers = getattr(inner_model, "layers", None) or getattr(model, "layers", None)
     if not layers:
         raise ModelLoadError(f"{type(model).__module__}: no transformer layers found")
     swapped = []
+    ctx.linear = []
     for i, layer in enumerate(layers):
+        if "linear_attn" in layer:
+            layer.linear_attn = SlottedLinearAttention(layer.linear_attn, len(ctx.linear), ctx)
+            ctx.linear.append(layer.linear_attn)
+            continue
         attn = getattr(layer, "self_attn", None)
         missing = [a for a in _REQUIRED if attn is None or not hasattr(attn, a)]
         if missing:
@@ -155,11 +183,14 @@ def install(model: nn.Module, ctx: StepContext) -> list[PagedAttention]:
                 f"{type(model).__module__} layer {i}: attention lacks {', '.join(missing)}; "
                 "this architecture is not supported by the paged runner yet"
             )
-        paged = PagedAttention(attn, i, ctx, layer_settings(model, i, layer, attn))
+        paged = PagedAttention(attn, len(swapped), ctx, layer_settings(model, i, layer, attn))
         layer.self_attn = paged
         swapped.append(paged)
     norm = getattr(inner_model, "norm", None)
     if norm is None:
         raise ModelLoadError(f"{type(model).__module__}: no final norm found")
     inner_model.norm = LastTokenNorm(norm, ctx)
+    if ctx.linear:
+        # The width of the hidden states the linear layers see, whatever the embedding's storage.
+        ctx.hidden_size = int(inner_model.embed_tokens(mx.array([[0]])).shape[-1])
     return swapped

@@ -55,6 +55,23 @@ _ARCH = {
         "rope_local_base_freq": 10000.0, "query_pre_attn_scalar": 24, "sliding_window": 12,
         "sliding_window_pattern": 2,
     },
+    # Hybrids: gated delta nets (layers 0 and 2) and gated full attention with partial RoPE (1 and 3);
+    # MoE with a shared expert.
+    "qwen3_next": {
+        "model_type": "qwen3_next", "architectures": ["Qwen3NextForCausalLM"], "num_hidden_layers": 4,
+        "full_attention_interval": 2, "rope_theta": 1000000.0, "partial_rotary_factor": 0.5,
+        "linear_num_value_heads": 4, "linear_num_key_heads": 2, "linear_key_head_dim": 16,
+        "linear_value_head_dim": 16, "linear_conv_kernel_dim": 4, "num_experts": 4, "num_experts_per_tok": 2,
+        "decoder_sparse_step": 1, "mlp_only_layers": [], "moe_intermediate_size": 32,
+        "shared_expert_intermediate_size": 32, "norm_topk_prob": True, "tie_word_embeddings": False,
+    },
+    "qwen3_5": {
+        "model_type": "qwen3_5", "architectures": ["Qwen3_5ForConditionalGeneration"], "num_hidden_layers": 4,
+        "full_attention_interval": 2, "linear_num_value_heads": 4, "linear_num_key_heads": 2,
+        "linear_key_head_dim": 16, "linear_value_head_dim": 16, "linear_conv_kernel_dim": 4,
+        "tie_word_embeddings": False,
+        "rope_parameters": {"type": "default", "rope_theta": 1000000.0, "partial_rotary_factor": 0.5},
+    },
 }
 
 CHAT_TEMPLATE = (

@@ -1,0 +1,82 @@
+"""Linear-attention layers (gated delta nets of Qwen3-Next / Qwen3.5) in the packed step.
+
+Such a layer carries a per-request state instead of a KV cache: mlx_lm keeps it
+in an ``ArraysCache`` (a short convolution window and the recurrent matrix).
+``SlottedLinearAttention`` keeps the layer's own module and runs it once per
+group of the step's plan (all decode rows as one batch, each prefill piece on
+its own), handing it an ``ArraysCache`` filled from the request's state slots
+and writing what it leaves there back to the slots. The layer's arithmetic is
+mlx_lm's, unchanged; only where its state lives differs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models.cache import ArraysCache
+
+
+@dataclass(frozen=True)
+class StateGroup:
+    """Requests run through a linear layer together: ``batch`` sequences of ``length`` new tokens each."""
+
+    rows: mx.array  # [batch * length] packed rows, request-major
+    slots: mx.array  # [batch] state slot of each sequence
+    batch: int
+    length: int
+    # After the group: state of sequence snap_src[i] is also copied to slot snap_dst[i] (prefix snapshots).
+    snap_src: mx.array | None = None
+    snap_dst: mx.array | None = None
+
+
+@dataclass(frozen=True)
+class StatePlan:
+    """The step's groups, in the order every linear layer runs them, and how to restore packed order."""
+
+    groups: list[StateGroup]
+    inverse: mx.array | None  # packed row -> row of the concatenated group outputs; None if identical
+
+
+class SlottedLinearAttention(nn.Module):
+    def __init__(self, inner: nn.Module, index: int, ctx):
+        super().__init__()
+        self.inner = inner
+        self._index = index  # which entry of ctx.states holds this layer's slots
+        self._ctx = ctx
+
+    def __call__(self, x: mx.array, mask=None, cache=None) -> mx.array:
+        ctx = self._ctx
+        plan: StatePlan = ctx.state_plan
+        arrays = ctx.states[self._index]
+        hidden = x.shape[-1]
+        outs = []
+        for g in plan.groups:
+            c = ArraysCache(len(arrays))
+            for e, a in enumerate(arrays):
+                c[e] = a[g.slots]
+            y = self.inner(x[0, g.rows].reshape(g.batch, g.length, hidden), None, c)
+            for e in range(len(arrays)):
+                arrays[e][g.slots] = c[e].astype(arrays[e].dtype)
+                if g.snap_src is not None:
+                    arrays[e][g.snap_dst] = c[e][g.snap_src].astype(arrays[e].dtype)
+            outs.append(y.reshape(g.batch * g.length, hidden))
+        out = mx.concatenate(outs, axis=0) if len(outs) > 1 else outs[0]
+        if plan.inverse is not None:
+            out = out[plan.inverse]
+        return out[None]
+
+
+def state_shapes(inner: nn.Module, hidden: int, dtype: mx.Dtype) -> list[tuple[tuple[int, ...], mx.Dtype]]:
+    """Shape (without the batch axis) and dtype of each array the layer keeps in its cache.
+
+    Found by running the layer once on two zero tokens: whatever the family
+    stores, the slots store the same.
+    """
+    c = ArraysCache(8)
+    mx.eval(inner(mx.zeros((1, 2, hidden), dtype=dtype), None, c))
+    used = max((i + 1 for i, a in enumerate(c.cache) if a is not None), default=0)
+    if not used or any(a is None for a in c.cache[:used]):
+        raise ValueError("the linear-attention layer left no state, or gaps, in its cache")
+    return [(tuple(a.shape[1:]), a.dtype) for a in c.cache[:used]]

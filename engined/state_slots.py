@@ -1,0 +1,264 @@
+"""Per-request state of hybrid models' linear-attention layers, in fixed slots the engine manages.
+
+A hybrid model (Qwen3-Next, Qwen3.5: gated delta nets mixed with full
+attention) keeps, besides paged K/V for its attention layers, a fixed-size
+state per request for each linear layer. ``StateSlots`` holds those states in
+one preallocated pool per layer (``[num_slots, ...]``), counted by the memory
+guard: ``max_num_seqs`` live slots, one per running request, taken the first
+time it is scheduled and given back when it finishes, is aborted or preempted;
+plus, with prefix caching, snapshot slots.
+
+Prefix caching ("align" mode): a recurrent state cannot be rebuilt from cached
+K/V, so the state at a block boundary is saved (a snapshot keyed by that
+block's hash) when a step crosses it: the last boundary each step reaches, and
+the boundary that ends a request's longest reusable prefix. A prefill chunk
+that crosses such a boundary is split there inside the linear layers, so no
+scheduling change is needed. A cached prefix is used only up to its last block
+with a snapshot; a request resuming from it starts from a copy of that state.
+Snapshots are evicted least recently used. Speculative decoding is refused for
+these models: rejected drafts cannot be taken back out of a recurrent state.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import mlx.core as mx
+import numpy as np
+
+from engined.kv_manager import KVCacheManager
+from engined.linear_attention import StateGroup, StatePlan, state_shapes
+from engined.request import Request
+from engined.runner import ModelRunner
+from shared.config import EngineConfig
+from shared.errors import InvalidRequestError
+
+
+class StateSlots:
+    def __init__(self, ctx, layer_shapes: list[list[tuple[tuple[int, ...], mx.Dtype]]], block_size: int):
+        self.ctx = ctx
+        self.layer_shapes = layer_shapes
+        self.block_size = block_size
+        self.num_live = 0
+        self.num_snapshots = 0
+        self._reset(0)
+
+    def _reset(self, total: int) -> None:
+        self.live: dict[str, int] = {}
+        self.snapshots: OrderedDict[bytes, int] = OrderedDict()  # block hash -> slot, oldest use first
+        self.pending: dict[str, list[tuple[int, int]]] = {}  # request -> [(boundary, slot)] taken, not yet keyed
+        self.free_live = list(range(min(total, self.num_live) - 1, -1, -1))
+        self.free_snapshots = list(range(total - 1, min(total, self.num_live) - 1, -1))
+
+    @property
+    def bytes_per_slot(self) -> int:
+        return sum(int(np.prod(shape)) * dtype.size for layer in self.layer_shapes for shape, dtype in layer)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the whole pool once allocated (what the memory guard sets aside)."""
+        return (self.num_live + self.num_snapshots) * self.bytes_per_slot
+
+    def configure(self, num_live: int, num_snapshots: int) -> None:
+        self.num_live, self.num_snapshots = num_live, num_snapshots
+
+    def allocate(self, on: bool) -> None:
+        """(Re)create the pool, every slot free and zeroed; ``on=False`` drops it."""
+        total = self.num_live + self.num_snapshots if on else 0
+        self.ctx.states = [[mx.zeros((total, *shape), dtype=dtype) for shape, dtype in layer]
+                           for layer in self.layer_shapes]
+        mx.eval(self.ctx.states)
+        self._reset(total)
+
+    def arrays(self) -> list[mx.array]:
+        return [a for layer in self.ctx.states for a in layer]
+
+    # -- per step -------------------------------------------------------------------------------
+
+    def begin_step(self, scheduled: list[tuple[Request, int]]) -> None:
+        """Give new requests their slots (zeroed, or a copy of their prefix's snapshot), then plan the groups."""
+        bs = self.block_size
+        zero, copy_src, copy_dst = [], [], []
+        for req, _ in scheduled:
+            if req.request_id in self.live:
+                continue
+            if not self.free_live:
+                raise RuntimeError("more running requests than state slots (max_num_seqs)")
+            slot = self.free_live.pop()
+            self.live[req.request_id] = slot
+            done = req.num_computed_tokens
+            if done == 0:
+                zero.append(slot)
+            else:
+                assert done % bs == 0, "a cached prefix for a hybrid model must end on a block boundary"
+                key = req.block_hashes[done // bs - 1]
+                copy_src.append(self.snapshots[key])  # cached_prefix only offers prefixes with a snapshot
+                copy_dst.append(slot)
+                self.snapshots.move_to_end(key)
+        if zero or copy_dst:
+            for layer in self.ctx.states:
+                for a in layer:
+                    if copy_dst:
+                        a[mx.array(copy_dst)] = a[mx.array(copy_src)]
+                    if zero:
+                        a[mx.array(zero)] = mx.zeros((len(zero), *a.shape[1:]), dtype=a.dtype)
+        self.ctx.state_plan = self._plan(scheduled)
+
+    def _snapshot_slot(self) -> int | None:
+        if self.free_snapshots:
+            return self.free_snapshots.pop()
+        if self.snapshots:
+            _, slot = self.snapshots.popitem(last=False)
+            return slot
+        return None
+
+    def _boundaries(self, req: Request, start: int, end: int) -> list[int]:
+        """Block boundaries in ``(start, end]`` whose state is worth keeping (see the module doc)."""
+        if not self.num_snapshots:
+            return []
+        bs = self.block_size
+        marks = {end // bs * bs, (req.num_tokens - 1) // bs * bs}
+        return sorted(p for p in marks if start < p <= end and p > 0)
+
+    def _take(self, req: Request, boundary: int) -> int | None:
+        slot = self._snapshot_slot()
+        if slot is not None:
+            self.pending.setdefault(req.request_id, []).append((boundary, slot))
+        return slot
+
+    def _plan(self, scheduled: list[tuple[Request, int]]) -> StatePlan:
+        lens = np.array([n for _, n in scheduled], dtype=np.int64)
+        cu = np.concatenate([[0], np.cumsum(lens)])
+        groups, order = [], []
+        decode = np.flatnonzero(lens == 1)
+        if len(decode):
+            src, dst = [], []
+            for i, b in enumerate(decode):
+                req = scheduled[b][0]
+                for p in self._boundaries(req, req.num_computed_tokens, req.num_computed_tokens + 1):
+                    if (slot := self._take(req, p)) is not None:
+                        src.append(i)
+                        dst.append(slot)
+            groups.append(StateGroup(
+                rows=mx.array(cu[decode].astype(np.int32)),
+                slots=mx.array([self.live[scheduled[b][0].request_id] for b in decode]),
+                batch=len(decode), length=1,
+                snap_src=mx.array(src) if src else None, snap_dst=mx.array(dst) if dst else None,
+            ))
+            order.append(cu[decode])
+        for b in np.flatnonzero(lens > 1):
+            req, n = scheduled[b]
+            start = req.num_computed_tokens
+            slot = mx.array([self.live[req.request_id]])
+            cuts = self._boundaries(req, start, start + n)
+            edges = sorted({start, start + n, *cuts})
+            for a, e in zip(edges[:-1], edges[1:]):
+                snap = self._take(req, e) if e in cuts else None
+                rows = np.arange(cu[b] + a - start, cu[b] + e - start)
+                groups.append(StateGroup(
+                    rows=mx.array(rows.astype(np.int32)), slots=slot, batch=1, length=e - a,
+                    snap_src=mx.array([0]) if snap is not None else None,
+                    snap_dst=mx.array([snap]) if snap is not None else None,
+                ))
+                order.append(rows)
+        packed = np.concatenate(order)
+        if (packed == np.arange(len(packed))).all():
+            return StatePlan(groups, None)
+        inverse = np.empty(len(packed), dtype=np.int32)
+        inverse[packed] = np.arange(len(packed), dtype=np.int32)
+        return StatePlan(groups, mx.array(inverse))
+
+    # -- after the step, and at the end of a request ----------------------------------------------
+
+    def register(self, req: Request) -> None:
+        """Key the snapshots ``req`` took by their blocks' hashes (which must be computed by now)."""
+        for boundary, slot in self.pending.pop(req.request_id, ()):
+            key = req.block_hashes[boundary // self.block_size - 1]
+            old = self.snapshots.pop(key, None)
+            if old is not None:
+                self.free_snapshots.append(old)
+            self.snapshots[key] = slot
+
+    def release(self, request_id: str) -> None:
+        for _, slot in self.pending.pop(request_id, ()):
+            self.free_snapshots.append(slot)
+        slot = self.live.pop(request_id, None)
+        if slot is not None:
+            self.free_live.append(slot)
+
+
+class HybridModelRunner(ModelRunner):
+    """The model runner plus the state pool of the linear-attention layers."""
+
+    def __init__(self, model, block_size: int, num_kv_heads: int, head_dim: int, dtype: mx.Dtype):
+        super().__init__(model, block_size, num_kv_heads, head_dim, dtype)
+        shapes = [state_shapes(layer.inner, self.ctx.hidden_size, dtype) for layer in self.ctx.linear]
+        self.states = StateSlots(self.ctx, shapes, block_size)
+
+    @property
+    def state_bytes(self) -> int:
+        return self.states.nbytes
+
+    def allocate_kv(self, num_blocks: int) -> None:
+        super().allocate_kv(num_blocks)
+        self.states.allocate(num_blocks > 0)
+
+    def execute(self, scheduled, block_tables, num_logits):
+        self.states.begin_step(scheduled)
+        return super().execute(scheduled, block_tables, num_logits)
+
+    def caches(self) -> list[mx.array]:
+        return super().caches() + self.states.arrays()
+
+
+class HybridKVCacheManager(KVCacheManager):
+    """Blocks as usual; prefix hits cut to the last block with a state snapshot; slots freed with the blocks."""
+
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool, states: StateSlots):
+        super().__init__(num_blocks, block_size, enable_caching)
+        self.states = states
+
+    def cached_prefix(self, req: Request):
+        hits = super().cached_prefix(req)
+        while hits and hits[-1].block_hash not in self.states.snapshots:
+            hits.pop()
+        return hits
+
+    def commit(self, req: Request) -> None:
+        super().commit(req)
+        self._register_snapshots(req)
+
+    def free(self, req: Request) -> None:
+        super().free(req)
+        self._register_snapshots(req)
+        self.states.release(req.request_id)
+
+    def _register_snapshots(self, req: Request) -> None:
+        if req.request_id in self.states.pending:
+            self._extend_hashes(req, req.num_computed_tokens // self.block_size)
+            self.states.register(req)
+
+
+def make_runner(model, config: EngineConfig, num_kv_heads: int, head_dim: int, dtype: mx.Dtype) -> ModelRunner:
+    """A HybridModelRunner for models with linear-attention layers, else the plain ModelRunner."""
+    runner = ModelRunner(model, config.block_size, num_kv_heads, head_dim, dtype) if not has_linear_layers(model) \
+        else HybridModelRunner(model, config.block_size, num_kv_heads, head_dim, dtype)
+    if isinstance(runner, HybridModelRunner):
+        if config.speculative is not None:
+            raise InvalidRequestError(
+                "speculative decoding is not supported for hybrid linear-attention models: a recurrent "
+                "state cannot take rejected draft tokens back", param="speculative_config",
+            )
+        runner.states.configure(config.max_num_seqs, config.max_num_seqs if config.enable_prefix_caching else 0)
+    return runner
+
+
+def make_kv_manager(runner: ModelRunner, num_blocks: int, config: EngineConfig) -> KVCacheManager:
+    if isinstance(runner, HybridModelRunner):
+        return HybridKVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching, runner.states)
+    return KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+
+
+def has_linear_layers(model) -> bool:
+    inner = getattr(model, "model", model)
+    return any("linear_attn" in layer for layer in getattr(inner, "layers", ()))
