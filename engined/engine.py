@@ -18,11 +18,11 @@ import numpy as np
 from mlx.utils import tree_flatten
 
 from engined import memory_guard
-from engined.kv_manager import KVCacheManager
 from engined.metrics import EngineMetrics
 from engined.loaders import LoadedModel, load_model
 from engined.request import Request
 from engined.runner import ModelRunner
+from engined.state_slots import make_kv_manager, make_runner
 from engined.sampler import Sampler, logprobs_for
 from engined.scheduler import Scheduler, SchedulerOutput
 from engined.speculative import DraftProposer, Verifier, can_speculate, ngram_propose
@@ -67,7 +67,7 @@ class Engine:
             (p.dtype for _, p in tree_flatten(loaded.model.parameters()) if mx.issubdtype(p.dtype, mx.floating)),
             mx.float32,
         )
-        self.runner = ModelRunner(loaded.model, config.block_size, loaded.num_kv_heads, loaded.head_dim, dtype)
+        self.runner = make_runner(loaded.model, config, loaded.num_kv_heads, loaded.head_dim, dtype)
         self.spec = config.speculative
         self.sampler = Sampler(loaded.vocab_size, loaded.eos_token_ids)
         self.verifier = Verifier(self.sampler)
@@ -81,7 +81,7 @@ class Engine:
         num_blocks = self.memory.num_blocks
         for runner in runners:
             runner.allocate_kv(num_blocks)
-        self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.kv = make_kv_manager(self.runner, num_blocks, config)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
         self.requests: dict[str, Request] = {}
         self._seeds = random.Random(config.seed)
