@@ -6,8 +6,10 @@ In-process: ``Engine.add_request`` for all, then ``step()`` until done.
 Served: ``mlxd engine`` and ``mlxd gateway`` as real processes, the requests
 sent at once as streamed /v1/completions over HTTP, each stream read to its
 end. Throughput is generated tokens / wall time from the first request to the
-last token. The runs alternate (in-process, served, ...) so that a noisy
-machine hurts both alike; the report gives medians and served / in-process.
+last token. Each side runs the whole batch once untimed (a GPU compiles
+kernels for each new shape), then ``--repeats`` times; the report gives
+medians, served / in-process, and how much of the served engine's busy time
+went to socket work between steps (the rest is Engine.step()).
 
     python -m bench.serving [--streams 16] [--max-tokens 64] [--repeats 3]
 """
@@ -26,8 +28,8 @@ import time
 import httpx
 import numpy as np
 
-ENGINE_FLAGS = ["--max-num-seqs", "16", "--max-num-batched-tokens", "512", "--num-kv-blocks", "512",
-                "--max-model-len", "1024", "--no-enable-prefix-caching"]
+ENGINE_FLAGS = ["--max-num-seqs", "16", "--max-num-batched-tokens", "512", "--num-kv-blocks", "2048",
+                "--max-model-len", "2048", "--no-enable-prefix-caching"]
 
 
 _WORDS = ("river stone lamp orbit quiet violet harbor maple signal copper meadow lantern falcon "
@@ -44,7 +46,11 @@ def make_prompts(url: str, n: int, seed: int, lo=24, hi=96) -> list[list[int]]:
     return prompts
 
 
-def in_process(prompts, max_tokens: int, model: str = "") -> tuple[float, int]:
+def in_process(prompts, max_tokens: int, model: str = "", repeats: int = 3) -> list[tuple[float, int]]:
+    """(tokens/s, tokens) of each timed run, after one untimed run of the same batch.
+
+    The untimed run matters on a GPU: the first batch of each shape compiles kernels.
+    """
     import engined  # noqa: F401  (the fast BLAS before mlx.core)
     from engined.engine import Engine
     from shared.cli import _build, _parser
@@ -54,14 +60,22 @@ def in_process(prompts, max_tokens: int, model: str = "") -> tuple[float, int]:
     args = _parser().parse_args(["engine", *ENGINE_FLAGS, *(["--model", model] if model else [])])
     engine = Engine(_build(EngineConfig, args))
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-    engine.generate([prompts[0][:8]], SamplingParams(max_tokens=2, temperature=0.0))  # warm-up
-    t0 = time.perf_counter()
-    for i, p in enumerate(prompts):
-        engine.add_request(f"r{i}", p, params)
-    n = 0
-    while engine.has_unfinished():
-        n += sum(len(o.new_token_ids) for o in engine.step())
-    return n / (time.perf_counter() - t0), n
+    results = []
+    for r in range(repeats + 1):
+        t0 = time.perf_counter()
+        for i, p in enumerate(prompts):
+            engine.add_request(f"r{r}-{i}", p, params)
+        n = steps = 0
+        step_s = 0.0
+        while engine.has_unfinished():
+            s0 = time.perf_counter()
+            outs = engine.step()
+            step_s += time.perf_counter() - s0
+            steps += 1
+            n += sum(len(o.new_token_ids) for o in outs)
+        if r:
+            results.append((n / (time.perf_counter() - t0), n, steps, step_s))
+    return results
 
 
 async def _stream(http: httpx.AsyncClient, url: str, prompt, max_tokens: int) -> int:
@@ -78,12 +92,21 @@ async def _stream(http: httpx.AsyncClient, url: str, prompt, max_tokens: int) ->
     return tokens
 
 
-async def _served_run(url: str, prompts, max_tokens: int) -> tuple[float, int]:
+async def _served_runs(url: str, prompts, max_tokens: int, repeats: int) -> list[tuple[float, int]]:
+    """Like in_process: one untimed run of the batch, then ``repeats`` timed ones."""
+    results = []
     async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=64)) as http:
-        await _stream(http, url, prompts[0][:8], 2)  # warm-up
-        t0 = time.perf_counter()
-        counts = await asyncio.gather(*(_stream(http, url, p, max_tokens) for p in prompts))
-        return sum(counts) / (time.perf_counter() - t0), sum(counts)
+        for r in range(repeats + 1):
+            before = (await http.get(url + "/health?fresh=1")).json()["engine"]
+            t0 = time.perf_counter()
+            counts = await asyncio.gather(*(_stream(http, url, p, max_tokens) for p in prompts))
+            wall = time.perf_counter() - t0
+            after = (await http.get(url + "/health?fresh=1")).json()["engine"]
+            if r:
+                results.append((sum(counts) / wall, sum(counts), after["num_steps"] - before["num_steps"],
+                                after["step_seconds"] - before["step_seconds"],
+                                after["io_seconds"] - before["io_seconds"]))
+    return results
 
 
 def main() -> None:
@@ -121,38 +144,37 @@ def main() -> None:
                         break
                 except httpx.HTTPError:
                     pass
+                if engine.poll() is not None or gateway.poll() is not None:
+                    raise RuntimeError("the served engine or gateway exited during start-up")
                 if time.monotonic() > deadline:
                     raise TimeoutError("the served engine did not come up")
                 time.sleep(0.5)
             prompts = make_prompts(url, args.streams, seed=0)
-            local, served = [], []
-            before = httpx.get(url + "/health?fresh=1").json()["engine"]
-            for r in range(args.repeats):
-                # The in-process engine runs in a child so the two never share a process.
-                out = subprocess.run(
-                    [sys.executable, "-c",
-                     "import json,sys; from bench.serving import in_process; "
-                     f"print(json.dumps(in_process(json.loads(sys.stdin.read()), {args.max_tokens}, "
-                     f"{args.model!r})))"],
-                    input=json.dumps(prompts), capture_output=True, text=True, check=True)
-                local.append(json.loads(out.stdout.strip().splitlines()[-1]))
-                served.append(asyncio.run(_served_run(url, prompts, args.max_tokens)))
-                print(f"run {r}: in-process {local[-1][0]:.1f} tok/s ({local[-1][1]} tokens), "
-                      f"served {served[-1][0]:.1f} tok/s ({served[-1][1]} tokens)", flush=True)
-            after = httpx.get(url + "/health?fresh=1").json()["engine"]
+            served = asyncio.run(_served_runs(url, prompts, args.max_tokens, args.repeats))
         finally:
             for proc in (gateway, engine):
                 proc.terminate()
                 proc.wait(30)
+        # The in-process engine runs in a child of its own, after the served pair is gone.
+        out = subprocess.run(
+            [sys.executable, "-c",
+             "import json,sys; from bench.serving import in_process; "
+             f"print(json.dumps(in_process(json.loads(sys.stdin.read()), {args.max_tokens}, "
+             f"{args.model!r}, {args.repeats})))"],
+            input=json.dumps(prompts), capture_output=True, text=True, check=True)
+        local = json.loads(out.stdout.strip().splitlines()[-1])
+    for r, (lo, se) in enumerate(zip(local, served)):
+        print(f"run {r}: in-process {lo[0]:.1f} tok/s ({lo[1]} tokens, {lo[2]} steps, {lo[3]:.2f} s in steps); "
+              f"served {se[0]:.1f} tok/s ({se[1]} tokens, {se[2]} steps, {se[3]:.2f} s in steps, "
+              f"{se[4]:.3f} s of socket work)", flush=True)
     lm = statistics.median(x[0] for x in local)
     sm = statistics.median(x[0] for x in served)
-    step = after["step_seconds"] - before["step_seconds"]
-    io = after["io_seconds"] - before["io_seconds"]
+    step = sum(x[3] for x in served)
+    io = sum(x[4] for x in served)
     print(f"{args.streams} streams x {args.max_tokens} tokens: in-process {lm:.1f} tok/s, "
           f"served {sm:.1f} tok/s, served / in-process = {sm / lm:.3f}")
     print(f"served engine loop: {step:.2f} s in steps, {io:.3f} s of socket work between them "
           f"({100 * io / max(step + io, 1e-9):.2f} % of its busy time)")
-
 
 if __name__ == "__main__":
     main()

@@ -83,6 +83,7 @@ class Daemon:
         self.stop_reason: str | None = None
         self.step_seconds = 0.0
         self.io_seconds = 0.0
+        self.num_steps = 0
         self._stop_deadline = 0.0
         self.ctx = zmq.Context.instance()
         self.sock = self.ctx.socket(zmq.ROUTER)
@@ -146,6 +147,7 @@ class Daemon:
                     t2 = clock()
                     self._send_outputs(outputs)
                     self.step_seconds += t2 - t1
+                    self.num_steps += 1
                     # Socket work around the step: what serving costs the engine.
                     self.io_seconds += (t1 - t0 if busy else 0.0) + clock() - t2
                 now = time.monotonic()
@@ -266,7 +268,8 @@ class Daemon:
         return p.EngineStats(num_running=s.num_running, num_waiting=s.num_waiting,
                              num_free_blocks=s.num_free_blocks, num_total_blocks=s.num_total_blocks,
                              num_preemptions=getattr(s, "num_preemptions", 0),
-                             step_seconds=self.step_seconds, io_seconds=self.io_seconds)
+                             step_seconds=self.step_seconds, io_seconds=self.io_seconds,
+                             num_steps=self.num_steps)
 
     # -- housekeeping --------------------------------------------------------
 

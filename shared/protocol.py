@@ -71,6 +71,7 @@ class EngineStats(msgspec.Struct, array_like=True, gc=False):
     # Engine.step(), and seconds of the daemon's own socket work between steps.
     step_seconds: float = 0.0
     io_seconds: float = 0.0
+    num_steps: int = 0
 
 
 class Hello(msgspec.Struct, kw_only=True):
