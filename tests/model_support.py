@@ -39,6 +39,11 @@ FAMILIES: tuple[Family, ...] = (
     Family("qwen3_moe", "Qwen3-30B-A3B, Qwen3-235B-A22B", "full, GQA, q/k norms", "MoE (top-k of N experts)"),
     Family("gpt_oss", "gpt-oss-20b, gpt-oss-120b", "sliding window + global layers, attention sinks", "MoE"),
     Family("gemma3_text", "Gemma 3 (text)", "sliding window + global layers, per-layer RoPE, q/k norms", "dense"),
+    # Recurrent state cannot take rejected drafts back: speculation is refused for hybrids.
+    Family("qwen3_next", "Qwen3-Next-80B-A3B", "gated delta net + gated full attention (hybrid)", "MoE + shared expert",
+           speculative=False),
+    Family("qwen3_5", "Qwen3.5 (text)", "gated delta net + gated full attention (hybrid)", "dense",
+           speculative=False),
 )
 
 

@@ -1,0 +1,173 @@
+"""Hybrid models (gated delta nets + full attention): state slots, prefix snapshots, memory bounds.
+
+Tiny random-weight qwen3_next / qwen3_5 models from mlx_lm's own classes.
+Logits of the packed step must equal mlx_lm's forward after chunked prefills
+that cross block boundaries mid-chunk, and after a request resumes from a
+cached prefix (state restored from its snapshot); the state pool is fixed,
+holds at most max_num_seqs live states, and frees them when requests end.
+"""
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from engined.engine import Engine
+from engined.loaders import load_model
+from engined.request import Request
+from engined.state_slots import HybridModelRunner
+from shared.config import EngineConfig
+from shared.errors import InvalidRequestError
+from shared.sampling import SamplingParams
+from tests.tiny_models import make_tiny_model
+
+REL_TOL = 2e-4
+GREEDY = SamplingParams(temperature=0.0)
+
+
+@pytest.fixture(scope="module", params=["qwen3_next", "qwen3_5"])
+def hybrid(request, tmp_path_factory):
+    seed = np.random.randint(1 << 30)
+    print(f"{request.param}: model seed {seed}")
+    path = make_tiny_model(tmp_path_factory.mktemp(request.param), request.param, seed=seed)
+    return path, load_model(str(path)).model
+
+
+def drive(engine, steps):
+    """Run explicit steps through the runner as the engine would; logits of the last step's last rows."""
+    logits = None
+    for batch in steps:
+        for req, n in batch:
+            assert engine.kv.allocate(req, n)
+        tables = [engine.kv.block_ids(r.request_id) for r, _ in batch]
+        logits = engine.runner.execute(batch, tables, [1] * len(batch))
+        mx.eval(logits, engine.runner.caches())
+        for req, n in batch:
+            req.num_computed_tokens += n
+            engine.kv.commit(req)
+    return logits
+
+
+def assert_close(row, reference, tokens):
+    ref = reference(mx.array(tokens)[None])[0, -1]
+    err = mx.abs(row - ref).max().item()
+    assert err <= REL_TOL * mx.abs(ref).max().item(), f"max error {err:.3g}"
+
+
+def test_chunked_prefill_across_blocks_then_resume_from_cached_prefix(hybrid):
+    path, reference = hybrid
+    engine = Engine(EngineConfig(num_kv_blocks=64, block_size=8), loaded=load_model(str(path)))
+    rng = np.random.default_rng()
+    prompt = rng.integers(0, 256, size=37).tolist()
+    a = Request("a", prompt, GREEDY, 0)
+    # Chunks of 10, 10, 10, 7: every chunk crosses a block boundary in its middle; a decode row
+    # from another request shares the steps.
+    d = Request("d", rng.integers(0, 256, size=10).tolist(), GREEDY, 0)
+    logits = drive(engine, [[(a, 10), (d, 8)], [(a, 10), (d, 1)], [(a, 10)], [(a, 7)]])
+    assert_close(logits[0], reference, prompt)
+    engine.kv.free(a)  # a finishes; its blocks and state snapshots stay cached
+
+    # b shares a's first 35 tokens: its cached prefix is cut to the last block with a snapshot
+    # (a's longest reusable prefix, 32 tokens), and it resumes from a copy of that state.
+    b_tokens = prompt[:35] + rng.integers(0, 256, size=6).tolist()
+    b = Request("b", b_tokens, GREEDY, 0)
+    prefix = engine.kv.cached_prefix(b)
+    assert len(prefix) * 8 == 32
+    assert engine.kv.allocate(b, len(b_tokens) - 32, prefix)
+    b.num_computed_tokens = 32
+    c = Request("c", rng.integers(0, 256, size=5).tolist(), GREEDY, 0)  # fresh, in the same step
+    logits = drive(engine, [[(b, len(b_tokens) - 32), (c, 5), (d, 1)]])
+    assert_close(logits[0], reference, b_tokens)
+    assert_close(logits[1], reference, c.token_ids)
+    assert_close(logits[2], reference, d.token_ids[:10])
+
+
+def test_without_a_snapshot_a_cached_prefix_is_not_used(hybrid):
+    path, _ = hybrid
+    engine = Engine(EngineConfig(num_kv_blocks=64, block_size=8), loaded=load_model(str(path)))
+    prompt = list(range(40))
+    a = Request("a", prompt, GREEDY, 0)
+    drive(engine, [[(a, 40)]])
+    # The KV blocks of all 5 blocks are cached, but states were kept only at 32 and 40 (the
+    # prompt's reusable end and the step's last boundary).
+    assert engine.kv.cached_prefix(Request("x", prompt[:30] + [1, 2], GREEDY, 0)) == []
+    assert len(engine.kv.cached_prefix(Request("y", prompt[:33] + [1], GREEDY, 0))) == 4
+
+
+def test_outputs_equal_with_prefix_caching_on_and_off_over_multi_turn(hybrid):
+    path, _ = hybrid
+    rng = np.random.default_rng()
+    system = rng.integers(0, 256, size=21).tolist()
+    follow_ups = [rng.integers(0, 256, size=4).tolist() for _ in range(3)]
+    params = SamplingParams(max_tokens=7, temperature=0.0, ignore_eos=True)
+    results = {}
+    for caching in (True, False):
+        engine = Engine(EngineConfig(num_kv_blocks=128, block_size=8, max_num_batched_tokens=16,
+                                     enable_prefix_caching=caching), loaded=load_model(str(path)))
+        turn = system + [5, 6, 7]
+        outs = []
+        for message in follow_ups:  # each prompt is the last one, its answer and a new message
+            (out,) = engine.generate([turn], params)
+            outs.append(out)
+            turn = turn + out + message
+        results[caching] = (outs, engine.stats().prefix_cache_hits)
+    assert results[True][0] == results[False][0]
+    assert results[True][1] >= 2 * 24  # later turns resume from snapshots past the system prompt
+
+
+def test_state_pool_bounded_under_64_concurrent_requests_and_freed(hybrid):
+    path, _ = hybrid
+    config = EngineConfig(num_kv_blocks=512, block_size=8, max_num_seqs=64, max_num_batched_tokens=2048)
+    engine = Engine(config, loaded=load_model(str(path)))
+    states = engine.runner.states
+    pool_bytes = sum(a.nbytes for a in states.arrays())
+    assert pool_bytes == states.nbytes == engine.memory.state_bytes
+    assert states.nbytes == (64 + 64) * states.bytes_per_slot  # live slots + prefix snapshots
+
+    rng = np.random.default_rng()
+    prompts = [rng.integers(0, 256, size=int(n)).tolist() for n in rng.integers(3, 30, size=80)]
+    params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
+    for i, p in enumerate(prompts):
+        engine.add_request(f"r{i}", p, params)
+    outputs = {f"r{i}": [] for i in range(80)}
+    peak = 0
+    while engine.has_unfinished():
+        for out in engine.step():
+            outputs[out.request_id] += out.new_token_ids
+        peak = max(peak, len(states.live))
+        assert len(states.live) + len(states.free_live) == 64
+        assert sum(a.nbytes for a in states.arrays()) == pool_bytes
+    assert peak == 64
+    assert states.live == {} and sorted(states.free_live) == list(range(64))
+    assert len(states.snapshots) + len(states.free_snapshots) == 64 and not states.pending
+
+    # A slot reused by a later request starts from zero: the same answers one at a time.
+    alone = Engine(EngineConfig(num_kv_blocks=64, block_size=8, max_num_seqs=2, enable_prefix_caching=False),
+                   loaded=load_model(str(path)))
+    for i in rng.choice(80, size=6, replace=False):
+        assert alone.generate([prompts[i]], params)[0] == outputs[f"r{i}"]
+
+
+def test_preempted_hybrid_request_recomputes_its_state(hybrid):
+    path, _ = hybrid
+    rng = np.random.default_rng()
+    prompts = [rng.integers(0, 256, size=20).tolist() for _ in range(4)]
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    roomy = Engine(EngineConfig(num_kv_blocks=64, block_size=8), loaded=load_model(str(path)))
+    tight = Engine(EngineConfig(num_kv_blocks=12, block_size=8, max_model_len=64), loaded=load_model(str(path)))
+    assert tight.generate(prompts, params) == roomy.generate(prompts, params)
+    assert tight.scheduler.num_preemptions > 0
+    assert tight.runner.states.live == {}
+
+
+def test_speculative_decoding_is_refused_for_hybrids(hybrid):
+    path, _ = hybrid
+    config = EngineConfig(num_kv_blocks=64, block_size=8,
+                          speculative_config='{"method": "ngram", "num_speculative_tokens": 2}')
+    with pytest.raises(InvalidRequestError, match="recurrent state"):
+        Engine(config, loaded=load_model(str(path)))
+
+
+def test_dense_models_get_no_state_pool(tmp_path):
+    engine = Engine(EngineConfig(num_kv_blocks=16, block_size=8),
+                    loaded=load_model(str(make_tiny_model(tmp_path / "llama", "llama"))))
+    assert not isinstance(engine.runner, HybridModelRunner) and engine.memory.state_bytes == 0
