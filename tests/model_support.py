@@ -44,6 +44,8 @@ FAMILIES: tuple[Family, ...] = (
            speculative=False),
     Family("qwen3_5", "Qwen3.5 (text)", "gated delta net + gated full attention (hybrid)", "dense",
            speculative=False),
+    Family("qwen3_5_moe", "Qwen3.5 MoE (text)", "gated delta net + gated full attention (hybrid)",
+           "MoE + shared expert", speculative=False),
 )
 
 

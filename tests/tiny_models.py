@@ -72,6 +72,14 @@ _ARCH = {
         "tie_word_embeddings": False,
         "rope_parameters": {"type": "default", "rope_theta": 1000000.0, "partial_rotary_factor": 0.5},
     },
+    "qwen3_5_moe": {
+        "model_type": "qwen3_5_moe", "architectures": ["Qwen3_5MoeForConditionalGeneration"], "num_hidden_layers": 4,
+        "full_attention_interval": 2, "linear_num_value_heads": 4, "linear_num_key_heads": 2,
+        "linear_key_head_dim": 16, "linear_value_head_dim": 16, "linear_conv_kernel_dim": 4,
+        "tie_word_embeddings": False, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+        "shared_expert_intermediate_size": 32,
+        "rope_parameters": {"type": "default", "rope_theta": 1000000.0, "partial_rotary_factor": 0.5},
+    },
 }
 
 CHAT_TEMPLATE = (

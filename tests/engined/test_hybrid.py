@@ -1,6 +1,6 @@
 """Hybrid models (gated delta nets + full attention): state slots, prefix snapshots, memory bounds.
 
-Tiny random-weight qwen3_next / qwen3_5 models from mlx_lm's own classes.
+Tiny random-weight qwen3_next / qwen3_5 / qwen3_5_moe models from mlx_lm's own classes.
 Logits of the packed step must equal mlx_lm's forward after chunked prefills
 that cross block boundaries mid-chunk, and after a request resumes from a
 cached prefix (state restored from its snapshot); the state pool is fixed,
@@ -24,7 +24,7 @@ REL_TOL = 2e-4
 GREEDY = SamplingParams(temperature=0.0)
 
 
-@pytest.fixture(scope="module", params=["qwen3_next", "qwen3_5"])
+@pytest.fixture(scope="module", params=["qwen3_next", "qwen3_5", "qwen3_5_moe"])
 def hybrid(request, tmp_path_factory):
     seed = np.random.randint(1 << 30)
     print(f"{request.param}: model seed {seed}")
