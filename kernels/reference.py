@@ -142,8 +142,9 @@ def attention_by_kind(
         order.append(np.arange(cu[b], cu[b] + qlens[b]))
 
     packed = mx.concatenate(pieces, axis=0) if len(pieces) > 1 else pieces[0]
-    if len(decode) in (0, len(qlens)) and len(pieces) == 1:
-        return packed  # already in packed order
+    rows = np.concatenate(order)
+    if (np.diff(rows) > 0).all():
+        return packed  # already in packed order (e.g. decode rows ahead of the chunks): no gather
     inverse = np.empty(meta.num_tokens, dtype=np.int32)
-    inverse[np.concatenate(order)] = np.arange(meta.num_tokens, dtype=np.int32)
+    inverse[rows] = np.arange(meta.num_tokens, dtype=np.int32)
     return packed[mx.array(inverse)]

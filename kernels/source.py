@@ -134,8 +134,11 @@ MAIN_BODY = r"""
   const float cap = fparams[1];
   const int WIN = int(fparams[2]);
   const int kvh = gy;
-  const int qb = gx / P;
-  const int part = gx - qb * P;
+  // Grid order runs backwards over q-blocks: prefill chunks usually follow the decode rows
+  // in a packed batch, and their longer-running tiles should start first, with the short
+  // decode groups filling in around them rather than queueing ahead of them.
+  const int qb = (cu_seqlens_q[B] / BQ + B - 1) - gx / P;
+  const int part = gx % P;
 
   // The request owning q-block qb: the last b with cu[b] / BQ + b <= qb.
   int b = 0;

@@ -119,7 +119,9 @@ def _qblocks(meta: AttentionMetadata, rows_per_tile: int, group: int):
     """Which packed rows each thread group of the kernel's grid takes (the kernel's own arithmetic)."""
     bq = rows_per_tile // group
     cu, b = meta.cu_seqlens_q_np, meta.num_seqs
-    for qb in range(meta.num_tokens // bq + b):
+    nqb = meta.num_tokens // bq + b  # the host's grid size, in thread groups per KV partition
+    for gx in range(nqb):
+        qb = (cu[b] // bq + b - 1) - gx  # the kernel walks q-blocks backwards
         lo, n = 0, b
         while n > 1:  # the kernel's binary search over cu_seqlens_q
             half = n >> 1
