@@ -5,6 +5,11 @@ original projections, norms and RoPE, writes this step's K/V into the paged
 cache by ``slot_mapping`` and calls ``kernels.paged_attention`` over the packed
 batch. Everything token-wise (embeddings, norms, MLP, MoE, head) runs unchanged
 on the packed ``[1, T, hidden]`` activations.
+
+What differs between families is read from each layer's own module by
+``layer_settings`` (heads, scale, sliding window, soft cap, sinks, output
+gate), never from a table of family names. Hybrid models' linear-attention
+layers are wrapped to run on per-request state slots (``linear_attention``).
 """
 
 from __future__ import annotations

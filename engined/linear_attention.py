@@ -49,6 +49,9 @@ class SlottedLinearAttention(nn.Module):
     def __call__(self, x: mx.array, mask=None, cache=None) -> mx.array:
         ctx = self._ctx
         plan: StatePlan = ctx.state_plan
+        if plan is None:
+            raise RuntimeError("a linear-attention layer ran without state slots: build its runner with "
+                               "engined.state_slots.make_runner")
         arrays = ctx.states[self._index]
         hidden = x.shape[-1]
         outs = []
