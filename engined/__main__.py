@@ -29,6 +29,10 @@ def run_engine(config: EngineConfig, daemon: DaemonConfig, parent_pid: int | Non
     d = Daemon(engine, endpoint, gateway_timeout=daemon.gateway_timeout,
                shutdown_timeout=daemon.shutdown_timeout, parent_pid=parent_pid)
     d.install_signal_handlers()
+    if daemon.metrics_port is not None:
+        server, _ = engine.metrics.serve(daemon.metrics_port, daemon.metrics_host)
+        print(f"mlxd engine metrics on http://{daemon.metrics_host}:{server.server_port}/metrics",
+              file=sys.stderr, flush=True)
     info = d.info
     print(f"mlxd engine ready: {info.served_model_name} on {d.endpoint} "
           f"(max_model_len {info.max_model_len}, {info.num_kv_blocks} KV blocks of {info.block_size})",

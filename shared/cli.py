@@ -36,6 +36,7 @@ _HELP = {
     "chat_template": "Jinja chat template, or a file holding one (default: the model's)",
     "gateway_timeout": "seconds of silence after which a gateway's requests are aborted",
     "shutdown_timeout": "seconds in-flight requests get to finish on SIGTERM",
+    "metrics_port": "serve the engine's Prometheus /metrics on this port (0: any free port)",
     "engine_timeout": "seconds of silence after which the engine is declared dead",
     "sse_keepalive": "seconds between keep-alive comments on an idle stream",
     "allowed_origins": "CORS origins allowed (default: none)",

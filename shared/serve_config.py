@@ -17,12 +17,17 @@ class DaemonConfig(msgspec.Struct, kw_only=True):
     gateway_timeout: float = 10.0
     # On SIGTERM/SIGINT, in-flight requests get this long to finish before they are aborted.
     shutdown_timeout: float = 3.0
+    # Prometheus /metrics of the engine on this port (None: not served; 0: any free port).
+    metrics_port: int | None = None
+    metrics_host: str = "127.0.0.1"
 
     def __post_init__(self) -> None:
         if self.gateway_timeout <= 0:
             raise InvalidRequestError("gateway_timeout must be positive", param="gateway_timeout")
         if self.shutdown_timeout < 0:
             raise InvalidRequestError("shutdown_timeout must be >= 0", param="shutdown_timeout")
+        if self.metrics_port is not None and not 0 <= self.metrics_port < 65536:
+            raise InvalidRequestError("metrics_port must be in [0, 65536)", param="metrics_port")
 
 
 class GatewayConfig(msgspec.Struct, kw_only=True):

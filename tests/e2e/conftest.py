@@ -14,8 +14,14 @@ def engine_endpoint() -> str:
 
 
 @pytest.fixture(scope="session")
-def engine(engine_endpoint, tmp_path_factory):
-    e = Engine(engine_endpoint, str(tmp_path_factory.mktemp("logs") / "engine.log")).start()
+def metrics_port() -> int:
+    return free_port()
+
+
+@pytest.fixture(scope="session")
+def engine(engine_endpoint, metrics_port, tmp_path_factory):
+    e = Engine(engine_endpoint, str(tmp_path_factory.mktemp("logs") / "engine.log"),
+               extra=["--metrics-port", str(metrics_port)]).start()
     yield e
     e.stop()
 

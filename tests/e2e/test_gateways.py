@@ -109,3 +109,17 @@ def test_requests_of_a_killed_gateway_are_aborted(engine, gateway, tmp_path):
     resp.close()
     http.close()
     doomed.stop()
+
+
+def test_engine_serves_prometheus_metrics_that_count_served_requests(client, model, metrics_port):
+    def counter(text: str, name: str) -> float:
+        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                   if line.startswith(name) and not line.startswith(name + "_created"))
+
+    url = f"http://127.0.0.1:{metrics_port}/metrics"
+    before = counter(httpx.get(url).text, "mlxd:generation_tokens_total")
+    client.completions.create(model=model, prompt="One two three", max_tokens=5, temperature=0,
+                              extra_body={"ignore_eos": True})
+    text = httpx.get(url).text
+    assert counter(text, "mlxd:generation_tokens_total") == before + 5
+    assert "mlxd:num_requests_running" in text and 'model_name="' in text
