@@ -1,7 +1,12 @@
 """Paged attention through the custom GPU kernel, Metal or CUDA (``source.py``).
 
-The host side plans the launch from the step's host metadata (grid size, KV
-partitions) and picks tile shapes that fit the dialect's shared memory. A
+The host side plans the launch once per step from the host metadata (grid
+size, KV partitions, which paths the batch needs) and picks tile shapes that
+fit the dialect's shared memory. Decode rows and short chunks (speculative
+verification windows, small prefill chunks) run in one launch; long fp16/bf16
+prefill chunks without window or softcap go to MLX's fused SDPA over their
+gathered context instead, because the kernel's scalar tile path is far slower
+than matrix-unit attention (numbers in ``bench/kernels/RESULTS.md``). A
 configuration the kernel does not cover returns ``None`` so the caller falls
 back to the reference.
 """

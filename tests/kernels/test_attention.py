@@ -150,6 +150,23 @@ def test_kernel_grid_covers_every_query_row_once(rng, group):
             assert (seen == 1).all()
 
 
+def test_kernel_decode_subset_keeps_each_rows_context(rng):
+    """The decode rows of a mixed batch, planned alone when the chunks take the SDPA route."""
+    qlens, slens = _mixed_lengths(rng, num_decode=6, prefill_chunks=[70, 9], max_ctx=200)
+    case = make_case(rng, qlens, slens, 4, 2, 64, 8)
+    meta = case.meta
+    decode = np.flatnonzero(meta.query_lens_np == 1)
+    sub = gpu._decode_subset(meta, decode)
+    assert sub.num_seqs == len(decode) and sub.num_tokens == len(decode)
+    assert (np.asarray(sub.seq_lens) == meta.seq_lens_np[decode]).all()
+    assert (np.asarray(sub.block_tables) == np.asarray(meta.block_tables)[decode]).all()
+    assert (np.asarray(sub.positions) == meta.seq_lens_np[decode] - 1).all()
+    rows = mx.array(meta.cu_seqlens_q_np[decode].astype(np.int32))
+    alone = reference.paged_attention(case.q[rows], case.k_cache, case.v_cache, sub, case.scale)
+    full = reference.paged_attention(case.q, case.k_cache, case.v_cache, meta, case.scale)
+    assert rel_error(alone, full[rows]) < 1e-6
+
+
 def test_kernel_partitions_cover_the_longest_decode_context():
     for longest in [1, 511, 512, 513, 4096, 100_000, 1_000_000]:
         meta = AttentionMetadata.build([1, 7], [longest, 7], [[0] * (-(-longest // 16)), [0]], 16)
