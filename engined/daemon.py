@@ -228,7 +228,10 @@ class Daemon:
                 raise EngineUnavailableError(self.stop_reason)
             if rid in self.owner:
                 raise InvalidRequestError(f"request id {rid!r} is already in flight")
-            self.engine.add_request(rid, msg.prompt_token_ids, msg.params)
+            if msg.cache_salt is None:
+                self.engine.add_request(rid, msg.prompt_token_ids, msg.params)
+            else:
+                self.engine.add_request(rid, msg.prompt_token_ids, msg.params, cache_salt=msg.cache_salt)
         except MlxdError as e:
             self._send_error(identity, rid, e)
             return

@@ -89,12 +89,12 @@ class EngineClient:
     # -- requests -------------------------------------------------------------------------
 
     def add(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
-            queue: asyncio.Queue, index: int = 0) -> None:
+            queue: asyncio.Queue, index: int = 0, cache_salt: str | None = None) -> None:
         """Send a request; its outputs (or an MlxdError) arrive on ``queue`` as (index, item)."""
         if not self.ready:
             raise EngineUnavailableError(self.unavailable_reason)
         self._streams[request_id] = (queue, index)
-        if not self._send(Kind.ADD, p.AddRequest(request_id, prompt_ids, params)):
+        if not self._send(Kind.ADD, p.AddRequest(request_id, prompt_ids, params, cache_salt)):
             del self._streams[request_id]
             raise EngineUnavailableError("the engine is not connected")
 

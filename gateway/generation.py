@@ -80,8 +80,10 @@ class Generation:
     """Fans prompts x n out to the engine and yields ChoiceDeltas as outputs arrive."""
 
     def __init__(self, client, tokenizer, prompts: list[list[int]], params: SamplingParams, n: int,
-                 stop: list[str], include_stop: bool, skip_special_tokens: bool, want_logprobs: bool):
+                 stop: list[str], include_stop: bool, skip_special_tokens: bool, want_logprobs: bool,
+                 cache_salt: str | None = None):
         self.client = client
+        self.cache_salt = cache_salt
         self.id_base = uuid.uuid4().hex
         self.prompts = prompts
         self.params = params
@@ -101,7 +103,8 @@ class Generation:
                 if params.seed is not None and c.index % self.n:
                     # Distinct but reproducible choices of one prompt.
                     params = _replace_seed(params, params.seed + c.index % self.n)
-                self.client.add(c.request_id, self.prompts[c.index // self.n], params, self.queue, c.index)
+                self.client.add(c.request_id, self.prompts[c.index // self.n], params, self.queue, c.index,
+                                self.cache_salt)
         except BaseException:
             self.abort_unfinished()
             raise

@@ -41,6 +41,10 @@ class _SamplingFields(msgspec.Struct, kw_only=True):
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    # Prefix-cache isolation: only requests with the same salt share cached blocks.
+    cache_salt: str | None = None
+    # False opts this request out of speculative decoding.
+    speculate: bool = True
 
 
 class ChatMessage(msgspec.Struct, kw_only=True):

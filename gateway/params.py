@@ -84,6 +84,7 @@ def sampling_params(req, max_tokens: int, logprobs: int | None, info: EngineInfo
         min_tokens=req.min_tokens,
         stop_token_ids=list(req.stop_token_ids or []),
         ignore_eos=req.ignore_eos,
+        speculate=req.speculate,
     )
     p.validate(info.vocab_size)
     return p

@@ -63,7 +63,8 @@ async def chat_completions(request: Request) -> Response:
     max_tokens = P.check_prompt(prompt_ids, info, max_tokens, "messages")
     params = P.sampling_params(req, max_tokens, logprobs, info)
     gen = Generation(gw.client, tok, [prompt_ids], params, n, P.stop_list(req.stop),
-                     req.include_stop_str_in_output, req.skip_special_tokens, logprobs is not None)
+                     req.include_stop_str_in_output, req.skip_special_tokens, logprobs is not None,
+                     req.cache_salt)
     gen.start()
     rid = "chatcmpl-" + gen.id_base
     created = int(time.time())
@@ -108,7 +109,8 @@ async def completions(request: Request) -> Response:
                      for p in prompts)
     params = P.sampling_params(req, max_tokens, req.logprobs, info)
     gen = Generation(gw.client, tok, prompts, params, n, P.stop_list(req.stop),
-                     req.include_stop_str_in_output, req.skip_special_tokens, req.logprobs is not None)
+                     req.include_stop_str_in_output, req.skip_special_tokens, req.logprobs is not None,
+                     req.cache_salt)
     gen.start()
     rid = "cmpl-" + gen.id_base
     created = int(time.time())

@@ -102,6 +102,8 @@ class AddRequest(msgspec.Struct, array_like=True, gc=False):
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
+    # Requests share cached prefix blocks only when their salts are equal.
+    cache_salt: str | None = None
 
 
 class Abort(msgspec.Struct, array_like=True, gc=False):

@@ -203,3 +203,17 @@ def test_sse_keepalive_comments_during_a_long_prefill(engine, tmp_path):
 
 def engine_model(g) -> str:
     return httpx.get(g.url + "/v1/models").json()["data"][0]["id"]
+
+
+def test_cached_tokens_reported_and_cache_salt_isolates(client, model):
+    messages = [{"role": "user", "content": "Repeat after me: " + "alpha beta gamma delta " * 12}]
+
+    def cached(**extra) -> int:
+        r = client.chat.completions.create(model=model, messages=messages, max_tokens=2, temperature=0,
+                                           extra_body=extra)
+        return r.usage.prompt_tokens_details.cached_tokens
+
+    cached()
+    assert cached() >= 16  # at least one full block of the prompt came from the prefix cache
+    assert cached(cache_salt="tenant-b") == 0
+    assert cached(cache_salt="tenant-b") >= 16
