@@ -41,6 +41,10 @@ class StepContext:
     states: list[list[mx.array]] = field(default_factory=list)
     state_plan: object | None = None
     hidden_size: int = 0
+    # The attention modules in KV order; with a separate window pool (engined.window_kv), the
+    # window layers' metadata (their own block tables and slots) for this step.
+    attention: list = field(default_factory=list)
+    window_meta: AttentionMetadata | None = None
 
 
 @dataclass(frozen=True)
@@ -75,7 +79,7 @@ class PagedAttention(nn.Module):
 
     def __call__(self, x: mx.array, mask=None, cache=None) -> mx.array:
         ctx, layer, s = self._ctx, self._layer, self.settings
-        meta = ctx.meta
+        meta = ctx.window_meta if s.sliding_window is not None and ctx.window_meta is not None else ctx.meta
         _, t, _ = x.shape
         q = self.q_proj(x).reshape(t, s.n_heads, -1)
         if s.output_gate:
@@ -195,6 +199,7 @@ def install(model: nn.Module, ctx: StepContext) -> list[PagedAttention]:
     if norm is None:
         raise ModelLoadError(f"{type(model).__module__}: no final norm found")
     inner_model.norm = LastTokenNorm(norm, ctx)
+    ctx.attention = swapped
     if ctx.linear:
         # The width of the hidden states the linear layers see, whatever the embedding's storage.
         ctx.hidden_size = int(inner_model.embed_tokens(mx.array([[0]])).shape[-1])

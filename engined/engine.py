@@ -22,7 +22,7 @@ from engined.metrics import EngineMetrics
 from engined.loaders import LoadedModel, load_model
 from engined.request import Request
 from engined.runner import ModelRunner
-from engined.state_slots import make_kv_manager, make_runner
+from engined.model_kinds import make_kv_manager, make_runner
 from engined.sampler import Sampler, logprobs_for
 from engined.scheduler import Scheduler, SchedulerOutput
 from engined.speculative import DraftProposer, Verifier, can_speculate, ngram_propose

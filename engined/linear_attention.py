@@ -51,7 +51,7 @@ class SlottedLinearAttention(nn.Module):
         plan: StatePlan = ctx.state_plan
         if plan is None:
             raise RuntimeError("a linear-attention layer ran without state slots: build its runner with "
-                               "engined.state_slots.make_runner")
+                               "engined.model_kinds.make_runner")
         arrays = ctx.states[self._index]
         hidden = x.shape[-1]
         outs = []

@@ -42,7 +42,7 @@ class MemoryPlan:
     kv_bytes: int
     num_blocks: int
     block_size: int
-    state_bytes: int = 0  # hybrid models: the linear layers' state slots (engined.state_slots)
+    fixed_bytes: int = 0  # pools sized by max_num_seqs, not by the budget (state slots, window K/V)
 
     @property
     def kv_tokens(self) -> int:
@@ -55,7 +55,7 @@ class MemoryPlan:
             f"memory: budget {budget}; weights {gb(self.weights)}; activations {gb(self.activations)} "
             f"(buffer cache capped there); KV cache {gb(self.kv_bytes)} = {self.num_blocks} blocks "
             f"x {self.block_size} = {self.kv_tokens} tokens"
-            + (f"; linear-attention state slots {gb(self.state_bytes)}" if self.state_bytes else "")
+            + (f"; fixed pools (state slots, window K/V) {gb(self.fixed_bytes)}" if self.fixed_bytes else "")
         )
 
 
@@ -96,20 +96,20 @@ def plan(runner, config: EngineConfig, max_model_len: int, vocab_size: int, per_
     activations = warm_up(runner, config, max_model_len, vocab_size, progress)
     mx.set_cache_limit(activations)
     needed = -(-max_model_len // config.block_size)
-    state = getattr(runner, "state_bytes", 0)  # a fixed pool beside the KV blocks, sized by max_num_seqs
+    fixed = getattr(runner, "fixed_bytes", 0)  # engined.model_kinds: pools beside the KV blocks
     if config.num_kv_blocks is not None:
         return MemoryPlan(0, weights, activations, config.num_kv_blocks * per_block,
-                          config.num_kv_blocks, config.block_size, state)
+                          config.num_kv_blocks, config.block_size, fixed)
     budget = int(config.gpu_memory_utilization * device_memory())
     if config.kv_cache_memory is not None:
         kv = config.kv_cache_memory
         source = f"--kv-cache-memory {kv} bytes"
     else:
-        kv = budget - weights - activations - state
+        kv = budget - weights - activations - fixed
         source = (f"--gpu-memory-utilization {config.gpu_memory_utilization} x {device_memory() / GiB:.2f} GiB"
                   f" = {budget / GiB:.2f} GiB, less weights {weights / GiB:.2f} GiB"
                   f" and activations {activations / GiB:.2f} GiB"
-                  + (f" and state slots {state / GiB:.2f} GiB" if state else ""))
+                  + (f" and fixed pools {fixed / GiB:.2f} GiB" if fixed else ""))
     num_blocks = max(kv, 0) // per_block
     if num_blocks < needed:
         raise MemoryBudgetError(
@@ -120,4 +120,4 @@ def plan(runner, config: EngineConfig, max_model_len: int, vocab_size: int, per_
         )
     # More blocks than every running sequence at full length could use would only sit idle.
     num_blocks = min(num_blocks, config.max_num_seqs * needed)
-    return MemoryPlan(budget, weights, activations, num_blocks * per_block, num_blocks, config.block_size, state)
+    return MemoryPlan(budget, weights, activations, num_blocks * per_block, num_blocks, config.block_size, fixed)

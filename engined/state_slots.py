@@ -30,8 +30,6 @@ from engined.kv_manager import KVCacheManager
 from engined.linear_attention import StateGroup, StatePlan, state_shapes
 from engined.request import Request
 from engined.runner import ModelRunner
-from shared.config import EngineConfig
-from shared.errors import InvalidRequestError
 
 
 class StateSlots:
@@ -196,7 +194,8 @@ class HybridModelRunner(ModelRunner):
         self.states = StateSlots(self.ctx, shapes, block_size)
 
     @property
-    def state_bytes(self) -> int:
+    def fixed_bytes(self) -> int:
+        """Bytes of the state pool, set aside from the memory budget beside the KV blocks."""
         return self.states.nbytes
 
     def allocate_kv(self, num_blocks: int) -> None:
@@ -237,28 +236,3 @@ class HybridKVCacheManager(KVCacheManager):
         if req.request_id in self.states.pending:
             self._extend_hashes(req, req.num_computed_tokens // self.block_size)
             self.states.register(req)
-
-
-def make_runner(model, config: EngineConfig, num_kv_heads: int, head_dim: int, dtype: mx.Dtype) -> ModelRunner:
-    """A HybridModelRunner for models with linear-attention layers, else the plain ModelRunner."""
-    runner = ModelRunner(model, config.block_size, num_kv_heads, head_dim, dtype) if not has_linear_layers(model) \
-        else HybridModelRunner(model, config.block_size, num_kv_heads, head_dim, dtype)
-    if isinstance(runner, HybridModelRunner):
-        if config.speculative is not None:
-            raise InvalidRequestError(
-                "speculative decoding is not supported for hybrid linear-attention models: a recurrent "
-                "state cannot take rejected draft tokens back", param="speculative_config",
-            )
-        runner.states.configure(config.max_num_seqs, config.max_num_seqs if config.enable_prefix_caching else 0)
-    return runner
-
-
-def make_kv_manager(runner: ModelRunner, num_blocks: int, config: EngineConfig) -> KVCacheManager:
-    if isinstance(runner, HybridModelRunner):
-        return HybridKVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching, runner.states)
-    return KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
-
-
-def has_linear_layers(model) -> bool:
-    inner = getattr(model, "model", model)
-    return any("linear_attn" in layer for layer in getattr(inner, "layers", ()))

@@ -120,7 +120,7 @@ def test_state_pool_bounded_under_64_concurrent_requests_and_freed(hybrid):
     engine = Engine(config, loaded=load_model(str(path)))
     states = engine.runner.states
     pool_bytes = sum(a.nbytes for a in states.arrays())
-    assert pool_bytes == states.nbytes == engine.memory.state_bytes
+    assert pool_bytes == states.nbytes == engine.memory.fixed_bytes
     assert states.nbytes == (64 + 64) * states.bytes_per_slot  # live slots + prefix snapshots
 
     rng = np.random.default_rng()
@@ -170,4 +170,4 @@ def test_speculative_decoding_is_refused_for_hybrids(hybrid):
 def test_dense_models_get_no_state_pool(tmp_path):
     engine = Engine(EngineConfig(num_kv_blocks=16, block_size=8),
                     loaded=load_model(str(make_tiny_model(tmp_path / "llama", "llama"))))
-    assert not isinstance(engine.runner, HybridModelRunner) and engine.memory.state_bytes == 0
+    assert not isinstance(engine.runner, HybridModelRunner) and engine.memory.fixed_bytes == 0
