@@ -81,6 +81,9 @@ class Daemon:
         # gateway identity -> monotonic time it was last heard from
         self.last_seen: dict[bytes, float] = {}
         self.stop_reason: str | None = None
+        # When the socket was last read: a gateway is silent only if its last frame
+        # is old at that moment (its pings queue up unread during a long step).
+        self._drained_at = time.monotonic()
         self.step_seconds = 0.0
         self.io_seconds = 0.0
         self.num_steps = 0
@@ -139,6 +142,7 @@ class Daemon:
             while True:
                 busy = self.engine.has_unfinished()
                 t0 = clock()
+                self._drained_at = time.monotonic()
                 if self.sock.poll(0 if busy else _IDLE_POLL_MS, zmq.POLLIN):
                     self._drain()
                 if self.engine.has_unfinished():
@@ -278,8 +282,8 @@ class Daemon:
 
     def _housekeeping(self, now: float) -> None:
         for identity, seen in list(self.last_seen.items()):
-            if now - seen > self.gateway_timeout:
-                self._forget_gateway(identity, f"silent for {now - seen:.1f}s")
+            if self._drained_at - seen > self.gateway_timeout:
+                self._forget_gateway(identity, f"silent for {self._drained_at - seen:.1f}s")
         if self.parent_pid is not None and self.stop_reason is None and os.getppid() != self.parent_pid:
             self.request_stop("engine stopped: its parent process exited")
 
@@ -290,6 +294,10 @@ class Daemon:
             del self.owner[r]
         if ids:
             self.engine.abort(ids)
+            # A gateway that is alive after all (stalled, not gone) learns why its streams ended.
+            for rid in ids:
+                self._send_error(identity, rid, EngineUnavailableError(
+                    f"request aborted: the engine heard nothing from its gateway ({why})"))
         log.info("gateway %s %s; aborted %d request(s)", identity.hex(), why, len(ids))
 
     def _abort_all(self, e: MlxdError) -> None:

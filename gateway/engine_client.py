@@ -35,7 +35,7 @@ _PING_INTERVAL = 0.5
 class EngineClient:
     """``on_ready(info)`` runs (awaited) after each handshake, before requests are let in."""
 
-    def __init__(self, endpoint: str, engine_timeout: float = 15.0,
+    def __init__(self, endpoint: str, engine_timeout: float = 60.0,
                  on_ready: Callable[[p.EngineInfo], Awaitable[None]] | None = None):
         self.endpoint = endpoint
         self.engine_timeout = engine_timeout

@@ -38,10 +38,11 @@ class GatewayConfig(msgspec.Struct, kw_only=True):
     api_key: str | None = None
     # A Jinja template, or the path of a file holding one; None: the model's own.
     chat_template: str | None = None
-    # An engine silent this long (no PONG, no output) is declared dead. A single
-    # engine step can take seconds on a CPU, so this is well above the ping interval;
-    # a killed engine is noticed at once through the socket's disconnect instead.
-    engine_timeout: float = 15.0
+    # An engine silent this long (no PONG, no output) is declared hung. The engine
+    # answers pings only between steps, and one step of a large model on a CPU can
+    # take many seconds, so this is generous; a killed engine is noticed at once
+    # through the socket's disconnect instead.
+    engine_timeout: float = 60.0
     # A comment line is sent on an SSE stream idle this long (a long prefill) so
     # that proxies and clients keep the connection.
     sse_keepalive: float = 5.0

@@ -104,3 +104,37 @@ def test_abort_frees_the_blocks_at_once(dealer):
     dealer.send_multipart(p.encode(Kind.ABORT, p.Abort(["long"])))
     stats = _ping(dealer).stats
     assert stats.num_running == 0 and stats.num_free_blocks == stats.num_total_blocks
+
+
+def test_a_long_step_does_not_make_a_pinging_gateway_look_gone(tmp_path):
+    """Pings queued during a multi-second prefill step count: the request is not aborted."""
+    from tests.e2e.servers import Engine, free_port
+
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    engine = Engine(endpoint, str(tmp_path / "engine.log"),
+                    extra=["--gateway-timeout", "0.5", "--max-model-len", "1024",
+                           "--max-num-batched-tokens", "1024"]).start()
+    s = zmq.Context.instance().socket(zmq.DEALER)
+    s.setsockopt(zmq.LINGER, 0)
+    s.connect(endpoint)
+    try:
+        s.send_multipart(p.encode(Kind.HELLO, p.Hello(protocol_version=p.PROTOCOL_VERSION)))
+        kind, _ = _recv(s, timeout=180)
+        assert kind is Kind.READY
+        # ~700 prompt tokens in one prefill step: seconds on a CPU, far over the 0.5 s timeout.
+        _add(s, "long-prefill", list(range(1000, 1700)), max_tokens=2, temperature=0.0)
+        finished, errors = None, []
+        deadline = time.monotonic() + 120
+        while finished is None and not errors and time.monotonic() < deadline:
+            s.send_multipart(p.encode(Kind.PING, p.Ping(time.time())))
+            if not s.poll(100):
+                continue
+            kind, msg = p.decode(s.recv_multipart())
+            if kind is Kind.OUTPUTS:
+                finished = next((o.finish_reason for o in msg.outputs if o.finish_reason), None)
+            elif kind is Kind.ERROR:
+                errors.append(msg)
+        assert errors == [] and finished == "length"
+    finally:
+        s.close()
+        engine.stop()
