@@ -7,7 +7,8 @@ Served: ``mlxd engine`` and ``mlxd gateway`` as real processes, the requests
 sent at once as streamed /v1/completions over HTTP, each stream read to its
 end. Throughput is generated tokens / wall time from the first request to the
 last token. Each side runs the whole batch once untimed (a GPU compiles
-kernels for each new shape), then ``--repeats`` times; the report gives
+kernels for each new shape), then ``--repeats`` times, the two sides taking
+turns so that a noisy machine hurts both alike; the report gives
 medians, served / in-process, and how much of the served engine's busy time
 went to socket work between steps (the rest is Engine.step()).
 
@@ -46,36 +47,46 @@ def make_prompts(url: str, n: int, seed: int, lo=24, hi=96) -> list[list[int]]:
     return prompts
 
 
-def in_process(prompts, max_tokens: int, model: str = "", repeats: int = 3) -> list[tuple[float, int]]:
-    """(tokens/s, tokens) of each timed run, after one untimed run of the same batch.
+class InProcess:
+    """An Engine in this process, running the whole batch on demand."""
 
-    The untimed run matters on a GPU: the first batch of each shape compiles kernels.
-    """
-    import engined  # noqa: F401  (the fast BLAS before mlx.core)
-    from engined.engine import Engine
-    from shared.cli import _build, _parser
-    from shared.config import EngineConfig
-    from shared.sampling import SamplingParams
+    def __init__(self, model: str = ""):
+        import engined  # noqa: F401  (the fast BLAS before mlx.core)
+        from engined.engine import Engine
+        from shared.cli import _build, _parser
+        from shared.config import EngineConfig
 
-    args = _parser().parse_args(["engine", *ENGINE_FLAGS, *(["--model", model] if model else [])])
-    engine = Engine(_build(EngineConfig, args))
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-    results = []
-    for r in range(repeats + 1):
+        args = _parser().parse_args(["engine", *ENGINE_FLAGS, *(["--model", model] if model else [])])
+        self.engine = Engine(_build(EngineConfig, args))
+        self.runs = 0
+
+    def run(self, prompts, max_tokens: int) -> tuple[float, int, int, float]:
+        """(tokens/s, tokens, steps, seconds inside step()) of one batch."""
+        from shared.sampling import SamplingParams
+
+        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+        self.runs += 1
         t0 = time.perf_counter()
         for i, p in enumerate(prompts):
-            engine.add_request(f"r{r}-{i}", p, params)
+            self.engine.add_request(f"r{self.runs}-{i}", p, params)
         n = steps = 0
         step_s = 0.0
-        while engine.has_unfinished():
+        while self.engine.has_unfinished():
             s0 = time.perf_counter()
-            outs = engine.step()
+            outs = self.engine.step()
             step_s += time.perf_counter() - s0
             steps += 1
             n += sum(len(o.new_token_ids) for o in outs)
-        if r:
-            results.append((n / (time.perf_counter() - t0), n, steps, step_s))
-    return results
+        return n / (time.perf_counter() - t0), n, steps, step_s
+
+
+def _worker(model: str) -> None:
+    """Child process: one InProcess engine; each stdin line {prompts, max_tokens} -> one JSON result line."""
+    runner = InProcess(model)
+    print("ready", flush=True)
+    for line in sys.stdin:
+        job = json.loads(line)
+        print(json.dumps(runner.run(job["prompts"], job["max_tokens"])), flush=True)
 
 
 async def _stream(http: httpx.AsyncClient, url: str, prompt, max_tokens: int) -> int:
@@ -92,21 +103,16 @@ async def _stream(http: httpx.AsyncClient, url: str, prompt, max_tokens: int) ->
     return tokens
 
 
-async def _served_runs(url: str, prompts, max_tokens: int, repeats: int) -> list[tuple[float, int]]:
-    """Like in_process: one untimed run of the batch, then ``repeats`` timed ones."""
-    results = []
+async def _served_run(url: str, prompts, max_tokens: int) -> tuple[float, int, int, float, float]:
+    """(tokens/s, tokens, engine steps, seconds in steps, seconds of socket work) of one batch."""
     async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=64)) as http:
-        for r in range(repeats + 1):
-            before = (await http.get(url + "/health?fresh=1")).json()["engine"]
-            t0 = time.perf_counter()
-            counts = await asyncio.gather(*(_stream(http, url, p, max_tokens) for p in prompts))
-            wall = time.perf_counter() - t0
-            after = (await http.get(url + "/health?fresh=1")).json()["engine"]
-            if r:
-                results.append((sum(counts) / wall, sum(counts), after["num_steps"] - before["num_steps"],
-                                after["step_seconds"] - before["step_seconds"],
-                                after["io_seconds"] - before["io_seconds"]))
-    return results
+        before = (await http.get(url + "/health?fresh=1")).json()["engine"]
+        t0 = time.perf_counter()
+        counts = await asyncio.gather(*(_stream(http, url, p, max_tokens) for p in prompts))
+        wall = time.perf_counter() - t0
+        after = (await http.get(url + "/health?fresh=1")).json()["engine"]
+    return (sum(counts) / wall, sum(counts), after["num_steps"] - before["num_steps"],
+            after["step_seconds"] - before["step_seconds"], after["io_seconds"] - before["io_seconds"])
 
 
 def main() -> None:
@@ -150,19 +156,31 @@ def main() -> None:
                     raise TimeoutError("the served engine did not come up")
                 time.sleep(0.5)
             prompts = make_prompts(url, args.streams, seed=0)
-            served = asyncio.run(_served_runs(url, prompts, args.max_tokens, args.repeats))
+            # The in-process engine lives in a child of its own; runs alternate between
+            # the two so that a noisy machine hurts both alike. Run 0 of each is untimed.
+            worker = subprocess.Popen(
+                [sys.executable, "-c", f"from bench.serving import _worker; _worker({args.model!r})"],
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+            try:
+                while worker.stdout.readline().strip() != "ready":
+                    if worker.poll() is not None:
+                        raise RuntimeError("the in-process engine failed to start")
+                local, served = [], []
+                for r in range(args.repeats + 1):
+                    se = asyncio.run(_served_run(url, prompts, args.max_tokens))
+                    worker.stdin.write(json.dumps({"prompts": prompts, "max_tokens": args.max_tokens}) + "\n")
+                    worker.stdin.flush()
+                    lo = json.loads(worker.stdout.readline())
+                    if r:
+                        local.append(lo)
+                        served.append(se)
+            finally:
+                worker.stdin.close()
+                worker.wait(60)
         finally:
             for proc in (gateway, engine):
                 proc.terminate()
                 proc.wait(30)
-        # The in-process engine runs in a child of its own, after the served pair is gone.
-        out = subprocess.run(
-            [sys.executable, "-c",
-             "import json,sys; from bench.serving import in_process; "
-             f"print(json.dumps(in_process(json.loads(sys.stdin.read()), {args.max_tokens}, "
-             f"{args.model!r}, {args.repeats})))"],
-            input=json.dumps(prompts), capture_output=True, text=True, check=True)
-        local = json.loads(out.stdout.strip().splitlines()[-1])
     for r, (lo, se) in enumerate(zip(local, served)):
         print(f"run {r}: in-process {lo[0]:.1f} tok/s ({lo[1]} tokens, {lo[2]} steps, {lo[3]:.2f} s in steps); "
               f"served {se[0]:.1f} tok/s ({se[1]} tokens, {se[2]} steps, {se[3]:.2f} s in steps, "
@@ -175,6 +193,7 @@ def main() -> None:
           f"served {sm:.1f} tok/s, served / in-process = {sm / lm:.3f}")
     print(f"served engine loop: {step:.2f} s in steps, {io:.3f} s of socket work between them "
           f"({100 * io / max(step + io, 1e-9):.2f} % of its busy time)")
+
 
 if __name__ == "__main__":
     main()
