@@ -15,10 +15,13 @@ LONG = dict(messages=[{"role": "user", "content": "Write a long poem about autum
             max_tokens=400, temperature=0, extra_body={"ignore_eos": True})
 
 
-@pytest.fixture
-def pair(tmp_path):
-    """A private engine + gateway: these tests kill the engine."""
-    endpoint = f"tcp://127.0.0.1:{free_port()}"
+@pytest.fixture(params=["tcp", "ipc"])
+def pair(request, tmp_path):
+    """A private engine + gateway (these tests kill the engine), over TCP and over a unix socket."""
+    if request.param == "tcp":
+        endpoint = f"tcp://127.0.0.1:{free_port()}"
+    else:
+        endpoint = f"ipc://{tmp_path}/engine.sock"
     engine = Engine(endpoint, str(tmp_path / "engine.log")).start()
     gateway = Gateway(endpoint, str(tmp_path / "gateway.log")).start()
     gateway.wait_healthy()
