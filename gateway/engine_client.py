@@ -50,7 +50,7 @@ class EngineClient:
         self._handshaking = False
         self._tasks: list[asyncio.Task] = []
         self._sock = None
-        self._pong_waiters: list[asyncio.Future] = []
+        self._pong_waiters: list[tuple[float, asyncio.Future]] = []
 
     # -- lifecycle ------------------------------------------------------------------------
 
@@ -110,8 +110,9 @@ class EngineClient:
         if not self.ready:
             return None
         fut = asyncio.get_running_loop().create_future()
-        self._pong_waiters.append(fut)
-        self._send(Kind.PING, p.Ping(time.time()))
+        sent_at = time.time()
+        self._pong_waiters.append((sent_at, fut))
+        self._send(Kind.PING, p.Ping(sent_at))
         try:
             return await asyncio.wait_for(fut, timeout)
         except asyncio.TimeoutError:
@@ -180,10 +181,16 @@ class EngineClient:
                 self._hello()
                 return
             self.stats = msg.stats
-            waiters, self._pong_waiters = self._pong_waiters, []
-            for fut in waiters:
-                if not fut.done():
+            # Only the answer to a waiter's own ping (or a later one) is fresh enough.
+            waiting = []
+            for sent_at, fut in self._pong_waiters:
+                if fut.done():
+                    continue
+                if msg.sent_at >= sent_at:
                     fut.set_result(msg.stats)
+                else:
+                    waiting.append((sent_at, fut))
+            self._pong_waiters = waiting
         elif kind is Kind.ERROR:
             err = error_from_code(msg.code, msg.message, msg.param)
             if msg.request_id is None:
