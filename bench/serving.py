@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -103,16 +104,28 @@ async def _stream(http: httpx.AsyncClient, url: str, prompt, max_tokens: int) ->
     return tokens
 
 
-async def _served_run(url: str, prompts, max_tokens: int) -> tuple[float, int, int, float, float]:
-    """(tokens/s, tokens, engine steps, seconds in steps, seconds of socket work) of one batch."""
+def _cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process (Linux /proc; 0 elsewhere)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except OSError:
+        return 0.0
+
+
+async def _served_run(url: str, prompts, max_tokens: int, gateway_pid: int):
+    """(tokens/s, tokens, engine steps, seconds in steps, seconds of socket work, gateway CPU s)."""
     async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=64)) as http:
         before = (await http.get(url + "/health?fresh=1")).json()["engine"]
+        cpu0 = _cpu_seconds(gateway_pid)
         t0 = time.perf_counter()
         counts = await asyncio.gather(*(_stream(http, url, p, max_tokens) for p in prompts))
         wall = time.perf_counter() - t0
+        cpu = _cpu_seconds(gateway_pid) - cpu0
         after = (await http.get(url + "/health?fresh=1")).json()["engine"]
     return (sum(counts) / wall, sum(counts), after["num_steps"] - before["num_steps"],
-            after["step_seconds"] - before["step_seconds"], after["io_seconds"] - before["io_seconds"])
+            after["step_seconds"] - before["step_seconds"], after["io_seconds"] - before["io_seconds"], cpu)
 
 
 def main() -> None:
@@ -167,7 +180,7 @@ def main() -> None:
                         raise RuntimeError("the in-process engine failed to start")
                 local, served = [], []
                 for r in range(args.repeats + 1):
-                    se = asyncio.run(_served_run(url, prompts, args.max_tokens))
+                    se = asyncio.run(_served_run(url, prompts, args.max_tokens, gateway.pid))
                     worker.stdin.write(json.dumps({"prompts": prompts, "max_tokens": args.max_tokens}) + "\n")
                     worker.stdin.flush()
                     lo = json.loads(worker.stdout.readline())
@@ -193,6 +206,11 @@ def main() -> None:
           f"served {sm:.1f} tok/s, served / in-process = {sm / lm:.3f}")
     print(f"served engine loop: {step:.2f} s in steps, {io:.3f} s of socket work between them "
           f"({100 * io / max(step + io, 1e-9):.2f} % of its busy time)")
+    tokens = sum(x[1] for x in served)
+    gw_cpu = sum(x[5] for x in served)
+    if gw_cpu:
+        print(f"gateway: {1e6 * gw_cpu / tokens:.0f} us of CPU per streamed token "
+              f"(one gateway process keeps up with about {tokens / gw_cpu:.0f} tok/s)")
 
 
 if __name__ == "__main__":
