@@ -11,6 +11,8 @@ import logging
 import os
 import random
 import time
+from concurrent.futures import FIRST_COMPLETED
+from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -25,6 +27,7 @@ from engined.runner import ModelRunner
 from engined.model_kinds import make_kv_manager, make_runner
 from engined.sampler import Sampler, logprobs_for
 from engined.scheduler import Scheduler, SchedulerOutput
+from engined.structured import GrammarCompiler
 from engined.speculative import DraftProposer, Verifier, can_speculate, ngram_propose
 from shared.config import EngineConfig
 from shared.errors import ContextLengthError, InvalidRequestError, ModelLoadError, OverloadedError
@@ -86,6 +89,9 @@ class Engine:
         self.requests: dict[str, Request] = {}
         self._seeds = random.Random(config.seed)
         self._aborted: list[RequestOutput] = []
+        # Requests whose grammar is compiling, and those whose grammar failed (id, error).
+        self._compiling: list[Request] = []
+        self._failed: list[tuple[str, InvalidRequestError]] = []
         self.metrics = EngineMetrics(config.served_model_name or loaded.model_id, config.metrics_prefix)
         self.info = ModelInfo(
             model_id=loaded.model_id,
@@ -97,6 +103,8 @@ class Engine:
             vocab_size=loaded.vocab_size,
             eos_token_ids=list(loaded.eos_token_ids),
         )
+        self.grammars = GrammarCompiler(self.info.tokenizer_dir, loaded.vocab_size, loaded.eos_token_ids)
+        self.sampler.grammars = self.grammars
 
     def _load_drafter(self, target: LoadedModel, dtype: mx.Dtype) -> DraftProposer:
         draft = load_model(self.spec.model, self.config.dtype)
@@ -144,6 +152,9 @@ class Engine:
             )
         seed = params.seed if params.seed is not None else self._seeds.getrandbits(63)
         req = Request(request_id, prompt_token_ids, params, seed, (cache_salt or "").encode())
+        if params.structured is not None:
+            req.grammar = self.grammars.submit(params.structured)
+            self._compiling.append(req)
         self.requests[request_id] = req
         self.scheduler.add(req)
 
@@ -158,7 +169,29 @@ class Engine:
             self._aborted.append(self._output(req))
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished() or bool(self._aborted)
+        return self.scheduler.has_unfinished() or bool(self._aborted) or bool(self._failed)
+
+    def take_errors(self) -> list[tuple[str, InvalidRequestError]]:
+        """Requests failed since the last call (their grammar did not compile), as (id, error).
+
+        They produce no RequestOutput; the caller reports the error instead.
+        """
+        failed, self._failed = self._failed, []
+        return failed
+
+    def _check_grammars(self) -> None:
+        """Fail requests whose grammar did not compile; forget those that are ready or gone."""
+        still = []
+        for req in self._compiling:
+            if req.finished:
+                continue
+            if not req.grammar.ready:
+                still.append(req)
+            elif req.grammar.error is not None:
+                self.scheduler.finish(req, "error")
+                del self.requests[req.request_id]
+                self._failed.append((req.request_id, req.grammar.error))
+        self._compiling = still
 
     def stats(self) -> EngineStats:
         return EngineStats(
@@ -176,10 +209,16 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         start = time.monotonic()
         outputs, self._aborted = self._aborted, []
+        if self._compiling:
+            self._check_grammars()
         if self.spec is not None:
             self._propose()
         sched = self.scheduler.schedule()
         if not sched.scheduled:
+            if self._compiling:
+                # Nothing else to run: wait briefly for a grammar instead of spinning.
+                wait_futures([r.grammar.future for r in self._compiling], timeout=0.005,
+                             return_when=FIRST_COMPLETED)
             self.metrics.on_step(0, 0.0, self.stats())
             return outputs
         # Rows needing logits per request: none for a prefill chunk short of the
@@ -288,6 +327,8 @@ class Engine:
                 if lp is not None:
                     req.pending_logprobs.append(lp)
                 reason = self._stop_reason(req, token)
+                if req.grammar is not None and not reason:
+                    reason = req.grammar.accept(token)
                 if reason:
                     break
             if reason:
@@ -333,6 +374,9 @@ class Engine:
         results: dict[str, list[int]] = {rid: [] for rid in ids}
         pending = set(ids)
         while pending:
+            for rid, err in self.take_errors():
+                if rid in results:
+                    raise err
             for out in self.step():
                 if out.request_id in results:
                     results[out.request_id].extend(out.new_token_ids)

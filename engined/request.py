@@ -28,7 +28,7 @@ class Request:
         "num_cached_tokens", "status", "finish_reason", "stop_token_id", "seed",
         "arrival_time", "pending_tokens", "pending_logprobs", "block_hashes", "cache_salt",
         "first_scheduled_time", "first_token_time", "last_token_time", "spec_tokens",
-        "draft_computed",
+        "draft_computed", "grammar",
     )
 
     def __init__(
@@ -61,6 +61,13 @@ class Request:
         self.block_hashes: list[bytes] = []
         # Isolates prefix-cache sharing: only requests with the same salt share blocks.
         self.cache_salt = cache_salt
+        # The structured-output matcher (engined.structured.Grammar); None when unconstrained.
+        self.grammar = None
+
+    @property
+    def ready(self) -> bool:
+        """False while its grammar is still compiling: the scheduler leaves it waiting."""
+        return self.grammar is None or self.grammar.ready
 
     @property
     def num_tokens(self) -> int:

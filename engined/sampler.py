@@ -27,9 +27,11 @@ def row_key(seed: int, position: int) -> mx.array:
 
 
 class Sampler:
-    def __init__(self, vocab_size: int, eos_token_ids: list[int]):
+    def __init__(self, vocab_size: int, eos_token_ids: list[int], grammars=None):
         self.vocab_size = vocab_size
         self.eos_token_ids = list(eos_token_ids)
+        # engined.structured.GrammarCompiler: masks rows of constrained requests.
+        self.grammars = grammars
 
     def __call__(self, logits: mx.array, reqs: list[Request]) -> tuple[mx.array, list | None]:
         """Sample one token per row of ``logits [S, V]``; returns (tokens [S], logprob parts or None).
@@ -64,8 +66,13 @@ class Sampler:
     def process(self, logits: mx.array, reqs: list[Request]) -> mx.array:
         """Logits after penalties, bias, min_tokens, then temperature and top-k/top-p/min-p.
 
-        Greedy rows skip the temperature (their argmax is what counts).
+        Greedy rows skip the temperature (their argmax is what counts). Rows of
+        constrained requests first lose every token their grammar forbids, so
+        top-p and friends renormalize over what the grammar allows.
         """
+        if self.grammars is not None and any(r.grammar is not None for r in reqs):
+            allowed = self.grammars.token_bitmask([r.grammar for r in reqs])
+            logits = mx.where(allowed, logits, _NEG)
         logits = self._penalize(logits, reqs)
         if all(r.params.temperature == 0.0 for r in reqs):
             return logits

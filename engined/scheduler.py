@@ -68,8 +68,13 @@ class Scheduler:
                 i += 1
 
         # Admit waiting requests only if nothing had to be preempted this step.
+        # Requests whose grammar is still compiling are stepped over, keeping their place.
+        skipped: list[Request] = []
         while self.waiting and budget > 0 and not out.preempted and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
+            if not req.ready:
+                skipped.append(self.waiting.popleft())
+                continue
             prefix = self.kv.cached_prefix(req) if req.num_computed_tokens == 0 else []
             cached = len(prefix) * self.kv.block_size
             num_new = min(req.num_tokens - req.num_computed_tokens - cached, budget)
@@ -87,6 +92,7 @@ class Scheduler:
             self.running.append(req)
             out.scheduled.append((req, num_new))
             budget -= num_new
+        self.waiting.extendleft(reversed(skipped))
         return out
 
     def _preempt(self, req: Request) -> None:

@@ -36,10 +36,14 @@ def ngram_propose(tokens: np.ndarray, k: int, n_min: int, n_max: int) -> list[in
 
 
 def can_speculate(req: Request) -> bool:
-    """History-dependent logits processors would need re-running per draft position: those requests decode plainly."""
+    """History-dependent logits processors would need re-running per draft position: those requests decode plainly.
+
+    So do constrained requests: their mask depends on every earlier token.
+    """
     p = req.params
     return (
         p.speculate
+        and req.grammar is None
         and p.repetition_penalty == 1.0
         and not p.presence_penalty
         and not p.frequency_penalty

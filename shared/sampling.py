@@ -7,6 +7,21 @@ import msgspec
 from shared.errors import InvalidRequestError
 
 
+STRUCTURED_KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
+
+
+class StructuredSpec(msgspec.Struct, array_like=True, gc=False):
+    """A constraint on the output, compiled by the engine (llguidance).
+
+    ``kind`` is one of ``STRUCTURED_KINDS``; ``spec`` is the JSON schema text
+    (json_schema), ignored (json_object), a regular expression (regex), a JSON
+    list of strings (choice), or a Lark grammar (grammar).
+    """
+
+    kind: str
+    spec: str = ""
+
+
 class SamplingParams(msgspec.Struct, array_like=True, gc=False, omit_defaults=True):
     """What to generate for one request (one choice; ``n > 1`` is fanned out by the gateway).
 
@@ -29,6 +44,8 @@ class SamplingParams(msgspec.Struct, array_like=True, gc=False, omit_defaults=Tr
     ignore_eos: bool = False
     # False opts this request out of speculative decoding.
     speculate: bool = True
+    # Constrained decoding; None: unconstrained.
+    structured: StructuredSpec | None = None
 
     def validate(self, vocab_size: int) -> None:
         """Raise InvalidRequestError naming the first field out of range."""
@@ -54,6 +71,9 @@ class SamplingParams(msgspec.Struct, array_like=True, gc=False, omit_defaults=Tr
                 f"token ids must be in [0, {vocab_size})",
             ),
         )
+        if self.structured is not None and self.structured.kind not in STRUCTURED_KINDS:
+            raise InvalidRequestError(
+                f"structured output kind must be one of {', '.join(STRUCTURED_KINDS)}", param="structured")
         for name, ok, why in checks:
             if not ok:
                 raise InvalidRequestError(f"{name} {why}", param=name)
