@@ -100,3 +100,29 @@ def test_sigterm_ends_streams_with_an_error_and_the_engine_exits_cleanly(pair):
         assert time.monotonic() < deadline
         time.sleep(0.1)
     assert "SIGTERM" in httpx.get(gateway.url + "/health").json()["reason"]
+
+
+def test_gateway_started_before_the_engine_answers_503_then_serves(tmp_path):
+    endpoint = f"ipc://{tmp_path}/later.sock"
+    gateway = Gateway(endpoint, str(tmp_path / "gateway.log")).start()
+    engine = Engine(endpoint, str(tmp_path / "engine.log"))
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                r = gateway.health()
+                break
+            except httpx.HTTPError:
+                assert time.monotonic() < deadline
+                time.sleep(0.2)
+        assert r.status_code == 503 and r.json()["status"] == "unavailable"
+        err = httpx.post(gateway.url + "/v1/completions", json={"prompt": "hi"}, timeout=10)
+        assert err.status_code == 503 and err.json()["error"]["code"] == "engine_unavailable"
+        engine.start()
+        gateway.wait_healthy()
+        client = openai.OpenAI(base_url=gateway.url + "/v1", api_key="x", max_retries=0, timeout=60)
+        model = client.models.list().data[0].id
+        assert client.completions.create(model=model, prompt="Hello", max_tokens=3).choices[0].text is not None
+    finally:
+        gateway.stop()
+        engine.stop()
