@@ -46,7 +46,8 @@ class Engine:
     def start(self) -> "Engine":
         self._log = open(self.log_path, "ab")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "engined", "--engine-endpoint", self.endpoint, "--log-level", "INFO",
+            # DEBUG: every abort is logged on both sides, to diagnose a failed test from its logs.
+            [sys.executable, "-m", "engined", "--engine-endpoint", self.endpoint, "--log-level", "DEBUG",
              # Stop with the test run even if it dies without tearing down.
              "--parent-pid", str(os.getpid()), *ENGINE_FLAGS, *self.extra],
             stdout=self._log, stderr=subprocess.STDOUT, env=_env())
@@ -86,7 +87,7 @@ class Gateway:
         self._log = open(self.log_path, "ab")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "shared.cli", "gateway", "--engine-endpoint", self.endpoint,
-             "--port", str(self.port), "--engine-timeout", "30", *self.extra],
+             "--port", str(self.port), "--engine-timeout", "30", "--log-level", "DEBUG", *self.extra],
             stdout=self._log, stderr=subprocess.STDOUT, env=_env())
         return self
 

@@ -25,7 +25,8 @@ def _wait_idle(gateway, timeout: float) -> dict:
         s = _engine_stats(gateway)
         if s["num_running"] == 0 and s["num_waiting"] == 0 and s["num_free_blocks"] == s["num_total_blocks"]:
             return s
-        assert time.monotonic() < deadline, f"engine still busy after {timeout}s: {s}"
+        assert time.monotonic() < deadline, (
+            f"engine still busy after {timeout}s: {s}; logs: {gateway.log_path} and the engine's")
         time.sleep(0.1)
 
 
