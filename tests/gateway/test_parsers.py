@@ -1,0 +1,216 @@
+"""Tool-call and reasoning parsers on recorded outputs in each format.
+
+Streaming a text cut at every character boundary (and at random multi-cuts)
+must give exactly the non-streaming result, and no markup may ever reach the
+content. Each format's required/named grammar must admit that format's own
+calls and be read back by its parser.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from gateway.parsers import REASONING_PARSERS, TOOL_PARSERS, ReasoningStream, ToolStream, parse_complete
+from gateway.parsers.reasoning import ThinkReasoningParser
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object",
+    "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
+    "required": ["city", "days"]}}}
+TIME = {"type": "function", "function": {"name": "now", "parameters": {
+    "type": "object", "properties": {"tz": {"type": "string", "enum": ["UTC", "CET"]}}, "required": ["tz"]}}}
+TOOLS = [WEATHER, TIME]
+
+W = ("get_weather", {"city": "Paris", "days": 3})
+N = ("now", {"tz": "UTC"})
+
+# (parser, recorded text, expected content, expected calls as (name, arguments object))
+CORPUS = [
+    ("hermes", 'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}\n'
+               '</tool_call>', "Let me check.\n", [W]),
+    ("hermes", '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}\n</tool_call>\n'
+               '<tool_call>\n{"name": "now", "arguments": {"tz": "UTC"}}\n</tool_call>', "", [W, N]),
+    ("hermes", '<tool_call>{"arguments": {"tz": "UTC"}, "name": "now"}</tool_call>', "", [N]),
+    ("hermes", 'No tools needed: 2 < 3 and <b>bold</b>.', 'No tools needed: 2 < 3 and <b>bold</b>.', []),
+    ("hermes", 'Braces {"name": "x"} in prose, and a string with a brace: <tool_call>\n'
+               '{"name": "get_weather", "arguments": {"city": "Pa}r\\"is", "days": 3}}\n</tool_call>',
+     'Braces {"name": "x"} in prose, and a string with a brace: ',
+     [("get_weather", {"city": 'Pa}r"is', "days": 3})]),
+    ("llama3_json", '{"name": "get_weather", "parameters": {"city": "Paris", "days": 3}}', "", [W]),
+    ("llama3_json", '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris", "days": 3}}; '
+                    '{"name": "now", "parameters": {"tz": "UTC"}}', "", [W, N]),
+    ("llama3_json", 'The weather is fine.', 'The weather is fine.', []),
+    ("mistral", 'Sure. [TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}, '
+                '{"name": "now", "arguments": {"tz": "UTC"}}]', "Sure. ", [W, N]),
+    ("mistral", '[TOOL_CALLS]get_weather[ARGS]{"city": "Paris", "days": 3}[TOOL_CALLS]now[ARGS]{"tz": "UTC"}',
+     "", [W, N]),
+    ("mistral", 'Just text [with brackets].', 'Just text [with brackets].', []),
+    ("qwen3_coder", 'I will look.\n<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n'
+                    '<parameter=days>\n3\n</parameter>\n</function>\n</tool_call>', "I will look.\n", [W]),
+    ("qwen3_coder", '<tool_call>\n<function=get_weather>\n<parameter=city>\nSan <b> Jose\n</parameter>\n'
+                    '<parameter=days>\n10\n</parameter>\n</function>\n</tool_call>\n<tool_call>\n<function=now>\n'
+                    '<parameter=tz>\nUTC\n</parameter>\n</function>\n</tool_call>', "",
+     [("get_weather", {"city": "San <b> Jose", "days": 10}), N]),
+    ("pythonic", '[get_weather(city="Paris", days=3), now(tz="UTC")]', "", [W, N]),
+    ("pythonic", "[get_weather(city='Pa)ris', days=3)]", "", [("get_weather", {"city": "Pa)ris", "days": 3})]),
+    ("pythonic", '[1, 2] is a list.', '[1, 2] is a list.', []),
+]
+
+MARKUP = ("<tool_call", "</tool_call", "[TOOL_CALLS]", "[ARGS]", "<function=", "<parameter=", "<|python_tag|>",
+          "<think>", "</think>")
+
+
+def stream(parser_name: str, pieces: list[str]):
+    s = ToolStream(TOOL_PARSERS[parser_name](TOOLS))
+    content, calls = "", {}
+    for piece in pieces:
+        c, deltas = s.feed(piece)
+        content += c
+        absorb(calls, deltas)
+    c, deltas = s.finish()
+    content += c
+    absorb(calls, deltas)
+    return content, [calls[i] for i in sorted(calls)]
+
+
+def absorb(calls: dict, deltas: list[dict]) -> None:
+    """Accumulate deltas the way an OpenAI client does, checking their shape."""
+    for d in deltas:
+        i = d["index"]
+        if i not in calls:
+            assert d["id"].startswith("call_") and d["type"] == "function" and d["function"]["name"]
+            calls[i] = [d["function"]["name"], d["function"]["arguments"]]
+        else:
+            assert set(d) == {"index", "function"} and set(d["function"]) == {"arguments"}
+            calls[i][1] += d["function"]["arguments"]
+
+
+def complete(parser_name: str, text: str):
+    content, calls = parse_complete(TOOL_PARSERS[parser_name](TOOLS), text)
+    return content, [[c["function"]["name"], c["function"]["arguments"]] for c in calls]
+
+
+def cuts(text: str, points: list[int]) -> list[str]:
+    points = sorted(set(p for p in points if 0 < p < len(text)))
+    bounds = [0] + points + [len(text)]
+    return [text[a:b] for a, b in zip(bounds, bounds[1:])]
+
+
+@pytest.mark.parametrize("name,text,content,expected", CORPUS)
+def test_non_streaming_reads_the_recorded_calls(name, text, content, expected):
+    got_content, got_calls = complete(name, text)
+    assert got_content == content
+    assert [(n, json.loads(a)) for n, a in got_calls] == expected
+
+
+@pytest.mark.parametrize("name,text,content,expected", CORPUS)
+def test_streaming_split_at_every_boundary_equals_non_streaming(name, text, content, expected):
+    whole = complete(name, text)
+    for i in range(len(text) + 1):
+        got = stream(name, cuts(text, [i]))
+        assert got == whole, f"split at {i}"
+        assert not any(m in got[0] for m in MARKUP if m not in text[: len(content)])
+    # One character at a time: every intermediate content delta is markup-free too.
+    s = ToolStream(TOOL_PARSERS[name](TOOLS))
+    for ch in text:
+        c, _ = s.feed(ch)
+        assert not any(m in s.text[: s.sent_content] for m in MARKUP if m not in content)
+
+
+@settings(max_examples=60, deadline=None)
+@given(case=st.sampled_from(CORPUS), data=st.data())
+def test_streaming_random_multi_cuts_equal_non_streaming(case, data):
+    name, text, content, _ = case
+    points = data.draw(st.lists(st.integers(0, len(text)), max_size=12))
+    assert stream(name, cuts(text, points)) == complete(name, text)
+
+
+def test_truncated_call_keeps_streamed_name_and_partial_arguments():
+    text = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Par'
+    assert stream("hermes", [text[:30], text[30:]]) == complete("hermes", text)
+    assert complete("hermes", text)[1] == [["get_weather", '{"city": "Par']]
+
+
+def test_unclosed_markup_without_a_call_ends_as_content():
+    text = "Look: <tool_call> this is not JSON"
+    assert complete("hermes", text) == (text, [])
+    assert stream("hermes", cuts(text, [8, 12])) == (text, [])
+
+
+# -- reasoning ---------------------------------------------------------------------------------
+
+REASONING = [
+    (False, "<think>\nThe user wants 2+2.\n</think>\n\nIt is 4.", "\nThe user wants 2+2.\n", "It is 4."),
+    (False, "It is 4, no thinking.", "", "It is 4, no thinking."),
+    (True, "Started inside <b>.\n</think>\n\nAnswer.", "Started inside <b>.\n", "Answer."),
+    (True, "Cut off while thinking", "Cut off while thinking", ""),
+    (False, "<thinking is not the tag", "", "<thinking is not the tag"),
+]
+
+
+@pytest.mark.parametrize("inside,text,reasoning,content", REASONING)
+def test_reasoning_split_streamed_at_every_boundary(inside, text, reasoning, content):
+    parser = ThinkReasoningParser(starts_inside=inside)
+    assert parser.scan(text, True) == (reasoning, content)
+    for i in range(len(text) + 1):
+        s = ReasoningStream(parser)
+        r1, c1 = s.feed(text[:i])
+        r2, c2 = s.feed(text[i:])
+        r3, c3 = s.finish()
+        assert (r1 + r2 + r3, c1 + c2 + c3) == (reasoning, content), f"split at {i}"
+        assert "<think>" not in c1 + c2 + c3 and "</think>" not in c1 + c2 + c3
+
+
+def test_prompt_that_opens_a_think_block_starts_inside():
+    assert ThinkReasoningParser.prompt_opens_reasoning("<|im_start|>assistant\n<think>\n")
+    assert not ThinkReasoningParser.prompt_opens_reasoning("<|im_start|>assistant\n")
+    assert set(REASONING_PARSERS) >= {"qwen3", "deepseek_r1"}
+
+
+# -- grammars: each format's required/named grammar admits its own calls -----------------------
+
+RENDERED = {
+    "hermes": '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}\n</tool_call>\n'
+              '<tool_call>\n{"name": "now", "arguments": {"tz": "UTC"}}\n</tool_call>',
+    "llama3_json": '{"name": "get_weather", "parameters": {"city": "Paris", "days": 3}}; '
+                   '{"name": "now", "parameters": {"tz": "UTC"}}',
+    "mistral": '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}, '
+               '{"name": "now", "arguments": {"tz": "UTC"}}]',
+    "qwen3_coder": '<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n'
+                   '<parameter=days>\n3\n</parameter>\n</function>\n</tool_call>\n<tool_call>\n<function=now>\n'
+                   '<parameter=tz>\nUTC\n</parameter>\n</function>\n</tool_call>',
+    "pythonic": '[get_weather(city="Paris", days=3), now(tz="UTC")]',
+}
+
+
+@pytest.fixture(scope="module")
+def ll_tokenizer(tokenizer):
+    import llguidance.hf
+
+    return llguidance.hf.from_tokenizer(tokenizer.hf, n_vocab=49152)
+
+
+def matcher_accepts(ll_tokenizer, tokenizer, grammar: str, text: str) -> bool:
+    from llguidance import LLMatcher
+
+    m = LLMatcher(ll_tokenizer, LLMatcher.grammar_from_lark(grammar), log_level=0)
+    assert not m.is_error(), m.get_error()
+    return m.consume_tokens(tokenizer.encode(text, add_special_tokens=False)) and m.is_accepting()
+
+
+@pytest.mark.parametrize("name", sorted(RENDERED))
+def test_required_grammar_admits_the_format_and_parses_back(name, ll_tokenizer, tokenizer):
+    parser = TOOL_PARSERS[name](TOOLS)
+    text = RENDERED[name]
+    parallel = parser.grammar(TOOLS, True, json.dumps)
+    single = parser.grammar(TOOLS, False, json.dumps)
+    assert matcher_accepts(ll_tokenizer, tokenizer, parallel, text)
+    assert not matcher_accepts(ll_tokenizer, tokenizer, single, text)  # two calls where one is allowed
+    named = parser.grammar([TIME], False, json.dumps)
+    assert not matcher_accepts(ll_tokenizer, tokenizer, named, text)
+    _, calls = complete(name, text)
+    assert [(n, json.loads(a)) for n, a in calls] == [W, N]
