@@ -1,0 +1,89 @@
+"""Request fields to grammar specs: what each becomes, and the 400s for what cannot work."""
+
+import json
+
+import pytest
+
+from gateway.chat_output import ChatOutput, finish_reason
+from gateway.parsers import TOOL_PARSERS
+from gateway.structured import (marker_literal, one_spec, response_format_spec, structured_outputs_spec,
+                                tool_plan)
+from shared.errors import InvalidRequestError
+from shared.sampling import StructuredSpec
+
+TOOLS = [{"type": "function", "function": {"name": "add", "parameters": {
+    "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}, "required": ["a", "b"]}}},
+    {"type": "function", "function": {"name": "noop"}}]
+
+
+def plan(choice, parser=None, auto=False, parallel=None, tools=TOOLS):
+    return tool_plan(tools, choice, parallel, parser, auto, json.dumps)
+
+
+def test_response_format_kinds():
+    assert response_format_spec({"type": "text"}) is None
+    assert response_format_spec({"type": "json_object"}) == StructuredSpec("json_object")
+    s = response_format_spec({"type": "json_schema", "json_schema": {"name": "x", "strict": True,
+                                                                    "schema": {"type": "object"}}})
+    assert s.kind == "json_schema" and json.loads(s.spec) == {"type": "object"}
+    for bad in ({"type": "json_schema"}, {"type": "json_schema", "json_schema": {"schema": 3}}, {"type": "xml"}):
+        with pytest.raises(InvalidRequestError):
+            response_format_spec(bad)
+
+
+def test_structured_outputs_forms():
+    assert structured_outputs_spec({"regex": "a+"}) == StructuredSpec("regex", "a+")
+    assert structured_outputs_spec({"choice": ["x", "y"]}) == StructuredSpec("choice", '["x", "y"]')
+    assert structured_outputs_spec({"json": {"type": "integer"}}).kind == "json_schema"
+    assert structured_outputs_spec({"grammar": 'start: "a"'}).kind == "grammar"
+    for bad in ({"regex": "a", "choice": ["a"]}, {"choice": []}, {"regex": 5}, {"nothing": 1}):
+        with pytest.raises(InvalidRequestError):
+            structured_outputs_spec(bad)
+
+
+def test_two_constraints_at_once_are_refused():
+    with pytest.raises(InvalidRequestError, match="cannot both"):
+        one_spec(("response_format", StructuredSpec("json_object")), ("structured_outputs", StructuredSpec("regex")))
+    assert one_spec(("a", None), ("b", StructuredSpec("regex", "x"))).kind == "regex"
+
+
+def test_tool_choice_plans():
+    assert plan("none").parser is None and plan(None).parser is None  # no auto without the flag
+    assert plan(None, "hermes", auto=True).spec is None  # auto: parse, don't constrain
+    req = plan("required")
+    assert req.spec.kind == "grammar" and req.parser.name == "hermes"  # default format
+    named = plan({"type": "function", "function": {"name": "add"}}, "llama3_json")
+    assert named.parser.name == "llama3_json" and '"add"' in named.spec.spec and '"noop"' not in named.spec.spec
+    with pytest.raises(InvalidRequestError, match="enable-auto-tool-choice"):
+        plan("auto")
+    with pytest.raises(InvalidRequestError, match="not among"):
+        plan({"type": "function", "function": {"name": "nope"}})
+    with pytest.raises(InvalidRequestError):
+        plan("sometimes")
+    with pytest.raises(InvalidRequestError, match="needs tools"):
+        plan("required", tools=None)
+    with pytest.raises(InvalidRequestError):
+        plan("required", tools=[{"type": "function", "function": {"parameters": {}}}])
+
+
+def test_special_markers_become_token_references(tokenizer):
+    literal = marker_literal(tokenizer)
+    assert literal("<|im_end|>").startswith("<[")
+    assert literal("<tool_call>") == '"<tool_call>"'
+
+
+def test_chat_output_streams_what_it_returns_whole():
+    text = "<think>plan</think>\nSure.<tool_call>\n{\"name\": \"add\", \"arguments\": {\"a\": 1, \"b\": 2}}\n</tool_call>"
+    whole = ChatOutput("qwen3", "prompt", TOOL_PARSERS["hermes"](TOOLS)).whole(text)
+    assert whole[0] == "plan" and whole[1] == "Sure." and whole[2][0]["function"]["name"] == "add"
+    out = ChatOutput("qwen3", "prompt", TOOL_PARSERS["hermes"](TOOLS))
+    r, c, calls = "", "", []
+    for ch in text:
+        dr, dc, dt = out.feed(ch)
+        r, c, calls = r + dr, c + dc, calls + dt
+    dr, dc, dt = out.finish()
+    r, c, calls = r + dr, c + dc, calls + dt
+    assert (r, c) == ("plan", "Sure.")
+    assert json.loads("".join(d["function"]["arguments"] for d in calls)) == {"a": 1, "b": 2}
+    assert finish_reason("stop", out.called_tools) == "tool_calls"
+    assert finish_reason("length", out.called_tools) == "length"
