@@ -16,7 +16,7 @@ from starlette.routing import Route
 
 from gateway import openai_types as t
 from gateway.errors import handle_exception
-from gateway.routes import chat_completions, completions
+from gateway.routes import chat_completions, completions, read_body
 from gateway.state import GatewayState
 from shared.errors import InvalidRequestError, MlxdError
 from shared.protocol import PROTOCOL_VERSION
@@ -67,7 +67,7 @@ async def models(request: Request) -> Response:
 async def tokenize(request: Request) -> Response:
     gw: GatewayState = request.app.state.gw
     gw.check_auth(request)
-    req = msgspec.json.decode(await request.body(), type=t.TokenizeRequest)
+    req = msgspec.json.decode(await read_body(request), type=t.TokenizeRequest)
     info, tok = gw.require_ready()
     gw.check_model(req.model)
     if (req.prompt is None) == (req.messages is None):
@@ -88,7 +88,7 @@ async def tokenize(request: Request) -> Response:
 async def detokenize(request: Request) -> Response:
     gw: GatewayState = request.app.state.gw
     gw.check_auth(request)
-    req = msgspec.json.decode(await request.body(), type=t.DetokenizeRequest)
+    req = msgspec.json.decode(await read_body(request), type=t.DetokenizeRequest)
     info, tok = gw.require_ready()
     gw.check_model(req.model)
     if any(not 0 <= i < info.vocab_size for i in req.tokens):

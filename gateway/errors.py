@@ -17,6 +17,11 @@ from shared.errors import InvalidRequestError, MlxdError
 
 log = logging.getLogger("mlxd.gateway")
 
+class RequestTooLargeError(InvalidRequestError):
+    status = 413
+    code = "request_too_large"
+
+
 _PATH = re.compile(r"at `\$\.?([^`]*)`")
 _MISSING = re.compile(r"missing required field `([^`]*)`")
 

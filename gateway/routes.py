@@ -11,7 +11,7 @@ from starlette.responses import Response
 
 from gateway import openai_types as t
 from gateway import params as P
-from gateway.errors import sse_error_event
+from gateway.errors import RequestTooLargeError, sse_error_event
 from gateway.generation import Generation, check_n
 from gateway.sse import DONE, KEEPALIVE, SSEResponse, event, wait_disconnect
 from gateway.state import GatewayState
@@ -25,8 +25,26 @@ def _json_response(obj) -> Response:
     return Response(_json.encode(obj), media_type="application/json")
 
 
+# Far above any context window's worth of text; stops a client from filling the gateway's memory.
+MAX_BODY_BYTES = 64 << 20
+
+
+async def read_body(request: Request) -> bytes:
+    """The request body, refusing (413) one over MAX_BODY_BYTES before or while reading it."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > MAX_BODY_BYTES:
+        raise RequestTooLargeError(f"the request body is over {MAX_BODY_BYTES >> 20} MiB")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > MAX_BODY_BYTES:
+            raise RequestTooLargeError(f"the request body is over {MAX_BODY_BYTES >> 20} MiB")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
 async def _decode(request: Request, typ):
-    return msgspec.json.decode(await request.body(), type=typ)
+    return msgspec.json.decode(await read_body(request), type=typ)
 
 
 def _check_common(req) -> None:

@@ -120,3 +120,12 @@ def test_bad_requests_do_not_disturb_a_stream_in_flight(client, model, gateway):
     assert "".join(got) == expected
     # And the engine still serves.
     assert client.chat.completions.create(**kw).choices[0].message.content == expected
+
+
+def test_oversized_body_is_413(gateway, client, model):
+    from gateway.routes import MAX_BODY_BYTES
+
+    big = b'{"prompt": "' + b"a" * (MAX_BODY_BYTES + 16) + b'"}'
+    err = _error(_post(gateway, big, path="/v1/completions"), 413)
+    assert err["code"] == "request_too_large"
+    assert client.completions.create(model=model, prompt="Hi", max_tokens=2).choices[0].text is not None
