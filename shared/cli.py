@@ -40,6 +40,9 @@ _HELP = {
     "engine_timeout": "seconds of silence after which the engine is declared dead",
     "sse_keepalive": "seconds between keep-alive comments on an idle stream",
     "allowed_origins": "CORS origins allowed (default: none)",
+    "enable_auto_tool_choice": "let the model call tools by itself (tool_choice auto); needs --tool-call-parser",
+    "tool_call_parser": "the model's tool-call format, for reading calls and for required/named tool choice",
+    "reasoning_parser": "split <think>...</think> into the message's reasoning field",
 }
 
 

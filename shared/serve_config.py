@@ -30,6 +30,12 @@ class DaemonConfig(msgspec.Struct, kw_only=True):
             raise InvalidRequestError("metrics_port must be in [0, 65536)", param="metrics_port")
 
 
+# Names of the gateway's parsers (gateway/parsers), as vLLM spells them.
+TOOL_CALL_PARSERS = ("hermes", "qwen", "llama3_json", "llama4_json", "mistral", "qwen3_coder", "pythonic",
+                     "llama4_pythonic")
+REASONING_PARSERS = ("think", "qwen3", "deepseek_r1")
+
+
 class GatewayConfig(msgspec.Struct, kw_only=True):
     engine_endpoint: str | None = None
     host: str = "127.0.0.1"
@@ -48,8 +54,23 @@ class GatewayConfig(msgspec.Struct, kw_only=True):
     sse_keepalive: float = 5.0
     # CORS origins allowed; empty: no CORS headers.
     allowed_origins: list[str] = []
+    # tool_choice "auto": the model's tool calls are read by --tool-call-parser.
+    enable_auto_tool_choice: bool = False
+    # The model's tool-call format: how calls are read, and the grammar of
+    # tool_choice "required"/named (hermes when unset).
+    tool_call_parser: str | None = None
+    # Splits <think>…</think> into the message's "reasoning".
+    reasoning_parser: str | None = None
 
     def __post_init__(self) -> None:
+        if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_CALL_PARSERS:
+            raise InvalidRequestError(f"tool_call_parser must be one of {', '.join(TOOL_CALL_PARSERS)}",
+                                      param="tool_call_parser")
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise InvalidRequestError("enable_auto_tool_choice needs a tool_call_parser", param="tool_call_parser")
+        if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
+            raise InvalidRequestError(f"reasoning_parser must be one of {', '.join(REASONING_PARSERS)}",
+                                      param="reasoning_parser")
         if not 0 <= self.port < 65536:
             raise InvalidRequestError("port must be in [0, 65536)", param="port")
         if self.engine_timeout <= 0:

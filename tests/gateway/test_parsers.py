@@ -214,3 +214,11 @@ def test_required_grammar_admits_the_format_and_parses_back(name, ll_tokenizer, 
     assert not matcher_accepts(ll_tokenizer, tokenizer, named, text)
     _, calls = complete(name, text)
     assert [(n, json.loads(a)) for n, a in calls] == [W, N]
+
+
+def test_registry_matches_the_config_names():
+    from shared.serve_config import REASONING_PARSERS as CONFIG_REASONING
+    from shared.serve_config import TOOL_CALL_PARSERS
+
+    assert set(TOOL_PARSERS) == set(TOOL_CALL_PARSERS)
+    assert set(REASONING_PARSERS) == set(CONFIG_REASONING)
