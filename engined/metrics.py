@@ -8,7 +8,12 @@ registry (several engines may live in one test process).
 from __future__ import annotations
 
 import mlx.core as mx
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, start_http_server
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+from prometheus_client import (
+    CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, generate_latest,
+)
 
 from engined.request import Request
 
@@ -79,8 +84,34 @@ class EngineMetrics:
         self._preemptions_seen = 0
 
     def serve(self, port: int, host: str = "127.0.0.1"):
-        """Serve /metrics over HTTP in a background thread; returns (server, thread)."""
-        return start_http_server(port, addr=host, registry=self.registry)
+        """Serve /metrics over HTTP in a background thread; returns (server, thread).
+
+        Always the classic text format: prometheus-client's OpenMetrics encoder
+        (chosen when Prometheus asks for it) rewrites the ``:`` of sample names
+        to ``_``, which would break every query and dashboard written for
+        ``vllm:``/``mlxd:`` names.
+        """
+        registry = self.registry
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self):
+                if self.path.split("?")[0] not in ("/metrics", "/"):
+                    self.send_error(404)
+                    return
+                body = generate_latest(registry)
+                self.send_response(200)
+                self.send_header("Content-Type", CONTENT_TYPE_LATEST)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args):  # scrapes every few seconds: keep the engine's log quiet
+                pass
+
+        server = ThreadingHTTPServer((host, port), Handler)
+        thread = threading.Thread(target=server.serve_forever, name="metrics-http", daemon=True)
+        thread.start()
+        return server, thread
 
     def on_step(self, num_tokens: int, duration: float, stats) -> None:
         """After every step: gauges from the engine's stats, counters from their growth."""
