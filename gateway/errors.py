@@ -57,7 +57,12 @@ def error_body(exc: BaseException) -> tuple[int, dict]:
 
 def error_response(exc: BaseException) -> JSONResponse:
     status, body = error_body(exc)
-    headers = {"WWW-Authenticate": "Bearer"} if status == 401 else None
+    headers = None
+    if status == 401:
+        headers = {"WWW-Authenticate": "Bearer"}
+    elif status in (429, 503):
+        # The queue drains or the engine comes back within seconds: say when to retry.
+        headers = {"Retry-After": "1"}
     return JSONResponse(body, status_code=status, headers=headers)
 
 
