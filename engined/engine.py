@@ -120,11 +120,13 @@ class Engine:
 
     def add_request(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-        cache_salt: str | None = None,
+        cache_salt: str | None = None, app: str | None = None, priority: int = 0,
     ) -> None:
         """Queue a request; raises at once if it is malformed or can never fit.
 
-        Requests share cached prefix blocks only when their ``cache_salt`` is equal.
+        Requests share cached prefix blocks only when their app and
+        ``cache_salt`` are both equal. ``app`` names the sender for fair share;
+        a lower ``priority`` is admitted first (vLLM's convention).
         """
         if request_id in self.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
@@ -151,7 +153,9 @@ class Engine:
                 f"(--max-waiting-requests {self.config.max_waiting_requests}); retry later"
             )
         seed = params.seed if params.seed is not None else self._seeds.getrandbits(63)
-        req = Request(request_id, prompt_token_ids, params, seed, (cache_salt or "").encode())
+        # The app enters the salt: one app can never hit, or time, another's cache.
+        salt = f"{app or ''}\x00{cache_salt or ''}".encode() if app or cache_salt else b""
+        req = Request(request_id, prompt_token_ids, params, seed, salt, app or "", priority)
         if params.structured is not None:
             req.grammar = self.grammars.submit(params.structured)
             self._compiling.append(req)

@@ -27,6 +27,8 @@ REQUEST_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.
 TOKEN_BUCKETS = [1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384]
 STEP_BUCKETS = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0]
 FINISH_REASONS = ("stop", "length", "abort", "error")
+# Per-app series stay bounded: apps past this many share the label "other".
+MAX_APP_LABELS = 16
 
 
 class EngineMetrics:
@@ -80,6 +82,13 @@ class EngineMetrics:
         per_pos = Counter(name("spec_decode_num_accepted_tokens_per_pos"), "Accepted draft tokens by position.",
                           labels + ["position"], registry=self.registry)
         self.spec_accepted_per_pos = lambda pos: per_pos.labels(model_name, str(pos))  # noqa: E731
+        app_tokens = Counter(name("app_generation_tokens"), "Generated tokens by app.",
+                             labels + ["app"], registry=self.registry)
+        app_requests = Counter(name("app_requests"), "Finished requests by app.",
+                               labels + ["app"], registry=self.registry)
+        self._app_tokens = lambda app: app_tokens.labels(model_name, app)  # noqa: E731
+        self._app_requests = lambda app: app_requests.labels(model_name, app)  # noqa: E731
+        self._apps: set[str] = set()
         self._prefix_seen = (0, 0)
         self._preemptions_seen = 0
 
@@ -113,6 +122,14 @@ class EngineMetrics:
         thread.start()
         return server, thread
 
+    def _app_label(self, app: str) -> str:
+        app = app or "default"
+        if app not in self._apps:
+            if len(self._apps) >= MAX_APP_LABELS:
+                return "other"
+            self._apps.add(app)
+        return app
+
     def on_step(self, num_tokens: int, duration: float, stats) -> None:
         """After every step: gauges from the engine's stats, counters from their growth."""
         self.running.set(stats.num_running)
@@ -136,6 +153,7 @@ class EngineMetrics:
     def on_token(self, req: Request, now: float, count: int = 1) -> None:
         """After a step appended ``count`` tokens to ``req`` (more than one when drafts were accepted)."""
         self.generation_tokens.inc(count)
+        self._app_tokens(self._app_label(req.app)).inc(count)
         if req.first_token_time is None:
             req.first_token_time = now
             self.ttft.observe(now - req.arrival_time)
@@ -154,6 +172,7 @@ class EngineMetrics:
 
     def on_finish(self, req: Request, now: float) -> None:
         self.success[req.finish_reason].inc()
+        self._app_requests(self._app_label(req.app)).inc()
         self.prompt_tokens.inc(req.num_prompt_tokens)
         self.e2e.observe(now - req.arrival_time)
         if req.first_scheduled_time is not None:

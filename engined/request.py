@@ -28,12 +28,12 @@ class Request:
         "num_cached_tokens", "status", "finish_reason", "stop_token_id", "seed",
         "arrival_time", "pending_tokens", "pending_logprobs", "block_hashes", "cache_salt",
         "first_scheduled_time", "first_token_time", "last_token_time", "spec_tokens",
-        "draft_computed", "grammar",
+        "draft_computed", "app", "priority", "grammar",
     )
 
     def __init__(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, seed: int,
-        cache_salt: bytes = b"",
+        cache_salt: bytes = b"", app: str = "", priority: int = 0,
     ):
         self.request_id = request_id
         self.params = params
@@ -61,6 +61,9 @@ class Request:
         self.block_hashes: list[bytes] = []
         # Isolates prefix-cache sharing: only requests with the same salt share blocks.
         self.cache_salt = cache_salt
+        # Who sent it (fair share between apps) and vLLM's priority (lower runs first).
+        self.app = app
+        self.priority = priority
         # The structured-output matcher (engined.structured.Grammar); None when unconstrained.
         self.grammar = None
 

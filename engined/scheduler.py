@@ -48,7 +48,8 @@ class Scheduler:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
 
-        # Running requests first, oldest first; preempt from the newest end.
+        # Running requests first, best priority and oldest first; preempt from the other end.
+        self.running.sort(key=lambda r: (r.priority, r.arrival_time))
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
@@ -68,19 +69,16 @@ class Scheduler:
                 i += 1
 
         # Admit waiting requests only if nothing had to be preempted this step.
-        # Requests whose grammar is still compiling are stepped over, keeping their place.
-        skipped: list[Request] = []
-        while self.waiting and budget > 0 and not out.preempted and len(self.running) < self.max_num_seqs:
-            req = self.waiting[0]
-            if not req.ready:
-                skipped.append(self.waiting.popleft())
-                continue
+        while budget > 0 and not out.preempted and len(self.running) < self.max_num_seqs:
+            req = self._next_waiting()
+            if req is None:
+                break
             prefix = self.kv.cached_prefix(req) if req.num_computed_tokens == 0 else []
             cached = len(prefix) * self.kv.block_size
             num_new = min(req.num_tokens - req.num_computed_tokens - cached, budget)
             if not self.kv.allocate(req, num_new, prefix):
                 break
-            self.waiting.popleft()
+            self.waiting.remove(req)
             if req.num_output_tokens == 0:  # first admission, not a resumption after preemption
                 req.num_cached_tokens = cached
                 if self.kv.enable_caching:
@@ -92,8 +90,26 @@ class Scheduler:
             self.running.append(req)
             out.scheduled.append((req, num_new))
             budget -= num_new
-        self.waiting.extendleft(reversed(skipped))
         return out
+
+    def _next_waiting(self) -> Request | None:
+        """The waiting request to admit next: best priority, then the app with the fewest running, then queue order.
+
+        Fair share: an app flooding the queue gets its next turn only after the
+        apps with fewer running requests got theirs. Requests whose grammar is
+        still compiling are stepped over, keeping their place.
+        """
+        running_per_app: dict[str, int] = {}
+        for r in self.running:
+            running_per_app[r.app] = running_per_app.get(r.app, 0) + 1
+        best, best_key = None, None
+        for pos, req in enumerate(self.waiting):
+            if not req.ready:
+                continue
+            key = (req.priority, running_per_app.get(req.app, 0), pos)
+            if best_key is None or key < best_key:
+                best, best_key = req, key
+        return best
 
     def _preempt(self, req: Request) -> None:
         self.kv.free(req)

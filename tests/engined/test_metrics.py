@@ -68,3 +68,23 @@ def test_metrics_endpoint_serves_vllm_names_that_move_with_work(prefix, tmp_path
         assert value(fams, m("request_success_total"), model_name="tiny", finished_reason="abort") == 1
     finally:
         server.shutdown()
+
+
+def test_per_app_metrics_have_bounded_cardinality(tmp_path):
+    from engined.metrics import MAX_APP_LABELS
+
+    d = make_tiny_model(tmp_path / "m", "llama", seed=6)
+    e = Engine(EngineConfig(num_kv_blocks=128, max_num_batched_tokens=64, served_model_name="tiny"),
+               loaded=load_model(str(d)))
+    params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+    for i in range(MAX_APP_LABELS + 5):
+        e.add_request(f"r{i}", [1, 2, 3], params, app=f"app{i}")
+    while e.has_unfinished():
+        e.step()
+    from prometheus_client import generate_latest
+
+    fams = {f.name: f for f in text_string_to_metric_families(generate_latest(e.metrics.registry).decode())}
+    apps = {s.labels["app"] for s in fams["mlxd:app_requests"].samples if s.name.endswith("_total")}
+    assert len(apps) == MAX_APP_LABELS + 1 and "other" in apps
+    total = sum(s.value for s in fams["mlxd:app_requests"].samples if s.name.endswith("_total"))
+    assert total == MAX_APP_LABELS + 5

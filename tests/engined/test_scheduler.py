@@ -163,3 +163,66 @@ def test_prefix_hit_shares_blocks_and_skips_computed_tokens():
     assert scheduled["b"] == 19 - 16
     shared = kv.req_blocks["a"][:4]
     assert kv.req_blocks["b"][:4] == shared and all(b.ref_count == 2 for b in shared)
+
+
+def drain_order(sched, kv, reqs_by_step=None, max_steps=400):
+    """Run the simulated loop; returns request ids in the order they were first admitted."""
+    admitted = []
+    for _ in range(max_steps):
+        out = sched.schedule()
+        for req, n in out.scheduled:
+            if req.request_id not in admitted:
+                admitted.append(req.request_id)
+            req.num_computed_tokens += n
+            if req.num_computed_tokens == req.num_tokens:
+                req.token_ids.append(1)
+                if req.num_output_tokens >= req.params.max_tokens:
+                    sched.finish(req, "length")
+        if not sched.has_unfinished():
+            break
+    kv.pool.check_whole()
+    return admitted
+
+
+def test_an_app_flooding_the_queue_cannot_starve_another():
+    kv = KVCacheManager(256, 4, False)
+    s = Scheduler(kv, max_num_seqs=2, max_num_batched_tokens=64)
+    flood = [Request(f"a{i}", [1, 2, 3], SamplingParams(max_tokens=4), i, app="flooder") for i in range(20)]
+    late = Request("b0", [1, 2, 3], SamplingParams(max_tokens=4), 99, app="polite")
+    for r in flood:
+        s.add(r)
+    s.schedule()  # the flooder fills both running slots first
+    s.add(late)
+    order = drain_order(s, kv)
+    # The polite app's only request runs as soon as a slot frees, ahead of 18 queued flood requests.
+    assert order.index("b0") <= 3, order
+
+
+def test_lower_priority_value_is_admitted_first_and_preempted_last():
+    kv = KVCacheManager(256, 4, False)
+    s = Scheduler(kv, max_num_seqs=1, max_num_batched_tokens=64)
+    for i, prio in enumerate([5, 5, 0, 1]):
+        s.add(Request(f"p{prio}-{i}", [1, 2, 3], SamplingParams(max_tokens=2), i, priority=prio))
+    assert drain_order(s, kv) == ["p0-2", "p1-3", "p5-0", "p5-1"]
+    # Under memory pressure the low-priority (high value) request is the one preempted.
+    kv = KVCacheManager(4, 4, False)
+    s = Scheduler(kv, 4, 64)
+    important = Request("important", list(range(1, 8)), SamplingParams(max_tokens=8), 0, priority=0)
+    casual = Request("casual", list(range(1, 8)), SamplingParams(max_tokens=8), 1, priority=9)
+    s.add(casual)
+    s.schedule()
+    s.add(important)
+    preempted = []
+    for _ in range(60):
+        out = s.schedule()
+        preempted += [r.request_id for r in out.preempted]
+        for req, n in out.scheduled:
+            req.num_computed_tokens += n
+            if req.num_computed_tokens == req.num_tokens:
+                req.token_ids.append(1)
+                if req.num_output_tokens >= 8:
+                    s.finish(req, "length")
+        if not s.has_unfinished():
+            break
+    assert preempted and set(preempted) == {"casual"}
+    assert important.finished and casual.finished
