@@ -104,21 +104,9 @@ def test_scheduler_preempts_newest_when_pool_is_tight():
     b = Request("b", list(range(1, 8)), SamplingParams(max_tokens=8), 1)
     s.add(a)
     s.add(b)
-    preempted = []
-    for _ in range(40):
-        out = s.schedule()
-        preempted += out.preempted
-        for req, n in out.scheduled:
-            req.num_computed_tokens += n
-            if req.num_computed_tokens == req.num_tokens:
-                req.token_ids.append(1)
-                if req.num_output_tokens >= 8:
-                    s.finish(req, "length")
-        if not s.has_unfinished():
-            break
-    assert preempted and preempted[0] is b, "the newest running request is the one preempted"
+    _, preempted = drain(s, kv)
+    assert preempted and preempted[0] == "b", "the newest running request is the one preempted"
     assert a.finished and b.finished
-    kv.pool.check_whole()
 
 
 def test_chunked_prefill_splits_a_long_prompt_by_the_token_budget():
@@ -165,11 +153,12 @@ def test_prefix_hit_shares_blocks_and_skips_computed_tokens():
     assert kv.req_blocks["b"][:4] == shared and all(b.ref_count == 2 for b in shared)
 
 
-def drain_order(sched, kv, reqs_by_step=None, max_steps=400):
-    """Run the simulated loop; returns request ids in the order they were first admitted."""
-    admitted = []
+def drain(sched, kv, max_steps=400):
+    """Run the simulated loop to the end; returns (ids in first-admission order, ids preempted)."""
+    admitted, preempted = [], []
     for _ in range(max_steps):
         out = sched.schedule()
+        preempted += [r.request_id for r in out.preempted]
         for req, n in out.scheduled:
             if req.request_id not in admitted:
                 admitted.append(req.request_id)
@@ -181,7 +170,7 @@ def drain_order(sched, kv, reqs_by_step=None, max_steps=400):
         if not sched.has_unfinished():
             break
     kv.pool.check_whole()
-    return admitted
+    return admitted, preempted
 
 
 def test_an_app_flooding_the_queue_cannot_starve_another():
@@ -193,7 +182,7 @@ def test_an_app_flooding_the_queue_cannot_starve_another():
         s.add(r)
     s.schedule()  # the flooder fills both running slots first
     s.add(late)
-    order = drain_order(s, kv)
+    order, _ = drain(s, kv)
     # The polite app's only request runs as soon as a slot frees, ahead of 18 queued flood requests.
     assert order.index("b0") <= 3, order
 
@@ -203,7 +192,7 @@ def test_lower_priority_value_is_admitted_first_and_preempted_last():
     s = Scheduler(kv, max_num_seqs=1, max_num_batched_tokens=64)
     for i, prio in enumerate([5, 5, 0, 1]):
         s.add(Request(f"p{prio}-{i}", [1, 2, 3], SamplingParams(max_tokens=2), i, priority=prio))
-    assert drain_order(s, kv) == ["p0-2", "p1-3", "p5-0", "p5-1"]
+    assert drain(s, kv)[0] == ["p0-2", "p1-3", "p5-0", "p5-1"]
     # Under memory pressure the low-priority (high value) request is the one preempted.
     kv = KVCacheManager(4, 4, False)
     s = Scheduler(kv, 4, 64)
@@ -212,17 +201,6 @@ def test_lower_priority_value_is_admitted_first_and_preempted_last():
     s.add(casual)
     s.schedule()
     s.add(important)
-    preempted = []
-    for _ in range(60):
-        out = s.schedule()
-        preempted += [r.request_id for r in out.preempted]
-        for req, n in out.scheduled:
-            req.num_computed_tokens += n
-            if req.num_computed_tokens == req.num_tokens:
-                req.token_ids.append(1)
-                if req.num_output_tokens >= 8:
-                    s.finish(req, "length")
-        if not s.has_unfinished():
-            break
+    _, preempted = drain(s, kv)
     assert preempted and set(preempted) == {"casual"}
     assert important.finished and casual.finished
