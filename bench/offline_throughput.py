@@ -3,7 +3,8 @@
 Same model (the GGUF loaded by mlxd's loader, so the same weights and dtype),
 same process (so the same BLAS), same greedy decoding, same prompts of mixed
 lengths. Each concurrency level runs every system once as warm-up, then
-``--repeats`` times; reports generated tokens/s (median) and mlxd's ratio.
+``--repeats`` times, alternating; reports generated tokens/s (median) and
+mlxd's ratio.
 
     python -m bench.offline_throughput [--model PATH] [--levels 1 8 16] [--max-tokens 64]
 """
@@ -69,8 +70,10 @@ def main() -> None:
         peer = lambda: batch_generate(peer_model, _NoStop(), prompts, max_tokens=args.max_tokens,  # noqa: E731
                                       completion_batch_size=level, prefill_batch_size=min(level, 8))
         ours(), peer()  # warm-up
-        t_ours = statistics.median(time_it(ours) for _ in range(args.repeats))
-        t_peer = statistics.median(time_it(peer) for _ in range(args.repeats))
+        # Alternate the two, so that background load falls on both alike.
+        times = [(time_it(ours), time_it(peer)) for _ in range(args.repeats)]
+        t_ours = statistics.median(a for a, _ in times)
+        t_peer = statistics.median(b for _, b in times)
         tokens = level * args.max_tokens
         rows.append((level, tokens / t_ours, tokens / t_peer))
         print(f"concurrency {level:>2}: mlxd {tokens / t_ours:7.1f} tok/s   mlx_lm {tokens / t_peer:7.1f} tok/s"
