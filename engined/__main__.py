@@ -17,9 +17,13 @@ log = logging.getLogger("mlxd.engine")
 def run_engine(config: EngineConfig, daemon: DaemonConfig, parent_pid: int | None = None) -> int:
     """Build the Engine and run the daemon loop; returns the exit code."""
     from engined.engine import Engine
-    from shared.paths import default_engine_endpoint
+    from shared.curve import check_endpoint
+    from shared.paths import check_ipc_endpoint, default_engine_endpoint
 
     endpoint = daemon.engine_endpoint or default_engine_endpoint()
+    # Refused before the model loads, which can take minutes.
+    check_ipc_endpoint(endpoint)
+    check_endpoint(endpoint, daemon.curve_keys)
     log.info("loading %s", config.model or "the embedded SmolLM2")
     try:
         with _progress("loading the model and warming up"):
@@ -27,7 +31,8 @@ def run_engine(config: EngineConfig, daemon: DaemonConfig, parent_pid: int | Non
     except KeyboardInterrupt:
         return 130
     d = Daemon(engine, endpoint, gateway_timeout=daemon.gateway_timeout,
-               shutdown_timeout=daemon.shutdown_timeout, parent_pid=parent_pid)
+               shutdown_timeout=daemon.shutdown_timeout, parent_pid=parent_pid,
+               curve_keys=daemon.curve_keys)
     d.install_signal_handlers()
     if daemon.metrics_port is not None:
         server, _ = engine.metrics.serve(daemon.metrics_port, daemon.metrics_host)

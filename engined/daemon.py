@@ -21,7 +21,9 @@ from collections import defaultdict
 import zmq
 
 from shared import protocol as p
+from shared.curve import secure_server
 from shared.errors import EngineUnavailableError, InvalidRequestError, MlxdError
+from shared.paths import check_ipc_endpoint
 from shared.protocol import Kind
 
 log = logging.getLogger("mlxd.engine")
@@ -68,7 +70,8 @@ class Daemon:
     """Owns the ROUTER socket and the Engine; ``run()`` returns the process exit code."""
 
     def __init__(self, engine, endpoint: str, *, gateway_timeout: float = 10.0,
-                 shutdown_timeout: float = 3.0, parent_pid: int | None = None):
+                 shutdown_timeout: float = 3.0, parent_pid: int | None = None,
+                 curve_keys: str | None = None):
         self.engine = engine
         self.endpoint = endpoint
         self.gateway_timeout = gateway_timeout
@@ -94,6 +97,9 @@ class Daemon:
         self.sock.setsockopt(zmq.SNDHWM, 0)
         self.sock.setsockopt(zmq.RCVHWM, 0)
         self.sock.setsockopt(zmq.LINGER, 1000)
+        # A socket directory others can write, or TCP beyond loopback without keys, is refused.
+        check_ipc_endpoint(endpoint)
+        self._auth = secure_server(self.ctx, self.sock, endpoint, curve_keys)
         refuse_live_ipc(endpoint)
         self.sock.bind(endpoint)
         if endpoint.startswith("ipc://"):
@@ -172,6 +178,8 @@ class Daemon:
             # DEAD and the per-request errors, are on the wire; exiting without it
             # would drop them.
             self.sock.close()
+            if self._auth is not None:
+                self._auth.stop()  # its ZAP socket would keep ctx.term() waiting
             self.ctx.term()
 
     def _drain(self) -> None:
@@ -232,10 +240,8 @@ class Daemon:
                 raise EngineUnavailableError(self.stop_reason)
             if rid in self.owner:
                 raise InvalidRequestError(f"request id {rid!r} is already in flight")
-            if msg.cache_salt is None:
-                self.engine.add_request(rid, msg.prompt_token_ids, msg.params)
-            else:
-                self.engine.add_request(rid, msg.prompt_token_ids, msg.params, cache_salt=msg.cache_salt)
+            self.engine.add_request(rid, msg.prompt_token_ids, msg.params, cache_salt=msg.cache_salt,
+                                    app=msg.app, priority=msg.priority)
         except MlxdError as e:
             self._send_error(identity, rid, e)
             return

@@ -23,6 +23,7 @@ import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
 from shared import protocol as p
+from shared.curve import secure_client
 from shared.errors import EngineUnavailableError, MlxdError, error_from_code
 from shared.protocol import Kind
 from shared.sampling import SamplingParams
@@ -36,8 +37,10 @@ class EngineClient:
     """``on_ready(info)`` runs (awaited) after each handshake, before requests are let in."""
 
     def __init__(self, endpoint: str, engine_timeout: float = 60.0,
-                 on_ready: Callable[[p.EngineInfo], Awaitable[None]] | None = None):
+                 on_ready: Callable[[p.EngineInfo], Awaitable[None]] | None = None,
+                 curve_keys: str | None = None):
         self.endpoint = endpoint
+        self.curve_keys = curve_keys
         self.engine_timeout = engine_timeout
         self.on_ready = on_ready
         self.info: p.EngineInfo | None = None  # the last engine seen; kept while it is gone
@@ -68,6 +71,7 @@ class EngineClient:
         self._sock.setsockopt(zmq.RECONNECT_IVL_MAX, 500)
         monitor = self._sock.get_monitor_socket(
             zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED)
+        secure_client(self._sock, self.endpoint, self.curve_keys)
         self._sock.connect(self.endpoint)
         self._tasks = [
             asyncio.create_task(self._recv_loop(), name="engine-recv"),
@@ -89,12 +93,13 @@ class EngineClient:
     # -- requests -------------------------------------------------------------------------
 
     def add(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
-            queue: asyncio.Queue, index: int = 0, cache_salt: str | None = None) -> None:
+            queue: asyncio.Queue, index: int = 0, cache_salt: str | None = None,
+            app: str | None = None, priority: int = 0) -> None:
         """Send a request; its outputs (or an MlxdError) arrive on ``queue`` as (index, item)."""
         if not self.ready:
             raise EngineUnavailableError(self.unavailable_reason)
         self._streams[request_id] = (queue, index)
-        if not self._send(Kind.ADD, p.AddRequest(request_id, prompt_ids, params, cache_salt)):
+        if not self._send(Kind.ADD, p.AddRequest(request_id, prompt_ids, params, cache_salt, app, priority)):
             del self._streams[request_id]
             raise EngineUnavailableError("the engine is not connected")
 

@@ -81,9 +81,11 @@ class Generation:
 
     def __init__(self, client, tokenizer, prompts: list[list[int]], params: SamplingParams, n: int,
                  stop: list[str], include_stop: bool, skip_special_tokens: bool, want_logprobs: bool,
-                 cache_salt: str | None = None):
+                 cache_salt: str | None = None, app: str | None = None, priority: int = 0):
         self.client = client
         self.cache_salt = cache_salt
+        self.app = app
+        self.priority = priority
         self.id_base = uuid.uuid4().hex
         self.prompts = prompts
         self.params = params
@@ -104,7 +106,7 @@ class Generation:
                     # Distinct but reproducible choices of one prompt.
                     params = _replace_seed(params, params.seed + c.index % self.n)
                 self.client.add(c.request_id, self.prompts[c.index // self.n], params, self.queue, c.index,
-                                self.cache_salt)
+                                self.cache_salt, self.app, self.priority)
         except BaseException:
             self.abort_unfinished()
             raise

@@ -43,6 +43,8 @@ class _SamplingFields(msgspec.Struct, kw_only=True):
     skip_special_tokens: bool = True
     # Prefix-cache isolation: only requests with the same salt share cached blocks.
     cache_salt: str | None = None
+    # vLLM's: a lower priority is admitted earlier.
+    priority: int = 0
     # False opts this request out of speculative decoding.
     speculate: bool = True
 

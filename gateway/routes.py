@@ -55,7 +55,7 @@ def _check_common(req) -> None:
 
 async def chat_completions(request: Request) -> Response:
     gw: GatewayState = request.app.state.gw
-    gw.check_auth(request)
+    app = gw.check_auth(request)
     req = await _decode(request, t.ChatCompletionRequest)
     _check_common(req)
     info, tok = gw.require_ready()
@@ -82,7 +82,7 @@ async def chat_completions(request: Request) -> Response:
     params = P.sampling_params(req, max_tokens, logprobs, info)
     gen = Generation(gw.client, tok, [prompt_ids], params, n, P.stop_list(req.stop),
                      req.include_stop_str_in_output, req.skip_special_tokens, logprobs is not None,
-                     req.cache_salt)
+                     req.cache_salt, app, req.priority)
     gen.start()
     rid = "chatcmpl-" + gen.id_base
     created = int(time.time())
@@ -106,7 +106,7 @@ async def chat_completions(request: Request) -> Response:
 
 async def completions(request: Request) -> Response:
     gw: GatewayState = request.app.state.gw
-    gw.check_auth(request)
+    app = gw.check_auth(request)
     req = await _decode(request, t.CompletionRequest)
     _check_common(req)
     info, tok = gw.require_ready()
@@ -128,7 +128,7 @@ async def completions(request: Request) -> Response:
     params = P.sampling_params(req, max_tokens, req.logprobs, info)
     gen = Generation(gw.client, tok, prompts, params, n, P.stop_list(req.stop),
                      req.include_stop_str_in_output, req.skip_special_tokens, req.logprobs is not None,
-                     req.cache_salt)
+                     req.cache_salt, app, req.priority)
     gen.start()
     rid = "cmpl-" + gen.id_base
     created = int(time.time())

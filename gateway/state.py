@@ -11,7 +11,9 @@ from starlette.requests import Request
 from gateway.engine_client import EngineClient
 from gateway.tokenizer import Tokenizer, load_chat_template
 from shared.errors import AuthenticationError, EngineUnavailableError, NotFoundError
-from shared.paths import default_engine_endpoint
+from shared.curve import check_endpoint
+from shared.keys import KeyChecker, default_keys_file
+from shared.paths import check_ipc_endpoint, default_engine_endpoint
 from shared.protocol import EngineInfo
 from shared.serve_config import GatewayConfig
 
@@ -23,8 +25,13 @@ class GatewayState:
         self.config = config
         self.chat_template = load_chat_template(config.chat_template)
         self.tokenizer: Tokenizer | None = None
-        self.client = EngineClient(config.engine_endpoint or default_engine_endpoint(),
-                                   engine_timeout=config.engine_timeout, on_ready=self._on_engine_ready)
+        self.keys = KeyChecker(config.keys_file or default_keys_file())
+        endpoint = config.engine_endpoint or default_engine_endpoint()
+        # A socket planted in a directory others can write would receive every prompt.
+        check_ipc_endpoint(endpoint, create=False)
+        check_endpoint(endpoint, config.curve_keys)
+        self.client = EngineClient(endpoint, engine_timeout=config.engine_timeout,
+                                   on_ready=self._on_engine_ready, curve_keys=config.curve_keys)
 
     async def _on_engine_ready(self, info: EngineInfo) -> None:
         """Load the tokenizer of the engine's model (again only if the model changed)."""
@@ -32,14 +39,26 @@ class GatewayState:
             log.info("loading the tokenizer from %s", info.tokenizer_dir)
             self.tokenizer = await asyncio.to_thread(Tokenizer, info.tokenizer_dir, self.chat_template)
 
-    def check_auth(self, request: Request) -> None:
+    def check_auth(self, request: Request) -> str | None:
+        """The app of the request's key (None for --api-key or no auth); 401 for a bad key.
+
+        Keys are required when --api-key is set or any app has a key (`mlxd keys add`).
+        """
         key = self.config.api_key
-        if key is None:
-            return
+        keys_active = self.keys.active
+        if key is None and not keys_active:
+            return None
         header = request.headers.get("authorization", "")
         scheme, _, token = header.partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key.encode()):
-            raise AuthenticationError("invalid or missing API key")
+        token = token.strip()
+        if scheme.lower() == "bearer" and token:
+            if key is not None and hmac.compare_digest(token.encode(), key.encode()):
+                return None
+            if keys_active:
+                app = self.keys.app_of(token)
+                if app is not None:
+                    return app
+        raise AuthenticationError("invalid or missing API key")
 
     def require_ready(self):
         """(EngineInfo, Tokenizer) of a connected engine, or EngineUnavailableError (503)."""

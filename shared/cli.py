@@ -1,4 +1,4 @@
-"""The `mlxd` command: `serve`, `engine`, `gateway`.
+"""The `mlxd` command: `serve`, `engine`, `gateway`, `service`, `keys`.
 
 Flags are generated from the config Structs (EngineConfig, DaemonConfig,
 GatewayConfig): each field is one flag with vLLM's name. Each subcommand
@@ -43,6 +43,8 @@ _HELP = {
     "enable_auto_tool_choice": "let the model call tools by itself (tool_choice auto); needs --tool-call-parser",
     "tool_call_parser": "the model's tool-call format, for reading calls and for required/named tool choice",
     "reasoning_parser": "split <think>...</think> into the message's reasoning field",
+    "keys_file": "per-app API keys made by `mlxd keys add` (default: keys.json in the config dir)",
+    "curve_keys": "directory of CurveZMQ keys (`mlxd keys curve`); needed for TCP beyond loopback",
 }
 
 
@@ -104,7 +106,7 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("model_pos", nargs="?", metavar="MODEL", help=_HELP["model"])
     _add_struct_flags(serve, EngineConfig)
     _add_struct_flags(serve, DaemonConfig)
-    _add_struct_flags(serve, GatewayConfig, skip=("engine_endpoint",))
+    _add_struct_flags(serve, GatewayConfig, skip=("engine_endpoint", "curve_keys"))
 
     engine = sub.add_parser("engine", parents=[common], help="run the engine daemon alone")
     engine.add_argument("model_pos", nargs="?", metavar="MODEL", help=_HELP["model"])
@@ -116,6 +118,38 @@ def _parser() -> argparse.ArgumentParser:
     gateway = sub.add_parser("gateway", parents=[common],
                              help="run an OpenAI-compatible gateway to a running engine")
     _add_struct_flags(gateway, GatewayConfig)
+
+    service = sub.add_parser("service", help="run the engine and a gateway in the background "
+                                             "(launchd agents on macOS, systemd user units on Linux)")
+    verbs = service.add_subparsers(dest="verb", required=True)
+    manager = argparse.ArgumentParser(add_help=False)
+    manager.add_argument("--manager", choices=("launchd", "systemd"), default=None,
+                         help="default: launchd on macOS, systemd elsewhere")
+    install = verbs.add_parser("install", parents=[common, manager],
+                               help="write and load the services (again: update them in place)")
+    install.add_argument("model_pos", nargs="?", metavar="MODEL", help=_HELP["model"])
+    _add_struct_flags(install, EngineConfig)
+    _add_struct_flags(install, DaemonConfig)
+    _add_struct_flags(install, GatewayConfig, skip=("engine_endpoint", "curve_keys"))
+    install.add_argument("--env", action="append", default=[], metavar="KEY=VALUE",
+                         help="an environment variable of both services (repeatable)")
+    uninstall = verbs.add_parser("uninstall", parents=[manager], help="stop and remove all it installed")
+    uninstall.add_argument("--keep-logs", action="store_true", help="leave the log files (launchd)")
+    for verb in ("start", "stop", "restart", "status"):
+        verbs.add_parser(verb, parents=[manager])
+    logs = verbs.add_parser("logs", parents=[manager], help="the services' recent output")
+    logs.add_argument("-n", "--lines", type=int, default=50)
+    logs.add_argument("-f", "--follow", action="store_true")
+
+    keys = sub.add_parser("keys", help="per-app API keys, and CurveZMQ keys for TCP beyond loopback")
+    kverbs = keys.add_subparsers(dest="verb", required=True)
+    keys_file = argparse.ArgumentParser(add_help=False)
+    keys_file.add_argument("--keys-file", default=None, help=_HELP["keys_file"])
+    kverbs.add_parser("add", parents=[keys_file], help="make APP's key (printed once)").add_argument("app")
+    kverbs.add_parser("list", parents=[keys_file], help="the apps that have keys")
+    kverbs.add_parser("revoke", parents=[keys_file], help="remove APP's key").add_argument("app")
+    curve = kverbs.add_parser("curve", help="make CurveZMQ keys for the engine and its gateways")
+    curve.add_argument("--dir", default=None, help="where (default: curve/ in the config dir)")
     return parser
 
 
@@ -126,12 +160,13 @@ def main(argv: list[str] | None = None) -> int:
         faulthandler.register(signal.SIGUSR1, file=sys.__stderr__, all_threads=True)
     except (AttributeError, ValueError, OSError):
         pass  # no real stderr (embedded); the dump is a convenience
-    logging.basicConfig(level=args.log_level.upper(),
+    logging.basicConfig(level=getattr(args, "log_level", "INFO").upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if getattr(args, "model_pos", None):
         args.model = args.model_pos
     try:
-        return {"serve": _serve, "engine": _engine, "gateway": _gateway}[args.command](args)
+        return {"serve": _serve, "engine": _engine, "gateway": _gateway, "service": _service,
+                "keys": _keys}[args.command](args)
     except MlxdError as e:
         print(f"mlxd: {e.message}", file=sys.stderr)
         return 2
@@ -149,6 +184,63 @@ def _gateway(args) -> int:
     return run_gateway(_build(GatewayConfig, args))
 
 
+def _keys(args) -> int:
+    import datetime
+
+    from shared import keys as k
+
+    path = getattr(args, "keys_file", None) or k.default_keys_file()
+    if args.verb == "add":
+        key = k.add_key(path, args.app)
+        print(f"key of {args.app} (shown only now; clients send 'Authorization: Bearer KEY'):",
+              file=sys.stderr)
+        print(key)
+    elif args.verb == "list":
+        for entry in k.read_keys(path).keys:
+            created = datetime.datetime.fromtimestamp(entry.created).isoformat(timespec="seconds")
+            print(f"{entry.app}\tmlxd_{entry.key_id}_...\t{created}")
+    elif args.verb == "revoke":
+        if not k.revoke_key(path, args.app):
+            print(f"mlxd: app {args.app!r} has no key", file=sys.stderr)
+            return 1
+    else:
+        from shared.curve import default_curve_dir, make_keys
+
+        directory = make_keys(args.dir or default_curve_dir())
+        print(f"CurveZMQ keys in {directory}: pass --curve-keys {directory} to the engine and the gateways",
+              file=sys.stderr)
+    return 0
+
+
+def _service(args) -> int:
+    from launchd import service
+
+    manager = service.make_manager(args.manager or service.default_manager())
+    jobs = None
+    if args.verb == "install":
+        from shared.paths import default_engine_endpoint
+
+        engine_cfg = _build(EngineConfig, args)
+        daemon_cfg = _build(DaemonConfig, args)
+        # Written out in full so that both services agree whatever environment the manager gives them.
+        daemon_cfg.engine_endpoint = daemon_cfg.engine_endpoint or default_engine_endpoint()
+        gateway_cfg = _build(GatewayConfig, args)
+        gateway_cfg.engine_endpoint = daemon_cfg.engine_endpoint
+        gateway_cfg.curve_keys = daemon_cfg.curve_keys
+        env = service.service_env(args.env)
+        head = [sys.executable, "-m", "shared.cli"]
+        jobs = [service.Job("engine", [*head, "engine", "--log-level", args.log_level,
+                                       *_to_flags(engine_cfg), *_to_flags(daemon_cfg)], env),
+                service.Job("gateway", [*head, "gateway", "--log-level", args.log_level,
+                                        *_to_flags(gateway_cfg)], env)]
+    try:
+        return service.run(args.verb, manager, jobs, keep_logs=getattr(args, "keep_logs", False),
+                           lines=getattr(args, "lines", 50), follow=getattr(args, "follow", False))
+    except (RuntimeError, FileNotFoundError, ValueError) as e:
+        print(f"mlxd service {args.verb}: {e}", file=sys.stderr)
+        return 1
+
+
 def _serve(args) -> int:
     from shared.paths import default_engine_endpoint
 
@@ -158,6 +250,7 @@ def _serve(args) -> int:
         daemon_cfg.engine_endpoint = default_engine_endpoint()
     gateway_cfg = _build(GatewayConfig, args)
     gateway_cfg.engine_endpoint = daemon_cfg.engine_endpoint
+    gateway_cfg.curve_keys = daemon_cfg.curve_keys
 
     cmd = [sys.executable, "-m", "engined", "--log-level", args.log_level,
            *_to_flags(engine_cfg), *_to_flags(daemon_cfg), "--parent-pid", str(os.getpid())]

@@ -18,7 +18,8 @@ import msgspec
 
 from shared.sampling import SamplingParams
 
-PROTOCOL_VERSION = 1
+# 2: AddRequest gained app and priority.
+PROTOCOL_VERSION = 2
 
 
 class Kind(bytes, enum.Enum):
@@ -104,6 +105,10 @@ class AddRequest(msgspec.Struct, array_like=True, gc=False):
     params: SamplingParams
     # Requests share cached prefix blocks only when their salts are equal.
     cache_salt: str | None = None
+    # The app whose key authenticated the request (None: no per-app key), for fair share.
+    app: str | None = None
+    # vLLM's convention: lower is admitted earlier.
+    priority: int = 0
 
 
 class Abort(msgspec.Struct, array_like=True, gc=False):

@@ -20,6 +20,9 @@ class DaemonConfig(msgspec.Struct, kw_only=True):
     # Prometheus /metrics of the engine on this port (None: not served; 0: any free port).
     metrics_port: int | None = None
     metrics_host: str = "127.0.0.1"
+    # Directory of CurveZMQ keys (`mlxd keys curve`): encrypts the engine's socket and lets in only
+    # known gateways; required for TCP beyond loopback (shared/curve.py).
+    curve_keys: str | None = None
 
     def __post_init__(self) -> None:
         if self.gateway_timeout <= 0:
@@ -42,6 +45,11 @@ class GatewayConfig(msgspec.Struct, kw_only=True):
     port: int = 8000
     # Clients must send "Authorization: Bearer <api_key>" to /v1/* when set.
     api_key: str | None = None
+    # Per-app keys (`mlxd keys add APP`); None: keys.json in the config dir. Once any app has
+    # a key, every request must present one (or --api-key); requests carry their app to the engine.
+    keys_file: str | None = None
+    # The engine's CurveZMQ keys, as for the engine (DaemonConfig.curve_keys).
+    curve_keys: str | None = None
     # A Jinja template, or the path of a file holding one; None: the model's own.
     chat_template: str | None = None
     # An engine silent this long (no PONG, no output) is declared hung. The engine

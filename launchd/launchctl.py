@@ -1,0 +1,139 @@
+"""LaunchAgents in ~/Library/LaunchAgents, driven by launchctl's domain verbs (macOS 10.11+).
+
+``bootstrap gui/<uid> PLIST`` loads and (RunAtLoad) starts a job, ``bootout
+gui/<uid>/LABEL`` stops and unloads it, ``kickstart -k`` restarts it, and
+``print`` tells whether it is loaded. A re-install boots the old job out
+first: launchd keeps the definition it loaded, not the file.
+"""
+
+from __future__ import annotations
+
+import os
+import plistlib
+import shutil
+import subprocess
+from collections import deque
+from pathlib import Path
+
+from launchd.service import TEMPLATES, Job, call, write_atomic
+
+LABEL_PREFIX = "local.mlxd."
+JOB_NAMES = ("engine", "gateway")  # start order; stopped in reverse
+
+
+class NotInstalledError(RuntimeError):
+    pass
+
+
+class LaunchdManager:
+    def __init__(self, home: str | None = None, uid: int | None = None):
+        self.home = Path(home or os.path.expanduser("~"))
+        self.uid = os.getuid() if uid is None else uid
+        self.agents_dir = self.home / "Library" / "LaunchAgents"
+        self.logs_dir = self.home / "Library" / "Logs" / "mlxd"
+
+    @property
+    def domain(self) -> str:
+        return f"gui/{self.uid}"
+
+    def label(self, name: str) -> str:
+        return LABEL_PREFIX + name
+
+    def plist_path(self, name: str) -> Path:
+        return self.agents_dir / f"{self.label(name)}.plist"
+
+    def log_paths(self, name: str) -> tuple[Path, Path]:
+        return self.logs_dir / f"{name}.log", self.logs_dir / f"{name}.err.log"
+
+    def describe(self) -> str:
+        return f"launchd agents {', '.join(map(self.label, JOB_NAMES))} in {self.agents_dir}"
+
+    def render(self, job: Job) -> bytes:
+        with open(TEMPLATES / "agent.plist", "rb") as f:
+            plist = plistlib.load(f)
+        out, err = self.log_paths(job.name)
+        plist.update({
+            "Label": self.label(job.name),
+            "ProgramArguments": list(job.argv),
+            "EnvironmentVariables": dict(job.env),
+            "WorkingDirectory": str(self.home),
+            "StandardOutPath": str(out),
+            "StandardErrorPath": str(err),
+        })
+        return plistlib.dumps(plist, sort_keys=True)
+
+    def _loaded(self, name: str) -> bool:
+        return call(["launchctl", "print", f"{self.domain}/{self.label(name)}"], quiet=True) == 0
+
+    def _bootout(self, name: str) -> None:
+        if self._loaded(name):
+            call(["launchctl", "bootout", f"{self.domain}/{self.label(name)}"])
+
+    def _bootstrap(self, name: str) -> int:
+        return call(["launchctl", "bootstrap", self.domain, str(self.plist_path(name))])
+
+    def install(self, jobs: list[Job]) -> None:
+        self.logs_dir.mkdir(parents=True, exist_ok=True)
+        for job in sorted(jobs, key=lambda j: JOB_NAMES.index(j.name)):
+            write_atomic(self.plist_path(job.name), self.render(job))
+            self._bootout(job.name)
+            if self._bootstrap(job.name) != 0:
+                raise RuntimeError(f"launchctl bootstrap of {self.plist_path(job.name)} failed")
+
+    def uninstall(self, keep_logs: bool = False) -> None:
+        for name in reversed(JOB_NAMES):
+            self._bootout(name)
+            self.plist_path(name).unlink(missing_ok=True)
+        if not keep_logs and self.logs_dir.exists():
+            shutil.rmtree(self.logs_dir)
+
+    def _require_installed(self) -> None:
+        missing = [str(self.plist_path(n)) for n in JOB_NAMES if not self.plist_path(n).exists()]
+        if missing:
+            raise NotInstalledError(f"not installed ({', '.join(missing)} missing); run `mlxd service install`")
+
+    def start(self) -> int:
+        self._require_installed()
+        rc = 0
+        for name in JOB_NAMES:
+            if self._loaded(name):
+                rc |= call(["launchctl", "kickstart", f"{self.domain}/{self.label(name)}"])
+            else:
+                rc |= self._bootstrap(name)
+        return rc
+
+    def stop(self) -> int:
+        # Booted out, not killed: KeepAlive would start a killed job again. The
+        # plists stay, so the jobs come back at the next login or `start`.
+        for name in reversed(JOB_NAMES):
+            self._bootout(name)
+        return 0
+
+    def restart(self) -> int:
+        self._require_installed()
+        rc = 0
+        for name in JOB_NAMES:
+            if self._loaded(name):
+                rc |= call(["launchctl", "kickstart", "-k", f"{self.domain}/{self.label(name)}"])
+            else:
+                rc |= self._bootstrap(name)
+        return rc
+
+    def status(self) -> int:
+        rc = 0
+        for name in JOB_NAMES:
+            rc |= call(["launchctl", "print", f"{self.domain}/{self.label(name)}"])
+        return rc
+
+    def logs(self, lines: int = 50, follow: bool = False) -> int:
+        files = [p for name in JOB_NAMES for p in self.log_paths(name) if p.exists()]
+        if not files:
+            print(f"no logs in {self.logs_dir}")
+            return 1
+        if follow:
+            return subprocess.run(["tail", "-n", str(lines), "-F", *map(str, files)]).returncode
+        for path in files:
+            print(f"==> {path} <==")
+            with open(path, errors="replace") as f:
+                print("".join(deque(f, maxlen=lines)), end="")
+        return 0

@@ -1,0 +1,243 @@
+"""`mlxd service`: launchd agents and systemd user units written into a temporary HOME.
+
+launchctl does not exist here and `systemctl --user` has no session bus in
+CI containers, so recording fakes of both stand first on PATH: they log every
+call (argv as JSON) and keep which jobs are loaded, as the real tools would.
+The unit files themselves are checked by the real `systemd-analyze verify`
+where it is installed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import plistlib
+import shlex
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from shared import cli
+from shared.config import EngineConfig
+from shared.serve_config import DaemonConfig, GatewayConfig
+
+FAKE = """#!{python}
+import json, os, sys
+argv = sys.argv[1:]
+with open(os.environ["FAKE_LOG"], "a") as f:
+    f.write(json.dumps([os.path.basename(sys.argv[0]), *argv]) + "\\n")
+state = os.environ["FAKE_STATE"]
+if os.path.basename(sys.argv[0]) == "launchctl":
+    verb = argv[0]
+    if verb == "print":
+        sys.exit(0 if os.path.exists(os.path.join(state, argv[1].rsplit("/", 1)[1])) else 113)
+    if verb == "bootstrap":
+        label = os.path.basename(argv[2])[: -len(".plist")]
+        if os.path.exists(os.path.join(state, label)):
+            sys.exit(37)  # launchctl's "service already loaded"
+        open(os.path.join(state, label), "w").close()
+    if verb == "bootout":
+        os.unlink(os.path.join(state, argv[1].rsplit("/", 1)[1]))
+"""
+
+
+@pytest.fixture
+def home(tmp_path, monkeypatch):
+    """A temporary HOME with fake launchctl/systemctl/journalctl first on PATH; yields (home, calls)."""
+    home = tmp_path / "home"
+    home.mkdir()
+    bin_dir, state = tmp_path / "bin", tmp_path / "state"
+    bin_dir.mkdir()
+    state.mkdir()
+    log = tmp_path / "calls.jsonl"
+    for tool in ("launchctl", "systemctl", "journalctl"):
+        path = bin_dir / tool
+        path.write_text(FAKE.format(python=sys.executable))
+        path.chmod(0o755)
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(home / ".config"))
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path / "run"))
+    (tmp_path / "run").mkdir(mode=0o700)
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setenv("FAKE_LOG", str(log))
+    monkeypatch.setenv("FAKE_STATE", str(state))
+
+    def calls():
+        """The calls made since the last look."""
+        if not log.exists():
+            return []
+        out = [json.loads(line) for line in log.read_text().splitlines()]
+        log.unlink()
+        return out
+
+    yield home, calls, state
+
+
+def _files(root):
+    return sorted(str(p.relative_to(root)) for p in root.rglob("*") if p.is_file())
+
+
+INSTALL = ["service", "install", "/models/m.gguf", "--max-model-len", "256", "--port", "9123",
+           "--api-key", "s3cret", "--env", "FOO=bar baz"]
+
+
+def _parse_back(argv):
+    """The configs an installed command line would run with (its flags parsed by the real parser)."""
+    assert argv[:3] == [sys.executable, "-m", "shared.cli"]
+    args = cli._parser().parse_args(argv[3:])
+    if getattr(args, "model_pos", None):
+        args.model = args.model_pos
+    return args
+
+
+def test_launchd_agents_install_idempotently_and_uninstall_leaves_nothing(home):
+    home, calls, state = home
+    uid = os.getuid()
+    assert cli.main([*INSTALL, "--manager", "launchd"]) == 0
+    agents = home / "Library" / "LaunchAgents"
+    plists = {}
+    for name in ("engine", "gateway"):
+        with open(agents / f"local.mlxd.{name}.plist", "rb") as f:
+            plists[name] = plistlib.load(f)
+    for name, plist in plists.items():
+        assert plist["Label"] == f"local.mlxd.{name}"
+        assert plist["KeepAlive"] is True and plist["RunAtLoad"] is True and plist["ThrottleInterval"] >= 5
+        assert plist["StandardOutPath"] == str(home / "Library" / "Logs" / "mlxd" / f"{name}.log")
+        assert plist["StandardErrorPath"] == str(home / "Library" / "Logs" / "mlxd" / f"{name}.err.log")
+        assert plist["EnvironmentVariables"]["FOO"] == "bar baz"
+        assert plist["EnvironmentVariables"]["PYTHONUNBUFFERED"] == "1"
+        assert plist["ProgramArguments"][3] == name
+    assert (home / "Library" / "Logs" / "mlxd").is_dir()
+    # The serve options the user gave, split between the two processes, and one endpoint for both.
+    engine = _parse_back(plists["engine"]["ProgramArguments"])
+    gateway = _parse_back(plists["gateway"]["ProgramArguments"])
+    assert cli._build(EngineConfig, engine).model == "/models/m.gguf"
+    assert cli._build(EngineConfig, engine).max_model_len == 256
+    gw = cli._build(GatewayConfig, gateway)
+    assert gw.port == 9123 and gw.api_key == "s3cret"
+    assert gw.engine_endpoint == cli._build(DaemonConfig, engine).engine_endpoint
+    assert gw.engine_endpoint.startswith("ipc://") and str(home.parent / "run") in gw.engine_endpoint
+
+    domain = f"gui/{uid}"
+    first = calls()
+    assert first == [
+        ["launchctl", "print", f"{domain}/local.mlxd.engine"],
+        ["launchctl", "bootstrap", domain, str(agents / "local.mlxd.engine.plist")],
+        ["launchctl", "print", f"{domain}/local.mlxd.gateway"],
+        ["launchctl", "bootstrap", domain, str(agents / "local.mlxd.gateway.plist")],
+    ]
+    before = _files(home)
+
+    # Again, with a changed option: updated in place, the loaded jobs booted out and in again.
+    assert cli.main([*INSTALL[:-4], "--port", "9124", "--manager", "launchd"]) == 0
+    assert _files(home) == before
+    with open(agents / "local.mlxd.gateway.plist", "rb") as f:
+        assert "9124" in plistlib.load(f)["ProgramArguments"]
+    assert calls() == [
+        ["launchctl", "print", f"{domain}/local.mlxd.engine"],
+        ["launchctl", "bootout", f"{domain}/local.mlxd.engine"],
+        ["launchctl", "bootstrap", domain, str(agents / "local.mlxd.engine.plist")],
+        ["launchctl", "print", f"{domain}/local.mlxd.gateway"],
+        ["launchctl", "bootout", f"{domain}/local.mlxd.gateway"],
+        ["launchctl", "bootstrap", domain, str(agents / "local.mlxd.gateway.plist")],
+    ]
+
+    assert cli.main(["service", "restart", "--manager", "launchd"]) == 0
+    assert [c for c in calls() if c[1] != "print"] == [
+        ["launchctl", "kickstart", "-k", f"{domain}/local.mlxd.engine"],
+        ["launchctl", "kickstart", "-k", f"{domain}/local.mlxd.gateway"],
+    ]
+    assert cli.main(["service", "stop", "--manager", "launchd"]) == 0
+    assert [c for c in calls() if c[1] != "print"] == [
+        ["launchctl", "bootout", f"{domain}/local.mlxd.gateway"],
+        ["launchctl", "bootout", f"{domain}/local.mlxd.engine"],
+    ]
+    assert cli.main(["service", "status", "--manager", "launchd"]) != 0  # nothing loaded
+    calls()
+    assert cli.main(["service", "start", "--manager", "launchd"]) == 0
+    assert [c[1] for c in calls() if c[1] != "print"] == ["bootstrap", "bootstrap"]
+    assert cli.main(["service", "status", "--manager", "launchd"]) == 0
+    calls()
+
+    (home / "Library" / "Logs" / "mlxd" / "engine.log").write_text("engine ready\n")
+    assert cli.main(["service", "uninstall", "--manager", "launchd"]) == 0
+    assert calls() == [
+        ["launchctl", "print", f"{domain}/local.mlxd.gateway"],
+        ["launchctl", "bootout", f"{domain}/local.mlxd.gateway"],
+        ["launchctl", "print", f"{domain}/local.mlxd.engine"],
+        ["launchctl", "bootout", f"{domain}/local.mlxd.engine"],
+    ]
+    assert _files(home) == [] and not (home / "Library" / "Logs" / "mlxd").exists()
+    assert os.listdir(state) == []
+    # Uninstalling what is not there is not an error.
+    assert cli.main(["service", "uninstall", "--manager", "launchd"]) == 0
+
+
+def test_launchd_start_before_install_says_so(home, capsys):
+    assert cli.main(["service", "start", "--manager", "launchd"]) == 1
+    assert "mlxd service install" in capsys.readouterr().err
+
+
+def test_systemd_user_units_install_idempotently_and_uninstall_leaves_nothing(home):
+    home, calls, _ = home
+    assert cli.main([*INSTALL, "--manager", "systemd"]) == 0
+    unit_dir = home / ".config" / "systemd" / "user"
+    units = ["mlxd-engine.service", "mlxd-gateway.service"]
+    texts = {u: (unit_dir / u).read_text() for u in units}
+    for unit, text in texts.items():
+        lines = text.splitlines()
+        assert "Restart=always" in lines and "WantedBy=default.target" in lines
+        assert 'Environment="FOO=bar baz"' in lines and "Environment=PYTHONUNBUFFERED=1" in lines
+        exec_start = next(line for line in lines if line.startswith("ExecStart="))[len("ExecStart="):]
+        argv = shlex.split(exec_start)
+        assert argv[3] == unit.split("-")[1].split(".")[0]
+        _parse_back(argv)
+    assert "After=network.target mlxd-engine.service" in texts["mlxd-gateway.service"]
+    assert calls() == [
+        ["systemctl", "--user", "daemon-reload"],
+        ["systemctl", "--user", "enable", *units],
+        ["systemctl", "--user", "restart", *units],
+    ]
+    before = _files(home)
+    assert cli.main([*INSTALL, "--manager", "systemd"]) == 0
+    assert _files(home) == before and calls()[-1] == ["systemctl", "--user", "restart", *units]
+
+    for verb in ("start", "stop", "restart"):
+        assert cli.main(["service", verb, "--manager", "systemd"]) == 0
+    assert calls() == [["systemctl", "--user", "start", *units],
+                       ["systemctl", "--user", "stop", *reversed(units)],
+                       ["systemctl", "--user", "restart", *units]]
+    assert cli.main(["service", "logs", "-n", "20", "--manager", "systemd"]) == 0
+    assert calls() == [["journalctl", "--user", "--no-pager", "-n", "20", "-u", units[0], "-u", units[1]]]
+
+    assert cli.main(["service", "uninstall", "--manager", "systemd"]) == 0
+    assert calls() == [["systemctl", "--user", "disable", "--now", *units],
+                       ["systemctl", "--user", "daemon-reload"]]
+    assert _files(home) == []
+
+
+def test_systemd_quoting_survives_specifiers_and_quotes():
+    from launchd.systemd import _quote
+
+    assert _quote("--max-model-len") == "--max-model-len"
+    assert _quote("50%") == "50%%" and _quote("$HOME") == '"$$HOME"'
+    assert _quote("A=$HOME", command=False) == '"A=$HOME"'
+    assert shlex.split(_quote('a "b" c\\d')) == ['a "b" c\\d']
+
+
+@pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="systemd-analyze is not installed")
+def test_systemd_units_pass_systemd_analyze_verify(tmp_path):
+    from launchd.service import Job, service_env
+    from launchd.systemd import SystemdManager
+
+    manager = SystemdManager(str(tmp_path))
+    env = service_env(["NOTE=50% of $HOME"])
+    for name in ("engine", "gateway"):
+        path = tmp_path / f"mlxd-{name}.service"
+        path.write_bytes(manager.render(Job(name, [sys.executable, "-m", "shared.cli", name, "--port", "1"], env)))
+        r = subprocess.run(["systemd-analyze", "verify", "--man=no", str(path)], capture_output=True, text=True)
+        # Only complaints about this unit count; the container's own units may be incomplete.
+        bad = [line for line in (r.stdout + r.stderr).splitlines() if f"mlxd-{name}" in line]
+        assert bad == [], bad
