@@ -1,7 +1,8 @@
-"""Every error a client can see becomes an OpenAI error body here, and only here.
+"""Every error a client can see becomes an error body here, and only here.
 
-``{"error": {"message", "type", "param", "code"}}`` with the HTTP status of
-the error's class in ``shared.errors``.
+OpenAI's ``{"error": {"message", "type", "param", "code"}}``, or on
+Anthropic's /v1/messages routes ``{"type": "error", "error": {"type",
+"message"}}``, with the HTTP status of the error's class in ``shared.errors``.
 """
 
 from __future__ import annotations
@@ -55,8 +56,28 @@ def error_body(exc: BaseException) -> tuple[int, dict]:
     return e.status, {"error": {"message": e.message, "type": e.type, "param": e.param, "code": e.code}}
 
 
-def error_response(exc: BaseException) -> JSONResponse:
-    status, body = error_body(exc)
+# Anthropic's error types by HTTP status; its SDK picks exception classes by status.
+_ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                    404: "not_found_error", 405: "invalid_request_error", 413: "request_too_large",
+                    429: "rate_limit_error", 503: "overloaded_error"}
+
+ANTHROPIC_PREFIX = "/v1/messages"
+
+
+def anthropic_error_body(exc: BaseException) -> tuple[int, dict]:
+    e = to_mlxd_error(exc)
+    return e.status, {"type": "error", "error": {"type": _ANTHROPIC_TYPES.get(e.status, "api_error"),
+                                                 "message": e.message}}
+
+
+def anthropic_sse_error_event(exc: BaseException) -> bytes:
+    """An error inside an open Anthropic stream: its ``error`` event."""
+    _, body = anthropic_error_body(exc)
+    return b"event: error\ndata: " + msgspec.json.encode(body) + b"\n\n"
+
+
+def error_response(exc: BaseException, anthropic: bool = False) -> JSONResponse:
+    status, body = anthropic_error_body(exc) if anthropic else error_body(exc)
     headers = None
     if status == 401:
         headers = {"WWW-Authenticate": "Bearer"}
@@ -72,6 +93,6 @@ def sse_error_event(exc: BaseException) -> bytes:
     return b"data: " + msgspec.json.encode(body) + b"\n\n"
 
 
-async def handle_exception(_request, exc: Exception) -> JSONResponse:
-    """Starlette exception handler: routes raise, this answers."""
-    return error_response(exc)
+async def handle_exception(request, exc: Exception) -> JSONResponse:
+    """Starlette exception handler: routes raise, this answers in the shape of the route's API."""
+    return error_response(exc, anthropic=request.url.path.startswith(ANTHROPIC_PREFIX))

@@ -23,6 +23,11 @@ def event(payload) -> bytes:
     return b"data: " + _encoder.encode(payload) + b"\n\n"
 
 
+def named_event(name: str, payload) -> bytes:
+    """An event with an ``event:`` line, as Anthropic's and the Responses API's streams send them."""
+    return b"event: " + name.encode() + b"\ndata: " + _encoder.encode(payload) + b"\n\n"
+
+
 async def wait_disconnect(receive) -> None:
     while True:
         message = await receive()

@@ -50,8 +50,11 @@ class GatewayState:
             return None
         header = request.headers.get("authorization", "")
         scheme, _, token = header.partition(" ")
+        if scheme.lower() != "bearer":
+            # Anthropic's clients send the key as x-api-key.
+            token = request.headers.get("x-api-key", "")
         token = token.strip()
-        if scheme.lower() == "bearer" and token:
+        if token:
             if key is not None and hmac.compare_digest(token.encode(), key.encode()):
                 return None
             if keys_active:

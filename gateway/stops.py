@@ -9,13 +9,15 @@ from __future__ import annotations
 
 
 class StopMatcher:
-    __slots__ = ("stops", "include", "_held", "stopped")
+    __slots__ = ("stops", "include", "_held", "stopped", "matched")
 
     def __init__(self, stops: list[str], include_stop: bool = False):
         self.stops = [s for s in stops if s]
         self.include = include_stop
         self._held = ""
         self.stopped = False
+        # The stop string that ended the text (APIs that report which one, like Anthropic's).
+        self.matched: str | None = None
 
     def feed(self, text: str) -> str:
         """The part of the text so far that is safe to emit; sets ``stopped`` on a match."""
@@ -34,6 +36,7 @@ class StopMatcher:
         if best is not None:
             (_, i), s = best
             self.stopped = True
+            self.matched = s
             self._held = ""
             return buf[: i + len(s)] if self.include else buf[:i]
         keep = self._partial_suffix(buf)
