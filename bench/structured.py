@@ -4,7 +4,7 @@ Both batches decode the same prompts for the same number of tokens; only
 steps where all 16 requests are decoding count. The constrained requests
 follow a JSON schema whose one long string keeps every matcher alive for the
 whole run. A second measurement adds a request with a slow-to-compile grammar
-(a 4000-value enum) to 16 decoding plain requests and reports the slowest
+(a 20000-value enum) to 16 decoding plain requests and reports the slowest
 step while it compiles against the median step: compilation runs on worker
 threads and must not stall the step loop.
 
@@ -27,7 +27,7 @@ from shared.sampling import SamplingParams, StructuredSpec
 
 SCHEMA = {"type": "object", "properties": {"story": {"type": "string", "minLength": 400, "maxLength": 800}},
           "required": ["story"], "additionalProperties": False}
-SLOW = {"enum": [f"value-{i}-" + "x" * (i % 13) for i in range(4000)]}
+SLOW = {"enum": [f"value-{i}-" + "x" * (i % 13) for i in range(20000)]}
 N = 16
 
 

@@ -155,6 +155,7 @@ class Daemon:
                     t1 = clock()
                     outputs = self.engine.step()
                     t2 = clock()
+                    self._send_failures()
                     self._send_outputs(outputs)
                     self.step_seconds += t2 - t1
                     self.num_steps += 1
@@ -250,6 +251,13 @@ class Daemon:
             self._send_error(identity, rid, InvalidRequestError(f"request refused: {e}"))
             return
         self.owner[rid] = identity
+
+    def _send_failures(self) -> None:
+        """Requests the engine failed after accepting them (a grammar that did not compile)."""
+        for rid, err in self.engine.take_errors():
+            identity = self.owner.pop(rid, None)
+            if identity is not None:
+                self._send_error(identity, rid, err)
 
     def _send_outputs(self, outputs) -> None:
         if not outputs:

@@ -21,6 +21,8 @@ class ChatOutput:
         self.tool_parser = tool_parser
         self._rstream = ReasoningStream(self.reasoning) if self.reasoning else None
         self._tstream = ToolStream(tool_parser) if tool_parser else None
+        # The choice's finish_reason once read whole (tool_calls when it called tools).
+        self.final_reason: str | None = None
 
     @property
     def active(self) -> bool:

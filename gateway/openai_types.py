@@ -47,6 +47,8 @@ class _SamplingFields(msgspec.Struct, kw_only=True):
     priority: int = 0
     # False opts this request out of speculative decoding.
     speculate: bool = True
+    # vLLM's constraint: exactly one of json, regex, choice, grammar, json_object.
+    structured_outputs: dict[str, Any] | None = None
 
 
 class ChatMessage(msgspec.Struct, kw_only=True):
@@ -66,6 +68,7 @@ class ChatCompletionRequest(_SamplingFields, kw_only=True):
     top_logprobs: int | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
     response_format: dict[str, Any] | None = None
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
@@ -138,6 +141,11 @@ class CompletionLogprobs(msgspec.Struct):
 class AssistantMessage(msgspec.Struct):
     role: str = "assistant"
     content: str | None = None
+    # Present only when a tool-call or reasoning parser is in use.
+    tool_calls: list[dict[str, Any]] | msgspec.UnsetType = msgspec.UNSET
+    reasoning: str | None | msgspec.UnsetType = msgspec.UNSET
+    # The same text under the name llama.cpp and older vLLM use.
+    reasoning_content: str | None | msgspec.UnsetType = msgspec.UNSET
 
 
 class ChatChoice(msgspec.Struct):
@@ -160,6 +168,9 @@ class ChatCompletion(msgspec.Struct):
 class Delta(msgspec.Struct, omit_defaults=True):
     role: str | None = None
     content: str | None = None
+    reasoning: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
 
 
 class ChatChunkChoice(msgspec.Struct):

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from shared.errors import ContextLengthError, InvalidRequestError
 from shared.protocol import EngineInfo
-from shared.sampling import SamplingParams
+from shared.sampling import SamplingParams, StructuredSpec
 
 MAX_STOP_STRINGS = 16
 
@@ -59,7 +59,8 @@ def check_prompt(ids: list[int], info: EngineInfo, max_tokens: int | None, param
     return max_tokens
 
 
-def sampling_params(req, max_tokens: int, logprobs: int | None, info: EngineInfo) -> SamplingParams:
+def sampling_params(req, max_tokens: int, logprobs: int | None, info: EngineInfo,
+                    structured: StructuredSpec | None = None) -> SamplingParams:
     """SamplingParams of one choice; validated against the model's vocabulary."""
     bias = None
     if req.logit_bias:
@@ -85,6 +86,7 @@ def sampling_params(req, max_tokens: int, logprobs: int | None, info: EngineInfo
         stop_token_ids=list(req.stop_token_ids or []),
         ignore_eos=req.ignore_eos,
         speculate=req.speculate,
+        structured=structured,
     )
     p.validate(info.vocab_size)
     return p

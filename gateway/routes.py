@@ -11,10 +11,13 @@ from starlette.responses import Response
 
 from gateway import openai_types as t
 from gateway import params as P
+from gateway.chat_output import ChatOutput, finish_reason
 from gateway.errors import RequestTooLargeError, sse_error_event
 from gateway.generation import Generation, check_n
 from gateway.sse import DONE, KEEPALIVE, SSEResponse, event, wait_disconnect
 from gateway.state import GatewayState
+from gateway.structured import (marker_literal, one_spec, response_format_spec, structured_outputs_spec,
+                                tool_plan)
 from gateway.tokenizer import message_dicts
 from shared.errors import InvalidRequestError, MlxdError
 
@@ -60,9 +63,6 @@ async def chat_completions(request: Request) -> Response:
     _check_common(req)
     info, tok = gw.require_ready()
     model = gw.check_model(req.model)
-    if req.response_format and req.response_format.get("type", "text") != "text":
-        raise InvalidRequestError("response_format other than text is not supported yet",
-                                  param="response_format")
     if not req.messages:
         raise InvalidRequestError("messages must not be empty", param="messages")
     n = check_n(req.n)
@@ -79,24 +79,36 @@ async def chat_completions(request: Request) -> Response:
         chat_template_kwargs=req.chat_template_kwargs)
     prompt_ids = tok.encode(prompt_text, add_special_tokens=False)
     max_tokens = P.check_prompt(prompt_ids, info, max_tokens, "messages")
-    params = P.sampling_params(req, max_tokens, logprobs, info)
+    cfg = gw.config
+    tools = tool_plan(req.tools, req.tool_choice, req.parallel_tool_calls, cfg.tool_call_parser,
+                      cfg.enable_auto_tool_choice, marker_literal(tok))
+    spec = one_spec(("response_format", response_format_spec(req.response_format)),
+                    ("structured_outputs", structured_outputs_spec(req.structured_outputs)),
+                    ("tool_choice", tools.spec))
+    params = P.sampling_params(req, max_tokens, logprobs, info, spec)
+    # Formats whose markers are special tokens need them in the text to be parsed.
+    skip_special = req.skip_special_tokens and not (tools.parser and tools.parser.special_markers)
     gen = Generation(gw.client, tok, [prompt_ids], params, n, P.stop_list(req.stop),
-                     req.include_stop_str_in_output, req.skip_special_tokens, logprobs is not None,
+                     req.include_stop_str_in_output, skip_special, logprobs is not None,
                      req.cache_salt, app, req.priority)
     gen.start()
     rid = "chatcmpl-" + gen.id_base
     created = int(time.time())
+    outputs = [ChatOutput(cfg.reasoning_parser, prompt_text, tools.parser) for _ in gen.choices]
+    if not outputs[0].active:
+        outputs = None
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        return SSEResponse(_chat_stream(gw, gen, rid, created, model, include_usage))
+        deltas = await _primed(gen, cfg.sse_keepalive, wait_first=spec is not None)
+        return SSEResponse(_chat_stream(gw, gen, rid, created, model, include_usage, deltas, outputs))
     if not await _collect(request, gen):
         return Response(status_code=499)  # nobody is listening; nginx's 'client closed request'
     choices = [
         t.ChatChoice(
             index=c.index,
-            message=t.AssistantMessage(content=c.text),
+            message=_message(c, outputs[c.index] if outputs else None),
             logprobs=t.ChatLogprobs(_chat_logprobs(tok, c.logprobs)) if logprobs is not None else None,
-            finish_reason=c.finish_reason,
+            finish_reason=c.finish_reason if outputs is None else outputs[c.index].final_reason,
         )
         for c in gen.choices
     ]
@@ -125,7 +137,8 @@ async def completions(request: Request) -> Response:
     prompts = P.completion_prompts(req.prompt, tok)
     max_tokens = min(P.check_prompt(p, info, 16 if requested is None else requested, "prompt")
                      for p in prompts)
-    params = P.sampling_params(req, max_tokens, req.logprobs, info)
+    spec = structured_outputs_spec(req.structured_outputs)
+    params = P.sampling_params(req, max_tokens, req.logprobs, info, spec)
     gen = Generation(gw.client, tok, prompts, params, n, P.stop_list(req.stop),
                      req.include_stop_str_in_output, req.skip_special_tokens, req.logprobs is not None,
                      req.cache_salt, app, req.priority)
@@ -134,7 +147,9 @@ async def completions(request: Request) -> Response:
     created = int(time.time())
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        return SSEResponse(_completion_stream(gw, gen, rid, created, model, include_usage, req.logprobs))
+        deltas = await _primed(gen, gw.config.sse_keepalive, wait_first=spec is not None)
+        return SSEResponse(_completion_stream(gw, gen, rid, created, model, include_usage, req.logprobs,
+                                              deltas))
     if not await _collect(request, gen):
         return Response(status_code=499)  # nobody is listening; nginx's 'client closed request'
     choices = []
@@ -147,6 +162,47 @@ async def completions(request: Request) -> Response:
                                           finish_reason=c.finish_reason))
     return _json_response(t.Completion(id=rid, created=created, model=model, choices=choices,
                                        usage=_usage(gen)))
+
+
+def _message(choice, out: ChatOutput | None) -> t.AssistantMessage:
+    if out is None:
+        return t.AssistantMessage(content=choice.text)
+    reasoning, content, calls = out.whole(choice.text)
+    out.final_reason = finish_reason(choice.finish_reason, bool(calls))
+    msg = t.AssistantMessage(content=content)
+    if out.tool_parser is not None:
+        msg.tool_calls = calls
+    if out.reasoning is not None:
+        msg.reasoning = msg.reasoning_content = reasoning
+    return msg
+
+
+async def _primed(gen: Generation, keepalive: float, wait_first: bool):
+    """``gen.deltas()``, with the first delta already awaited when ``wait_first``.
+
+    A constrained request's grammar may be refused by the engine; waiting for
+    the first output before the response starts turns that refusal into a 400
+    instead of an error event inside a 200 stream.
+    """
+    it = gen.deltas(keepalive=keepalive)
+    head = []
+    if wait_first:
+        try:
+            async for d in it:
+                if d is not None:  # no keep-alives before the response starts
+                    head.append(d)
+                    break
+        except BaseException:
+            await it.aclose()
+            raise
+
+    async def chained():
+        for d in head:
+            yield d
+        async for d in it:
+            yield d
+
+    return chained()
 
 
 async def _collect(request: Request, gen: Generation) -> bool:
@@ -207,7 +263,7 @@ def _completion_logprobs(tok, entries, offset: int) -> t.CompletionLogprobs:
 
 
 async def _chat_stream(gw: GatewayState, gen: Generation, rid: str, created: int, model: str,
-                       include_usage: bool):
+                       include_usage: bool, deltas, outputs: list[ChatOutput] | None):
     usage_field = None if include_usage else msgspec.UNSET
 
     def chunk(choice: t.ChatChunkChoice) -> bytes:
@@ -217,16 +273,26 @@ async def _chat_stream(gw: GatewayState, gen: Generation, rid: str, created: int
     try:
         for c in gen.choices:
             yield chunk(t.ChatChunkChoice(index=c.index, delta=t.Delta(role="assistant", content="")))
-        async for d in gen.deltas(keepalive=gw.config.sse_keepalive):
+        async for d in deltas:
             if d is None:
                 yield KEEPALIVE
                 continue
             lp = t.ChatLogprobs(_chat_logprobs(gw.tokenizer, d.logprobs)) if d.logprobs else None
-            if d.text or lp is not None:
-                yield chunk(t.ChatChunkChoice(index=d.index, delta=t.Delta(content=d.text), logprobs=lp))
-            if d.finish_reason is not None:
-                yield chunk(t.ChatChunkChoice(index=d.index, delta=t.Delta(),
-                                              finish_reason=d.finish_reason))
+            reason = d.finish_reason
+            if outputs is None:
+                delta = t.Delta(content=d.text)
+                has = bool(d.text)
+            else:
+                out = outputs[d.index]
+                reasoning, content, calls = out.feed(d.text, final=reason is not None)
+                delta = t.Delta(content=content or None, reasoning=reasoning or None,
+                                reasoning_content=reasoning or None, tool_calls=calls or None)
+                has = bool(content or reasoning or calls)
+                reason = finish_reason(reason, out.called_tools)
+            if has or lp is not None:
+                yield chunk(t.ChatChunkChoice(index=d.index, delta=delta, logprobs=lp))
+            if reason is not None:
+                yield chunk(t.ChatChunkChoice(index=d.index, delta=t.Delta(), finish_reason=reason))
         if include_usage:
             yield event(t.ChatCompletionChunk(id=rid, created=created, model=model, choices=[],
                                               usage=_usage(gen)))
@@ -238,7 +304,7 @@ async def _chat_stream(gw: GatewayState, gen: Generation, rid: str, created: int
 
 
 async def _completion_stream(gw: GatewayState, gen: Generation, rid: str, created: int, model: str,
-                             include_usage: bool, logprobs: int | None):
+                             include_usage: bool, logprobs: int | None, deltas):
     offsets = [0] * len(gen.choices)
 
     def chunk(choice: t.CompletionChoice) -> bytes:
@@ -246,7 +312,7 @@ async def _completion_stream(gw: GatewayState, gen: Generation, rid: str, create
                                   usage=None if include_usage else msgspec.UNSET))
 
     try:
-        async for d in gen.deltas(keepalive=gw.config.sse_keepalive):
+        async for d in deltas:
             if d is None:
                 yield KEEPALIVE
                 continue
