@@ -16,6 +16,7 @@ from starlette.routing import Route
 
 from gateway import anthropic
 from gateway import openai_types as t
+from gateway import responses
 from gateway.errors import handle_exception
 from gateway.routes import chat_completions, completions, read_body
 from gateway.state import GatewayState
@@ -121,6 +122,7 @@ def build_app(config: GatewayConfig) -> Starlette:
             Route("/v1/completions", completions, methods=["POST"]),
             Route("/v1/messages", anthropic.messages, methods=["POST"]),
             Route("/v1/messages/count_tokens", anthropic.count_tokens, methods=["POST"]),
+            Route("/v1/responses", responses.responses, methods=["POST"]),
             Route("/tokenize", tokenize, methods=["POST"]),
             Route("/detokenize", detokenize, methods=["POST"]),
         ],

@@ -1,0 +1,129 @@
+"""OpenAI's Responses API through the openai SDK's client.responses, engine and gateway on loopback."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import jsonschema
+import openai
+import pytest
+
+ADD = {"type": "function", "name": "add", "description": "Add two integers",
+       "parameters": {"type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 99},
+                                                       "b": {"type": "integer", "minimum": 0, "maximum": 99}},
+                      "required": ["a", "b"], "additionalProperties": False}}
+CHOICE = {"type": "object", "properties": {"answer": {"enum": ["yes", "no"]}},
+          "required": ["answer"], "additionalProperties": False}
+JSON_FORMAT = {"format": {"type": "json_schema", "name": "yn", "schema": CHOICE, "strict": True}}
+
+
+def test_text_response_has_a_message_item_and_usage(client, model):
+    r = client.responses.create(model=model, input="Say hello.", instructions="You are terse.",
+                                max_output_tokens=12, temperature=0.0)
+    assert r.object == "response" and r.id.startswith("resp_") and r.model == model
+    assert [o.type for o in r.output] == ["message"]
+    assert r.output[0].content[0].type == "output_text" and r.output_text
+    assert r.usage.output_tokens <= 12 and r.usage.input_tokens > 0
+    assert r.usage.total_tokens == r.usage.input_tokens + r.usage.output_tokens
+    if r.usage.output_tokens == 12:
+        assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"
+    else:
+        assert r.status == "completed"
+
+
+def test_max_output_tokens_makes_it_incomplete(client, model):
+    r = client.responses.create(model=model, input="Count from 1 to 50.", max_output_tokens=3, temperature=0.0)
+    assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"
+    assert r.usage.output_tokens == 3
+
+
+def test_json_schema_output_validates_and_streams_alike(client, model):
+    kw = dict(model=model, input=[{"role": "user", "content": "Is water wet? Answer in JSON."}],
+              text=JSON_FORMAT, max_output_tokens=30, temperature=0.0)
+    r = client.responses.create(**kw)
+    assert r.status == "completed"
+    jsonschema.validate(json.loads(r.output_text), CHOICE)
+    # The SDK's stream helper accumulates the events and insists on a well-formed sequence.
+    with client.responses.stream(**kw) as stream:
+        kinds = [e.type for e in stream]
+        final = stream.get_final_response()
+    assert kinds[:2] == ["response.created", "response.in_progress"] and kinds[-1] == "response.completed"
+    for k in ("response.output_item.added", "response.content_part.added", "response.output_text.delta",
+              "response.output_text.done", "response.content_part.done", "response.output_item.done"):
+        assert k in kinds
+    assert final.output_text == r.output_text and final.usage.output_tokens == r.usage.output_tokens
+
+
+def test_streamed_text_equals_the_whole_text(client, model):
+    kw = dict(model=model, input="Name a colour.", max_output_tokens=10, temperature=0.0)
+    whole = client.responses.create(**kw)
+    events = list(client.responses.create(stream=True, **kw))
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    done = [e for e in events if e.type == "response.output_text.done"]
+    assert text == whole.output_text and done[0].text == text
+    last = events[-1]
+    assert last.type == "response." + whole.status and last.response.output_text == text
+    assert last.response.usage.output_tokens == whole.usage.output_tokens
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_function_call_round_trip(client, model, stream):
+    kw = dict(model=model, input=[{"role": "user", "content": "What is 2 plus 3?"}], tools=[ADD],
+              tool_choice={"type": "function", "name": "add"}, max_output_tokens=60, temperature=0.7)
+    if stream:
+        with client.responses.stream(**kw) as s:
+            kinds = [e.type for e in s]
+            r = s.get_final_response()
+        assert "response.function_call_arguments.delta" in kinds
+        assert "response.function_call_arguments.done" in kinds
+    else:
+        r = client.responses.create(**kw)
+    calls = [o for o in r.output if o.type == "function_call"]
+    assert len(calls) == 1 and calls[0].name == "add" and calls[0].call_id.startswith("call_")
+    args = json.loads(calls[0].arguments)
+    jsonschema.validate(args, ADD["parameters"])
+    turn = kw["input"] + [
+        {"type": "function_call", "call_id": calls[0].call_id, "name": "add", "arguments": calls[0].arguments},
+        {"type": "function_call_output", "call_id": calls[0].call_id, "output": str(args["a"] + args["b"])}]
+    follow = client.responses.create(model=model, input=turn, tools=[ADD], max_output_tokens=8, temperature=0.0)
+    assert follow.output and follow.output[0].type == "message"
+    bare = client.responses.create(model=model, input=turn[:1], max_output_tokens=1)
+    # The call and its output reach the prompt.
+    assert follow.usage.input_tokens > bare.usage.input_tokens + 8
+
+
+def test_required_tool_choice_calls(client, model):
+    r = client.responses.create(model=model, input="Add 4 and 5.", tools=[ADD], tool_choice="required",
+                                max_output_tokens=60, temperature=0.7, parallel_tool_calls=False)
+    calls = [o for o in r.output if o.type == "function_call"]
+    assert len(calls) == 1
+    jsonschema.validate(json.loads(calls[0].arguments), ADD["parameters"])
+
+
+BAD = [
+    ({"previous_response_id": "resp_x"}, "previous_response_id"),
+    ({"store": True}, "store"),
+    ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input[0]"),
+    ({"input": [{"type": "mystery"}]}, "input[0]"),
+    ({"tools": [{"type": "web_search"}]}, "tools[0]"),
+    ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "nonsense"}}}}, None),
+    ({"max_output_tokens": 0}, "max_tokens"),
+]
+
+
+@pytest.mark.parametrize("extra,param", BAD)
+def test_bad_requests_get_400_in_openai_shape(client, model, extra, param):
+    body = {"input": "hi", "max_output_tokens": 4, **extra}
+    with pytest.raises(openai.BadRequestError) as err:
+        client.responses.create(model=model, **body)
+    assert err.value.status_code == 400
+    assert err.value.body["message"]
+    if param is not None:
+        assert err.value.body["param"] == param
+
+
+def test_missing_input_is_400(gateway, model):
+    r = httpx.post(gateway.url + "/v1/responses", json={"model": model}, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
