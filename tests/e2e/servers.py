@@ -7,6 +7,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 
 import httpx
@@ -29,9 +30,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+# The processes read keys from here, never from the user's own config dir: a key
+# made with `mlxd keys add` on this machine would otherwise lock every test out.
+_CONFIG_HOME = tempfile.mkdtemp(prefix="mlxd-e2e-config-")
+
+
 def _env() -> dict:
     env = dict(os.environ)
     env["PYTHONUNBUFFERED"] = "1"
+    env["XDG_CONFIG_HOME"] = _CONFIG_HOME
     env.setdefault("HF_HUB_OFFLINE", "1")
     return env
 
