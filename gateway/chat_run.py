@@ -38,6 +38,8 @@ class ChatInput:
     top_k: int | None = None
     stop: list[str] = field(default_factory=list)
     response_format: dict[str, Any] | None = None
+    # The last (assistant) message is the start of the answer, continued rather than closed.
+    continue_final: bool = False
     param: str = "messages"
 
 
@@ -61,7 +63,8 @@ def render(gw: GatewayState, inp: ChatInput) -> Prompt:
     plan = tool_plan(inp.tools, inp.tool_choice, inp.parallel_tool_calls, cfg.tool_call_parser,
                      cfg.enable_auto_tool_choice, marker_literal(tok))
     # None rather than []: templates test ``if tools``.
-    text = tok.render_chat(inp.messages, tools=inp.tools or None)
+    text = tok.render_chat(inp.messages, tools=inp.tools or None, add_generation_prompt=not inp.continue_final,
+                           continue_final_message=inp.continue_final)
     ids = tok.encode(text, add_special_tokens=False)
     return Prompt(text, ids, P.check_prompt(ids, info, max_tokens, inp.param), plan)
 

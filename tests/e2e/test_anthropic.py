@@ -193,3 +193,39 @@ def test_api_key_in_x_api_key(engine, tmp_path, model):
         assert good.messages.count_tokens(model=model, messages=HI).input_tokens > 0
     finally:
         g.stop()
+
+
+def test_final_assistant_turn_is_a_prefill_the_answer_continues(ac, gateway, model):
+    msgs = [{"role": "user", "content": "List three fruits."}, {"role": "assistant", "content": "1. Apple\n2."}]
+
+    def tokenize(**kw) -> int:
+        return httpx.post(gateway.url + "/tokenize", json={"messages": msgs, **kw}, timeout=30).json()["count"]
+
+    continued = tokenize(add_generation_prompt=False, continue_final_message=True)
+    assert continued != tokenize()
+    assert ac.messages.count_tokens(model=model, messages=msgs).input_tokens == continued
+    m = ac.messages.create(model=model, max_tokens=6, messages=msgs, **GREEDY)
+    assert m.usage.input_tokens + m.usage.cache_read_input_tokens == continued
+    assert m.content and not m.content[0].text.startswith("1. Apple")
+
+
+@pytest.fixture(scope="module")
+def thinking_ac(engine, tmp_path_factory):
+    g = Gateway(engine.endpoint, str(tmp_path_factory.mktemp("logs") / "gateway-think.log"),
+                extra=["--reasoning-parser", "qwen3"]).start()
+    g.wait_healthy()
+    yield anthropic.Anthropic(base_url=g.url, api_key="unused", max_retries=0, timeout=120)
+    g.stop()
+
+
+def test_reasoning_comes_back_as_thinking_blocks(thinking_ac, model):
+    # A prefill that opens a think block starts the model inside it, as Qwen3's template would.
+    msgs = [{"role": "user", "content": "Why is the sky blue?"}, {"role": "assistant", "content": "<think>"}]
+    kw = dict(model=model, max_tokens=10, messages=msgs, **GREEDY)
+    whole = thinking_ac.messages.create(**kw)
+    assert whole.content[0].type == "thinking" and whole.content[0].thinking
+    with thinking_ac.messages.stream(**kw) as s:
+        deltas = {e.delta.type for e in s if e.type == "content_block_delta"}
+        final = s.get_final_message()
+    assert "thinking_delta" in deltas
+    assert [b.model_dump() for b in final.content] == [b.model_dump() for b in whole.content]
