@@ -127,3 +127,34 @@ def test_bad_requests_get_400_in_openai_shape(client, model, extra, param):
 def test_missing_input_is_400(gateway, model):
     r = httpx.post(gateway.url + "/v1/responses", json={"model": model}, timeout=30)
     assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+
+
+# Opens a think block in the generation prompt, as Qwen3-style templates do.
+THINK_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+                  "<|im_start|>assistant\n<think>\n")
+
+
+@pytest.fixture(scope="module")
+def thinking_client(engine, tmp_path_factory):
+    from tests.e2e.servers import Gateway
+
+    g = Gateway(engine.endpoint, str(tmp_path_factory.mktemp("logs") / "gateway-think.log"),
+                extra=["--reasoning-parser", "qwen3", "--chat-template", THINK_TEMPLATE]).start()
+    g.wait_healthy()
+    yield openai.OpenAI(base_url=g.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    g.stop()
+
+
+def test_reasoning_comes_back_as_a_reasoning_item(thinking_client, model):
+    kw = dict(model=model, input="Why is the sky blue?", max_output_tokens=10, temperature=0.0)
+    whole = thinking_client.responses.create(**kw)
+    assert whole.output[0].type == "reasoning" and whole.output[0].content[0].text
+    with thinking_client.responses.stream(**kw) as s:
+        kinds = [e.type for e in s]
+        final = s.get_final_response() if kinds[-1] == "response.completed" else None
+    assert "response.reasoning_text.delta" in kinds and "response.reasoning_text.done" in kinds
+    if final is None:  # cut off by max_output_tokens: read the raw stream's last event instead
+        events = list(thinking_client.responses.create(stream=True, **kw))
+        assert events[-1].type == "response.incomplete"
+        final = events[-1].response
+    assert [o.model_dump() for o in final.output][0]["content"] == whole.output[0].model_dump()["content"]
