@@ -18,6 +18,7 @@ from starlette.requests import Request
 from gateway import params as P
 from gateway.chat_output import ChatOutput
 from gateway.generation import Generation
+from gateway.sse import wait_disconnect
 from gateway.state import GatewayState
 from gateway.structured import ToolPlan, marker_literal, one_spec, response_format_spec, tool_plan
 from shared.errors import InvalidRequestError
@@ -156,7 +157,7 @@ class ChatRun:
                 pass
 
         work = asyncio.create_task(drain())
-        gone = asyncio.create_task(_wait_disconnect(request))
+        gone = asyncio.create_task(wait_disconnect(request.receive))
         try:
             await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
         finally:
@@ -188,9 +189,3 @@ class ChatRun:
         """(prompt tokens, completion tokens, cached prompt tokens)."""
         return self.gen.usage_counts()
 
-
-async def _wait_disconnect(request: Request) -> None:
-    while True:
-        message = await request.receive()
-        if message["type"] == "http.disconnect":
-            return
