@@ -193,7 +193,7 @@ async def _decode(request: Request, typ):
 
 async def count_tokens(request: Request) -> Response:
     gw, req, _ = await _decode(request, CountTokensRequest)
-    prompt = render(gw, chat_input(req))
+    prompt = render(gw, chat_input(req), check_length=False)
     return Response(msgspec.json.encode({"input_tokens": len(prompt.ids)}), media_type="application/json")
 
 

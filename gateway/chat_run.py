@@ -54,8 +54,12 @@ class Prompt:
     tools: ToolPlan
 
 
-def render(gw: GatewayState, inp: ChatInput) -> Prompt:
-    """Template, tokenize and check; InvalidRequestError (400) for anything the engine would refuse."""
+def render(gw: GatewayState, inp: ChatInput, check_length: bool = True) -> Prompt:
+    """Template, tokenize and check; InvalidRequestError (400) for anything the engine would refuse.
+
+    Without ``check_length`` a prompt longer than the context is still counted
+    (clients count tokens to learn that they must shorten the conversation).
+    """
     info, tok = gw.require_ready()
     if not inp.messages:
         raise InvalidRequestError("the conversation is empty", param=inp.param)
@@ -67,6 +71,8 @@ def render(gw: GatewayState, inp: ChatInput) -> Prompt:
     text = tok.render_chat(inp.messages, tools=inp.tools or None, add_generation_prompt=not inp.continue_final,
                            continue_final_message=inp.continue_final)
     ids = tok.encode(text, add_special_tokens=False)
+    if not check_length:
+        return Prompt(text, ids, 0, plan)
     return Prompt(text, ids, P.check_prompt(ids, info, max_tokens, inp.param), plan)
 
 

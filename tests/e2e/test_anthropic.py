@@ -229,3 +229,11 @@ def test_reasoning_comes_back_as_thinking_blocks(thinking_ac, model):
         final = s.get_final_message()
     assert "thinking_delta" in deltas
     assert [b.model_dump() for b in final.content] == [b.model_dump() for b in whole.content]
+
+
+def test_count_tokens_counts_a_conversation_longer_than_the_context(ac, model):
+    # The e2e engine's context is 512 tokens: counting still answers, generating is a 400.
+    msgs = [{"role": "user", "content": "word " * 700}]
+    assert ac.messages.count_tokens(model=model, messages=msgs).input_tokens > 700
+    with pytest.raises(anthropic.BadRequestError, match="context length"):
+        ac.messages.create(model=model, max_tokens=4, messages=msgs)
