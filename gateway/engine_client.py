@@ -61,9 +61,10 @@ class EngineClient:
         ctx = zmq.asyncio.Context.instance()
         self._sock = ctx.socket(zmq.DEALER)
         self._sock.setsockopt(zmq.ROUTING_ID, b"gw-" + uuid.uuid4().bytes[:12])
-        # Queue nothing for a peer that is not connected: a HELLO or ADD sent
-        # while the engine is down fails at once instead of reaching a later engine.
-        self._sock.setsockopt(zmq.IMMEDIATE, 1)
+        # Not ZMQ_IMMEDIATE: with it, libzmq drops the frames already received but
+        # not yet read when the connection closes, which are exactly the engine's
+        # last words (per-request errors, DEAD). Frames sent while no engine is
+        # connected wait for the next one instead; see _dispatch for orphans.
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.SNDHWM, 0)
         self._sock.setsockopt(zmq.RCVHWM, 0)
@@ -126,9 +127,9 @@ class EngineClient:
     # -- internals ------------------------------------------------------------------------
 
     def _send(self, kind: Kind, payload) -> bool:
-        """Send without waiting; False when the engine is not connected (nothing queued)."""
+        """Send without waiting; False if the frame could not be queued."""
         # With NOBLOCK, pyzmq's asyncio socket tries the send at once and returns a
-        # future already holding the result or the error (Again: no connected peer).
+        # future already holding the result or the error.
         fut = self._sock.send_multipart(p.encode(kind, payload), zmq.NOBLOCK)
         if not fut.done():
             fut.add_done_callback(lambda f: f.cancelled() or f.exception())
@@ -173,13 +174,20 @@ class EngineClient:
     async def _dispatch(self, kind: Kind, msg) -> None:
         if kind is Kind.OUTPUTS:
             streams = self._streams
+            orphans = []
             for out in msg.outputs:
                 entry = streams.get(out.request_id)
                 if entry is None:
-                    continue  # aborted here already
+                    # Aborted here already, or sent to an engine that died and queued
+                    # for its successor: either way nobody reads it, so stop it.
+                    if out.finish_reason is None:
+                        orphans.append(out.request_id)
+                    continue
                 if out.finish_reason is not None:
                     del streams[out.request_id]
                 entry[0].put_nowait((entry[1], out))
+            if orphans:
+                self._send(Kind.ABORT, p.Abort(orphans))
         elif kind is Kind.PONG:
             if self.info is not None and msg.instance_id != self.info.instance_id:
                 self._lost("the engine restarted")
