@@ -64,3 +64,12 @@ def test_any_split_matches_the_whole_text_reference(text, stops, cuts, include):
     bounds = sorted({0, len(text), *(c for c in cuts if c <= len(text))})
     pieces = [text[a:b] for a, b in zip(bounds, bounds[1:])]
     assert run(pieces, stops, include) == reference(text, stops, include)
+
+
+def test_the_matched_stop_string_is_reported():
+    m = StopMatcher(["END", "ENDING", "x"])
+    assert m.feed("abc EN") == "abc " and m.matched is None
+    assert m.feed("DING") == "" and m.stopped and m.matched == "END"
+    m = StopMatcher(["zz"])
+    m.feed("no stop here")
+    assert m.flush() == "" and m.matched is None and not m.stopped
