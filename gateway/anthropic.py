@@ -12,7 +12,6 @@ or as Anthropic's event stream. Errors on these routes take Anthropic's shape
 from __future__ import annotations
 
 import json
-import uuid
 from typing import Any
 
 import msgspec
