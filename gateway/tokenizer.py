@@ -7,6 +7,7 @@ loader materializes one for GGUF files), always offline.
 from __future__ import annotations
 
 import functools
+import json
 import os
 from typing import Any
 
@@ -79,6 +80,27 @@ class Tokenizer:
                                       param="messages") from None
 
 
+def _template_tool_calls(calls, i: int) -> list:
+    """Tool calls of an assistant message with their arguments as objects.
+
+    OpenAI sends arguments as a JSON string; chat templates (transformers'
+    convention) expect a mapping and render it themselves.
+    """
+    out = []
+    for j, call in enumerate(calls):
+        f = call.get("function") if isinstance(call, dict) else None
+        args = f.get("arguments") if isinstance(f, dict) else None
+        if isinstance(args, str):
+            try:
+                args = json.loads(args) if args.strip() else {}
+            except ValueError:
+                raise InvalidRequestError("tool call arguments must be a JSON object",
+                                          param=f"messages[{i}].tool_calls[{j}].function.arguments") from None
+            call = {**call, "function": {**f, "arguments": args}}
+        out.append(call)
+    return out
+
+
 def message_dicts(messages) -> list[dict]:
     """ChatMessage structs as the plain dicts chat templates expect; text parts joined."""
     out = []
@@ -99,5 +121,7 @@ def message_dicts(messages) -> list[dict]:
             v = getattr(m, name)
             if v is not None:
                 d[name] = v
+        if m.tool_calls:
+            d["tool_calls"] = _template_tool_calls(m.tool_calls, i)
         out.append(d)
     return out

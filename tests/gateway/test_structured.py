@@ -87,3 +87,19 @@ def test_chat_output_streams_what_it_returns_whole():
     assert json.loads("".join(d["function"]["arguments"] for d in calls)) == {"a": 1, "b": 2}
     assert finish_reason("stop", out.called_tools) == "tool_calls"
     assert finish_reason("length", out.called_tools) == "length"
+
+
+def test_history_tool_call_arguments_reach_templates_as_objects():
+    from gateway.openai_types import ChatMessage
+    from gateway.tokenizer import message_dicts
+
+    call = {"id": "call_1", "type": "function", "function": {"name": "add", "arguments": '{"a": 1, "b": 2}'}}
+    msgs = message_dicts([ChatMessage(role="user", content="hi"),
+                          ChatMessage(role="assistant", content=None, tool_calls=[call]),
+                          ChatMessage(role="tool", content="3", tool_call_id="call_1")])
+    assert msgs[1]["tool_calls"][0]["function"]["arguments"] == {"a": 1, "b": 2}
+    assert call["function"]["arguments"] == '{"a": 1, "b": 2}'  # the request itself is left as it was
+    bad = {**call, "function": {"name": "add", "arguments": "{not json"}}
+    with pytest.raises(InvalidRequestError) as err:
+        message_dicts([ChatMessage(role="assistant", tool_calls=[bad])])
+    assert err.value.param == "messages[0].tool_calls[0].function.arguments"
