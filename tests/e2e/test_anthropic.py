@@ -118,7 +118,8 @@ def test_tool_use_round_trip(ac, model, stream):
     follow = ac.messages.create(model=model, max_tokens=8, messages=turn, **GREEDY)
     assert follow.content and follow.stop_reason in ("end_turn", "max_tokens")
     # The tool result reaches the prompt: the turn costs what its text costs.
-    without = ac.messages.count_tokens(model=model, messages=turn[:2])
+    empty = turn[:2] + [{"role": "user", "content": [{"type": "tool_result", "tool_use_id": uses[0].id}]}]
+    without = ac.messages.count_tokens(model=model, messages=empty)
     with_result = ac.messages.count_tokens(model=model, messages=turn)
     assert with_result.input_tokens >= without.input_tokens + 12
     assert follow.usage.input_tokens + follow.usage.cache_read_input_tokens == with_result.input_tokens
