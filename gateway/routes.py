@@ -286,11 +286,15 @@ async def _chat_stream(gw: GatewayState, gen: Generation, rid: str, created: int
                 out = outputs[d.index]
                 reasoning, content, calls = out.feed(d.text, final=reason is not None)
                 delta = t.Delta(content=content or None, reasoning=reasoning or None,
-                                reasoning_content=reasoning or None, tool_calls=calls or None)
-                has = bool(content or reasoning or calls)
+                                reasoning_content=reasoning or None)
+                has = bool(content or reasoning)
                 reason = finish_reason(reason, out.called_tools)
             if has or lp is not None:
                 yield chunk(t.ChatChunkChoice(index=d.index, delta=delta, logprobs=lp))
+            if outputs is not None:
+                # One chunk per tool-call delta: a call's name, then its argument increments.
+                for call in calls:
+                    yield chunk(t.ChatChunkChoice(index=d.index, delta=t.Delta(tool_calls=[call])))
             if reason is not None:
                 yield chunk(t.ChatChunkChoice(index=d.index, delta=t.Delta(), finish_reason=reason))
         if include_usage:

@@ -192,11 +192,11 @@ class ToolStream:
         deltas = []
         for i, call in enumerate(scan.calls):
             if i >= len(self.sent):
+                # OpenAI's shape: the call's first delta names it, arguments follow in their own.
                 cid = new_call_id()
-                self.sent.append((cid, call.arguments))
+                self.sent.append((cid, ""))
                 deltas.append({"index": i, "id": cid, "type": "function",
-                               "function": {"name": call.name, "arguments": call.arguments}})
-                continue
+                               "function": {"name": call.name, "arguments": ""}})
             cid, sent = self.sent[i]
             if call.arguments == sent:
                 continue

@@ -83,7 +83,8 @@ def absorb(calls: dict, deltas: list[dict]) -> None:
         i = d["index"]
         if i not in calls:
             assert d["id"].startswith("call_") and d["type"] == "function" and d["function"]["name"]
-            calls[i] = [d["function"]["name"], d["function"]["arguments"]]
+            assert d["function"]["arguments"] == ""  # the name comes first, on its own
+            calls[i] = [d["function"]["name"], ""]
         else:
             assert set(d) == {"index", "function"} and set(d["function"]) == {"arguments"}
             calls[i][1] += d["function"]["arguments"]
