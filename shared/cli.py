@@ -141,6 +141,8 @@ def _parser() -> argparse.ArgumentParser:
     logs.add_argument("-n", "--lines", type=int, default=50)
     logs.add_argument("-f", "--follow", action="store_true")
 
+    # Listed for --help only: main() hands `bench` and its flags to the benchmark's parser.
+    sub.add_parser("bench", add_help=False, help="load-test mlxd and its peers (see `mlxd bench --help`)")
     keys = sub.add_parser("keys", help="per-app API keys, and CurveZMQ keys for TCP beyond loopback")
     kverbs = keys.add_subparsers(dest="verb", required=True)
     keys_file = argparse.ArgumentParser(add_help=False)
@@ -154,6 +156,12 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["bench"]:
+        # The benchmark has its own parser (bench/agent/harness.py); imported only here.
+        from bench.agent.harness import run as run_bench
+
+        return run_bench(argv[1:])
     args = _parser().parse_args(argv)
     # `kill -USR1 PID` prints every thread's stack: how to see where a process hangs.
     try:

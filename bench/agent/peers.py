@@ -67,6 +67,11 @@ def tree_rss(pid: int) -> int:
     return total
 
 
+def served_model(url: str) -> str:
+    """The first model a server lists at /v1/models."""
+    return httpx.get(url + "/v1/models", timeout=10).json()["data"][0]["id"]
+
+
 class PeakRSS:
     """Samples a process tree's RSS every `interval` seconds in a thread; `.peak` in bytes."""
 
@@ -107,7 +112,7 @@ class Server:
 
     def model_name(self) -> str:
         """The `model` field the server accepts."""
-        return httpx.get(self.url + "/v1/models", timeout=10).json()["data"][0]["id"]
+        return served_model(self.url)
 
     def start(self, timeout: float = 600.0) -> "Server":
         self.log_dir.mkdir(parents=True, exist_ok=True)

