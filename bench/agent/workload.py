@@ -135,9 +135,9 @@ def chat_sessions(n_requests: int, scale: float, seed: int) -> list[list[Request
     return out
 
 
-def make(split: str, n_requests: int, scale: float, seed: int) -> list[list[Request]]:
+def make(split: str, n_requests: int, scale: float, seed: int, turns: int = 4) -> list[list[Request]]:
     if split == "agent":
-        return agent_sessions(n_requests, scale, seed)
+        return agent_sessions(n_requests, scale, seed, turns)
     if split == "chat":
         return chat_sessions(n_requests, scale, seed)
     raise ValueError(f"unknown split {split!r}: agent or chat")

@@ -1,0 +1,106 @@
+"""The load generator's outcome counts against a real engine + gateway, a closed port, and broken servers."""
+
+from __future__ import annotations
+
+import http.server
+import threading
+
+import pytest
+
+from bench.agent import loadgen, report, workload
+from bench.agent.peers import served_model
+from tests.e2e.servers import Engine, Gateway, free_port
+
+
+@pytest.fixture(scope="module")
+def gateway(tmp_path_factory):
+    logs = tmp_path_factory.mktemp("logs")
+    e = Engine(f"tcp://127.0.0.1:{free_port()}", str(logs / "engine.log")).start()
+    g = Gateway(e.endpoint, str(logs / "gateway.log")).start()
+    try:
+        g.wait_healthy()
+        yield g
+    finally:
+        g.stop()
+        e.stop()
+
+
+def _tiny(split: str, n: int, max_tokens: int = 8):
+    sessions = workload.make(split, n, 0.1, seed=1, turns=2)
+    for s in sessions:
+        for r in s:
+            r.max_tokens = max_tokens  # the gateway's test engine allows 512 tokens of context
+    return sessions
+
+
+def test_every_request_against_a_real_server_succeeds_with_counted_tokens(gateway):
+    sessions = _tiny("chat", 3)
+    model = served_model(gateway.url)
+    results, wall = loadgen.run(gateway.url, model, sessions, concurrency=2, timeout=120)
+    s = report.summarize(results, wall)
+    assert (s["requests"], s["ok"], s["http_error"], s["dropped"], s["empty"]) == (3, 3, 0, 0, 0), s["errors"]
+    # usage came through include_usage: real prompt counts, at most max_tokens out per request
+    assert all(r.prompt_tokens > 10 and 1 <= r.output_tokens <= 8 for r in results)
+    assert s["output_tokens"] == sum(r.output_tokens for r in results)
+    assert 0 < s["ttft_p50"] <= s["e2e_p50"] and s["total_tok_s"] > s["output_tok_s"] > 0
+
+
+def test_a_closed_port_counts_http_errors_not_successes():
+    results, wall = loadgen.run(f"http://127.0.0.1:{free_port()}", "m", _tiny("agent", 4), concurrency=2)
+    s = report.summarize(results, wall)
+    assert (s["requests"], s["ok"], s["http_error"], s["dropped"], s["empty"]) == (4, 0, 4, 0, 0)
+    assert s["ttft_p50"] is None and s["output_tok_s"] == 0
+
+
+class _Broken(http.server.BaseHTTPRequestHandler):
+    """Answers by path: a stream cut before its finish, a finished stream with no text, or a 500."""
+
+    def do_POST(self):
+        self.rfile.read(int(self.headers["Content-Length"]))
+        mode = self.server.mode
+        if mode == "500":
+            self.send_response(500)
+            self.end_headers()
+            self.wfile.write(b'{"error": "boom"}')
+            return
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.end_headers()
+        if mode == "drop":
+            self.wfile.write(b'data: {"choices": [{"delta": {"content": "Hel"}}]}\n\n')
+        else:  # empty
+            self.wfile.write(b'data: {"choices": [{"delta": {"content": ""}, "finish_reason": "stop"}]}\n\n'
+                             b"data: [DONE]\n\n")
+
+    def log_message(self, *a):
+        pass
+
+
+@pytest.mark.parametrize("mode,outcome", [("drop", "dropped"), ("empty", "empty"), ("500", "http_error")])
+def test_broken_streams_are_counted_apart(mode, outcome):
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Broken)
+    srv.mode = mode
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        results, wall = loadgen.run(f"http://127.0.0.1:{srv.server_address[1]}", "m", _tiny("chat", 2), 2)
+    finally:
+        srv.shutdown()
+    s = report.summarize(results, wall)
+    assert s[outcome] == 2 and s["ok"] == 0 and s["requests"] == 2
+
+
+def test_agent_sessions_share_the_system_prompt_and_grow_with_tool_results():
+    sessions = workload.make("agent", 8, 1.0, seed=0, turns=4)
+    assert [len(s) for s in sessions] == [4, 4]
+    system = {s[0].messages[0]["content"] for s in sessions}
+    assert len(system) == 1 and "read_file" in system.pop()
+    for s in sessions:
+        sizes = [r.approx_input_tokens for r in s]
+        assert sizes == sorted(sizes) and 800 <= sizes[0] <= 1300 and 4000 <= sizes[-1] <= 6000
+        assert all(20 <= r.max_tokens <= 200 for r in s)
+        last = s[-1].messages
+        assert any(m["role"] == "tool" for m in last) and any("<tool_call>" in m["content"] for m in last)
+        # each turn's prompt extends the previous one: what a prefix cache can reuse
+        assert s[1].messages[:len(s[0].messages)] == s[0].messages
+    small = workload.make("agent", 4, 0.25, seed=0, turns=4)[0]
+    assert small[-1].approx_input_tokens < sessions[0][-1].approx_input_tokens / 2
