@@ -16,7 +16,6 @@ from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass
 
 import mlx.core as mx
-import numpy as np
 from mlx.utils import tree_flatten
 
 from engined import memory_guard
@@ -28,8 +27,8 @@ from engined.model_kinds import make_kv_manager, make_runner
 from engined.sampler import Sampler, logprobs_for
 from engined.scheduler import Scheduler, SchedulerOutput
 from engined.structured import GrammarCompiler
-from engined.speculative import DraftProposer, Verifier, can_speculate, ngram_propose
-from shared.config import EngineConfig
+from engined.speculative import DraftProposer, Speculator
+from shared.config import EngineConfig, SpeculativeConfig
 from shared.errors import ContextLengthError, InvalidRequestError, ModelLoadError, OverloadedError
 from shared.protocol import RequestOutput
 from shared.sampling import SamplingParams
@@ -71,10 +70,11 @@ class Engine:
             mx.float32,
         )
         self.runner = make_runner(loaded.model, config, loaded.num_kv_heads, loaded.head_dim, dtype)
-        self.spec = config.speculative
         self.sampler = Sampler(loaded.vocab_size, loaded.eos_token_ids)
-        self.verifier = Verifier(self.sampler)
-        self.drafter = self._load_drafter(loaded, dtype) if self.spec and self.spec.method == "draft_model" else None
+        self.metrics = EngineMetrics(config.served_model_name or loaded.model_id, config.metrics_prefix)
+        spec = config.speculative
+        self.drafter = self._load_drafter(spec, loaded, dtype) if spec and spec.method == "draft_model" else None
+        self.speculator = Speculator(spec, self.sampler, self.drafter, self.metrics) if spec else None
         runners = [self.runner] + ([self.drafter.runner] if self.drafter else [])
         self.memory = memory_guard.plan(
             self.runner, config, self.max_model_len, loaded.vocab_size,
@@ -92,7 +92,6 @@ class Engine:
         # Requests whose grammar is compiling, and those whose grammar failed (id, error).
         self._compiling: list[Request] = []
         self._failed: list[tuple[str, InvalidRequestError]] = []
-        self.metrics = EngineMetrics(config.served_model_name or loaded.model_id, config.metrics_prefix)
         self.info = ModelInfo(
             model_id=loaded.model_id,
             served_model_name=config.served_model_name or loaded.model_id,
@@ -106,11 +105,11 @@ class Engine:
         self.grammars = GrammarCompiler(self.info.tokenizer_dir, loaded.vocab_size, loaded.eos_token_ids)
         self.sampler.grammars = self.grammars
 
-    def _load_drafter(self, target: LoadedModel, dtype: mx.Dtype) -> DraftProposer:
-        draft = load_model(self.spec.model, self.config.dtype)
+    def _load_drafter(self, spec: SpeculativeConfig, target: LoadedModel, dtype: mx.Dtype) -> DraftProposer:
+        draft = load_model(spec.model, self.config.dtype)
         if draft.vocab_size != target.vocab_size:
             raise ModelLoadError(
-                f"draft model {self.spec.model!r} has a vocabulary of {draft.vocab_size} tokens; "
+                f"draft model {spec.model!r} has a vocabulary of {draft.vocab_size} tokens; "
                 f"the target's has {target.vocab_size}: they must share a tokenizer"
             )
         runner = ModelRunner(draft.model, self.config.block_size, draft.num_kv_heads, draft.head_dim, dtype)
@@ -215,8 +214,8 @@ class Engine:
         outputs, self._aborted = self._aborted, []
         if self._compiling:
             self._check_grammars()
-        if self.spec is not None:
-            self._propose()
+        if self.speculator:
+            self.speculator.propose(self.scheduler.running, self.max_model_len)
         sched = self.scheduler.schedule()
         if not sched.scheduled:
             if self._compiling:
@@ -232,34 +231,15 @@ class Engine:
             for r, n in sched.scheduled
         ]
         tables = [self.kv.block_ids(r.request_id) for r, _ in sched.scheduled]
-        draft_probs = None
-        if self.drafter:
-            drafting = [(r, t) for (r, _), t in zip(sched.scheduled, tables) if r.spec_tokens]
-            if drafting:
-                draft_probs = self.drafter.propose([r for r, _ in drafting], [t for _, t in drafting])
+        if self.speculator:
+            self.speculator.draft(sched.scheduled, tables)
         logits = self.runner.execute(sched.scheduled, tables, num_logits)
-        emitted = self._sample(sched, num_logits, logits, draft_probs)
+        emitted = self._sample(sched, num_logits, logits)
         outputs += self._update(sched, emitted)
         self.metrics.on_step(sched.num_tokens, time.monotonic() - start, self.stats())
         return outputs
 
-    def _propose(self) -> None:
-        """Draft tokens for running requests that are decoding and may speculate."""
-        spec = self.spec
-        for req in self.scheduler.running:
-            room = min(spec.num_speculative_tokens, req.params.max_tokens - req.num_output_tokens - 1,
-                       self.max_model_len - req.num_tokens - 1)
-            if room <= 0 or req.num_computed_tokens != req.num_tokens - 1 or not can_speculate(req):
-                continue
-            if self.drafter:
-                # Room reserved now; the draft model fills it once the step is scheduled.
-                req.spec_tokens = [0] * room
-            else:
-                req.spec_tokens = ngram_propose(
-                    np.asarray(req.token_ids), room, spec.prompt_lookup_min, spec.prompt_lookup_max
-                )
-
-    def _sample(self, sched: SchedulerOutput, num_logits: list[int], logits: mx.array, draft_probs=None):
+    def _sample(self, sched: SchedulerOutput, num_logits: list[int], logits: mx.array) -> dict:
         """Sample plain rows and verify draft windows in one evaluation.
 
         Returns {request: (new tokens, their Logprob records or Nones)}.
@@ -275,38 +255,16 @@ class Engine:
             tokens, plp = self.sampler(logits[mx.array([o for _, o in plain])], preqs)
             pending += [tokens, plp or []]
         if spec:
-            sreqs = [r for r, _ in spec]
-            drafts = [list(r.spec_tokens) for r in sreqs]
-            rows_req = [r for r, d in zip(sreqs, drafts) for _ in range(len(d) + 1)]
-            idx = np.concatenate([np.arange(o, o + len(d) + 1) for (_, o), d in zip(spec, drafts)])
-            slogits = logits[mx.array(idx.astype(np.int32))]
-            accept, alt = self.verifier(slogits, sreqs, drafts, draft_probs)
-            slp = self.sampler.raw_logprobs(slogits, rows_req)
-            pending += [accept, alt, slp or []]
+            arrays, spec_results = self.speculator.verify(logits, spec)
+            pending += arrays
         mx.eval(pending)
-
         emitted = {}
         if plain:
             toks = tokens.tolist()
             lps = logprobs_for(plp, toks, preqs) if plp else [None] * len(preqs)
-            for req, tok, lp in zip(preqs, toks, lps):
-                emitted[req] = ([tok], [lp])
+            emitted = {req: ([tok], [lp]) for req, tok, lp in zip(preqs, toks, lps)}
         if spec:
-            acc, alts, start = accept.tolist(), alt.tolist(), 0
-            row_tokens = []
-            accepted = []
-            for d in drafts:
-                n_acc = next((j for j in range(len(d)) if not acc[start + j]), len(d))
-                new = d[:n_acc] + [alts[start + n_acc]]
-                accepted.append(n_acc)
-                row_tokens += new + [0] * (len(d) - n_acc)  # rows past the rejection emit nothing
-                start += len(d) + 1
-            lps = logprobs_for(slp, row_tokens, rows_req) if slp else [None] * len(rows_req)
-            start = 0
-            for req, d, n_acc in zip(sreqs, drafts, accepted):
-                emitted[req] = (row_tokens[start : start + n_acc + 1], lps[start : start + n_acc + 1])
-                start += len(d) + 1
-            self.metrics.on_spec([len(d) for d in drafts], accepted)
+            emitted.update(spec_results())
         return emitted
 
     def _update(self, sched: SchedulerOutput, emitted: dict) -> list[RequestOutput]:

@@ -18,7 +18,8 @@ import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
 from engined.request import Request
-from engined.sampler import Sampler, row_key
+from engined.sampler import Sampler, logprobs_for, row_key
+from shared.config import SpeculativeConfig
 
 _NEG = -1e30
 
@@ -151,3 +152,72 @@ class DraftProposer:
         for req, off in zip(reqs, offsets):
             req.draft_computed = off
         return mx.stack([row for per_req in rows for row in per_req + [zero]])
+
+
+class Speculator:
+    """One step's speculation: propose before scheduling, draft after it, verify with the target's logits."""
+
+    def __init__(self, config: SpeculativeConfig, sampler: Sampler, drafter: DraftProposer | None, metrics):
+        self.config = config
+        self.sampler = sampler
+        self.verifier = Verifier(sampler)
+        self.drafter = drafter
+        self.metrics = metrics
+        self._draft_probs: mx.array | None = None
+
+    def propose(self, running: list[Request], max_model_len: int) -> None:
+        """Draft tokens (n-gram) or reserved room (draft model) for requests that are decoding and may speculate."""
+        cfg = self.config
+        for req in running:
+            room = min(cfg.num_speculative_tokens, req.params.max_tokens - req.num_output_tokens - 1,
+                       max_model_len - req.num_tokens - 1)
+            if room <= 0 or req.num_computed_tokens != req.num_tokens - 1 or not can_speculate(req):
+                continue
+            if self.drafter:
+                # Room reserved now; the draft model fills it once the step is scheduled.
+                req.spec_tokens = [0] * room
+            else:
+                req.spec_tokens = ngram_propose(
+                    np.asarray(req.token_ids), room, cfg.prompt_lookup_min, cfg.prompt_lookup_max
+                )
+
+    def draft(self, scheduled: list[tuple[Request, int]], tables: list[list[int]]) -> None:
+        """With a draft model: fill the scheduled requests' reserved drafts (what survived the budget)."""
+        self._draft_probs = None
+        if self.drafter:
+            drafting = [(r, t) for (r, _), t in zip(scheduled, tables) if r.spec_tokens]
+            if drafting:
+                self._draft_probs = self.drafter.propose([r for r, _ in drafting], [t for _, t in drafting])
+
+    def verify(self, logits: mx.array, spec: list[tuple[Request, int]]):
+        """Verification graphs for requests with drafts (``(request, first logits row)``).
+
+        Returns (arrays to evaluate with the step, a function that after
+        evaluation gives {request: (new tokens, Logprob records or Nones)}).
+        """
+        reqs = [r for r, _ in spec]
+        drafts = [list(r.spec_tokens) for r in reqs]
+        rows_req = [r for r, d in zip(reqs, drafts) for _ in range(len(d) + 1)]
+        idx = np.concatenate([np.arange(o, o + len(d) + 1) for (_, o), d in zip(spec, drafts)])
+        rows = logits[mx.array(idx.astype(np.int32))]
+        accept, alt = self.verifier(rows, reqs, drafts, self._draft_probs)
+        lp = self.sampler.raw_logprobs(rows, rows_req)
+
+        def results():
+            acc, alts, start = accept.tolist(), alt.tolist(), 0
+            row_tokens, accepted = [], []
+            for d in drafts:
+                n_acc = next((j for j in range(len(d)) if not acc[start + j]), len(d))
+                accepted.append(n_acc)
+                # Rows past the first rejection emit nothing; they are padded to keep the layout.
+                row_tokens += d[:n_acc] + [alts[start + n_acc]] + [0] * (len(d) - n_acc)
+                start += len(d) + 1
+            lps = logprobs_for(lp, row_tokens, rows_req) if lp else [None] * len(rows_req)
+            out, start = {}, 0
+            for req, d, n_acc in zip(reqs, drafts, accepted):
+                out[req] = (row_tokens[start : start + n_acc + 1], lps[start : start + n_acc + 1])
+                start += len(d) + 1
+            self.metrics.on_spec([len(d) for d in drafts], accepted)
+            return out
+
+        return [accept, alt, lp or []], results
