@@ -184,23 +184,25 @@ def _response_format(output_config: dict | None) -> dict | None:
 
 async def _decode(request: Request, typ):
     gw: GatewayState = request.app.state.gw
-    gw.check_auth(request)
+    app = gw.check_auth(request)
     req = msgspec.json.decode(await read_body(request), type=typ)
     gw.require_ready()
-    return gw, req, gw.check_model(req.model)
+    return gw, app, req, gw.check_model(req.model)
 
 
 async def count_tokens(request: Request) -> Response:
-    gw, req, _ = await _decode(request, CountTokensRequest)
+    gw, _, req, _ = await _decode(request, CountTokensRequest)
     prompt = render(gw, chat_input(req), check_length=False)
     return Response(msgspec.json.encode({"input_tokens": len(prompt.ids)}), media_type="application/json")
 
 
 async def messages(request: Request) -> Response:
-    gw, req, model = await _decode(request, MessagesRequest)
+    gw, app, req, model = await _decode(request, MessagesRequest)
     if req.max_tokens < 1:
         raise InvalidRequestError("max_tokens must be at least 1", param="max_tokens")
-    run = ChatRun(gw, chat_input(req))
+    inp = chat_input(req)
+    inp.app = app
+    run = ChatRun(gw, inp)
     await run.start()
     mid = "msg_" + run.id
     if req.stream:

@@ -42,6 +42,8 @@ class ChatInput:
     # The last (assistant) message is the start of the answer, continued rather than closed.
     continue_final: bool = False
     param: str = "messages"
+    # The app of the request's key (per-app accounting in the engine).
+    app: str | None = None
 
 
 @dataclass
@@ -107,7 +109,8 @@ class ChatRun:
         # Formats whose markers are special tokens need them in the text to be parsed.
         skip_special = not (parser and parser.special_markers)
         stops = P.stop_list(inp.stop)
-        self.gen = Generation(gw.client, tok, [prompt.ids], params, 1, stops, False, skip_special, False)
+        self.gen = Generation(gw.client, tok, [prompt.ids], params, 1, stops, False, skip_special, False,
+                              app=inp.app)
         self.output = ChatOutput(gw.config.reasoning_parser, prompt.text, parser)
         self.keepalive = gw.config.sse_keepalive
         self._head: list = []

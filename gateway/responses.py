@@ -71,12 +71,15 @@ def _text(content, where: str) -> str:
     return "\n".join(texts)
 
 
-def _arguments(text: str):
-    """A call's arguments for the template: the object (templates render it), or the text if not JSON."""
+def _arguments(text: str, where: str) -> dict:
+    """A call's arguments as the object templates render (as the chat path gives them)."""
     try:
-        return json.loads(text)
-    except (TypeError, ValueError):
-        return text
+        value = json.loads(text) if text.strip() else {}
+    except ValueError:
+        value = None
+    if not isinstance(value, dict):
+        raise InvalidRequestError("function_call arguments must be a JSON object", param=where)
+    return value
 
 
 def _messages(req: ResponsesRequest) -> list[dict]:
@@ -99,8 +102,8 @@ def _messages(req: ResponsesRequest) -> list[dict]:
         elif kind == "function_call":
             if not all(isinstance(item.get(k), str) for k in ("call_id", "name", "arguments")):
                 raise InvalidRequestError("a function_call item needs call_id, name and arguments", param=at)
-            call = {"id": item["call_id"], "type": "function",
-                    "function": {"name": item["name"], "arguments": _arguments(item["arguments"])}}
+            args = _arguments(item["arguments"], f"{at}.arguments")
+            call = {"id": item["call_id"], "type": "function", "function": {"name": item["name"], "arguments": args}}
             # Calls made in one turn belong to one assistant message.
             if out and out[-1]["role"] == "assistant":
                 out[-1].setdefault("tool_calls", []).append(call)
@@ -163,7 +166,7 @@ def chat_input(req: ResponsesRequest) -> ChatInput:
 
 async def responses(request: Request) -> Response:
     gw: GatewayState = request.app.state.gw
-    gw.check_auth(request)
+    app = gw.check_auth(request)
     req = msgspec.json.decode(await read_body(request), type=ResponsesRequest)
     gw.require_ready()
     model = gw.check_model(req.model)
@@ -172,7 +175,9 @@ async def responses(request: Request) -> Response:
                                   "does not keep; send the whole conversation as input", param="previous_response_id")
     if req.store:
         raise InvalidRequestError("this server does not store responses; send store=false", param="store")
-    run = ChatRun(gw, chat_input(req))
+    inp = chat_input(req)
+    inp.app = app
+    run = ChatRun(gw, inp)
     await run.start()
     shell = _Shell("resp_" + run.id, model, req)
     if req.stream:

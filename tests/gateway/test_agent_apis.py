@@ -45,7 +45,8 @@ def test_anthropic_turns_become_chat_messages():
         {"role": "system", "content": "Be brief.\nUse tools."},
         {"role": "user", "content": "Add 2 and 3."},
         {"role": "assistant", "content": "Calling add.", "reasoning_content": "I should add.",
-         "tool_calls": [{"id": "toolu_1", "type": "function", "function": {"name": "add", "arguments": {"a": 2, "b": 3}}}]},
+         "tool_calls": [{"id": "toolu_1", "type": "function",
+                         "function": {"name": "add", "arguments": {"a": 2, "b": 3}}}]},
         {"role": "tool", "tool_call_id": "toolu_1", "content": "5"},
         {"role": "user", "content": "Thanks."}]
     assert inp.tools == [{"type": "function", "function": {"name": "add", "parameters": {"type": "object"},
@@ -112,7 +113,7 @@ def test_responses_items_become_chat_messages():
                {"type": "reasoning", "id": "rs_1", "summary": []},
                {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Checking."}]},
                {"type": "function_call", "call_id": "c1", "name": "w", "arguments": '{"city": "Rome"}'},
-               {"type": "function_call", "call_id": "c2", "name": "w", "arguments": "not json"},
+               {"type": "function_call", "call_id": "c2", "name": "w", "arguments": ""},
                {"type": "function_call_output", "call_id": "c1", "output": "sunny"}],
         tools=[{"type": "function", "name": "w", "parameters": {"type": "object"}, "strict": True}],
         tool_choice={"type": "function", "name": "w"},
@@ -124,13 +125,17 @@ def test_responses_items_become_chat_messages():
         {"role": "user", "content": "Weather?"},
         {"role": "assistant", "content": "Checking.", "tool_calls": [
             {"id": "c1", "type": "function", "function": {"name": "w", "arguments": {"city": "Rome"}}},
-            {"id": "c2", "type": "function", "function": {"name": "w", "arguments": "not json"}}]},
+            {"id": "c2", "type": "function", "function": {"name": "w", "arguments": {}}}]},
         {"role": "tool", "tool_call_id": "c1", "content": "sunny"}]
     assert inp.tools == [{"type": "function", "function": {"name": "w", "parameters": {"type": "object"}}}]
     assert inp.tool_choice == {"type": "function", "function": {"name": "w"}}
     assert inp.response_format == {"type": "json_schema", "json_schema": {"name": "f", "schema": {"type": "object"}}}
     assert inp.max_tokens == 9 and inp.param == "input"
     assert R.chat_input(responses_request(input="hi")).messages == [{"role": "user", "content": "hi"}]
+    with pytest.raises(InvalidRequestError) as err:
+        R.chat_input(responses_request(input=[
+            {"type": "function_call", "call_id": "c", "name": "w", "arguments": "not json"}]))
+    assert err.value.param == "input[0].arguments"
 
 
 def test_error_shapes_side_by_side():
