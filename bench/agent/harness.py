@@ -15,6 +15,7 @@ import argparse
 import datetime
 import os
 import shlex
+import signal
 import sys
 import time
 from pathlib import Path
@@ -56,23 +57,33 @@ def _launch(name: str, args, log_dir: Path, concurrency: int, sessions) -> peers
     from engined.loaders import default_model_path
 
     gguf = args.model or default_model_path()
+    longest = max(r.approx_input_tokens for s in sessions for r in s)
+    # Room in every slot for the longest prompt (the estimate is rough) and its output.
+    ctx = int(longest * 1.5) + 512
     if name == "mlxd":
-        return peers.Mlxd(log_dir, args.threads, gguf, shlex.split(args.mlxd_args))
+        extra = shlex.split(args.mlxd_args)
+        if "--num-kv-blocks" not in extra and "--gpu-memory-utilization" not in extra:
+            # The KV llama-server gets (ctx per slot x slots), not the memory guard's share of
+            # all RAM: on a machine shared with other work a 12 GB pool gets the engine OOM-killed.
+            extra += ["--num-kv-blocks", str(-(-ctx * max(concurrency, 1) // 16) + 64)]
+        return peers.Mlxd(log_dir, args.threads, gguf, extra)
     if name == "mlx_lm":
         from .convert import mlx_lm_dir
 
         target = peers.CACHE / (Path(gguf).stem + "-mlx-f32")
         return peers.MlxLm(log_dir, args.threads, mlx_lm_dir(target, gguf))
     if name == "llama-server":
-        longest = max(r.approx_input_tokens for s in sessions for r in s)
-        # Room in every slot for the longest prompt (the estimate is rough) and its output.
-        ctx = int(longest * 1.5) + 512
         return peers.LlamaServer(log_dir, args.threads, gguf, concurrency, ctx)
     raise SystemExit(f"unknown server {name!r}; one of {', '.join(SERVERS)}")
 
 
+def _sigterm(*_):
+    raise SystemExit(143)  # unwinds through `finally`, which stops the server under test
+
+
 def run(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
+    signal.signal(signal.SIGTERM, _sigterm)
     levels = [int(c) for c in args.concurrency.split(",")]
     sessions = workload.make(args.split, args.num_prompts, args.token_scale, args.seed, args.turns)
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%SZ")

@@ -12,6 +12,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -155,8 +156,11 @@ class Mlxd(Server):
         self.model, self.extra = model, list(extra)
 
     def command(self):
+        # Its own engine socket: the default one is per user, and another `mlxd serve` may hold it.
+        # A short temp path: Unix socket paths are limited to ~100 bytes.
+        sock = f"ipc://{tempfile.mkdtemp(prefix='mlxd-bench-')}/engine.sock"
         return [sys.executable, "-m", "shared.cli", "serve", *([self.model] if self.model else []),
-                "--port", str(self.port), "--log-level", "WARNING", *self.extra]
+                "--port", str(self.port), "--engine-endpoint", sock, "--log-level", "WARNING", *self.extra]
 
 
 class MlxLm(Server):
