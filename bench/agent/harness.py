@@ -90,12 +90,13 @@ def run(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     log_dir = out / "logs" / stamp
     names = ["url"] if args.url else [s.strip() for s in args.servers.split(",") if s.strip()]
-    if "llama-server" in names and not args.url and peers.find_llama_server() is None:
-        print("mlxd bench: llama-server not built (bench/install_llama_server.sh); skipping it", file=sys.stderr)
-        names.remove("llama-server")
-
     rows = []
     for name in names:
+        # Looked up when its turn comes: a build still running when the sweep starts may be done by then.
+        if name == "llama-server" and not args.url and peers.find_llama_server() is None:
+            print("mlxd bench: llama-server not built (bench/install_llama_server.sh); skipping it",
+                  file=sys.stderr)
+            continue
         for c in levels:
             runs, peak = [], 0
             for rep in range(args.repeats):
