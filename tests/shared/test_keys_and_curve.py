@@ -106,3 +106,10 @@ def test_curve_keys_are_made_once_with_private_secrets(tmp_path, monkeypatch, ca
     before = (d / "engine.key_secret").read_bytes()
     make_keys(str(d))  # again: the keys gateways hold copies of stay
     assert (d / "engine.key_secret").read_bytes() == before
+
+
+def test_listeners_default_to_loopback():
+    from shared.serve_config import DaemonConfig, GatewayConfig
+
+    assert GatewayConfig().host == "127.0.0.1" and DaemonConfig().metrics_host == "127.0.0.1"
+    assert DaemonConfig().engine_endpoint is None  # the ipc socket in the private runtime dir
