@@ -101,8 +101,10 @@ def test_memory_stays_flat_under_64_concurrent_long_requests(client, model, metr
     client.completions.create(model=model, prompt="warm up", max_tokens=4)
     active0, rss0 = mem()
 
+    patient = client.with_options(timeout=900)  # 64 long requests queue behind 16 running ones
+
     def long_request(i):
-        r = client.completions.create(model=model, prompt=f"Write a long story number {i} about the sea.",
+        r = patient.completions.create(model=model, prompt=f"Write a long story number {i} about the sea.",
                                       max_tokens=48, temperature=0.7, seed=i, extra_body={"ignore_eos": True})
         return r.usage.completion_tokens
 
