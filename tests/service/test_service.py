@@ -92,7 +92,7 @@ def _parse_back(argv):
     return args
 
 
-def test_launchd_agents_install_idempotently_and_uninstall_leaves_nothing(home):
+def test_launchd_agents_install_idempotently_and_uninstall_leaves_nothing(home, capsys):
     home, calls, state = home
     uid = os.getuid()
     assert cli.main([*INSTALL, "--manager", "launchd"]) == 0
@@ -161,7 +161,11 @@ def test_launchd_agents_install_idempotently_and_uninstall_leaves_nothing(home):
     assert cli.main(["service", "status", "--manager", "launchd"]) == 0
     calls()
 
-    (home / "Library" / "Logs" / "mlxd" / "engine.log").write_text("engine ready\n")
+    (home / "Library" / "Logs" / "mlxd" / "engine.log").write_text("loading\nengine ready\n")
+    capsys.readouterr()
+    assert cli.main(["service", "logs", "-n", "1", "--manager", "launchd"]) == 0
+    out = capsys.readouterr().out
+    assert "engine ready" in out and "loading" not in out
     assert cli.main(["service", "uninstall", "--manager", "launchd"]) == 0
     assert calls() == [
         ["launchctl", "print", f"{domain}/local.mlxd.gateway"],
