@@ -54,3 +54,14 @@ def test_a_shorter_array_from_an_older_peer_still_decodes_with_defaults():
     older = msgspec.msgpack.encode(["r", [1, 2], None])
     kind, msg = p.decode([Kind.OUTPUTS.value, msgspec.msgpack.encode([[msgspec.msgpack.decode(older)]])])
     assert msg.outputs[0].num_cached_tokens == 0 and msg.outputs[0].stop_token_id is None
+
+
+def test_add_request_carries_app_and_priority_after_the_salt():
+    add = p.AddRequest("r", [1], SamplingParams(), "salt", "app-a", -3)
+    assert msgspec.msgpack.decode(msgspec.msgpack.encode(add))[3:] == ["salt", "app-a", -3]
+    kind, msg = p.decode(p.encode(Kind.ADD, add))
+    assert (msg.app, msg.priority) == ("app-a", -3)
+    # An AddRequest of protocol 1 (no app, no priority) decodes with the defaults.
+    older = msgspec.msgpack.encode(["r", [1], msgspec.msgpack.decode(msgspec.msgpack.encode(SamplingParams())), None])
+    kind, msg = p.decode([Kind.ADD.value, older])
+    assert msg.app is None and msg.priority == 0
