@@ -50,6 +50,8 @@ class Scheduler:
 
         # Running requests first, best priority and oldest first; preempt from the other end.
         self.running.sort(key=lambda r: (r.priority, r.arrival_time))
+        fair_preempted = self._make_room_for_starved_apps()
+        out.preempted += fair_preempted
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
@@ -68,8 +70,9 @@ class Scheduler:
                 budget -= num_new
                 i += 1
 
-        # Admit waiting requests only if nothing had to be preempted this step.
-        while budget > 0 and not out.preempted and len(self.running) < self.max_num_seqs:
+        # Admit waiting requests only if no running request had to be preempted to grow.
+        pressure = len(out.preempted) > len(fair_preempted)
+        while budget > 0 and not pressure and len(self.running) < self.max_num_seqs:
             req = self._next_waiting()
             if req is None:
                 break
@@ -91,6 +94,49 @@ class Scheduler:
             out.scheduled.append((req, num_new))
             budget -= num_new
         return out
+
+    def _make_room_for_starved_apps(self) -> list[Request]:
+        """Preempt over-share apps' newest requests for waiting apps below their share.
+
+        Each app with work is due ``max_num_seqs // active apps`` running slots.
+        Admission order alone would make a second app wait for a flooding
+        app's requests to finish; this hands it its slots (and blocks) within a
+        step. Fairness never overrides priority, and an app at or under its
+        share is never preempted for another.
+        """
+        if not self.waiting or not self.running:
+            return []
+        counts: dict[str, int] = {}
+        for r in self.running:
+            counts[r.app] = counts.get(r.app, 0) + 1
+        ready = [r for r in self.waiting if r.ready]
+        share = max(1, self.max_num_seqs // len(set(counts) | {r.app for r in ready}))
+        free_slots = self.max_num_seqs - len(self.running)
+        free_blocks = self.kv.num_free_blocks
+        victims = []
+        for req in ready:
+            if counts.get(req.app, 0) >= share:
+                continue
+            need = self.kv.blocks_for(req.num_tokens)
+            if free_slots > 0 and need <= free_blocks:
+                free_slots, free_blocks = free_slots - 1, free_blocks - need  # admission will find room
+                counts[req.app] = counts.get(req.app, 0) + 1
+                continue
+            busiest = max(counts, key=counts.get)
+            if counts[busiest] <= share:
+                break
+            victim = next((r for r in reversed(self.running) if r.app == busiest and r.priority >= req.priority),
+                          None)
+            if victim is None:
+                continue
+            held = len(self.kv.req_blocks.get(victim.request_id, ()))
+            self.running.remove(victim)
+            self._preempt(victim)
+            victims.append(victim)
+            counts[busiest] -= 1
+            counts[req.app] = counts.get(req.app, 0) + 1
+            free_blocks += held - need
+        return victims
 
     def _next_waiting(self) -> Request | None:
         """The waiting request to admit next: best priority, then the app with the fewest running, then queue order.

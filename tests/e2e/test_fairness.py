@@ -1,10 +1,11 @@
 """Two apps with their own keys on one engine: an app flooding it cannot starve the other.
 
 App A keeps 64 requests in flight (four times the engine's running slots);
-app B sends 4 streams. B's requests go ahead of A's queue, so B's median time
-to first token is a fraction of A's own. The issue's goal, within twice B's
-time alone, is printed: on a CPU every running row slows each step, so it
-depends on the machine as much as on the scheduler.
+app B sends 4 streams. The scheduler preempts A's newest requests down to its
+fair share, so B's streams start within a step or two: B's median time to first
+token is a fraction of A's own, and close to B's time alone (the issue's goal
+is within 2x; the ratio is printed, and asserted below 3x because on a shared
+CPU every running row slows each step).
 """
 
 from __future__ import annotations
@@ -97,6 +98,7 @@ def test_a_flooding_app_does_not_starve_another(engine, tmp_path):
         assert not errors, errors[:3]
         # B is admitted ahead of A's queue: a fraction of what A's own requests wait.
         assert loaded < 0.5 * a_loaded
+        assert loaded < 3 * alone
     finally:
         stop.set()
         gw.stop()
