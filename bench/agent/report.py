@@ -99,10 +99,12 @@ def machine() -> dict:
     import os
 
     info = {"platform": platform.platform(), "python": platform.python_version(), "cpus": os.cpu_count()}
-    for pkg in ("mlx", "mlx_lm"):
+    from importlib import metadata
+
+    for pkg in ("mlxd", "mlx", "mlx-lm"):
         try:
-            info[pkg] = __import__(pkg).__version__
-        except Exception:  # a peer's package missing only means that peer is not run
+            info[pkg] = metadata.version(pkg)
+        except metadata.PackageNotFoundError:  # a peer's package missing only means that peer is not run
             pass
     return info
 
