@@ -1,9 +1,9 @@
 """Paged variable-length attention: one contract, several implementations.
 
 ``paged_attention`` runs the Metal kernel on a Metal GPU, the CUDA kernel on a
-CUDA GPU and the pure-MLX reference otherwise (the CPU, or a shape the kernel
-does not cover). ``MLXD_ATTENTION=reference`` forces the reference; it is read
-here, once, at import.
+CUDA GPU, the numpy host path on the CPU (float32), and the pure-MLX reference
+otherwise (a shape or dtype the others do not cover). ``MLXD_ATTENTION=reference``
+forces the reference; it is read here, once, at import.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import os
 
 import mlx.core as mx
 
-from kernels import gpu, reference
+from kernels import gpu, host, reference
 from kernels.metadata import AttentionMetadata
 from kernels.reference import write_kv
 
@@ -23,8 +23,10 @@ _FORCE_REFERENCE = os.environ.get("MLXD_ATTENTION", "").strip().lower() == "refe
 
 def backend() -> str:
     """Which implementation ``paged_attention`` uses on the current default device."""
-    if _FORCE_REFERENCE or mx.default_device().type != mx.DeviceType.gpu:
+    if _FORCE_REFERENCE:
         return "reference"
+    if mx.default_device().type != mx.DeviceType.gpu:
+        return "host"
     if mx.metal.is_available():
         return "metal"
     if mx.cuda.is_available():
@@ -49,7 +51,9 @@ def paged_attention(
     reference runs.
     """
     which = backend()
-    if which != "reference" and sinks is None:
+    if which == "host" and host.supported(q, k_cache):
+        return host.paged_attention(q, k_cache, v_cache, meta, scale, sliding_window, softcap, sinks)
+    if which in ("metal", "cuda") and sinks is None:
         out = gpu.paged_attention(which, q, k_cache, v_cache, meta, scale, sliding_window, softcap)
         if out is not None:
             return out

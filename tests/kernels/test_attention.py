@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import kernels
-from kernels import gpu, reference, source
+from kernels import gpu, host, reference, source
 from kernels.cases import dense_attention, make_case, rel_error
 from kernels.metadata import AttentionMetadata
 
@@ -103,12 +103,16 @@ def test_attention_write_kv_then_read_back_matches_dense(rng):
     _check(case)
 
 
-def test_attention_dispatch_uses_reference_on_cpu(rng):
+def test_attention_dispatch_uses_host_path_on_cpu_and_reference_for_half_precision(rng):
     assert mx.default_device().type == mx.DeviceType.cpu
-    assert kernels.backend() == "reference"
+    assert kernels.backend() == "host"
     case = make_case(rng, [1, 3], [9, 5], 4, 2, 64, 8)
     a = kernels.paged_attention(case.q, case.k_cache, case.v_cache, case.meta, case.scale)
-    b = reference.paged_attention(case.q, case.k_cache, case.v_cache, case.meta, case.scale)
+    b = host.paged_attention(case.q, case.k_cache, case.v_cache, case.meta, case.scale)
+    assert mx.array_equal(a, b)
+    half = make_case(rng, [1, 3], [9, 5], 4, 2, 64, 8, dtype=mx.float16)
+    a = kernels.paged_attention(half.q, half.k_cache, half.v_cache, half.meta, half.scale)
+    b = reference.paged_attention(half.q, half.k_cache, half.v_cache, half.meta, half.scale)
     assert mx.array_equal(a, b)
 
 
