@@ -18,7 +18,7 @@ from functools import lru_cache
 import mlx.core as mx
 import numpy as np
 
-from kernels import reference, source
+from kernels import source
 from kernels.metadata import AttentionMetadata
 
 HEAD_DIMS = (64, 80, 96, 128, 256)
@@ -27,7 +27,13 @@ SHARED_BYTES = {"metal": 32 * 1024, "cuda": 160 * 1024}
 # Block-table entries a decode partition stages in shared memory.
 TABLE_SLOTS = {"metal": 256, "cuda": 512}
 PARTITION_TOKENS = 512  # KV tokens per decode partition before the table limit stretches it
+SUBCHUNK = {"metal": 256, "cuda": 512}  # keys whose scores a decode group holds in shared memory at once
+ROW_REGISTERS = 64  # query-head elements per lane on the decode path (q and the accumulators each)
 SDPA_CHUNK_TOKENS = 64  # prefill chunks at least this long may take MLX's fused SDPA (see chunks_take_sdpa)
+NO_SKIP = 1 << 30
+# Run the kernel's rows (decode, short chunks) on a second stream beside the SDPA chunks, so
+# memory-bound decode and matrix-bound prefill can overlap on the GPU.
+SIDE_STREAM = False
 NT = source.NUM_THREADS
 NW = NT // 32
 
@@ -48,20 +54,37 @@ def lanes_per_token(head_dim: int) -> int:
 
 
 def decode_unroll(lanes: int) -> int:
-    """Tokens each lane group loads per decode step before using them (bytes in flight vs registers)."""
-    return 2 if lanes == 16 else 4
+    """K (or V) rows each lane group loads per decode step before using them: bytes in flight."""
+    return 4
 
 
-def decode_prefetch(lanes: int) -> bool:
-    """Whether a decode step issues the next step's loads before its own math."""
-    return True
-
-
-def shared_floats(dialect: str, head_dim: int, group: int) -> int:
+def tile_floats(dialect: str, head_dim: int) -> int:
     rt, bn = tile_shape(dialect, head_dim)
-    tile = head_dim * (rt + 4) + head_dim * (bn + 1) + rt * (bn + 1) + 2 * rt
-    row = NW * group * head_dim + 2 * NW * group
-    return max(tile, row)
+    return head_dim * (rt + 4) + head_dim * (bn + 1) + rt * (bn + 1) + 2 * rt
+
+
+def row_floats(dialect: str, head_dim: int, heads: int) -> int:
+    return 4 * heads + max(heads * SUBCHUNK[dialect], NW * heads * head_dim)
+
+
+def row_heads(dialect: str, head_dim: int, group: int) -> int:
+    """Query heads one decode group serves (a divisor of the GQA group): as many as fit in
+    registers and shared memory, so K/V are read once per group of them."""
+    el = head_dim // lanes_per_token(head_dim)
+    limit = (SHARED_BYTES[dialect] // 4) - TABLE_SLOTS[dialect]
+    for gh in range(group, 0, -1):
+        if group % gh == 0 and (gh * el <= ROW_REGISTERS or gh == 1) and row_floats(dialect, head_dim, gh) <= limit:
+            return gh
+    return 1
+
+
+def shared_floats(dialect: str, head_dim: int, group: int, rows: bool = True, tiles: bool = True) -> int:
+    need = 0
+    if rows:
+        need = row_floats(dialect, head_dim, row_heads(dialect, head_dim, group))
+    if tiles:
+        need = max(need, tile_floats(dialect, head_dim))
+    return need
 
 
 def supported(dialect: str, q: mx.array, k_cache: mx.array) -> bool:
@@ -93,28 +116,21 @@ def plan_partitions(meta: AttentionMetadata, dialect: str) -> tuple[int, int]:
 
 @lru_cache(maxsize=None)
 def _kernels(dialect: str, shared_bytes: int):
-    header, body = source.render_main(dialect)
-    rheader, rbody = source.render_reduce(dialect)
-    if dialect == "metal":
-        main = mx.fast.metal_kernel(
-            name="mlxd_paged_attention", input_names=source.MAIN_INPUTS,
-            output_names=source.MAIN_OUTPUTS, source=body, header=header,
-        )
-        reduce = mx.fast.metal_kernel(
-            name="mlxd_paged_attention_reduce", input_names=source.REDUCE_INPUTS,
-            output_names=source.REDUCE_OUTPUTS, source=rbody, header=rheader,
-        )
-    else:
-        main = mx.fast.cuda_kernel(
-            name="mlxd_paged_attention", input_names=source.MAIN_INPUTS,
-            output_names=source.MAIN_OUTPUTS, source=body, header=header,
-            shared_memory=shared_bytes,
-        )
-        reduce = mx.fast.cuda_kernel(
-            name="mlxd_paged_attention_reduce", input_names=source.REDUCE_INPUTS,
-            output_names=source.REDUCE_OUTPUTS, source=rbody, header=rheader,
-        )
-    return main, reduce
+    """(attention, merge, gather) kernels; CUDA fixes the dynamic shared memory per kernel object."""
+    parts = [("mlxd_paged_attention", source.render_main(dialect), source.MAIN_INPUTS, source.MAIN_OUTPUTS,
+              shared_bytes),
+             ("mlxd_paged_attention_reduce", source.render_reduce(dialect), source.REDUCE_INPUTS,
+              source.REDUCE_OUTPUTS, 0),
+             ("mlxd_paged_gather", source.render_gather(dialect), source.GATHER_INPUTS, source.GATHER_OUTPUTS, 0)]
+    made = []
+    for name, (header, body), inputs, outputs, smem in parts:
+        if dialect == "metal":
+            made.append(mx.fast.metal_kernel(name=name, input_names=inputs, output_names=outputs,
+                                             source=body, header=header))
+        else:
+            made.append(mx.fast.cuda_kernel(name=name, input_names=inputs, output_names=outputs,
+                                            source=body, header=header, shared_memory=smem))
+    return tuple(made)
 
 
 @lru_cache(maxsize=64)
@@ -123,49 +139,74 @@ def _fparams(scale: float, softcap: float, window: int) -> mx.array:
     return mx.array([scale, softcap, float(window)], dtype=mx.float32)
 
 
-def _decode_subset(meta: AttentionMetadata, decode: np.ndarray) -> AttentionMetadata:
-    """The metadata of just the decode requests ``decode``, in that order, one row each."""
-    idx = mx.array(decode.astype(np.int32))
-    rows = mx.array(meta.cu_seqlens_q_np[decode].astype(np.int32))
-    n = len(decode)
-    return AttentionMetadata(
-        cu_seqlens_q=mx.arange(n + 1, dtype=mx.int32),
+@lru_cache(maxsize=64)
+def _iparams(*values: int) -> mx.array:
+    return mx.array(np.array(values, dtype=np.int32))
+
+
+def _subset(meta: AttentionMetadata, reqs: np.ndarray) -> tuple[AttentionMetadata, np.ndarray]:
+    """The metadata of just the requests ``reqs`` (in that order), and their rows in the packed batch."""
+    qlens = meta.query_lens_np[reqs]
+    cu = np.zeros(len(reqs) + 1, dtype=np.int32)
+    np.cumsum(qlens, out=cu[1:])
+    starts = meta.cu_seqlens_q_np[reqs]
+    rows = (np.repeat(starts - cu[:-1], qlens) + np.arange(cu[-1])).astype(np.int32)
+    idx = mx.array(reqs.astype(np.int32))
+    rows_mx = mx.array(rows)
+    sub = AttentionMetadata(
+        cu_seqlens_q=mx.array(cu),
         seq_lens=meta.seq_lens[idx],
         block_tables=meta.block_tables[idx],
-        slot_mapping=meta.slot_mapping[rows],
-        positions=meta.positions[rows],
-        query_lens_np=np.ones(n, dtype=np.int32),
-        seq_lens_np=meta.seq_lens_np[decode],
-        cu_seqlens_q_np=np.arange(n + 1, dtype=np.int32),
+        slot_mapping=meta.slot_mapping[rows_mx],
+        positions=meta.positions[rows_mx],
+        query_lens_np=qlens.astype(np.int32),
+        seq_lens_np=meta.seq_lens_np[reqs],
+        cu_seqlens_q_np=cu,
         block_size=meta.block_size,
     )
+    return sub, rows
 
 
 class _StepPlan:
     """Launch plan of one step, shared by all its layers (same metadata object)."""
 
     __slots__ = ("meta", "dialect", "parts", "part_tokens", "iparams", "has_rows", "has_tiles", "long_chunks",
-                 "_decode")
+                 "_routed")
 
     def __init__(self, meta: AttentionMetadata, dialect: str):
         self.meta = meta
         self.dialect = dialect
         self.parts, self.part_tokens = plan_partitions(meta, dialect)
         width = meta.block_tables.shape[1]
-        self.iparams = mx.array(
-            np.array([meta.num_seqs, width, self.parts, self.part_tokens], dtype=np.int32)
-        )
+        self.iparams = _iparams(meta.num_seqs, width, self.parts, self.part_tokens, NO_SKIP)
         self.has_rows = bool((meta.query_lens_np == 1).any())
         self.has_tiles = bool((meta.query_lens_np > 1).any())
         self.long_chunks = bool((meta.query_lens_np >= SDPA_CHUNK_TOKENS).any())
-        self._decode = None
+        self._routed = None
 
-    def decode_plan(self) -> "_StepPlan":
-        """Plan of the decode rows alone (when the chunks take the SDPA route)."""
-        if self._decode is None:
-            decode = np.flatnonzero(self.meta.query_lens_np == 1)
-            self._decode = _StepPlan(_decode_subset(self.meta, decode), self.dialect)
-        return self._decode
+    def routed(self):
+        """(plan of the kernel's requests or None, their packed rows, SDPA runs) when long chunks
+        go to SDPA. A run is ``(first request, count, query_len, seq_len)``: adjacent long chunks
+        of one shape, which one batched SDPA call serves."""
+        if self._routed is None:
+            meta = self.meta
+            qlens, slens = meta.query_lens_np, meta.seq_lens_np
+            long = qlens >= SDPA_CHUNK_TOKENS
+            rest = np.flatnonzero(~long)
+            sub, rows = (None, np.zeros(0, dtype=np.int32))
+            if len(rest):
+                sub_meta, rows = _subset(meta, rest)
+                sub = _StepPlan(sub_meta, self.dialect)
+            runs = []
+            for b in np.flatnonzero(long):
+                b = int(b)
+                last = runs[-1] if runs else None
+                if last and last[0] + last[1] == b and (last[2], last[3]) == (qlens[b], slens[b]):
+                    runs[-1] = (last[0], last[1] + 1, last[2], last[3])
+                else:
+                    runs.append((b, 1, int(qlens[b]), int(slens[b])))
+            self._routed = (sub, rows, runs)
+        return self._routed
 
 
 _last_plan: list[_StepPlan] = []
@@ -189,10 +230,13 @@ def _launch(
     t, h, d = q.shape
     _, bs, hkv, _ = k_cache.shape
     g = h // hkv
+    gh = row_heads(dialect, d, g)
     rt, bn = tile_shape(dialect, d)
-    sf = shared_floats(dialect, d, g)
+    # Shared memory sized for the paths this batch uses: a decode-only launch keeps it small,
+    # so more groups fit on a multiprocessor.
+    sf = shared_floats(dialect, d, g, plan.has_rows, plan.has_tiles)
     si = max(TABLE_SLOTS[dialect], bn)
-    main, reduce = _kernels(dialect, 4 * (sf + si) if dialect == "cuda" else 0)
+    main, reduce, _ = _kernels(dialect, 4 * (sf + si) if dialect == "cuda" else 0)
     b = meta.num_seqs
     p = plan.parts
     nqb = t // (rt // g) + b
@@ -203,10 +247,10 @@ def _launch(
         inputs=[q, k_cache, v_cache, meta.cu_seqlens_q, meta.seq_lens, meta.block_tables,
                 plan.iparams, fparams],
         template=[("T", q.dtype), ("D", d), ("G", g), ("HKV", hkv), ("BS", bs), ("RT", rt),
-                  ("BN", bn), ("LPT", lpt), ("U", decode_unroll(lpt)),
-                  ("PF", decode_prefetch(lpt)), ("SMEM_F", sf), ("SMEM_I", si),
+                  ("BN", bn), ("LPT", lpt), ("U", decode_unroll(lpt)), ("GH", gh), ("NS", g // gh),
+                  ("SC", SUBCHUNK[dialect]), ("SMEM_F", sf), ("SMEM_I", si),
                   ("ROWS", plan.has_rows), ("TILES", plan.has_tiles)],
-        grid=(nqb * p * NT, hkv, 1),
+        grid=(nqb * p * NT, hkv * (g // gh), 1),
         threadgroup=(NT, 1, 1),
         output_shapes=[q.shape, split, (b * h * p * 2,) if p > 1 else (1,)],
         output_dtypes=[q.dtype, mx.float32, mx.float32],
@@ -216,12 +260,60 @@ def _launch(
     (merged,) = reduce(
         inputs=[out, part_o, part_ml, meta.cu_seqlens_q, meta.seq_lens, plan.iparams],
         template=[("T", q.dtype), ("D", d), ("H", h)],
-        grid=(t * NT, 1, 1),
+        grid=(t * NT, h, 1),
         threadgroup=(NT, 1, 1),
         output_shapes=[q.shape],
         output_dtypes=[q.dtype],
     )
     return merged
+
+
+def gather_context(dialect: str, cache: mx.array, tables: mx.array, length: int) -> mx.array:
+    """``[N, H_kv, length, D]``: the first ``length`` positions of each table's context, contiguous."""
+    _, bs, hkv, d = cache.shape
+    n = tables.shape[0]
+    w = 16 // cache.dtype.size
+    threads = hkv * length * (d // w)
+    _, _, gather = _kernels(dialect, 0)
+    (ctx,) = gather(
+        inputs=[cache, tables, _iparams(length, tables.shape[1])],
+        template=[("T", cache.dtype), ("D", d), ("HKV", hkv), ("BS", bs), ("W", w)],
+        grid=(-(-threads // NT) * NT, n, 1),
+        threadgroup=(NT, 1, 1),
+        output_shapes=[(n, hkv, length, d)],
+        output_dtypes=[cache.dtype],
+    )
+    return ctx
+
+
+def _sdpa_run(
+    dialect: str, q: mx.array, k_cache: mx.array, v_cache: mx.array, meta: AttentionMetadata,
+    run: tuple[int, int, int, int], scale: float, k_new: mx.array | None, v_new: mx.array | None,
+) -> mx.array:
+    """``[count * query_len, H, D]`` for ``count`` adjacent chunks of one shape, in packed order."""
+    b0, n, ql, sl = run
+    _, h, d = q.shape
+    hkv = k_cache.shape[2]
+    start = int(meta.cu_seqlens_q_np[b0])
+    # Views of the packed rows: SDPA reads them strided and writes its output in q's layout,
+    # so the result is already [rows, H, D] without a copy.
+    qv = q[start : start + n * ql].reshape(n, ql, h, d).transpose(0, 2, 1, 3)
+    if k_new is not None and v_new is not None and sl == ql:
+        # No cached context: the keys are exactly this step's new rows.
+        k = k_new[start : start + n * ql].reshape(n, ql, hkv, d).transpose(0, 2, 1, 3).astype(k_cache.dtype)
+        v = v_new[start : start + n * ql].reshape(n, ql, hkv, d).transpose(0, 2, 1, 3).astype(v_cache.dtype)
+    else:
+        tables = meta.block_tables[b0 : b0 + n]
+        k = gather_context(dialect, k_cache, tables, sl)
+        v = gather_context(dialect, v_cache, tables, sl)
+    # MLX's causal mask is aligned to the last key: exactly a chunk after its cached context.
+    out = mx.fast.scaled_dot_product_attention(qv, k, v, scale=scale, mask="causal")
+    return out.transpose(0, 2, 1, 3).reshape(n * ql, h, d)
+
+
+@lru_cache(maxsize=None)
+def _side_stream() -> mx.Stream:
+    return mx.new_stream(mx.gpu)
 
 
 def chunks_take_sdpa(plan: _StepPlan, q: mx.array, sliding_window: int | None, softcap: float | None) -> bool:
@@ -238,11 +330,13 @@ def chunks_take_sdpa(plan: _StepPlan, q: mx.array, sliding_window: int | None, s
 def paged_attention(
     dialect: str, q: mx.array, k_cache: mx.array, v_cache: mx.array, meta: AttentionMetadata,
     scale: float, sliding_window: int | None = None, softcap: float | None = None,
-    route_chunks: bool = True,
+    route_chunks: bool = True, k_new: mx.array | None = None, v_new: mx.array | None = None,
 ) -> mx.array | None:
     """The kernel's answer to ``reference.paged_attention``, or None where the kernel does not apply.
 
     ``route_chunks=False`` keeps long chunks on the tile path (one launch for the whole batch).
+    ``k_new, v_new [T, H_kv, D]``, this step's rows as written to the cache, let chunks
+    without cached context skip reading them back.
     """
     if not supported(dialect, q, k_cache):
         return None
@@ -250,9 +344,26 @@ def paged_attention(
     if not (route_chunks and chunks_take_sdpa(plan, q, sliding_window, softcap)):
         return _launch(plan, q, k_cache, v_cache, scale, sliding_window, softcap)
 
-    def decode_fn(decode: np.ndarray) -> mx.array:
-        rows = mx.array(meta.cu_seqlens_q_np[decode].astype(np.int32))
-        return _launch(plan.decode_plan(), q[rows], k_cache, v_cache, scale, sliding_window, softcap)
-
-    return reference.attention_by_kind(q, k_cache, v_cache, meta, scale, sliding_window, softcap,
-                                       decode_fn=decode_fn)
+    sub, rows, runs = plan.routed()
+    pieces, order = [], []
+    if sub is not None:
+        # The kernel's rows: a prefix of the batch is a view, anything else a gather of q.
+        prefix = rows[-1] == len(rows) - 1
+        q_sub = q[: len(rows)] if prefix else q[mx.array(rows)]
+        if SIDE_STREAM and runs:
+            with mx.stream(_side_stream()):
+                pieces.append(_launch(sub, q_sub, k_cache, v_cache, scale, sliding_window, softcap))
+        else:
+            pieces.append(_launch(sub, q_sub, k_cache, v_cache, scale, sliding_window, softcap))
+        order.append(rows)
+    cu = meta.cu_seqlens_q_np
+    for run in runs:
+        pieces.append(_sdpa_run(dialect, q, k_cache, v_cache, meta, run, scale, k_new, v_new))
+        order.append(np.arange(cu[run[0]], cu[run[0] + run[1]]))
+    packed = mx.concatenate(pieces, axis=0) if len(pieces) > 1 else pieces[0]
+    at = np.concatenate(order)
+    if (np.diff(at) > 0).all():
+        return packed
+    inverse = np.empty(meta.num_tokens, dtype=np.int32)
+    inverse[at] = np.arange(meta.num_tokens, dtype=np.int32)
+    return packed[mx.array(inverse)]

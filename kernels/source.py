@@ -6,7 +6,7 @@ group indices, the barrier, shared/threadgroup memory, lane shuffles, a few
 math intrinsics and a vector load helper. Whatever runs correctly on the GPU
 we can reach (CUDA) is therefore the same algorithm a Mac runs (Metal).
 
-Work split (``MAIN_BODY``, grid ``[num_qblocks * P, H_kv]``, 128 threads):
+Work split (``MAIN_BODY``, grid ``[num_qblocks * P, H_kv * NS]``, 128 threads):
 
 - Each thread group owns one *q-block* (up to ``RT // G`` query tokens of one
   request, all ``G`` query heads sharing one KV head) and one of ``P`` KV
@@ -15,15 +15,18 @@ Work split (``MAIN_BODY``, grid ``[num_qblocks * P, H_kv]``, 128 threads):
   that needs no host-side work list.
 - Decode rows (a request with one new token) take the *row path*: lanes split
   the head dim, warps split the tokens of the group's KV partition, and the
-  ``G`` heads of a GQA group share every K/V load. With ``P > 1`` each
-  partition writes an unnormalised partial (``acc, max, sum``) and
-  ``REDUCE_BODY`` merges them.
+  ``GH`` query heads of a group (all ``G`` of a KV head, or ``G / NS`` when
+  that many would not fit in registers) share every K/V load. Per sub-chunk
+  of keys: scores from K into shared memory, one softmax, then ``P @ V``.
+  With ``P > 1`` each partition writes an unnormalised partial
+  (``acc, max, sum``) and ``REDUCE_BODY`` merges them.
 - Longer query chunks take the *tile path*: a ``RT x BN`` score tile in
   registers from Q and K staged in shared memory, online softmax per row,
   then ``P @ V`` into register accumulators. Only partition 0 does tile work.
 
 Decode rows and prefill chunks of one step therefore run in one launch
-(``gpu.py`` sends long half-precision chunks to MLX's fused SDPA instead).
+(``gpu.py`` sends long half-precision chunks to MLX's fused SDPA instead, fed
+by ``GATHER_BODY``'s copy of their paged context).
 The CUDA rendering is checked against the reference on an H200; the Metal
 rendering shares every line of the algorithm but has not yet been compiled
 on a Mac.
@@ -47,6 +50,19 @@ template <int N, typename V>
 inline void load_vec(const device V* p, thread float* o) {
   for (int i = 0; i < N; ++i) o[i] = static_cast<float>(p[i]);
 }
+
+// N elements of one K/V row held as loaded; converted to float at use.
+template <int N, typename V>
+struct RawVec {
+  V r[N];
+  inline void load(const device V* p) {
+    for (int i = 0; i < N; ++i) r[i] = p[i];
+  }
+  inline float get(int i) const { return static_cast<float>(r[i]); }
+};
+
+// Copies 16 bytes (paged K/V gather).
+#define COPY16(dst, src) (*((device uint4*)(dst)) = *((const device uint4*)(src)))
 """
 
 METAL_PROLOGUE = r"""
@@ -95,6 +111,32 @@ __device__ inline void load_vec(const V* p, float* o) {
     for (int i = 0; i < N; ++i) o[i] = static_cast<float>(p[i]);
   }
 }
+
+// N elements of one K/V row held as loaded (16-byte vectors where the row allows): half the
+// registers of floats, so more loads stay in flight; converted to float at use.
+template <int N, typename V, bool VEC = (N * sizeof(V)) % 16 == 0>
+struct RawVec;
+template <int N, typename V>
+struct RawVec<N, V, true> {
+  uint4 r[N * sizeof(V) / 16];
+  __device__ inline void load(const V* p) {
+#pragma unroll
+    for (int i = 0; i < int(N * sizeof(V) / 16); ++i) r[i] = reinterpret_cast<const uint4*>(p)[i];
+  }
+  __device__ inline float get(int i) const { return static_cast<float>(reinterpret_cast<const V*>(r)[i]); }
+};
+template <int N, typename V>
+struct RawVec<N, V, false> {
+  V r[N];
+  __device__ inline void load(const V* p) {
+#pragma unroll
+    for (int i = 0; i < N; ++i) r[i] = p[i];
+  }
+  __device__ inline float get(int i) const { return static_cast<float>(r[i]); }
+};
+
+// Copies 16 bytes (paged K/V gather).
+#define COPY16(dst, src) (*reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(src))
 """
 
 CUDA_PROLOGUE = r"""
@@ -119,12 +161,13 @@ COMMON = r"""
 """
 
 # Inputs: q [T,H,D], k_cache/v_cache [NB,BS,HKV,D], cu_seqlens_q [B+1], seq_lens [B],
-# block_tables [B,MAXB], iparams [B, MAXB, P, PS], fparams [scale, softcap, window].
+# block_tables [B,MAXB], iparams [B, MAXB, P, PS, SKIP], fparams [scale, softcap, window].
 # Outputs: out [T,H,D], part_o [B,H,P,D] f32, part_ml [B,H,P,2] f32 (used when P > 1).
-# Template: T (q dtype), D, G, HKV, BS, RT, BN, LPT, U (decode tokens per lane group per step),
-# PF (prefetch the next decode step),
-# SMEM_F, SMEM_I, and ROWS/TILES: whether the batch has decode rows / longer chunks. A
-# path the batch does not need is compiled out, so it costs no registers.
+# Grid [num_qblocks * P, HKV * NS]. Template: T (q dtype), D, G, HKV, BS, RT, BN, LPT (lanes
+# per decode token), U (decode loads per lane in flight), GH (query heads per row group),
+# NS = G / GH, SC (keys per decode sub-chunk), SMEM_F, SMEM_I, and ROWS/TILES: whether the
+# batch has decode rows / chunks for the tile path. A path the batch does not need is
+# compiled out, so it costs no registers. Chunks of SKIP or more rows are left alone.
 MAIN_BODY = r"""
   constexpr int NT = 128;
   constexpr int NW = NT / 32;
@@ -137,7 +180,9 @@ MAIN_BODY = r"""
   const float scale = fparams[0];
   const float cap = fparams[1];
   const int WIN = int(fparams[2]);
-  const int kvh = gy;
+  const int kvh = gy / NS;  // NS groups split the G query heads of one KV head (GH each) on the row path
+  const int hs = gy - kvh * NS;
+  const int SKIP = iparams[4];  // chunks this long are left to another route (their rows untouched)
   // Grid order runs backwards over q-blocks: prefill chunks usually follow the decode rows
   // in a packed batch, and their longer-running tiles should start first, with the short
   // decode groups filling in around them rather than queueing ahead of them.
@@ -166,9 +211,14 @@ MAIN_BODY = r"""
   // Partitions past a decode row's context have nothing to do (and must not touch out).
   if (ROWS && q_start < qlen && qlen == 1 && part * PS < slen) {
     // ---------------- row path: one query token, split over KV partitions ----------------
-    constexpr int TPW = 32 / LPT;  // tokens a warp reads per step
-    constexpr int EL = D / LPT;    // head-dim elements per lane
-    constexpr int STEP = NW * TPW;
+    // Two phases per sub-chunk of SC keys: scores (K only) into shared memory, one softmax
+    // over them, then P @ V (V only). Each phase keeps just one operand's raw loads in
+    // registers, so a lane has U loads in flight with few registers and many groups fit.
+    constexpr int TPW = 32 / LPT;   // tokens a warp covers per load
+    constexpr int EL = D / LPT;     // head-dim elements per lane
+    constexpr int NTOK = NW * TPW;  // tokens the group covers per load
+    constexpr int STEP = U * NTOK;
+    const int h0 = kvh * G + hs * GH;  // first of this group's GH query heads
     const int pos = slen - 1;
     int lo = WIN > 0 ? IMAX(0, pos - WIN + 1) : 0;
     int hi = slen;
@@ -176,150 +226,130 @@ MAIN_BODY = r"""
     hi = IMIN(hi, (part + 1) * PS);
     const int blk0 = (part * PS) / BS;
 
+    TG float* m_s = smem;           // [GH] running max (log2 domain)
+    TG float* l_s = m_s + GH;       // [GH] running sum
+    TG float* a_s = l_s + GH;       // [GH] rescale of the accumulators for this sub-chunk
+    TG float* sc = a_s + 2 * GH;    // [GH][SC] scores, then probabilities
+    TG float* red = sc;             // [NW][GH][D] after the last sub-chunk (sized for both)
     // Stage this partition's slice of the block table: one dependent global load fewer per token.
     TG int* tbl = ismem;
     for (int i = tid; i < PS / BS && blk0 + i < MAXB; i += NT) {
       tbl[i] = block_tables[b * MAXB + blk0 + i];
     }
+    if (tid < GH) {
+      m_s[tid] = NEG_BIG;
+      l_s[tid] = 0.0f;
+    }
     BARRIER();
 
     const int slot = lane / LPT;
     const int li = lane % LPT;
-    float qr[G][EL];
-    float m[G];
-    float l[G];
-    float acc[G][EL];
-    UNROLL for (int g = 0; g < G; ++g) {
-      load_vec<EL>(q + ((long)q0 * H + kvh * G + g) * D + li * EL, qr[g]);
+    const int tok = warp * TPW + slot;
+    float qr[GH][EL];
+    float acc[GH][EL];
+    UNROLL for (int g = 0; g < GH; ++g) {
+      load_vec<EL>(q + ((long)q0 * H + h0 + g) * D + li * EL, qr[g]);
       UNROLL for (int e = 0; e < EL; ++e) {
         qr[g][e] *= qscale;
         acc[g][e] = 0.0f;
       }
-      m[g] = NEG_BIG;
-      l[g] = 0.0f;
     }
+#define ROW_ADDR(TK) (((long)(tbl[(TK) / BS - blk0] * BS + (TK) % BS) * HKV + kvh) * D + li * EL)
 
-    // U tokens per lane group per step: all their K/V loads are issued before the first
-    // use. With PF the next step's loads are issued before this step's math, so a warp
-    // keeps loads in flight while it computes. Step bounds are warp-uniform so every
-    // lane reaches every shuffle.
-#define ROW_LOAD_STEP(B0, KA, VA, OKA)                                                       \
-    UNROLL for (int u = 0; u < U; ++u) {                                                     \
-      const int tk = (B0) + slot + u * STEP;                                                 \
-      OKA[u] = tk < hi;                                                                      \
-      const int a = OKA[u] ? tk : lo;                                                        \
-      const long r = ((long)(tbl[a / BS - blk0] * BS + a % BS) * HKV + kvh) * D + li * EL;  \
-      load_vec<EL>(k_cache + r, KA[u]);                                                      \
-      load_vec<EL>(v_cache + r, VA[u]);                                                      \
-    }
-    float kx[U][EL];
-    float vx[U][EL];
-    bool okx[U];
-    float kn[PF ? U : 1][EL];
-    float vn[PF ? U : 1][EL];
-    bool okn[PF ? U : 1];
-    int base = lo + warp * TPW;
-    if (PF && base < hi) {
-      ROW_LOAD_STEP(base, kn, vn, okn)
-    }
-    for (; base < hi; base += U * STEP) {
-      if (PF) {
+    for (int c0 = lo; c0 < hi; c0 += SC) {
+      const int c1 = IMIN(c0 + SC, hi);
+      // Phase 1: scores. Loads past c1 read a valid row (c1 - 1) and are not stored.
+      for (int base = c0; base < c1; base += STEP) {
+        RawVec<EL, T> kr[U];
+        UNROLL for (int u = 0; u < U; ++u) kr[u].load(k_cache + ROW_ADDR(IMIN(base + u * NTOK + tok, c1 - 1)));
         UNROLL for (int u = 0; u < U; ++u) {
-          okx[u] = okn[u];
-          UNROLL for (int e = 0; e < EL; ++e) {
-            kx[u][e] = kn[u][e];
-            vx[u][e] = vn[u][e];
+          const int tk = base + u * NTOK + tok;
+          UNROLL for (int g = 0; g < GH; ++g) {
+            float sv = 0.0f;
+            UNROLL for (int e = 0; e < EL; ++e) sv += qr[g][e] * kr[u].get(e);
+            UNROLL for (int o = LPT / 2; o > 0; o >>= 1) sv += SHFL_XOR(sv, o);
+            if (cap > 0.0f) sv = cap * TANH(sv / cap) * LOG2E;
+            if (li == 0 && tk < c1) sc[g * SC + tk - c0] = sv;
           }
         }
-        if (base + U * STEP < hi) {
-          ROW_LOAD_STEP(base + U * STEP, kn, vn, okn)
-        }
-      } else {
-        ROW_LOAD_STEP(base, kx, vx, okx)
       }
-      UNROLL for (int g = 0; g < G; ++g) {
-        float sx[U];
-        float smax = NEG_BIG;
-        UNROLL for (int u = 0; u < U; ++u) {
-          float sv = 0.0f;
-          UNROLL for (int e = 0; e < EL; ++e) sv += qr[g][e] * kx[u][e];
-          UNROLL for (int o = LPT / 2; o > 0; o >>= 1) sv += SHFL_XOR(sv, o);
-          if (cap > 0.0f) sv = cap * TANH(sv / cap) * LOG2E;
-          sx[u] = okx[u] ? sv : NEG_BIG;
-          smax = FMAX(smax, sx[u]);
+      BARRIER();
+      // Softmax over the sub-chunk, one warp per head; the running max and sum carry over.
+      for (int g = warp; g < GH; g += NW) {
+        float mx_ = NEG_BIG;
+        for (int i = lane; i < c1 - c0; i += 32) mx_ = FMAX(mx_, sc[g * SC + i]);
+        UNROLL for (int o = 16; o > 0; o >>= 1) mx_ = FMAX(mx_, SHFL_XOR(mx_, o));
+        const float mo = m_s[g];
+        const float mn = FMAX(mo, mx_);
+        float sum = 0.0f;
+        for (int i = lane; i < c1 - c0; i += 32) {
+          const float p = EXP2(sc[g * SC + i] - mn);
+          sc[g * SC + i] = p;
+          sum += p;
         }
-        // Lazy rescale: the running max moves only when a score beats it by 2^8, so most
-        // steps skip rescaling the accumulators; p <= 256 stays exact enough in float.
-        if (smax > m[g] + 8.0f) {
-          const float al = EXP2(m[g] - smax);
-          l[g] *= al;
-          UNROLL for (int e = 0; e < EL; ++e) acc[g][e] *= al;
-          m[g] = smax;
-        }
-        UNROLL for (int u = 0; u < U; ++u) {
-          const float p = okx[u] ? EXP2(sx[u] - m[g]) : 0.0f;
-          l[g] += p;
-          UNROLL for (int e = 0; e < EL; ++e) acc[g][e] += p * vx[u][e];
+        UNROLL for (int o = 16; o > 0; o >>= 1) sum += SHFL_XOR(sum, o);
+        if (lane == 0) {
+          const float al = EXP2(mo - mn);
+          a_s[g] = al;
+          l_s[g] = l_s[g] * al + sum;
+          m_s[g] = mn;
         }
       }
+      BARRIER();
+      UNROLL for (int g = 0; g < GH; ++g) {
+        const float al = a_s[g];
+        UNROLL for (int e = 0; e < EL; ++e) acc[g][e] *= al;
+      }
+      // Phase 2: P @ V.
+      for (int base = c0; base < c1; base += STEP) {
+        RawVec<EL, T> vr[U];
+        UNROLL for (int u = 0; u < U; ++u) vr[u].load(v_cache + ROW_ADDR(IMIN(base + u * NTOK + tok, c1 - 1)));
+        UNROLL for (int u = 0; u < U; ++u) {
+          const int tk = base + u * NTOK + tok;
+          const bool ok = tk < c1;
+          const int ti = ok ? tk - c0 : 0;
+          UNROLL for (int g = 0; g < GH; ++g) {
+            const float p = ok ? sc[g * SC + ti] : 0.0f;
+            UNROLL for (int e = 0; e < EL; ++e) acc[g][e] += p * vr[u].get(e);
+          }
+        }
+      }
+      BARRIER();  // the next sub-chunk (or the merge below) overwrites sc
     }
-#undef ROW_LOAD_STEP
+#undef ROW_ADDR
 
-    // Merge the token slots of a warp (lanes that differ above the LPT bits).
+    // Every lane's accumulators share the group's max: the merge is a plain sum, first over
+    // the token slots of a warp, then over the warps through shared memory.
     UNROLL for (int o = LPT; o < 32; o <<= 1) {
-      UNROLL for (int g = 0; g < G; ++g) {
-        const float mo = SHFL_XOR(m[g], o);
-        const float lo2 = SHFL_XOR(l[g], o);
-        const float mn = FMAX(m[g], mo);
-        const float ca = EXP2(m[g] - mn);
-        const float cb = EXP2(mo - mn);
-        l[g] = l[g] * ca + lo2 * cb;
-        UNROLL for (int e = 0; e < EL; ++e) {
-          acc[g][e] = acc[g][e] * ca + SHFL_XOR(acc[g][e], o) * cb;
-        }
-        m[g] = mn;
+      UNROLL for (int g = 0; g < GH; ++g) {
+        UNROLL for (int e = 0; e < EL; ++e) acc[g][e] += SHFL_XOR(acc[g][e], o);
       }
     }
-
-    // Merge the warps through shared memory.
-    TG float* red = smem;                 // [NW][G][D]
-    TG float* red_m = smem + NW * G * D;  // [NW][G]
-    TG float* red_l = red_m + NW * G;     // [NW][G]
     if (slot == 0) {
-      UNROLL for (int g = 0; g < G; ++g) {
-        UNROLL for (int e = 0; e < EL; ++e) red[(warp * G + g) * D + li * EL + e] = acc[g][e];
-        if (li == 0) {
-          red_m[warp * G + g] = m[g];
-          red_l[warp * G + g] = l[g];
-        }
+      UNROLL for (int g = 0; g < GH; ++g) {
+        UNROLL for (int e = 0; e < EL; ++e) red[(warp * GH + g) * D + li * EL + e] = acc[g][e];
       }
     }
     BARRIER();
-    for (int i = tid; i < G * D; i += NT) {
+    for (int i = tid; i < GH * D; i += NT) {
       const int g = i / D;
       const int d = i - g * D;
-      float mx_ = NEG_BIG;
-      UNROLL for (int w = 0; w < NW; ++w) mx_ = FMAX(mx_, red_m[w * G + g]);
-      float lsum = 0.0f;
       float o = 0.0f;
-      UNROLL for (int w = 0; w < NW; ++w) {
-        const float c = EXP2(red_m[w * G + g] - mx_);
-        lsum += red_l[w * G + g] * c;
-        o += red[(w * G + g) * D + d] * c;
-      }
-      const int h = kvh * G + g;
+      UNROLL for (int w = 0; w < NW; ++w) o += red[(w * GH + g) * D + d];
+      const float lsum = l_s[g];
+      const int h = h0 + g;
       if (slen <= PS) {  // a single partition: the merge pass copies this row as it is
         out[((long)q0 * H + h) * D + d] = static_cast<T>(lsum > 0.0f ? o / lsum : 0.0f);
       } else {
         const long pi = ((long)b * H + h) * P + part;
         part_o[pi * D + d] = o;
         if (d == 0) {
-          part_ml[pi * 2] = mx_;
+          part_ml[pi * 2] = m_s[g];
           part_ml[pi * 2 + 1] = lsum;
         }
       }
     }
-  } else if (TILES && q_start < qlen && qlen > 1 && part == 0) {
+  } else if (TILES && q_start < qlen && qlen > 1 && qlen < SKIP && part == 0 && hs == 0) {
     // ---------------- tile path: a chunk of query tokens, causal within the chunk ----------------
     constexpr int SR = RT * BN / NT;  // score rows per thread (one key column each)
     constexpr int QS = RT + 4;        // qT row stride: float4-aligned
@@ -449,14 +479,16 @@ MAIN_BODY = r"""
   }
 """
 
-# Inputs: full [T,H,D] (the attention pass output), part_o, part_ml, cu_seqlens_q, seq_lens, iparams. Output: out [T,H,D].
-# Template: T, D, H. One thread group per token: merges split decode rows, copies the rest.
+# Inputs: full [T,H,D] (the attention pass output), part_o, part_ml, cu_seqlens_q, seq_lens, iparams.
+# Output: out [T,H,D]. Template: T, D, H. Grid [T, H]: one thread group per (token, head)
+# merges a split decode row or copies the row as it is.
 REDUCE_BODY = r"""
   constexpr int NT = 128;
   const int B = iparams[0];
   const int P = iparams[2];
   const int PS = iparams[3];
   const int t = gx;
+  const int h = gy;
   int b = 0;
   {
     int n = B;
@@ -469,32 +501,49 @@ REDUCE_BODY = r"""
   }
   const int qlen = cu_seqlens_q[b + 1] - cu_seqlens_q[b];
   const int np = (seq_lens[b] + PS - 1) / PS;
-  const long row = (long)t * H * D;
+  const long row = ((long)t * H + h) * D;
   if (qlen == 1 && np > 1) {
-    for (int i = tid; i < H * D; i += NT) {
-      const int h = i / D;
-      const int d = i - h * D;
-      const long base = ((long)b * H + h) * P;
-      float mx_ = NEG_BIG;
-      for (int p = 0; p < np; ++p) mx_ = FMAX(mx_, part_ml[(base + p) * 2]);
-      float lsum = 0.0f;
+    const long base = ((long)b * H + h) * P;
+    float mx_ = NEG_BIG;
+    for (int p = 0; p < np; ++p) mx_ = FMAX(mx_, part_ml[(base + p) * 2]);
+    float lsum = 0.0f;
+    for (int p = 0; p < np; ++p) lsum += part_ml[(base + p) * 2 + 1] * EXP2(part_ml[(base + p) * 2] - mx_);
+    const float inv = lsum > 0.0f ? 1.0f / lsum : 0.0f;
+    for (int d = tid; d < D; d += NT) {
       float o = 0.0f;
-      for (int p = 0; p < np; ++p) {
-        const float c = EXP2(part_ml[(base + p) * 2] - mx_);
-        lsum += part_ml[(base + p) * 2 + 1] * c;
-        o += part_o[(base + p) * D + d] * c;
-      }
-      out[row + i] = static_cast<T>(lsum > 0.0f ? o / lsum : 0.0f);
+      for (int p = 0; p < np; ++p) o += part_o[(base + p) * D + d] * EXP2(part_ml[(base + p) * 2] - mx_);
+      out[row + d] = static_cast<T>(o * inv);
     }
   } else {
-    for (int i = tid; i < H * D; i += NT) out[row + i] = full[row + i];
+    for (int d = tid; d < D; d += NT) out[row + d] = full[row + d];
   }
+"""
+
+# Inputs: cache [NB,BS,HKV,D] (K or V), block_tables [N,MAXB] (the chunks' rows), iparams [L].
+# Output: ctx [N,HKV,L,D], each chunk's first L positions contiguous (what a dense
+# attention call takes). Template: T, D, HKV, BS, W (elements per 16 bytes). One thread
+# per 16 bytes; consecutive threads read one cache row and write along the head dim.
+GATHER_BODY = r"""
+  const int L = iparams[0];
+  const int MAXB = iparams[1];
+  constexpr int VPR = D / W;  // 16-byte vectors per row
+  const long i = (long)gx * 128 + tid;
+  const long rows = (long)gy * HKV * L;  // gy: the chunk
+  const long r = i / VPR;
+  if (r >= (long)HKV * L) return;
+  const int v = int(i - r * VPR);
+  const int h = int(r / L);
+  const int t = int(r - (long)h * L);
+  const long src = ((long)(block_tables[gy * MAXB + t / BS] * BS + t % BS) * HKV + h) * D + v * W;
+  COPY16(ctx + (rows + r) * D + v * W, cache + src);
 """
 
 MAIN_INPUTS = ["q", "k_cache", "v_cache", "cu_seqlens_q", "seq_lens", "block_tables", "iparams", "fparams"]
 MAIN_OUTPUTS = ["out", "part_o", "part_ml"]
 REDUCE_INPUTS = ["full", "part_o", "part_ml", "cu_seqlens_q", "seq_lens", "iparams"]
 REDUCE_OUTPUTS = ["out"]
+GATHER_INPUTS = ["cache", "block_tables", "iparams"]
+GATHER_OUTPUTS = ["ctx"]
 
 DIALECTS = ("metal", "cuda")
 _PRELUDES = {
@@ -513,3 +562,9 @@ def render_reduce(dialect: str) -> tuple[str, str]:
     """(header, source) of the split-KV merge pass; it needs no shared memory."""
     header, prologue, _ = _PRELUDES[dialect]
     return header + COMMON, prologue + REDUCE_BODY
+
+
+def render_gather(dialect: str) -> tuple[str, str]:
+    """(header, source) of the paged -> contiguous context copy that feeds dense attention."""
+    header, prologue, _ = _PRELUDES[dialect]
+    return header + COMMON, prologue + GATHER_BODY

@@ -151,10 +151,16 @@ def main() -> int:
     if args.cpu_dry_run:
         S = 32
 
-        def fake(dialect, q, kc, vc, meta, scale, window=None, softcap=None, route_chunks=True):
-            return reference.paged_attention(q, kc, vc, meta, scale, window, softcap)
+        # The GPU launches become the reference; planning, routing and assembly run as on the GPU.
+        def launch(plan, q, kc, vc, scale, window, softcap):
+            return reference.paged_attention(q, kc, vc, plan.meta, scale, window, softcap)
 
-        gpu.paged_attention = fake
+        def gather(dialect, cache, tables, length):
+            nb, bs, hkv, d = cache.shape
+            ctx = cache[tables[:, : -(-length // bs)]].reshape(tables.shape[0], -1, hkv, d)
+            return ctx[:, :length].transpose(0, 2, 1, 3)
+
+        gpu._launch, gpu.gather_context = launch, gather
     else:
         assert mx.cuda.is_available(), "MLX has no CUDA device here"
         mx.set_default_device(mx.gpu)
@@ -210,15 +216,13 @@ def main() -> int:
     err = rel_error(kernel(q, kc, vc, meta, scale), reference.paged_attention(q, kc, vc, meta, scale))
     drows = []
     dlog = []
-    saved = (gpu.lanes_per_token, gpu.decode_unroll, gpu.decode_prefetch, gpu.PARTITION_TOKENS)
-    default = (gpu.lanes_per_token(d), gpu.decode_unroll(gpu.lanes_per_token(d)),
-               gpu.decode_prefetch(gpu.lanes_per_token(d)), gpu.PARTITION_TOKENS)
-    variants = [(16, 2, True, 512), (16, 2, False, 512), (16, 4, False, 512), (16, 4, True, 512),
-                (32, 4, True, 512), (32, 8, False, 512), (16, 2, True, 1024), (16, 4, True, 1024)]
-    for lpt, u, pf, part_tokens in variants:
+    saved = (gpu.lanes_per_token, gpu.decode_unroll, gpu.PARTITION_TOKENS)
+    default = (gpu.lanes_per_token(d), gpu.decode_unroll(gpu.lanes_per_token(d)), gpu.PARTITION_TOKENS)
+    variants = [default] + [v for v in [(16, 8, 512), (16, 4, 256), (16, 8, 256), (16, 8, 1024), (16, 2, 512),
+                                        (8, 4, 512), (8, 8, 512), (32, 8, 512)] if v != default]
+    for lpt, u, part_tokens in variants:
         gpu.lanes_per_token = lambda _d, _v=lpt: _v
         gpu.decode_unroll = lambda _l, _v=u: _v
-        gpu.decode_prefetch = lambda _l, _v=pf: _v
         gpu.PARTITION_TOKENS = part_tokens
         gpu._last_plan.clear()
         p, _ = gpu.plan_partitions(meta, "cuda")
@@ -226,16 +230,14 @@ def main() -> int:
             sec, spread = bench(lambda: kernel(q, kc, vc, meta, scale))
             e = rel_error(kernel(q, kc, vc, meta, scale), reference.paged_attention(q, kc, vc, meta, scale))
         except Exception as exc:  # a variant that fails to build is reported, not fatal
-            print(f"variant {lpt},{u},{pf},{part_tokens}: {exc}", flush=True)
+            print(f"variant {lpt},{u},{part_tokens}: {exc}", flush=True)
             continue
-        mark = " (default)" if (lpt, u, pf, part_tokens) == default else ""
-        drows.append([f"{lpt} lanes/token, {u} tokens/step, prefetch {'on' if pf else 'off'}, "
-                      f"{part_tokens}-token partitions (P={p}){mark}",
+        mark = " (default)" if (lpt, u, part_tokens) == default else ""
+        drows.append([f"{lpt} lanes/token, {u} loads in flight per lane, {part_tokens}-token partitions (P={p}){mark}",
                       f"{sec * 1e6:.0f}", f"{kv_bytes / sec / 1e12:.2f}", f"{bound / sec:.0%}", f"{e:.1e}"])
-        dlog.append({"lpt": lpt, "u": u, "pf": pf, "partition": part_tokens, "P": p, "sec": sec,
-                     "spread": spread, "err": e})
+        dlog.append({"lpt": lpt, "u": u, "partition": part_tokens, "P": p, "sec": sec, "spread": spread, "err": e})
         print(drows[-1], flush=True)
-    gpu.lanes_per_token, gpu.decode_unroll, gpu.decode_prefetch, gpu.PARTITION_TOKENS = saved
+    gpu.lanes_per_token, gpu.decode_unroll, gpu.PARTITION_TOKENS = saved
     gpu._last_plan.clear()
     sec, _ = bench(lambda: reference.paged_attention(q, kc, vc, meta, scale), iters=5, reps=3)
     drows.append(["reference (gather + SDPA)", f"{sec * 1e6:.0f}", f"{kv_bytes / sec / 1e12:.2f}", f"{bound / sec:.0%}", ""])
@@ -293,6 +295,17 @@ def main() -> int:
     q = mx.random.normal((nseq * ctx, h, d)).astype(dt)
     out_k = kernel(q, kc, vc, meta, scale)
     out_r = reference.paged_attention(q, kc, vc, meta, scale)
+    # This step's K/V rows as the engine writes them (here: read back from the cache).
+    k_new = kc.reshape(-1, hkv, d)[meta.slot_mapping]
+    v_new = vc.reshape(-1, hkv, d)[meta.slot_mapping]
+    mx.eval(k_new, v_new)
+
+    def with_new():
+        return gpu.paged_attention("cuda", q, kc, vc, meta, scale, k_new=k_new, v_new=v_new)
+
+    nerr = rel_error(with_new(), out_r)
+    sec_n, _ = bench(with_new, iters=5, reps=5)
+    sec_g, _ = bench(lambda: gpu.gather_context("cuda", kc, meta.block_tables, ctx), iters=10, reps=5)
     out_t = gpu.paged_attention("cuda", q, kc, vc, meta, scale, route_chunks=False)
     perr = rel_error(out_k, out_r)
     terr = rel_error(out_t, out_r)
@@ -309,15 +322,17 @@ def main() -> int:
     md += [f"### Prefill: {nseq} x {ctx} new tokens, H={h}, H_kv={hkv}, D={d}, bf16 (causal FLOPs {flops / 1e9:.0f} G)\n",
            "| path | ms | TFLOP/s | vs padded SDPA |", "|---|---|---|---|",
            f"| kernels.paged_attention (default: chunks >= {gpu.SDPA_CHUNK_TOKENS} tokens to fused SDPA) | {sec_k * 1e3:.2f} | {flops / sec_k / 1e12:.1f} | {sec_s / sec_k:.2f}x |",
+           f"| same, given this step's K/V rows (`k_new`, `v_new`: no gather) | {sec_n * 1e3:.2f} | {flops / sec_n / 1e12:.1f} | {sec_s / sec_n:.2f}x |",
+           f"| of which: paged gather of one cache (K or V) for all chunks | {sec_g * 1e3:.3f} | | |",
            f"| kernel tile path only (one launch) | {sec_t * 1e3:.2f} | {flops / sec_t / 1e12:.1f} | {sec_s / sec_t:.2f}x |",
            f"| reference (gather + SDPA per chunk) | {sec_r * 1e3:.2f} | {flops / sec_r / 1e12:.1f} | {sec_s / sec_r:.2f}x |",
            f"| mx.fast.scaled_dot_product_attention, padded batch | {sec_s * 1e3:.2f} | {flops / sec_s / 1e12:.1f} | 1.00x |",
-           f"\nError vs reference: default {perr:.1e}, tile path {terr:.1e}.\n"]
-    log["prefill"] = {"kernel_sec": sec_k, "tile_sec": sec_t, "reference_sec": sec_r, "sdpa_sec": sec_s,
+           f"\nError vs reference: default {perr:.1e}, with k_new/v_new {nerr:.1e}, tile path {terr:.1e}.\n"]
+    log["prefill"] = {"kernel_sec": sec_k, "k_new_sec": sec_n, "gather_sec": sec_g, "k_new_err": nerr, "tile_sec": sec_t, "reference_sec": sec_r, "sdpa_sec": sec_s,
                       "err": perr, "tile_err": terr}
-    print("\n".join(md[-9:]), flush=True)
+    print("\n".join(md[-11:]), flush=True)
     flush()
-    del kc, vc, q, qp, kp, vp, out_k, out_r, out_t
+    del kc, vc, q, qp, kp, vp, out_k, out_r, out_t, k_new, v_new
 
     # -- mixed batches: one call vs its decode and prefill parts called separately
     mixed = [
@@ -339,8 +354,13 @@ def main() -> int:
         mx.eval(q_dec, q_pre)
         rows_md = []
         entry = {"title": title}
-        for label, route in (("default", True), ("tile path only", False)):
-            def call(qq, mm, _r=route):
+        for label, route, side in (("default", True, False), ("tile path only", False, False),
+                                   ("default, kernel rows on a second stream", True, True)):
+            if side and not any(x >= gpu.SDPA_CHUNK_TOKENS for x in pre_q):
+                continue
+
+            def call(qq, mm, _r=route, _s=side):
+                gpu.SIDE_STREAM = _s
                 return gpu.paged_attention("cuda", qq, kc, vc, mm, scale, route_chunks=_r)
             err = rel_error(call(q, meta_mix), reference.paged_attention(q, kc, vc, meta_mix, scale))
             s_mix, _ = bench(lambda: call(q, meta_mix), iters=10, reps=5)
@@ -350,6 +370,7 @@ def main() -> int:
             rows_md.append(f"| {label} | {s_mix * 1e6:.0f} | {s_dec * 1e6:.0f} | {s_pre * 1e6:.0f} | "
                            f"{s_both * 1e6:.0f} | {s_both / s_mix:.2f}x | {err:.1e} |")
             entry[label] = {"mixed": s_mix, "dec": s_dec, "pre": s_pre, "both": s_both, "err": err}
+            gpu.SIDE_STREAM = False
         s_ref, _ = bench(lambda: reference.paged_attention(q, kc, vc, meta_mix, scale), iters=5, reps=3)
         entry["reference"] = s_ref
         log["mixed"].append(entry)

@@ -14,8 +14,9 @@ import tempfile
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 
-from kernels import source  # noqa: E402
+from kernels import gpu, source  # noqa: E402
 
+SIZES = {"float32": 4, "float16": 2, "bfloat16": 2}
 CUDA_TYPES = {"float32": "float", "float16": "__half", "bfloat16": "__nv_bfloat16", "int32": "int32_t"}
 
 
@@ -44,10 +45,12 @@ def wrap(name, header, body, inputs, outputs, template):
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--arch", default="sm_90")
+    ap.add_argument("--unroll", type=int, default=4)
     ap.add_argument("--quick", action="store_true", help="one half and one float configuration only")
     args = ap.parse_args()
     h, b = source.render_main("cuda")
     rh, rb = source.render_reduce("cuda")
+    gh_, gb_ = source.render_gather("cuda")
     ok = True
     configs = [(dt, d, g) for dt in ("bfloat16", "float16", "float32")
                for d, g in ((128, 4), (64, 1), (80, 8), (96, 2), (256, 2))]
@@ -57,15 +60,20 @@ def main() -> int:
         ins = [("q", dt), ("k_cache", dt), ("v_cache", dt), ("cu_seqlens_q", "int32"),
                ("seq_lens", "int32"), ("block_tables", "int32"), ("iparams", "int32"), ("fparams", "float32")]
         outs = [("out", dt), ("part_o", "float32"), ("part_ml", "float32")]
-        tmpl = [("T", dt), ("D", d), ("G", g), ("HKV", 8), ("BS", 16), ("RT", 32), ("BN", 32),
-                ("LPT", {64: 8, 256: 32}.get(d, 16)), ("U", 2), ("PF", True), ("SMEM_F", 10000), ("SMEM_I", 512),
-                ("ROWS", True), ("TILES", True)]
+        gh = gpu.row_heads("cuda", d, g)
+        common = [("T", dt), ("D", d), ("G", g), ("HKV", 8), ("BS", 16), ("RT", 32), ("BN", 32),
+                  ("LPT", gpu.lanes_per_token(d)), ("U", args.unroll), ("GH", gh), ("NS", g // gh),
+                  ("SC", gpu.SUBCHUNK["cuda"]), ("SMEM_F", 10000), ("SMEM_I", 512)]
+        tmpl = common + [("ROWS", True), ("TILES", True)]
         src = wrap("attn", h, b, ins, outs, tmpl)
+        rows_only = wrap("attn_rows", h, b, ins, outs, common + [("ROWS", True), ("TILES", False)])
         rsrc = wrap("reduce", rh, rb,
                     [("full", dt), ("part_o", "float32"), ("part_ml", "float32"), ("cu_seqlens_q", "int32"),
                      ("seq_lens", "int32"), ("iparams", "int32")], [("out", dt)],
                     [("T", dt), ("D", d), ("H", 8 * g)])
-        for tag, text in (("main", src), ("reduce", rsrc)):
+        gsrc = wrap("gather", gh_, gb_, [("cache", dt), ("block_tables", "int32"), ("iparams", "int32")],
+                    [("ctx", dt)], [("T", dt), ("D", d), ("HKV", 8), ("BS", 16), ("W", 16 // SIZES[dt])])
+        for tag, text in (("main", src), ("rows only", rows_only), ("reduce", rsrc), ("gather", gsrc)):
             with tempfile.NamedTemporaryFile("w", suffix=".cu", delete=False) as f:
                 f.write(text)
             r = subprocess.run(["nvcc", "-std=c++17", f"-arch={args.arch}", "-c", "-o", os.devnull,

@@ -154,21 +154,75 @@ def test_kernel_grid_covers_every_query_row_once(rng, group):
             assert (seen == 1).all()
 
 
-def test_kernel_decode_subset_keeps_each_rows_context(rng):
-    """The decode rows of a mixed batch, planned alone when the chunks take the SDPA route."""
+def test_kernel_subset_keeps_each_rows_context(rng):
+    """The decode rows and short chunks of a mixed batch, planned alone when long chunks take SDPA."""
     qlens, slens = _mixed_lengths(rng, num_decode=6, prefill_chunks=[70, 9], max_ctx=200)
     case = make_case(rng, qlens, slens, 4, 2, 64, 8)
     meta = case.meta
-    decode = np.flatnonzero(meta.query_lens_np == 1)
-    sub = gpu._decode_subset(meta, decode)
-    assert sub.num_seqs == len(decode) and sub.num_tokens == len(decode)
-    assert (np.asarray(sub.seq_lens) == meta.seq_lens_np[decode]).all()
-    assert (np.asarray(sub.block_tables) == np.asarray(meta.block_tables)[decode]).all()
-    assert (np.asarray(sub.positions) == meta.seq_lens_np[decode] - 1).all()
-    rows = mx.array(meta.cu_seqlens_q_np[decode].astype(np.int32))
-    alone = reference.paged_attention(case.q[rows], case.k_cache, case.v_cache, sub, case.scale)
+    reqs = np.flatnonzero(meta.query_lens_np < gpu.SDPA_CHUNK_TOKENS)
+    sub, rows = gpu._subset(meta, reqs)
+    assert sub.num_seqs == len(reqs) and sub.num_tokens == len(rows) == meta.query_lens_np[reqs].sum()
+    assert (np.asarray(sub.seq_lens) == meta.seq_lens_np[reqs]).all()
+    assert (np.asarray(sub.block_tables) == np.asarray(meta.block_tables)[reqs]).all()
+    assert (np.asarray(sub.positions) == np.asarray(meta.positions)[rows]).all()
+    alone = reference.paged_attention(case.q[mx.array(rows)], case.k_cache, case.v_cache, sub, case.scale)
     full = reference.paged_attention(case.q, case.k_cache, case.v_cache, meta, case.scale)
-    assert rel_error(alone, full[rows]) < 1e-6
+    assert rel_error(alone, full[mx.array(rows)]) < 1e-6
+
+
+def _host_kernels(monkeypatch):
+    """Stand-ins for the two GPU launches of the chunk route, so its planning and assembly run here."""
+    def launch(plan, q, k_cache, v_cache, scale, window, softcap):
+        return reference.paged_attention(q, k_cache, v_cache, plan.meta, scale, window, softcap)
+
+    def gather(dialect, cache, tables, length):
+        nb, bs, hkv, d = cache.shape
+        blocks = -(-length // bs)
+        ctx = cache[tables[:, :blocks]].reshape(tables.shape[0], blocks * bs, hkv, d)
+        return ctx[:, :length].transpose(0, 2, 1, 3)
+
+    monkeypatch.setattr(gpu, "_launch", launch)
+    monkeypatch.setattr(gpu, "gather_context", gather)
+
+
+@pytest.mark.parametrize("order", ["decode first", "interleaved", "prefill only"])
+def test_kernel_chunk_route_batches_equal_chunks_and_keeps_packed_order(rng, monkeypatch, order):
+    _host_kernels(monkeypatch)
+    if order == "decode first":
+        qlens, slens = [1, 1, 5, 64, 64, 64, 80], [300, 17, 40, 64, 64, 64, 200]
+    elif order == "interleaved":
+        qlens, slens = [64, 1, 64, 64, 3, 1, 70, 70], [100, 50, 100, 100, 9, 700, 70, 70]
+    else:
+        qlens, slens = [96] * 4, [96] * 4
+    case = make_case(rng, qlens, slens, 8, 2, 64, 16, dtype=mx.float16)
+    meta = case.meta
+    plan = gpu._StepPlan(meta, "cuda")
+    sub, rows, runs = plan.routed()
+    long = np.flatnonzero(meta.query_lens_np >= gpu.SDPA_CHUNK_TOKENS)
+    assert sum(n for _, n, _, _ in runs) == len(long)
+    assert (sub is None) == (len(rows) == 0) and len(rows) + meta.query_lens_np[long].sum() == meta.num_tokens
+    for b0, n, ql, sl in runs:  # a run is adjacent chunks of one shape
+        assert (meta.query_lens_np[b0 : b0 + n] == ql).all() and (meta.seq_lens_np[b0 : b0 + n] == sl).all()
+    want = reference.paged_attention(case.q, case.k_cache, case.v_cache, meta, case.scale)
+    got = gpu.paged_attention("cuda", case.q, case.k_cache, case.v_cache, meta, case.scale)
+    assert rel_error(got, want) < 2e-3
+    # Chunks without cached context may read this step's K/V rows instead of the cache.
+    nb, bs, hkv, d = case.k_cache.shape
+    k_new = case.k_cache.reshape(nb * bs, hkv, d)[meta.slot_mapping]
+    v_new = case.v_cache.reshape(nb * bs, hkv, d)[meta.slot_mapping]
+    got = gpu.paged_attention("cuda", case.q, case.k_cache, case.v_cache, meta, case.scale, k_new=k_new, v_new=v_new)
+    assert rel_error(got, want) < 2e-3
+
+
+@pytest.mark.parametrize("dialect", source.DIALECTS)
+def test_kernel_decode_heads_divide_the_group_and_fit(dialect):
+    for d in gpu.HEAD_DIMS:
+        for g in (1, 2, 4, 7, 8, 16, 32):
+            gh = gpu.row_heads(dialect, d, g)
+            assert g % gh == 0 and gh >= 1
+            el = d // gpu.lanes_per_token(d)
+            assert gh * el <= gpu.ROW_REGISTERS or gh == 1
+            assert 4 * (gpu.row_floats(dialect, d, gh) + gpu.TABLE_SLOTS[dialect]) <= gpu.SHARED_BYTES[dialect]
 
 
 def test_kernel_partitions_cover_the_longest_decode_context():
@@ -208,8 +262,9 @@ def test_kernel_source_renders_one_body_in_both_dialects():
     for word in ["__shfl_xor_sync", "__syncthreads", "extern __shared__", "threadIdx.x"]:
         assert word in cuda_h + cuda_src and word not in metal_h + metal_src
     # The body itself names no dialect primitive.
-    for word in ["simd_", "threadgroup_", "__shfl", "__sync", "threadIdx", "blockIdx", "__shared__"]:
-        assert word not in source.MAIN_BODY and word not in source.REDUCE_BODY
+    for word in ["simd_", "threadgroup_", "__shfl", "__sync", "threadIdx", "blockIdx", "__shared__", "uint4"]:
+        for body in (source.MAIN_BODY, source.REDUCE_BODY, source.GATHER_BODY):
+            assert word not in body
     rh, rsrc = source.render_reduce("metal")
     assert rsrc.endswith(source.REDUCE_BODY) and "threadgroup float" not in rsrc
 
