@@ -63,15 +63,18 @@ class Sampler:
         k = max(r.params.logprobs or 0 for r in reqs)
         return lp, (mx.argsort(-lp, axis=-1)[:, :k] if k else None)
 
-    def process(self, logits: mx.array, reqs: list[Request]) -> mx.array:
+    def process(self, logits: mx.array, reqs: list[Request], allowed: mx.array | None = None) -> mx.array:
         """Logits after penalties, bias, min_tokens, then temperature and top-k/top-p/min-p.
 
         Greedy rows skip the temperature (their argmax is what counts). Rows of
         constrained requests first lose every token their grammar forbids, so
-        top-p and friends renormalize over what the grammar allows.
+        top-p and friends renormalize over what the grammar allows. Those masks
+        come from each grammar's current state unless ``allowed [S, V]`` (bool)
+        is given: a speculation window's rows each follow a different draft prefix.
         """
-        if self.grammars is not None and any(r.grammar is not None for r in reqs):
+        if allowed is None and self.grammars is not None and any(r.grammar is not None for r in reqs):
             allowed = self.grammars.token_bitmask([r.grammar for r in reqs])
+        if allowed is not None:
             logits = mx.where(allowed, logits, _NEG)
         logits = self._penalize(logits, reqs)
         if all(r.params.temperature == 0.0 for r in reqs):

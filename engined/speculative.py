@@ -9,6 +9,12 @@ otherwise by rejection sampling (keep ``d`` with probability
 An n-gram draft is deterministic, so its ``q`` is one-hot. Rejected tokens'
 K/V stay in slots past the request's computed length and are overwritten when
 those positions are computed again.
+
+A constrained request speculates too: its grammar is walked along the draft
+(``DraftWalk``), which cuts an n-gram draft at the first token the grammar
+rejects and masks each step of a draft model, and gives every window row its
+own mask. Target and draft distributions are both masked by it, so the
+verified tokens are what constrained plain decoding would have produced.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ from numpy.lib.stride_tricks import sliding_window_view
 
 from engined.request import Request
 from engined.sampler import Sampler, logprobs_for, row_key
+from engined.structured import DraftWalk
 from shared.config import SpeculativeConfig
 
 _NEG = -1e30
@@ -39,12 +46,12 @@ def ngram_propose(tokens: np.ndarray, k: int, n_min: int, n_max: int) -> list[in
 def can_speculate(req: Request) -> bool:
     """History-dependent logits processors would need re-running per draft position: those requests decode plainly.
 
-    So do constrained requests: their mask depends on every earlier token.
+    Grammars are history-dependent too, but their masks per draft position are
+    computed by walking the matcher (``Grammar.check_draft``, ``DraftWalk``).
     """
     p = req.params
     return (
         p.speculate
-        and req.grammar is None
         and p.repetition_penalty == 1.0
         and not p.presence_penalty
         and not p.frequency_penalty
@@ -59,21 +66,22 @@ class Verifier:
         self.sampler = sampler
 
     def __call__(self, logits: mx.array, reqs: list[Request], drafts: list[list[int]],
-                 draft_probs: mx.array | None = None):
+                 draft_probs: mx.array | None = None, allowed: mx.array | None = None):
         """``logits [sum(1 + k_i), V]`` rows in request order; returns (accept [R], alt [R]) arrays.
 
         Row ``j`` of request ``i`` decides draft ``drafts[i][j]`` (``accept``) and
         holds the token to emit if it is the first rejected one, or the bonus
         token after the last draft (``alt``). ``draft_probs`` (same rows; the
         bonus rows ignored) is the draft model's distribution; None for one-hot
-        (n-gram) drafts.
+        (n-gram) drafts. ``allowed [sum(1 + k_i), V]`` (bool) is each row's
+        grammar mask, needed when any request is constrained.
         """
         rows_req = [r for r, d in zip(reqs, drafts) for _ in range(len(d) + 1)]
         pos = [r.num_output_tokens + j for r, d in zip(reqs, drafts) for j in range(len(d) + 1)]
         draft_tok = np.array([t for d in drafts for t in list(d) + [0]], dtype=np.int32)
         is_bonus = np.array([j == len(d) for d in drafts for j in range(len(d) + 1)])
         logits = logits.astype(mx.float32)[:, : self.sampler.vocab_size]
-        processed = self.sampler.process(logits, rows_req)
+        processed = self.sampler.process(logits, rows_req, allowed)
         greedy = np.array([r.params.temperature == 0.0 for r in rows_req])
         d = mx.array(draft_tok)
         argmax = mx.argmax(processed, axis=-1)
@@ -116,42 +124,66 @@ class DraftProposer:
         self.runner = runner
         self.sampler = sampler
 
-    def propose(self, reqs: list[Request], tables: list[list[int]]) -> mx.array:
-        """Fill each request's ``spec_tokens`` (already sized) with drafts; returns their distributions.
+    def propose(self, reqs: list[Request], tables: list[list[int]]) -> tuple[mx.array, dict[Request, np.ndarray]]:
+        """Fill each request's ``spec_tokens`` (already sized) with drafts; returns their distributions and masks.
 
-        The result has the verifier's row layout: per request ``k`` rows of the
-        draft's distribution and one zero row for the bonus position.
+        The distributions have the verifier's row layout: per request ``k`` rows
+        of the draft's distribution and one zero row for the bonus position.
+        Constrained requests draft under their grammar; the masks (packed,
+        ``[k + 1, words]`` per constrained request) are those of the window rows.
         """
         ks = [len(r.spec_tokens) for r in reqs]
         pieces = [r.token_ids[r.draft_computed :] for r in reqs]
         offsets = [r.draft_computed for r in reqs]
         rows: list[list[mx.array]] = [[] for _ in reqs]
         vocab = self.sampler.vocab_size
-        for j in range(max(ks)):
-            active = [i for i, k in enumerate(ks) if k > j]
-            logits = self.runner.forward(
-                [pieces[i] for i in active], [offsets[i] for i in active], [tables[i] for i in active],
-                [1] * len(active),
-            )
-            areqs = [reqs[i] for i in active]
-            processed = self.sampler.process(logits.astype(mx.float32)[:, :vocab], areqs)
-            probs = mx.softmax(processed, axis=-1)
-            noise = mx.stack([
-                mx.random.gumbel((vocab,), key=row_key(r.seed + _DRAFT_SEED_OFFSET, r.num_output_tokens + j))
-                for r in areqs
-            ])
-            greedy = mx.array([r.params.temperature == 0.0 for r in areqs])
-            tokens = mx.where(greedy, mx.argmax(processed, axis=-1), mx.argmax(processed + noise, axis=-1))
-            mx.eval(tokens, probs, self.runner.caches())
-            for row, (i, tok) in enumerate(zip(active, tokens.tolist())):
-                reqs[i].spec_tokens[j] = tok
-                rows[i].append(probs[row])
-                offsets[i] += len(pieces[i])
-                pieces[i] = [tok]
+        walks = {i: DraftWalk(r.grammar.matcher, self.sampler.grammars.new_bits(k + 1))
+                 for i, (r, k) in enumerate(zip(reqs, ks)) if r.grammar is not None}
+        try:
+            for j in range(max(ks)):
+                active = [i for i, k in enumerate(ks) if k > j]
+                logits = self.runner.forward(
+                    [pieces[i] for i in active], [offsets[i] for i in active], [tables[i] for i in active],
+                    [1] * len(active),
+                )
+                areqs = [reqs[i] for i in active]
+                processed = self.sampler.process(logits.astype(mx.float32)[:, :vocab], areqs,
+                                                 self._row_masks(j, active, walks))
+                probs = mx.softmax(processed, axis=-1)
+                noise = mx.stack([
+                    mx.random.gumbel((vocab,), key=row_key(r.seed + _DRAFT_SEED_OFFSET, r.num_output_tokens + j))
+                    for r in areqs
+                ])
+                greedy = mx.array([r.params.temperature == 0.0 for r in areqs])
+                tokens = mx.where(greedy, mx.argmax(processed, axis=-1), mx.argmax(processed + noise, axis=-1))
+                mx.eval(tokens, probs, self.runner.caches())
+                for row, (i, tok) in enumerate(zip(active, tokens.tolist())):
+                    reqs[i].spec_tokens[j] = tok
+                    rows[i].append(probs[row])
+                    offsets[i] += len(pieces[i])
+                    pieces[i] = [tok]
+                    if i in walks:
+                        walks[i].push(tok)
+        finally:
+            # The matchers go back to the last accepted token whatever happened.
+            for walk in walks.values():
+                walk.finish()
         zero = mx.zeros((vocab,), dtype=mx.float32)
         for req, off in zip(reqs, offsets):
             req.draft_computed = off
-        return mx.stack([row for per_req in rows for row in per_req + [zero]])
+        probs = mx.stack([row for per_req in rows for row in per_req + [zero]])
+        return probs, {reqs[i]: walk.bits for i, walk in walks.items()}
+
+    def _row_masks(self, j: int, active: list[int], walks: dict[int, DraftWalk]) -> mx.array | None:
+        """Allowed tokens for draft position ``j`` of the active requests; None when none is constrained."""
+        if not any(i in walks for i in active):
+            return None
+        bits = self.sampler.grammars.new_bits(len(active))
+        for row, i in enumerate(active):
+            if i in walks:
+                walks[i].fill()
+                bits[row] = walks[i].bits[j]
+        return self.sampler.grammars.to_mask(bits)
 
 
 class Speculator:
@@ -164,10 +196,13 @@ class Speculator:
         self.drafter = drafter
         self.metrics = metrics
         self._draft_probs: mx.array | None = None
+        # This step's window masks (packed) of constrained requests with drafts.
+        self._bits: dict[Request, np.ndarray] = {}
 
     def propose(self, running: list[Request], max_model_len: int) -> None:
         """Draft tokens (n-gram) or reserved room (draft model) for requests that are decoding and may speculate."""
         cfg = self.config
+        self._bits = {}
         for req in running:
             room = min(cfg.num_speculative_tokens, req.params.max_tokens - req.num_output_tokens - 1,
                        max_model_len - req.num_tokens - 1)
@@ -180,6 +215,12 @@ class Speculator:
                 req.spec_tokens = ngram_propose(
                     np.asarray(req.token_ids), room, cfg.prompt_lookup_min, cfg.prompt_lookup_max
                 )
+                if req.grammar is not None and req.spec_tokens:
+                    # Cut before scheduling, so the budget is spent on tokens that can be accepted.
+                    bits = self.sampler.grammars.new_bits(len(req.spec_tokens) + 1)
+                    del req.spec_tokens[req.grammar.check_draft(req.spec_tokens, bits) :]
+                    if req.spec_tokens:
+                        self._bits[req] = bits
 
     def draft(self, scheduled: list[tuple[Request, int]], tables: list[list[int]]) -> None:
         """With a draft model: fill the scheduled requests' reserved drafts (what survived the budget)."""
@@ -187,7 +228,8 @@ class Speculator:
         if self.drafter:
             drafting = [(r, t) for (r, _), t in zip(scheduled, tables) if r.spec_tokens]
             if drafting:
-                self._draft_probs = self.drafter.propose([r for r, _ in drafting], [t for _, t in drafting])
+                self._draft_probs, self._bits = self.drafter.propose(
+                    [r for r, _ in drafting], [t for _, t in drafting])
 
     def verify(self, logits: mx.array, spec: list[tuple[Request, int]]):
         """Verification graphs for requests with drafts (``(request, first logits row)``).
@@ -200,7 +242,7 @@ class Speculator:
         rows_req = [r for r, d in zip(reqs, drafts) for _ in range(len(d) + 1)]
         idx = np.concatenate([np.arange(o, o + len(d) + 1) for (_, o), d in zip(spec, drafts)])
         rows = logits[mx.array(idx.astype(np.int32))]
-        accept, alt = self.verifier(rows, reqs, drafts, self._draft_probs)
+        accept, alt = self.verifier(rows, reqs, drafts, self._draft_probs, self._window_masks(reqs, drafts))
         lp = self.sampler.raw_logprobs(rows, rows_req)
 
         def results():
@@ -221,3 +263,13 @@ class Speculator:
             return out
 
         return [accept, alt, lp or []], results
+
+    def _window_masks(self, reqs: list[Request], drafts: list[list[int]]) -> mx.array | None:
+        """Allowed tokens of every window row (the scheduler may have cut drafts short), or None if unconstrained."""
+        if all(r.grammar is None for r in reqs):
+            return None
+        grammars = self.sampler.grammars
+        return grammars.to_mask(np.concatenate([
+            self._bits[r][: len(d) + 1] if r.grammar is not None else grammars.new_bits(len(d) + 1)
+            for r, d in zip(reqs, drafts)
+        ]))

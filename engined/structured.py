@@ -12,6 +12,11 @@ the bits (one per vocabulary entry, packed 32 to an int32) are computed by
 llguidance on its own threads into one numpy array and turned into a boolean
 mask on the device. Every accepted token advances the matcher; a matcher that
 has nothing left to match ends the request with ``stop``.
+
+A speculating request needs one mask per row of its verification window, each
+after a different prefix of the draft: ``DraftWalk`` consumes the draft
+tokens one by one, filling a mask before each, and rolls the matcher back, so
+that only the tokens verification accepts advance it for good.
 """
 
 from __future__ import annotations
@@ -100,6 +105,74 @@ class Grammar:
             return "stop"
         return "stop" if m.is_stopped() else None
 
+    def check_draft(self, draft: list[int], bits: np.ndarray) -> int:
+        """Masks for a verification window; returns how many leading draft tokens the grammar allows.
+
+        ``bits [len(draft) + 1, words]`` (int32, all set on entry) gets in row
+        ``i`` the allowed tokens after the first ``i`` draft tokens, for rows up
+        to the returned count ``n``; the draft must be cut to ``draft[:n]``.
+        The matcher ends where it started.
+        """
+        walk = DraftWalk(self.matcher, bits)
+        for token in draft:
+            walk.fill()
+            if not walk.push(token):
+                break
+        return walk.finish()
+
+
+class DraftWalk:
+    """Steps one matcher along a draft as it is made, filling the mask of each window row.
+
+    Call ``fill`` (the mask of row ``n``, where ``n`` draft tokens are
+    consumed), then ``push`` the token chosen there; ``finish`` fills the
+    row after the last consumed token and rolls the matcher back to where it
+    began. A token outside its row's mask is never consumed (a rejected token
+    would leave the matcher in an error state that rollback cannot undo), nor
+    is anything after the grammar has stopped (the request ends there). Rows
+    past the walk's end stay as they were: verification rejects at or before
+    them, or the request has ended.
+    """
+
+    __slots__ = ("matcher", "bits", "n", "filled", "open")
+
+    def __init__(self, matcher, bits: np.ndarray):
+        self.matcher = matcher
+        self.bits = bits
+        self.n = 0  # draft tokens consumed
+        self.filled = 0  # rows whose mask is computed
+        self.open = True
+
+    def fill(self) -> None:
+        if self.open and self.filled == self.n:
+            from llguidance.numpy import fill_next_token_bitmask
+
+            fill_next_token_bitmask(self.matcher, self.bits, self.n)
+            self.filled += 1
+
+    def push(self, token: int) -> bool:
+        """Consume the draft token of row ``n`` if its mask allows it; False ends the walk."""
+        allowed = self.open and self.filled > self.n and (self.bits[self.n, token >> 5] >> (token & 31)) & 1
+        if not allowed or not self.matcher.consume_token(token):
+            self.open = False
+            return False
+        self.n += 1
+        if self.matcher.is_stopped():
+            # Stopped: only EOS may follow, and consuming it would not count towards rollback.
+            self.fill()
+            self.open = False
+        return True
+
+    def finish(self) -> int:
+        """Fill the last row, roll the matcher back; returns the number of draft tokens it allowed."""
+        self.fill()
+        self.open = False
+        if self.n and not self.matcher.rollback(self.n):
+            # Only if llguidance's mask and matcher disagreed: the matcher is in
+            # error, and its request ends at its next token (``Grammar.accept``).
+            log.warning("grammar rollback failed: %s", self.matcher.get_error())
+        return self.n
+
 
 class GrammarCompiler:
     """Compiles grammars on worker threads and fills bitmasks for a step's constrained rows.
@@ -173,7 +246,15 @@ class GrammarCompiler:
             return None
         from llguidance.numpy import fill_next_token_bitmask_par
 
-        bits = np.full((len(grammars), self.words), -1, dtype=np.int32)
+        bits = self.new_bits(len(grammars))
         fill_next_token_bitmask_par(self._executor, rows, bits)
+        return self.to_mask(bits)
+
+    def new_bits(self, rows: int) -> np.ndarray:
+        """Packed masks ``[rows, words]`` (int32) allowing every token."""
+        return np.full((rows, self.words), -1, dtype=np.int32)
+
+    def to_mask(self, bits: np.ndarray) -> mx.array:
+        """Packed masks to allowed tokens ``[rows, V]`` (bool) on the device."""
         allowed = (mx.array(bits)[:, :, None] >> mx.array(_BITS)) & 1
-        return allowed.reshape(len(grammars), -1)[:, : self.vocab_size].astype(mx.bool_)
+        return allowed.reshape(len(bits), -1)[:, : self.vocab_size].astype(mx.bool_)
