@@ -29,7 +29,7 @@ PERSON = {
 
 @pytest.fixture(scope="module")
 def engine():
-    # n-gram speculation on, so the test also shows constrained requests stay out of it.
+    # n-gram speculation on: every test here also runs constrained requests through it.
     e = Engine(EngineConfig(num_kv_blocks=400, max_num_batched_tokens=256, max_num_seqs=16,
                             speculative_config='{"method": "ngram", "num_speculative_tokens": 3}'))
     yield e
@@ -146,11 +146,12 @@ def test_compiling_grammar_does_not_hold_back_other_requests(engine, tokenizer):
     assert plain_tokens_while_compiling > 0
 
 
-def test_constrained_requests_do_not_speculate(engine, tokenizer):
+def test_constrained_requests_may_speculate_unless_opted_out(engine, tokenizer):
     engine.add_request("c", chat_ids(tokenizer, "x"), params("json_object"))
-    req = engine.requests["c"]
-    assert not can_speculate(req)
-    engine.abort(["c"])
+    engine.add_request("off", chat_ids(tokenizer, "x"), params("json_object", speculate=False))
+    assert can_speculate(engine.requests["c"])
+    assert not can_speculate(engine.requests["off"])
+    engine.abort(["c", "off"])
     while engine.has_unfinished():
         engine.step()
 
