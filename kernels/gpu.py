@@ -31,9 +31,11 @@ SUBCHUNK = {"metal": 256, "cuda": 512}  # keys whose scores a decode group holds
 ROW_REGISTERS = 64  # query-head elements per lane on the decode path (q and the accumulators each)
 SDPA_CHUNK_TOKENS = 64  # prefill chunks at least this long may take MLX's fused SDPA (see chunks_take_sdpa)
 NO_SKIP = 1 << 30
-# Run the kernel's rows (decode, short chunks) on a second stream beside the SDPA chunks, so
-# memory-bound decode and matrix-bound prefill can overlap on the GPU.
-SIDE_STREAM = False
+# Decode accumulators wait in shared memory while a group computes scores: fewer registers
+# per thread, so more groups (and more loads in flight) per multiprocessor.
+DECODE_ACC_SHARED = True
+# Groups per multiprocessor a decode-only CUDA launch asks the compiler to fit (0: its choice).
+DECODE_MIN_GROUPS = 0
 NT = source.NUM_THREADS
 NW = NT // 32
 
@@ -55,7 +57,7 @@ def lanes_per_token(head_dim: int) -> int:
 
 def decode_unroll(lanes: int) -> int:
     """K (or V) rows each lane group loads per decode step before using them: bytes in flight."""
-    return 4
+    return 8
 
 
 def tile_floats(dialect: str, head_dim: int) -> int:
@@ -64,7 +66,8 @@ def tile_floats(dialect: str, head_dim: int) -> int:
 
 
 def row_floats(dialect: str, head_dim: int, heads: int) -> int:
-    return 4 * heads + max(heads * SUBCHUNK[dialect], NW * heads * head_dim)
+    acc = heads * head_dim // lanes_per_token(head_dim) * NT if DECODE_ACC_SHARED else 0
+    return 4 * heads + max(heads * SUBCHUNK[dialect], NW * heads * head_dim) + acc
 
 
 def row_heads(dialect: str, head_dim: int, group: int) -> int:
@@ -115,9 +118,11 @@ def plan_partitions(meta: AttentionMetadata, dialect: str) -> tuple[int, int]:
 
 
 @lru_cache(maxsize=None)
-def _kernels(dialect: str, shared_bytes: int):
-    """(attention, merge, gather) kernels; CUDA fixes the dynamic shared memory per kernel object."""
-    parts = [("mlxd_paged_attention", source.render_main(dialect), source.MAIN_INPUTS, source.MAIN_OUTPUTS,
+def _kernels(dialect: str, shared_bytes: int, min_groups: int = 0):
+    """(attention, merge, gather) kernels; CUDA fixes the dynamic shared memory per kernel object.
+    A launch bound changes the compiled code under the same template, so it is in the name."""
+    name = "mlxd_paged_attention" + (f"_lb{min_groups}" if min_groups else "")
+    parts = [(name, source.render_main(dialect, min_groups), source.MAIN_INPUTS, source.MAIN_OUTPUTS,
               shared_bytes),
              ("mlxd_paged_attention_reduce", source.render_reduce(dialect), source.REDUCE_INPUTS,
               source.REDUCE_OUTPUTS, 0),
@@ -236,7 +241,8 @@ def _launch(
     # so more groups fit on a multiprocessor.
     sf = shared_floats(dialect, d, g, plan.has_rows, plan.has_tiles)
     si = max(TABLE_SLOTS[dialect], bn)
-    main, reduce, _ = _kernels(dialect, 4 * (sf + si) if dialect == "cuda" else 0)
+    min_groups = DECODE_MIN_GROUPS if dialect == "cuda" and not plan.has_tiles else 0
+    main, reduce, _ = _kernels(dialect, 4 * (sf + si) if dialect == "cuda" else 0, min_groups)
     b = meta.num_seqs
     p = plan.parts
     nqb = t // (rt // g) + b
@@ -248,9 +254,9 @@ def _launch(
                 plan.iparams, fparams],
         template=[("T", q.dtype), ("D", d), ("G", g), ("HKV", hkv), ("BS", bs), ("RT", rt),
                   ("BN", bn), ("LPT", lpt), ("U", decode_unroll(lpt)), ("GH", gh), ("NS", g // gh),
-                  ("SC", SUBCHUNK[dialect]), ("SMEM_F", sf), ("SMEM_I", si),
+                  ("SC", SUBCHUNK[dialect]), ("AS", DECODE_ACC_SHARED), ("SMEM_F", sf), ("SMEM_I", si),
                   ("ROWS", plan.has_rows), ("TILES", plan.has_tiles)],
-        grid=(nqb * p * NT, hkv * (g // gh), 1),
+        grid=(nqb * p * hkv * (g // gh) * NT, 1, 1),
         threadgroup=(NT, 1, 1),
         output_shapes=[q.shape, split, (b * h * p * 2,) if p > 1 else (1,)],
         output_dtypes=[q.dtype, mx.float32, mx.float32],
@@ -268,22 +274,25 @@ def _launch(
     return merged
 
 
-def gather_context(dialect: str, cache: mx.array, tables: mx.array, length: int) -> mx.array:
-    """``[N, H_kv, length, D]``: the first ``length`` positions of each table's context, contiguous."""
-    _, bs, hkv, d = cache.shape
+def gather_context(
+    dialect: str, k_cache: mx.array, v_cache: mx.array, tables: mx.array, length: int,
+) -> tuple[mx.array, mx.array]:
+    """K and V ``[N, length, H_kv, D]``: the first ``length`` positions of each table's context,
+    in token order (the layout of this step's new rows), copied whole blocks at a time."""
+    _, bs, hkv, d = k_cache.shape
     n = tables.shape[0]
-    w = 16 // cache.dtype.size
-    threads = hkv * length * (d // w)
+    w = 16 // k_cache.dtype.size
+    threads = length * hkv * d // w
     _, _, gather = _kernels(dialect, 0)
-    (ctx,) = gather(
-        inputs=[cache, tables, _iparams(length, tables.shape[1])],
-        template=[("T", cache.dtype), ("D", d), ("HKV", hkv), ("BS", bs), ("W", w)],
+    k, v = gather(
+        inputs=[k_cache, v_cache, tables, _iparams(length, tables.shape[1])],
+        template=[("T", k_cache.dtype), ("D", d), ("HKV", hkv), ("BS", bs), ("W", w)],
         grid=(-(-threads // NT) * NT, n, 1),
         threadgroup=(NT, 1, 1),
-        output_shapes=[(n, hkv, length, d)],
-        output_dtypes=[cache.dtype],
+        output_shapes=[(n, length, hkv, d)] * 2,
+        output_dtypes=[k_cache.dtype] * 2,
     )
-    return ctx
+    return k, v
 
 
 def _sdpa_run(
@@ -300,20 +309,14 @@ def _sdpa_run(
     qv = q[start : start + n * ql].reshape(n, ql, h, d).transpose(0, 2, 1, 3)
     if k_new is not None and v_new is not None and sl == ql:
         # No cached context: the keys are exactly this step's new rows.
-        k = k_new[start : start + n * ql].reshape(n, ql, hkv, d).transpose(0, 2, 1, 3).astype(k_cache.dtype)
-        v = v_new[start : start + n * ql].reshape(n, ql, hkv, d).transpose(0, 2, 1, 3).astype(v_cache.dtype)
+        k = k_new[start : start + n * ql].reshape(n, ql, hkv, d).astype(k_cache.dtype)
+        v = v_new[start : start + n * ql].reshape(n, ql, hkv, d).astype(v_cache.dtype)
     else:
-        tables = meta.block_tables[b0 : b0 + n]
-        k = gather_context(dialect, k_cache, tables, sl)
-        v = gather_context(dialect, v_cache, tables, sl)
+        k, v = gather_context(dialect, k_cache, v_cache, meta.block_tables[b0 : b0 + n], sl)
+    k, v = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
     # MLX's causal mask is aligned to the last key: exactly a chunk after its cached context.
     out = mx.fast.scaled_dot_product_attention(qv, k, v, scale=scale, mask="causal")
     return out.transpose(0, 2, 1, 3).reshape(n * ql, h, d)
-
-
-@lru_cache(maxsize=None)
-def _side_stream() -> mx.Stream:
-    return mx.new_stream(mx.gpu)
 
 
 def chunks_take_sdpa(plan: _StepPlan, q: mx.array, sliding_window: int | None, softcap: float | None) -> bool:
@@ -350,11 +353,7 @@ def paged_attention(
         # The kernel's rows: a prefix of the batch is a view, anything else a gather of q.
         prefix = rows[-1] == len(rows) - 1
         q_sub = q[: len(rows)] if prefix else q[mx.array(rows)]
-        if SIDE_STREAM and runs:
-            with mx.stream(_side_stream()):
-                pieces.append(_launch(sub, q_sub, k_cache, v_cache, scale, sliding_window, softcap))
-        else:
-            pieces.append(_launch(sub, q_sub, k_cache, v_cache, scale, sliding_window, softcap))
+        pieces.append(_launch(sub, q_sub, k_cache, v_cache, scale, sliding_window, softcap))
         order.append(rows)
     cu = meta.cu_seqlens_q_np
     for run in runs:

@@ -6,7 +6,7 @@ group indices, the barrier, shared/threadgroup memory, lane shuffles, a few
 math intrinsics and a vector load helper. Whatever runs correctly on the GPU
 we can reach (CUDA) is therefore the same algorithm a Mac runs (Metal).
 
-Work split (``MAIN_BODY``, grid ``[num_qblocks * P, H_kv * NS]``, 128 threads):
+Work split (``MAIN_BODY``, grid ``[num_qblocks * P * H_kv * NS]``, 128 threads):
 
 - Each thread group owns one *q-block* (up to ``RT // G`` query tokens of one
   request, all ``G`` query heads sharing one KV head) and one of ``P`` KV
@@ -163,9 +163,9 @@ COMMON = r"""
 # Inputs: q [T,H,D], k_cache/v_cache [NB,BS,HKV,D], cu_seqlens_q [B+1], seq_lens [B],
 # block_tables [B,MAXB], iparams [B, MAXB, P, PS, SKIP], fparams [scale, softcap, window].
 # Outputs: out [T,H,D], part_o [B,H,P,D] f32, part_ml [B,H,P,2] f32 (used when P > 1).
-# Grid [num_qblocks * P, HKV * NS]. Template: T (q dtype), D, G, HKV, BS, RT, BN, LPT (lanes
+# Grid [num_qblocks * P * HKV * NS]. Template: T (q dtype), D, G, HKV, BS, RT, BN, LPT (lanes
 # per decode token), U (decode loads per lane in flight), GH (query heads per row group),
-# NS = G / GH, SC (keys per decode sub-chunk), SMEM_F, SMEM_I, and ROWS/TILES: whether the
+# NS = G / GH, SC (keys per decode sub-chunk), AS (decode accumulators wait in shared memory), SMEM_F, SMEM_I, and ROWS/TILES: whether the
 # batch has decode rows / chunks for the tile path. A path the batch does not need is
 # compiled out, so it costs no registers. Chunks of SKIP or more rows are left alone.
 MAIN_BODY = r"""
@@ -180,14 +180,19 @@ MAIN_BODY = r"""
   const float scale = fparams[0];
   const float cap = fparams[1];
   const int WIN = int(fparams[2]);
-  const int kvh = gy / NS;  // NS groups split the G query heads of one KV head (GH each) on the row path
-  const int hs = gy - kvh * NS;
+  // The grid is one dimension with the KV head fastest: every head's work of a q-block is
+  // scheduled together. NS groups split the G query heads of a KV head (GH each) on the row path.
+  constexpr int NY = HKV * NS;
+  const int hy = gx % NY;
+  const int kvh = hy / NS;
+  const int hs = hy - kvh * NS;
+  const int gq = gx / NY;
   const int SKIP = iparams[4];  // chunks this long are left to another route (their rows untouched)
   // Grid order runs backwards over q-blocks: prefill chunks usually follow the decode rows
   // in a packed batch, and their longer-running tiles should start first, with the short
   // decode groups filling in around them rather than queueing ahead of them.
-  const int qb = (cu_seqlens_q[B] / BQ + B - 1) - gx / P;
-  const int part = gx % P;
+  const int qb = (cu_seqlens_q[B] / BQ + B - 1) - gq / P;
+  const int part = gq % P;
 
   // The request owning q-block qb: the last b with cu[b] / BQ + b <= qb.
   int b = 0;
@@ -231,6 +236,7 @@ MAIN_BODY = r"""
     TG float* a_s = l_s + GH;       // [GH] rescale of the accumulators for this sub-chunk
     TG float* sc = a_s + 2 * GH;    // [GH][SC] scores, then probabilities
     TG float* red = sc;             // [NW][GH][D] after the last sub-chunk (sized for both)
+    TG float* acc_s = sc + IMAX(GH * SC, NW * GH * D);  // [GH * EL][NT] accumulators between sub-chunks (AS)
     // Stage this partition's slice of the block table: one dependent global load fewer per token.
     TG int* tbl = ismem;
     for (int i = tid; i < PS / BS && blk0 + i < MAXB; i += NT) {
@@ -245,19 +251,24 @@ MAIN_BODY = r"""
     const int slot = lane / LPT;
     const int li = lane % LPT;
     const int tok = warp * TPW + slot;
-    float qr[GH][EL];
+    // With AS the accumulators wait in shared memory while the scores phase runs, and q is
+    // reloaded per sub-chunk, so neither holds registers through the other phase.
     float acc[GH][EL];
     UNROLL for (int g = 0; g < GH; ++g) {
-      load_vec<EL>(q + ((long)q0 * H + h0 + g) * D + li * EL, qr[g]);
       UNROLL for (int e = 0; e < EL; ++e) {
-        qr[g][e] *= qscale;
         acc[g][e] = 0.0f;
+        if (AS) acc_s[(g * EL + e) * NT + tid] = 0.0f;
       }
     }
 #define ROW_ADDR(TK) (((long)(tbl[(TK) / BS - blk0] * BS + (TK) % BS) * HKV + kvh) * D + li * EL)
 
     for (int c0 = lo; c0 < hi; c0 += SC) {
       const int c1 = IMIN(c0 + SC, hi);
+      float qr[GH][EL];
+      UNROLL for (int g = 0; g < GH; ++g) {
+        load_vec<EL>(q + ((long)q0 * H + h0 + g) * D + li * EL, qr[g]);
+        UNROLL for (int e = 0; e < EL; ++e) qr[g][e] *= qscale;
+      }
       // Phase 1: scores. Loads past c1 read a valid row (c1 - 1) and are not stored.
       for (int base = c0; base < c1; base += STEP) {
         RawVec<EL, T> kr[U];
@@ -298,7 +309,7 @@ MAIN_BODY = r"""
       BARRIER();
       UNROLL for (int g = 0; g < GH; ++g) {
         const float al = a_s[g];
-        UNROLL for (int e = 0; e < EL; ++e) acc[g][e] *= al;
+        UNROLL for (int e = 0; e < EL; ++e) acc[g][e] = (AS ? acc_s[(g * EL + e) * NT + tid] : acc[g][e]) * al;
       }
       // Phase 2: P @ V.
       for (int base = c0; base < c1; base += STEP) {
@@ -312,6 +323,11 @@ MAIN_BODY = r"""
             const float p = ok ? sc[g * SC + ti] : 0.0f;
             UNROLL for (int e = 0; e < EL; ++e) acc[g][e] += p * vr[u].get(e);
           }
+        }
+      }
+      if (AS) {
+        UNROLL for (int g = 0; g < GH; ++g) {
+          UNROLL for (int e = 0; e < EL; ++e) acc_s[(g * EL + e) * NT + tid] = acc[g][e];
         }
       }
       BARRIER();  // the next sub-chunk (or the merge below) overwrites sc
@@ -519,31 +535,31 @@ REDUCE_BODY = r"""
   }
 """
 
-# Inputs: cache [NB,BS,HKV,D] (K or V), block_tables [N,MAXB] (the chunks' rows), iparams [L].
-# Output: ctx [N,HKV,L,D], each chunk's first L positions contiguous (what a dense
-# attention call takes). Template: T, D, HKV, BS, W (elements per 16 bytes). One thread
-# per 16 bytes; consecutive threads read one cache row and write along the head dim.
+# Inputs: k_cache/v_cache [NB,BS,HKV,D], block_tables [N,MAXB] (the chunks' rows), iparams [L, MAXB].
+# Outputs: k_ctx/v_ctx [N,L,HKV,D], each chunk's first L positions in token order (the
+# packed layout of new rows; dense attention reads it as a [N,HKV,L,D] view). Template: T,
+# D, HKV, BS, W (elements per 16 bytes). Grid [ceil(L * HKV * D / W), N]: one thread per 16
+# bytes of K and of V; a cache block is BS * HKV * D contiguous elements, copied in order.
 GATHER_BODY = r"""
   const int L = iparams[0];
   const int MAXB = iparams[1];
-  constexpr int VPR = D / W;  // 16-byte vectors per row
-  const long i = (long)gx * 128 + tid;
-  const long rows = (long)gy * HKV * L;  // gy: the chunk
-  const long r = i / VPR;
-  if (r >= (long)HKV * L) return;
-  const int v = int(i - r * VPR);
-  const int h = int(r / L);
-  const int t = int(r - (long)h * L);
-  const long src = ((long)(block_tables[gy * MAXB + t / BS] * BS + t % BS) * HKV + h) * D + v * W;
-  COPY16(ctx + (rows + r) * D + v * W, cache + src);
+  constexpr int VPT = HKV * D / W;  // 16-byte vectors per token
+  const int i = gx * 128 + tid;
+  if (i >= L * VPT) return;
+  const int t = i / VPT;
+  const int v = i - t * VPT;
+  const long src = (long)(block_tables[gy * MAXB + t / BS] * BS + t % BS) * VPT + v;
+  const long dst = (long)gy * L * VPT + i;
+  COPY16(k_ctx + dst * W, k_cache + src * W);
+  COPY16(v_ctx + dst * W, v_cache + src * W);
 """
 
 MAIN_INPUTS = ["q", "k_cache", "v_cache", "cu_seqlens_q", "seq_lens", "block_tables", "iparams", "fparams"]
 MAIN_OUTPUTS = ["out", "part_o", "part_ml"]
 REDUCE_INPUTS = ["full", "part_o", "part_ml", "cu_seqlens_q", "seq_lens", "iparams"]
 REDUCE_OUTPUTS = ["out"]
-GATHER_INPUTS = ["cache", "block_tables", "iparams"]
-GATHER_OUTPUTS = ["ctx"]
+GATHER_INPUTS = ["k_cache", "v_cache", "block_tables", "iparams"]
+GATHER_OUTPUTS = ["k_ctx", "v_ctx"]
 
 DIALECTS = ("metal", "cuda")
 _PRELUDES = {
@@ -552,9 +568,17 @@ _PRELUDES = {
 }
 
 
-def render_main(dialect: str) -> tuple[str, str]:
-    """(header, source) of the attention pass for ``dialect`` ("metal" or "cuda")."""
+def render_main(dialect: str, min_groups: int = 0) -> tuple[str, str]:
+    """(header, source) of the attention pass for ``dialect`` ("metal" or "cuda").
+
+    ``min_groups > 0`` (CUDA) asks the compiler to fit that many 128-thread groups on a
+    multiprocessor (``__launch_bounds__``); mx.fast.cuda_kernel writes the kernel's signature
+    itself, so the bound rides on the ``__global__`` macro the header redefines.
+    """
     header, prologue, shared = _PRELUDES[dialect]
+    if dialect == "cuda" and min_groups > 0:
+        header = header + (f"#undef __global__\n#define __global__ __location__(global) "
+                           f"__launch_bounds__({NUM_THREADS}, {min_groups})\n")
     return header + COMMON, prologue + shared + MAIN_BODY
 
 

@@ -155,10 +155,10 @@ def main() -> int:
         def launch(plan, q, kc, vc, scale, window, softcap):
             return reference.paged_attention(q, kc, vc, plan.meta, scale, window, softcap)
 
-        def gather(dialect, cache, tables, length):
-            nb, bs, hkv, d = cache.shape
-            ctx = cache[tables[:, : -(-length // bs)]].reshape(tables.shape[0], -1, hkv, d)
-            return ctx[:, :length].transpose(0, 2, 1, 3)
+        def gather(dialect, kc, vc, tables, length):
+            nb, bs, hkv, d = kc.shape
+            return tuple(c[tables[:, : -(-length // bs)]].reshape(tables.shape[0], -1, hkv, d)[:, :length]
+                         for c in (kc, vc))
 
         gpu._launch, gpu.gather_context = launch, gather
     else:
@@ -216,28 +216,38 @@ def main() -> int:
     err = rel_error(kernel(q, kc, vc, meta, scale), reference.paged_attention(q, kc, vc, meta, scale))
     drows = []
     dlog = []
-    saved = (gpu.lanes_per_token, gpu.decode_unroll, gpu.PARTITION_TOKENS)
-    default = (gpu.lanes_per_token(d), gpu.decode_unroll(gpu.lanes_per_token(d)), gpu.PARTITION_TOKENS)
-    variants = [default] + [v for v in [(16, 8, 512), (16, 4, 256), (16, 8, 256), (16, 8, 1024), (16, 2, 512),
-                                        (8, 4, 512), (8, 8, 512), (32, 8, 512)] if v != default]
-    for lpt, u, part_tokens in variants:
+    saved = (gpu.lanes_per_token, gpu.decode_unroll, gpu.PARTITION_TOKENS, gpu.DECODE_ACC_SHARED,
+             gpu.DECODE_MIN_GROUPS)
+    default = (gpu.lanes_per_token(d), gpu.decode_unroll(gpu.lanes_per_token(d)), gpu.PARTITION_TOKENS,
+               gpu.DECODE_ACC_SHARED, gpu.DECODE_MIN_GROUPS)
+    variants = [default] + [v for v in [(16, 8, 512, True, 0), (16, 8, 512, False, 0), (16, 8, 512, True, 5),
+                                        (16, 8, 512, False, 5), (16, 16, 512, True, 0), (16, 8, 1024, True, 0),
+                                        (16, 8, 1024, True, 5), (16, 8, 256, True, 5), (16, 4, 512, True, 6),
+                                        (8, 8, 512, True, 0)] if v != default]
+    for lpt, u, part_tokens, acc_shared, min_groups in variants:
         gpu.lanes_per_token = lambda _d, _v=lpt: _v
         gpu.decode_unroll = lambda _l, _v=u: _v
         gpu.PARTITION_TOKENS = part_tokens
+        gpu.DECODE_ACC_SHARED = acc_shared
+        gpu.DECODE_MIN_GROUPS = min_groups
         gpu._last_plan.clear()
         p, _ = gpu.plan_partitions(meta, "cuda")
         try:
             sec, spread = bench(lambda: kernel(q, kc, vc, meta, scale))
             e = rel_error(kernel(q, kc, vc, meta, scale), reference.paged_attention(q, kc, vc, meta, scale))
         except Exception as exc:  # a variant that fails to build is reported, not fatal
-            print(f"variant {lpt},{u},{part_tokens}: {exc}", flush=True)
+            print(f"variant {lpt},{u},{part_tokens},{acc_shared},{min_groups}: {exc}", flush=True)
             continue
-        mark = " (default)" if (lpt, u, part_tokens) == default else ""
-        drows.append([f"{lpt} lanes/token, {u} loads in flight per lane, {part_tokens}-token partitions (P={p}){mark}",
+        mark = " (default)" if (lpt, u, part_tokens, acc_shared, min_groups) == default else ""
+        drows.append([f"{lpt} lanes/token, {u} loads in flight per lane, {part_tokens}-token partitions (P={p}), "
+                      f"accumulators in {'shared memory' if acc_shared else 'registers'}"
+                      f"{f', launch bound {min_groups} groups/SM' if min_groups else ''}{mark}",
                       f"{sec * 1e6:.0f}", f"{kv_bytes / sec / 1e12:.2f}", f"{bound / sec:.0%}", f"{e:.1e}"])
-        dlog.append({"lpt": lpt, "u": u, "partition": part_tokens, "P": p, "sec": sec, "spread": spread, "err": e})
+        dlog.append({"lpt": lpt, "u": u, "partition": part_tokens, "acc_shared": acc_shared, "min_groups": min_groups, "P": p, "sec": sec,
+                     "spread": spread, "err": e})
         print(drows[-1], flush=True)
-    gpu.lanes_per_token, gpu.decode_unroll, gpu.PARTITION_TOKENS = saved
+    (gpu.lanes_per_token, gpu.decode_unroll, gpu.PARTITION_TOKENS, gpu.DECODE_ACC_SHARED,
+     gpu.DECODE_MIN_GROUPS) = saved
     gpu._last_plan.clear()
     sec, _ = bench(lambda: reference.paged_attention(q, kc, vc, meta, scale), iters=5, reps=3)
     drows.append(["reference (gather + SDPA)", f"{sec * 1e6:.0f}", f"{kv_bytes / sec / 1e12:.2f}", f"{bound / sec:.0%}", ""])
@@ -305,7 +315,7 @@ def main() -> int:
 
     nerr = rel_error(with_new(), out_r)
     sec_n, _ = bench(with_new, iters=5, reps=5)
-    sec_g, _ = bench(lambda: gpu.gather_context("cuda", kc, meta.block_tables, ctx), iters=10, reps=5)
+    sec_g, _ = bench(lambda: gpu.gather_context("cuda", kc, vc, meta.block_tables, ctx), iters=10, reps=5)
     out_t = gpu.paged_attention("cuda", q, kc, vc, meta, scale, route_chunks=False)
     perr = rel_error(out_k, out_r)
     terr = rel_error(out_t, out_r)
@@ -323,7 +333,7 @@ def main() -> int:
            "| path | ms | TFLOP/s | vs padded SDPA |", "|---|---|---|---|",
            f"| kernels.paged_attention (default: chunks >= {gpu.SDPA_CHUNK_TOKENS} tokens to fused SDPA) | {sec_k * 1e3:.2f} | {flops / sec_k / 1e12:.1f} | {sec_s / sec_k:.2f}x |",
            f"| same, given this step's K/V rows (`k_new`, `v_new`: no gather) | {sec_n * 1e3:.2f} | {flops / sec_n / 1e12:.1f} | {sec_s / sec_n:.2f}x |",
-           f"| of which: paged gather of one cache (K or V) for all chunks | {sec_g * 1e3:.3f} | | |",
+           f"| of which: paged gather of K and V for all chunks (one launch) | {sec_g * 1e3:.3f} | | |",
            f"| kernel tile path only (one launch) | {sec_t * 1e3:.2f} | {flops / sec_t / 1e12:.1f} | {sec_s / sec_t:.2f}x |",
            f"| reference (gather + SDPA per chunk) | {sec_r * 1e3:.2f} | {flops / sec_r / 1e12:.1f} | {sec_s / sec_r:.2f}x |",
            f"| mx.fast.scaled_dot_product_attention, padded batch | {sec_s * 1e3:.2f} | {flops / sec_s / 1e12:.1f} | 1.00x |",
@@ -354,13 +364,8 @@ def main() -> int:
         mx.eval(q_dec, q_pre)
         rows_md = []
         entry = {"title": title}
-        for label, route, side in (("default", True, False), ("tile path only", False, False),
-                                   ("default, kernel rows on a second stream", True, True)):
-            if side and not any(x >= gpu.SDPA_CHUNK_TOKENS for x in pre_q):
-                continue
-
-            def call(qq, mm, _r=route, _s=side):
-                gpu.SIDE_STREAM = _s
+        for label, route in (("default", True), ("tile path only", False)):
+            def call(qq, mm, _r=route):
                 return gpu.paged_attention("cuda", qq, kc, vc, mm, scale, route_chunks=_r)
             err = rel_error(call(q, meta_mix), reference.paged_attention(q, kc, vc, meta_mix, scale))
             s_mix, _ = bench(lambda: call(q, meta_mix), iters=10, reps=5)
@@ -370,7 +375,6 @@ def main() -> int:
             rows_md.append(f"| {label} | {s_mix * 1e6:.0f} | {s_dec * 1e6:.0f} | {s_pre * 1e6:.0f} | "
                            f"{s_both * 1e6:.0f} | {s_both / s_mix:.2f}x | {err:.1e} |")
             entry[label] = {"mixed": s_mix, "dec": s_dec, "pre": s_pre, "both": s_both, "err": err}
-            gpu.SIDE_STREAM = False
         s_ref, _ = bench(lambda: reference.paged_attention(q, kc, vc, meta_mix, scale), iters=5, reps=3)
         entry["reference"] = s_ref
         log["mixed"].append(entry)

@@ -45,7 +45,8 @@ def wrap(name, header, body, inputs, outputs, template):
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--arch", default="sm_90")
-    ap.add_argument("--unroll", type=int, default=4)
+    ap.add_argument("--unroll", type=int, default=gpu.decode_unroll(16))
+    ap.add_argument("--acc-registers", action="store_true", help="decode accumulators stay in registers")
     ap.add_argument("--quick", action="store_true", help="one half and one float configuration only")
     args = ap.parse_args()
     h, b = source.render_main("cuda")
@@ -63,7 +64,7 @@ def main() -> int:
         gh = gpu.row_heads("cuda", d, g)
         common = [("T", dt), ("D", d), ("G", g), ("HKV", 8), ("BS", 16), ("RT", 32), ("BN", 32),
                   ("LPT", gpu.lanes_per_token(d)), ("U", args.unroll), ("GH", gh), ("NS", g // gh),
-                  ("SC", gpu.SUBCHUNK["cuda"]), ("SMEM_F", 10000), ("SMEM_I", 512)]
+                  ("SC", gpu.SUBCHUNK["cuda"]), ("AS", not args.acc_registers), ("SMEM_F", 10000), ("SMEM_I", 512)]
         tmpl = common + [("ROWS", True), ("TILES", True)]
         src = wrap("attn", h, b, ins, outs, tmpl)
         rows_only = wrap("attn_rows", h, b, ins, outs, common + [("ROWS", True), ("TILES", False)])
@@ -71,8 +72,8 @@ def main() -> int:
                     [("full", dt), ("part_o", "float32"), ("part_ml", "float32"), ("cu_seqlens_q", "int32"),
                      ("seq_lens", "int32"), ("iparams", "int32")], [("out", dt)],
                     [("T", dt), ("D", d), ("H", 8 * g)])
-        gsrc = wrap("gather", gh_, gb_, [("cache", dt), ("block_tables", "int32"), ("iparams", "int32")],
-                    [("ctx", dt)], [("T", dt), ("D", d), ("HKV", 8), ("BS", 16), ("W", 16 // SIZES[dt])])
+        gsrc = wrap("gather", gh_, gb_, [("k_cache", dt), ("v_cache", dt), ("block_tables", "int32"),
+                                         ("iparams", "int32")], [("k_ctx", dt), ("v_ctx", dt)], [("T", dt), ("D", d), ("HKV", 8), ("BS", 16), ("W", 16 // SIZES[dt])])
         for tag, text in (("main", src), ("rows only", rows_only), ("reduce", rsrc), ("gather", gsrc)):
             with tempfile.NamedTemporaryFile("w", suffix=".cu", delete=False) as f:
                 f.write(text)

@@ -175,11 +175,11 @@ def _host_kernels(monkeypatch):
     def launch(plan, q, k_cache, v_cache, scale, window, softcap):
         return reference.paged_attention(q, k_cache, v_cache, plan.meta, scale, window, softcap)
 
-    def gather(dialect, cache, tables, length):
-        nb, bs, hkv, d = cache.shape
+    def gather(dialect, k_cache, v_cache, tables, length):
+        nb, bs, hkv, d = k_cache.shape
         blocks = -(-length // bs)
-        ctx = cache[tables[:, :blocks]].reshape(tables.shape[0], blocks * bs, hkv, d)
-        return ctx[:, :length].transpose(0, 2, 1, 3)
+        return tuple(c[tables[:, :blocks]].reshape(tables.shape[0], blocks * bs, hkv, d)[:, :length]
+                     for c in (k_cache, v_cache))
 
     monkeypatch.setattr(gpu, "_launch", launch)
     monkeypatch.setattr(gpu, "gather_context", gather)
