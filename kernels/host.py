@@ -50,10 +50,49 @@ def _softmax_values(
 
 
 def _context(cache: np.ndarray, table: np.ndarray, length: int) -> np.ndarray:
-    """One or more requests' first ``length`` K (or V) rows, head-major: [N, Hkv, length, D]."""
+    """Requests' first ``length`` K (or V) rows through their block tables ``[N, blocks]``: [N, Hkv, length, D].
+
+    Indexing the head-major view takes the blocks in one copy that is already laid out
+    for the matmuls (each head's rows contiguous).
+    """
     nb, bs, hkv, d = cache.shape
-    rows = cache[table[:, : -(-length // bs)]].reshape(len(table), -1, hkv, d)[:, :length]
-    return np.ascontiguousarray(rows.transpose(0, 2, 1, 3))
+    rows = cache.transpose(2, 0, 1, 3)[:, table]  # [Hkv, N, blocks, bs, D]
+    return rows.reshape(hkv, len(table), -1, d)[:, :, :length].transpose(1, 0, 2, 3)
+
+
+class _Plan:
+    """What every layer of a step shares: the decode batch's rows, tables and masks, and the chunks."""
+
+    def __init__(self, meta: AttentionMetadata):
+        tables = np.asarray(meta.block_tables)
+        bs = meta.block_size
+        qlens, slens, cu = meta.query_lens_np, meta.seq_lens_np, meta.cu_seqlens_q_np
+        self.meta = meta
+        decode = np.flatnonzero(qlens == 1)
+        self.decode_rows = cu[decode]
+        if len(decode):
+            length = int(slens[decode].max())
+            self.decode_table = tables[decode, : -(-length // bs)]
+            self.decode_len = length
+            self.decode_last = (slens[decode] - 1)[:, None]
+            self.decode_visible = np.arange(length)[None, :] <= self.decode_last
+        self.chunks = [
+            (int(cu[b]), int(qlens[b]), int(slens[b]), tables[b : b + 1, : -(-int(slens[b]) // bs)])
+            for b in np.flatnonzero(qlens > 1)
+        ]
+
+
+_plans: list[_Plan] = []
+
+
+def _plan(meta: AttentionMetadata) -> _Plan:
+    # Every layer of a step passes the same metadata object (window layers their own): plan once each.
+    for plan in _plans:
+        if plan.meta is meta:
+            return plan
+    plan = _Plan(meta)
+    _plans[:] = [plan, *_plans[:1]]
+    return plan
 
 
 def _sink_rows(sinks: np.ndarray | None, hkv: int, group: int, rows: int) -> np.ndarray | None:
@@ -63,37 +102,31 @@ def _sink_rows(sinks: np.ndarray | None, hkv: int, group: int, rows: int) -> np.
     return np.broadcast_to(sinks.reshape(hkv, 1, group), (hkv, rows, group)).reshape(hkv, rows * group, 1)
 
 
-def _decode(qn, kn, vn, meta, tables, decode, scale, window, softcap, sinks) -> np.ndarray:
-    """All one-token requests ``decode`` as one padded batch: [len(decode), H, D]."""
+def _decode(qn, kn, vn, plan: _Plan, scale, window, softcap, sinks) -> np.ndarray:
+    """All one-token requests as one padded batch: [len(decode), H, D]."""
     _, _, hkv, d = kn.shape
-    n, h = len(decode), qn.shape[1]
+    n, h = len(plan.decode_rows), qn.shape[1]
     g = h // hkv
-    slens = meta.seq_lens_np[decode]
-    length = int(slens.max())
-    table = tables[decode]
-    k = _context(kn, table, length)
-    v = _context(vn, table, length)
-    qg = (qn[meta.cu_seqlens_q_np[decode]] * scale).reshape(n, hkv, g, d)
+    k = _context(kn, plan.decode_table, plan.decode_len)
+    v = _context(vn, plan.decode_table, plan.decode_len)
+    qg = (qn[plan.decode_rows] * scale).reshape(n, hkv, g, d)
     s = qg @ k.swapaxes(-1, -2)  # [n, Hkv, G, S]
-    key = np.arange(length)
-    last = (slens - 1)[:, None]
-    visible = key[None, :] <= last
+    visible = plan.decode_visible
     if window is not None:
-        visible &= key[None, :] > last - window
+        visible = visible & (np.arange(plan.decode_len)[None, :] > plan.decode_last - window)
     out = _softmax_values(s, visible[:, None, None, :], v, softcap, _sink_rows(sinks, hkv, g, 1))
     return out.reshape(n, h, d)
 
 
-def _chunk(qn, kn, vn, meta, tables, b, scale, window, softcap, sinks) -> np.ndarray:
-    """Request ``b``'s new rows over its context, QUERY_BLOCK rows at a time: [query_len, H, D]."""
+def _chunk(qn, kn, vn, chunk, scale, window, softcap, sinks) -> np.ndarray:
+    """One request's new rows over its context, QUERY_BLOCK rows at a time: [query_len, H, D]."""
     _, _, hkv, d = kn.shape
     h = qn.shape[1]
     g = h // hkv
-    start, ql, sl = int(meta.cu_seqlens_q_np[b]), int(meta.query_lens_np[b]), int(meta.seq_lens_np[b])
-    table = tables[b : b + 1]
+    start, ql, sl, table = chunk
     k = _context(kn, table, sl)[0]  # [Hkv, S, D]
     v = _context(vn, table, sl)[0]
-    kt = np.ascontiguousarray(k.swapaxes(-1, -2))  # [Hkv, D, S]
+    kt = k.swapaxes(-1, -2)  # [Hkv, D, S]: a transposed view the matmul reads as such
     q = (qn[start : start + ql] * scale).reshape(ql, hkv, g, d).transpose(1, 0, 2, 3)  # [Hkv, ql, G, D]
     out = np.empty((ql, h, d), dtype=qn.dtype)
     first = sl - ql  # absolute position of the chunk's first row
@@ -126,14 +159,12 @@ def paged_attention(
     """
     # numpy views of MLX's buffers: the caches are read in place, never copied whole.
     qn, kn, vn = np.asarray(q), np.asarray(k_cache), np.asarray(v_cache)
-    tables = np.asarray(meta.block_tables)
+    plan = _plan(meta)
     sn = None if sinks is None else np.asarray(sinks.astype(mx.float32))
     out = np.empty(qn.shape, dtype=qn.dtype)
-    qlens, cu = meta.query_lens_np, meta.cu_seqlens_q_np
-
-    decode = np.flatnonzero(qlens == 1)
-    if len(decode):
-        out[cu[decode]] = _decode(qn, kn, vn, meta, tables, decode, scale, sliding_window, softcap, sn)
-    for b in np.flatnonzero(qlens > 1):
-        out[cu[b] : cu[b + 1]] = _chunk(qn, kn, vn, meta, tables, int(b), scale, sliding_window, softcap, sn)
+    if len(plan.decode_rows):
+        out[plan.decode_rows] = _decode(qn, kn, vn, plan, scale, sliding_window, softcap, sn)
+    for chunk in plan.chunks:
+        start, ql = chunk[0], chunk[1]
+        out[start : start + ql] = _chunk(qn, kn, vn, chunk, scale, sliding_window, softcap, sn)
     return mx.array(out)
