@@ -4,9 +4,11 @@ The host side plans the launch once per step from the host metadata (grid
 size, KV partitions, which paths the batch needs) and picks tile shapes that
 fit the dialect's shared memory. Decode rows and short chunks (speculative
 verification windows, small prefill chunks) run in one launch; long fp16/bf16
-prefill chunks without window or softcap go to MLX's fused SDPA over their
-gathered context instead, because the kernel's scalar tile path is far slower
-than matrix-unit attention (numbers in ``bench/kernels/RESULTS.md``). A
+prefill chunks without window or softcap go to MLX's fused SDPA instead,
+because the kernel's scalar tile path is far slower than matrix-unit attention
+(numbers in ``bench/kernels/RESULTS.md``): adjacent chunks of one shape share
+one SDPA call over a head-major copy of their paged context (``gather_context``),
+reading q and writing the output in packed order without copies. A
 configuration the kernel does not cover returns ``None`` so the caller falls
 back to the reference.
 """
@@ -277,19 +279,19 @@ def _launch(
 def gather_context(
     dialect: str, k_cache: mx.array, v_cache: mx.array, tables: mx.array, length: int,
 ) -> tuple[mx.array, mx.array]:
-    """K and V ``[N, length, H_kv, D]``: the first ``length`` positions of each table's context,
-    in token order (the layout of this step's new rows), copied whole blocks at a time."""
+    """K and V ``[N, H_kv, length, D]``: the first ``length`` positions of each table's context,
+    contiguous per head (what fused SDPA reads fastest)."""
     _, bs, hkv, d = k_cache.shape
     n = tables.shape[0]
     w = 16 // k_cache.dtype.size
-    threads = length * hkv * d // w
+    threads = length * d // w
     _, _, gather = _kernels(dialect, 0)
     k, v = gather(
         inputs=[k_cache, v_cache, tables, _iparams(length, tables.shape[1])],
         template=[("T", k_cache.dtype), ("D", d), ("HKV", hkv), ("BS", bs), ("W", w)],
-        grid=(-(-threads // NT) * NT, n, 1),
+        grid=(-(-threads // NT) * NT, n * hkv, 1),
         threadgroup=(NT, 1, 1),
-        output_shapes=[(n, length, hkv, d)] * 2,
+        output_shapes=[(n, hkv, length, d)] * 2,
         output_dtypes=[k_cache.dtype] * 2,
     )
     return k, v
@@ -297,7 +299,7 @@ def gather_context(
 
 def _sdpa_run(
     dialect: str, q: mx.array, k_cache: mx.array, v_cache: mx.array, meta: AttentionMetadata,
-    run: tuple[int, int, int, int], scale: float, k_new: mx.array | None, v_new: mx.array | None,
+    run: tuple[int, int, int, int], scale: float,
 ) -> mx.array:
     """``[count * query_len, H, D]`` for ``count`` adjacent chunks of one shape, in packed order."""
     b0, n, ql, sl = run
@@ -307,13 +309,7 @@ def _sdpa_run(
     # Views of the packed rows: SDPA reads them strided and writes its output in q's layout,
     # so the result is already [rows, H, D] without a copy.
     qv = q[start : start + n * ql].reshape(n, ql, h, d).transpose(0, 2, 1, 3)
-    if k_new is not None and v_new is not None and sl == ql:
-        # No cached context: the keys are exactly this step's new rows.
-        k = k_new[start : start + n * ql].reshape(n, ql, hkv, d).astype(k_cache.dtype)
-        v = v_new[start : start + n * ql].reshape(n, ql, hkv, d).astype(v_cache.dtype)
-    else:
-        k, v = gather_context(dialect, k_cache, v_cache, meta.block_tables[b0 : b0 + n], sl)
-    k, v = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
+    k, v = gather_context(dialect, k_cache, v_cache, meta.block_tables[b0 : b0 + n], sl)
     # MLX's causal mask is aligned to the last key: exactly a chunk after its cached context.
     out = mx.fast.scaled_dot_product_attention(qv, k, v, scale=scale, mask="causal")
     return out.transpose(0, 2, 1, 3).reshape(n * ql, h, d)
@@ -333,13 +329,11 @@ def chunks_take_sdpa(plan: _StepPlan, q: mx.array, sliding_window: int | None, s
 def paged_attention(
     dialect: str, q: mx.array, k_cache: mx.array, v_cache: mx.array, meta: AttentionMetadata,
     scale: float, sliding_window: int | None = None, softcap: float | None = None,
-    route_chunks: bool = True, k_new: mx.array | None = None, v_new: mx.array | None = None,
+    route_chunks: bool = True,
 ) -> mx.array | None:
     """The kernel's answer to ``reference.paged_attention``, or None where the kernel does not apply.
 
     ``route_chunks=False`` keeps long chunks on the tile path (one launch for the whole batch).
-    ``k_new, v_new [T, H_kv, D]``, this step's rows as written to the cache, let chunks
-    without cached context skip reading them back.
     """
     if not supported(dialect, q, k_cache):
         return None
@@ -357,7 +351,7 @@ def paged_attention(
         order.append(rows)
     cu = meta.cu_seqlens_q_np
     for run in runs:
-        pieces.append(_sdpa_run(dialect, q, k_cache, v_cache, meta, run, scale, k_new, v_new))
+        pieces.append(_sdpa_run(dialect, q, k_cache, v_cache, meta, run, scale))
         order.append(np.arange(cu[run[0]], cu[run[0] + run[1]]))
     packed = mx.concatenate(pieces, axis=0) if len(pieces) > 1 else pieces[0]
     at = np.concatenate(order)

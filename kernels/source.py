@@ -536,20 +536,22 @@ REDUCE_BODY = r"""
 """
 
 # Inputs: k_cache/v_cache [NB,BS,HKV,D], block_tables [N,MAXB] (the chunks' rows), iparams [L, MAXB].
-# Outputs: k_ctx/v_ctx [N,L,HKV,D], each chunk's first L positions in token order (the
-# packed layout of new rows; dense attention reads it as a [N,HKV,L,D] view). Template: T,
-# D, HKV, BS, W (elements per 16 bytes). Grid [ceil(L * HKV * D / W), N]: one thread per 16
-# bytes of K and of V; a cache block is BS * HKV * D contiguous elements, copied in order.
+# Outputs: k_ctx/v_ctx [N,HKV,L,D], each chunk's first L positions, head-major and contiguous:
+# the layout fused SDPA reads fastest (strided token-major K/V cost it ~20 % on the H200).
+# Template: T, D, HKV, BS, W (elements per 16 bytes). Grid [ceil(L * D / W), N * HKV]: one
+# thread per 16 bytes of K and of V.
 GATHER_BODY = r"""
   const int L = iparams[0];
   const int MAXB = iparams[1];
-  constexpr int VPT = HKV * D / W;  // 16-byte vectors per token
+  constexpr int VPR = D / W;  // 16-byte vectors per row
   const int i = gx * 128 + tid;
-  if (i >= L * VPT) return;
-  const int t = i / VPT;
-  const int v = i - t * VPT;
-  const long src = (long)(block_tables[gy * MAXB + t / BS] * BS + t % BS) * VPT + v;
-  const long dst = (long)gy * L * VPT + i;
+  if (i >= L * VPR) return;
+  const int c = gy / HKV;
+  const int h = gy - c * HKV;
+  const int t = i / VPR;
+  const int v = i - t * VPR;
+  const long src = ((long)(block_tables[c * MAXB + t / BS] * BS + t % BS) * HKV + h) * VPR + v;
+  const long dst = (long)gy * L * VPR + i;
   COPY16(k_ctx + dst * W, k_cache + src * W);
   COPY16(v_ctx + dst * W, v_cache + src * W);
 """
