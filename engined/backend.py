@@ -31,6 +31,12 @@ def load_fast_blas() -> str | None:
     ``mlx.core`` is already imported (too late to take effect).
     """
     global fast_blas
+    # OpenBLAS's idle workers spin for 2^28 cycles after each call before they sleep. The
+    # CPU path calls two OpenBLAS builds in turn (MLX's matmuls, numpy's in kernels/host.py),
+    # and on a small machine one pool's spinning starved the other: prefill ran 2-3x slower.
+    # 2^4 cycles: sleep almost at once. Read by each OpenBLAS when it loads (numpy's too, as
+    # long as engined is imported before numpy).
+    os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", "4")
     if fast_blas or sys.platform == "darwin" or "mlx.core" in sys.modules:
         return fast_blas
     for libdir in _LIB_DIRS:
