@@ -141,28 +141,38 @@ def test_sampled_token_frequencies_agree_with_and_without_speculation(tmp_path):
         assert stat < CHI2_999.get(dof, dof + 4 * np.sqrt(2 * dof)), (pos, stat, dof)
 
 
-def test_greedy_outputs_with_a_draft_model_equal_outputs_without(smol, tmp_path):
+def draft_engines(plain: Engine, tmp_path, num_kv_blocks: int):
+    """(engine, good): engines speculating with a good draft (a second copy of the model) and a
+    useless one (random weights, same vocabulary): outputs must not depend on the draft's quality."""
     from engined.loaders import default_model_path
 
+    random_draft = make_tiny_model(tmp_path / "draft", "llama", seed=2, vocab_size=plain.info.vocab_size)
+    for draft, good in ((default_model_path(), True), (str(random_draft), False)):
+        cfg = f'{{"method": "draft_model", "model": "{draft}", "num_speculative_tokens": 3}}'
+        yield Engine(EngineConfig(num_kv_blocks=num_kv_blocks, max_num_batched_tokens=256, speculative_config=cfg),
+                     loaded=load_model("")), good
+
+
+def spec_counters(engine: Engine) -> tuple[float, float]:
+    """(draft tokens, accepted tokens) counted by the engine's metrics so far."""
+    return engine.metrics.spec_draft_tokens._value.get(), engine.metrics.spec_accepted._value.get()
+
+
+def test_greedy_outputs_with_a_draft_model_equal_outputs_without(smol, tmp_path):
     plain, _ = smol
     prompt = list(range(300, 340)) * 2
     texts = [prompt, prompt[:50], list(range(1000, 1100))]
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
     expected = plain.generate(texts, params)
-    # A good draft (a second copy of the model) and a useless one (random weights,
-    # same vocabulary): outputs must not depend on the draft's quality.
-    random_draft = make_tiny_model(tmp_path / "draft", "llama", seed=2, vocab_size=plain.info.vocab_size)
-    for draft, good in ((default_model_path(), True), (str(random_draft), False)):
-        cfg = f'{{"method": "draft_model", "model": "{draft}", "num_speculative_tokens": 3}}'
-        eng = Engine(EngineConfig(num_kv_blocks=200, max_num_batched_tokens=256, speculative_config=cfg),
-                     loaded=load_model(""))
+    for eng, good in draft_engines(plain, tmp_path, num_kv_blocks=200):
         assert eng.generate(texts, params) == expected
         assert eng.generate([texts[0]], params) == expected[:1]  # alone, too
-        drafted = eng.metrics.spec_draft_tokens._value.get()
-        accepted = eng.metrics.spec_accepted._value.get()
+        drafted, accepted = spec_counters(eng)
         assert drafted > 0
         if good:
             assert accepted / drafted > 0.9
+        else:
+            assert accepted < drafted
         # Both models' KV share one block allocation: the pool is billed for both.
         assert eng.memory.kv_bytes == eng.runner.kv_bytes + eng.drafter.runner.kv_bytes
         eng.kv.pool.check_whole()

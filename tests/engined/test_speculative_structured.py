@@ -9,16 +9,14 @@ import numpy as np
 import pytest
 from transformers import AutoTokenizer
 
-from engined.engine import Engine
-from engined.loaders import default_model_path, load_model
 from engined.request import Request
 from engined.sampler import Sampler
 from engined.speculative import Verifier
-from shared.config import EngineConfig
 from shared.sampling import SamplingParams, StructuredSpec
-from tests.engined.test_speculative import CHI2_999, counts, smol  # noqa: F401 (smol: the engines fixture)
+from tests.engined.test_speculative import (  # noqa: F401 (smol: the engines fixture)
+    CHI2_999, counts, draft_engines, smol, spec_counters,
+)
 from tests.engined.test_structured import PERSON, chat_ids, text_of
-from tests.tiny_models import make_tiny_model
 
 DATE = r"20[0-9]{2}-(0[1-9]|1[0-2])-[0-2][0-9]"
 CHOICES = ["yes", "no", "maybe"]
@@ -130,11 +128,6 @@ def assert_valid(tokenizer, outs):
     assert choice in CHOICES
 
 
-def spec_counters(engine):
-    m = engine.metrics
-    return m.spec_draft_tokens._value.get(), m.spec_accepted._value.get()
-
-
 def test_greedy_constrained_outputs_with_ngram_speculation_equal_outputs_without(smol, tokenizer):
     plain, spec = smol
     prompts, params = mixed_batch(tokenizer)
@@ -156,11 +149,7 @@ def test_greedy_constrained_outputs_with_a_draft_model_equal_outputs_without(smo
     expected = plain.generate(prompts, params)
     # A good draft (the model itself) and a useless one (random weights, same
     # vocabulary) whose grammar-masked drafts the target mostly rejects.
-    random_draft = make_tiny_model(tmp_path / "draft", "llama", seed=2, vocab_size=plain.info.vocab_size)
-    for draft, good in ((default_model_path(), True), (str(random_draft), False)):
-        cfg = f'{{"method": "draft_model", "model": "{draft}", "num_speculative_tokens": 3}}'
-        eng = Engine(EngineConfig(num_kv_blocks=300, max_num_batched_tokens=256, speculative_config=cfg),
-                     loaded=load_model(""))
+    for eng, good in draft_engines(plain, tmp_path, num_kv_blocks=300):
         assert eng.generate(prompts[:3], params[:3]) == expected[:3]
         drafted, accepted = spec_counters(eng)
         assert drafted > 0
