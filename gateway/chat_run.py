@@ -9,7 +9,6 @@ tool-choice grammar, stop strings, parsers and engine requests as
 
 from __future__ import annotations
 
-import asyncio
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -18,7 +17,6 @@ from starlette.requests import Request
 from gateway import params as P
 from gateway.chat_output import ChatOutput
 from gateway.generation import Generation
-from gateway.sse import wait_disconnect
 from gateway.state import GatewayState
 from gateway.structured import ToolPlan, marker_literal, one_spec, response_format_spec, tool_plan
 from shared.errors import InvalidRequestError
@@ -161,24 +159,7 @@ class ChatRun:
 
     async def collect(self, request: Request) -> bool:
         """Run to the end; False when the client hung up (the generation is aborted)."""
-        async def drain():
-            async for _ in self._raw():
-                pass
-
-        work = asyncio.create_task(drain())
-        gone = asyncio.create_task(wait_disconnect(request.receive))
-        try:
-            await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            gone.cancel()
-            if not work.done():
-                work.cancel()
-            await asyncio.gather(work, gone, return_exceptions=True)
-            self.gen.abort_unfinished()
-        if work.cancelled():
-            return False
-        work.result()
-        return True
+        return await self.gen.collect(request.receive, self._raw())
 
     def whole(self) -> tuple[str | None, str | None, list[dict]]:
         """The finished choice as (reasoning, content, OpenAI tool_calls), parsed from its whole text."""

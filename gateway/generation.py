@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import asyncio
 import uuid
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from gateway.detokenizer import IncrementalDetokenizer
+from gateway.sse import wait_disconnect
 from gateway.stops import StopMatcher
 from shared.errors import InvalidRequestError, MlxdError
 from shared.protocol import Logprob, RequestOutput
@@ -119,6 +121,31 @@ class Generation:
     @property
     def done(self) -> bool:
         return all(c.finish_reason is not None for c in self.choices)
+
+    async def collect(self, receive, deltas: AsyncIterator | None = None) -> bool:
+        """Run a non-streamed generation to its end, consuming ``deltas`` (default: ``self.deltas()``).
+
+        Returns False when the client hung up first (ASGI ``receive`` saw the
+        disconnect); the unfinished engine requests are aborted either way.
+        """
+        async def drain():
+            async for _ in deltas if deltas is not None else self.deltas():
+                pass
+
+        work = asyncio.create_task(drain())
+        gone = asyncio.create_task(wait_disconnect(receive))
+        try:
+            await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+            if not work.done():
+                work.cancel()
+            await asyncio.gather(work, gone, return_exceptions=True)
+            self.abort_unfinished()
+        if work.cancelled():
+            return False  # the client is gone
+        work.result()
+        return True
 
     async def deltas(self, keepalive: float | None = None):
         """Yield ChoiceDeltas until every choice finished; None after ``keepalive`` idle seconds.

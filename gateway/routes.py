@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import time
 
 import msgspec
@@ -14,7 +13,7 @@ from gateway import params as P
 from gateway.chat_output import ChatOutput, finish_reason
 from gateway.errors import RequestTooLargeError, sse_error_event
 from gateway.generation import Generation, check_n
-from gateway.sse import DONE, KEEPALIVE, SSEResponse, event, wait_disconnect
+from gateway.sse import DONE, KEEPALIVE, SSEResponse, event
 from gateway.state import GatewayState
 from gateway.structured import (marker_literal, one_spec, response_format_spec, structured_outputs_spec,
                                 tool_plan)
@@ -101,7 +100,7 @@ async def chat_completions(request: Request) -> Response:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         deltas = await _primed(gen, cfg.sse_keepalive, wait_first=spec is not None)
         return SSEResponse(_chat_stream(gw, gen, rid, created, model, include_usage, deltas, outputs))
-    if not await _collect(request, gen):
+    if not await gen.collect(request.receive):
         return Response(status_code=499)  # nobody is listening; nginx's 'client closed request'
     choices = [
         t.ChatChoice(
@@ -150,7 +149,7 @@ async def completions(request: Request) -> Response:
         deltas = await _primed(gen, gw.config.sse_keepalive, wait_first=spec is not None)
         return SSEResponse(_completion_stream(gw, gen, rid, created, model, include_usage, req.logprobs,
                                               deltas))
-    if not await _collect(request, gen):
+    if not await gen.collect(request.receive):
         return Response(status_code=499)  # nobody is listening; nginx's 'client closed request'
     choices = []
     for c in gen.choices:
@@ -203,28 +202,6 @@ async def _primed(gen: Generation, keepalive: float, wait_first: bool):
             yield d
 
     return chained()
-
-
-async def _collect(request: Request, gen: Generation) -> bool:
-    """Run a non-streamed generation to its end; a client that hangs up aborts it (False)."""
-    async def drain():
-        async for _ in gen.deltas():
-            pass
-
-    work = asyncio.create_task(drain())
-    gone = asyncio.create_task(wait_disconnect(request.receive))
-    try:
-        await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        gone.cancel()
-        if not work.done():
-            work.cancel()
-        await asyncio.gather(work, gone, return_exceptions=True)
-        gen.abort_unfinished()
-    if work.cancelled():
-        return False  # the client is gone
-    work.result()
-    return True
 
 
 def _usage(gen: Generation) -> t.Usage:
