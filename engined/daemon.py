@@ -18,6 +18,7 @@ import traceback
 import uuid
 from collections import defaultdict
 
+import msgspec
 import zmq
 
 from shared import protocol as p
@@ -107,19 +108,11 @@ class Daemon:
         self.endpoint = self.sock.getsockopt_string(zmq.LAST_ENDPOINT) or endpoint
 
     def _engine_info(self) -> p.EngineInfo:
-        mi = self.engine.info
         return p.EngineInfo(
+            **msgspec.structs.asdict(self.engine.info),
             protocol_version=p.PROTOCOL_VERSION,
             engine_version=_version(),
             instance_id=self.instance_id,
-            model_id=mi.model_id,
-            served_model_name=mi.served_model_name,
-            tokenizer_dir=str(mi.tokenizer_dir),
-            max_model_len=mi.max_model_len,
-            block_size=mi.block_size,
-            num_kv_blocks=mi.num_kv_blocks,
-            vocab_size=mi.vocab_size,
-            eos_token_ids=list(mi.eos_token_ids),
             pid=os.getpid(),
         )
 

@@ -30,22 +30,10 @@ from engined.structured import GrammarCompiler
 from engined.speculative import DraftProposer, Speculator
 from shared.config import EngineConfig, SpeculativeConfig
 from shared.errors import ContextLengthError, InvalidRequestError, ModelLoadError, OverloadedError
-from shared.protocol import RequestOutput
+from shared.protocol import ModelInfo, RequestOutput
 from shared.sampling import SamplingParams
 
 log = logging.getLogger("mlxd.engine")
-
-
-@dataclass(frozen=True)
-class ModelInfo:
-    model_id: str
-    served_model_name: str
-    tokenizer_dir: str
-    max_model_len: int
-    block_size: int
-    num_kv_blocks: int
-    vocab_size: int
-    eos_token_ids: list[int]
 
 
 @dataclass(frozen=True)

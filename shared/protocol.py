@@ -81,13 +81,9 @@ class Hello(msgspec.Struct, kw_only=True):
     pid: int = 0
 
 
-class EngineInfo(msgspec.Struct, kw_only=True):
-    """The engine's answer to HELLO: what a gateway needs to serve its model."""
+class ModelInfo(msgspec.Struct, kw_only=True):
+    """What the engine serves, as the in-process Engine reports it."""
 
-    protocol_version: int
-    engine_version: str
-    # Random per engine process: a gateway that sees it change knows the engine restarted.
-    instance_id: str
     model_id: str
     served_model_name: str
     tokenizer_dir: str
@@ -96,6 +92,15 @@ class EngineInfo(msgspec.Struct, kw_only=True):
     num_kv_blocks: int
     vocab_size: int
     eos_token_ids: list[int]
+
+
+class EngineInfo(ModelInfo, kw_only=True):
+    """The engine's answer to HELLO: what a gateway needs to serve its model."""
+
+    protocol_version: int
+    engine_version: str
+    # Random per engine process: a gateway that sees it change knows the engine restarted.
+    instance_id: str
     pid: int = 0
 
 
