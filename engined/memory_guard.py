@@ -26,12 +26,32 @@ GiB = 1 << 30
 
 
 def device_memory() -> int:
-    """Bytes the device can use: Metal's recommended working set, CUDA's memory, else the OS's RAM."""
+    """Bytes the device can use: Metal's recommended working set, CUDA's memory, else the OS's RAM.
+
+    RAM is shared with everything else on the host: on Linux it counts what the
+    kernel reports available now plus what MLX already holds for this engine
+    (its weights), never more than the whole. Counting all of it let a default
+    engine on a busy machine size a pool the OOM killer later took back.
+    """
     info = mx.device_info() if hasattr(mx, "device_info") else {}
     for key in ("max_recommended_working_set_size", "memory_size", "total_memory"):
         if info.get(key):
             return int(info[key])
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    available = _available_ram()
+    return total if available is None else min(total, available + mx.get_active_memory())
+
+
+def _available_ram() -> int | None:
+    """MemAvailable from /proc/meminfo (bytes), or None where there is no such file."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
 
 
 @dataclass(frozen=True)
@@ -100,13 +120,14 @@ def plan(runner, config: EngineConfig, max_model_len: int, vocab_size: int, per_
     if config.num_kv_blocks is not None:
         return MemoryPlan(0, weights, activations, config.num_kv_blocks * per_block,
                           config.num_kv_blocks, config.block_size, fixed)
-    budget = int(config.gpu_memory_utilization * device_memory())
+    memory = device_memory()
+    budget = int(config.gpu_memory_utilization * memory)
     if config.kv_cache_memory is not None:
         kv = config.kv_cache_memory
         source = f"--kv-cache-memory {kv} bytes"
     else:
         kv = budget - weights - activations - fixed
-        source = (f"--gpu-memory-utilization {config.gpu_memory_utilization} x {device_memory() / GiB:.2f} GiB"
+        source = (f"--gpu-memory-utilization {config.gpu_memory_utilization} x {memory / GiB:.2f} GiB"
                   f" = {budget / GiB:.2f} GiB, less weights {weights / GiB:.2f} GiB"
                   f" and activations {activations / GiB:.2f} GiB"
                   + (f" and fixed pools {fixed / GiB:.2f} GiB" if fixed else ""))
