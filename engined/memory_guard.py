@@ -8,6 +8,7 @@ buffer cache is capped at that, and what is left becomes the KV pool.
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 from dataclasses import dataclass
@@ -112,6 +113,10 @@ def warm_up(runner, config: EngineConfig, max_model_len: int, vocab_size: int, p
 def plan(runner, config: EngineConfig, max_model_len: int, vocab_size: int, per_block: int,
          progress: bool = False) -> MemoryPlan:
     """Warm up, then choose the pool size; raises MemoryBudgetError when one full-length request cannot fit."""
+    # Arrays in reference cycles (a model's attention modules and their step context form
+    # one) stay allocated until the collector runs: collect them first, so that an engine
+    # started in a process that dropped another does not count the old one as its weights.
+    gc.collect()
     weights = mx.get_active_memory()
     activations = warm_up(runner, config, max_model_len, vocab_size, progress)
     mx.set_cache_limit(activations)
