@@ -1,14 +1,15 @@
 """Paged attention on the host CPU, in numpy: the CPU path.
 
 MLX's CPU backend evaluates ``exp`` one scalar at a time (about 9 ns per
-element on the CI machine, 25x numpy's vectorised loop), so a softmax over
+element on a 2-core x86 machine, 25x numpy's vectorised loop), so a softmax over
 the scores, not the matmuls, dominated attention there, and its SDPA copied
 strided K/V views before every call. This path reads the paged cache in place
 through numpy views of MLX's buffers (no copy until a request's blocks are
 taken), batches decode rows into one matmul per KV head group, and splits
 long prefill chunks into query blocks that only score keys up to their own
 last position (half the causal work skipped). Same contract and answers as
-``reference.paged_attention``; float32 only, since numpy has no bfloat16.
+``reference.paged_attention``; float32 only (the CPU runs float32 weights,
+and numpy has no bfloat16).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import numpy as np
 from kernels.metadata import AttentionMetadata
 
 # Query rows scored at once in a prefill chunk: bounds the [H, rows, keys] score block
-# (4 MB at 2K keys and 9 heads) and lets each block skip the keys after its last row.
+# (9 MB at 2K keys and 9 heads) and lets each block skip the keys after its last row.
 QUERY_BLOCK = 128
 
 
