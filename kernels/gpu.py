@@ -21,7 +21,7 @@ import mlx.core as mx
 import numpy as np
 
 from kernels import source
-from kernels.metadata import AttentionMetadata
+from kernels.metadata import AttentionMetadata, in_packed_order
 
 HEAD_DIMS = (64, 80, 96, 128, 256)
 # Threadgroup memory a Metal thread group may use; CUDA takes dynamic shared memory up to this.
@@ -304,7 +304,6 @@ def _sdpa_run(
     """``[count * query_len, H, D]`` for ``count`` adjacent chunks of one shape, in packed order."""
     b0, n, ql, sl = run
     _, h, d = q.shape
-    hkv = k_cache.shape[2]
     start = int(meta.cu_seqlens_q_np[b0])
     # Views of the packed rows: SDPA reads them strided and writes its output in q's layout,
     # so the result is already [rows, H, D] without a copy.
@@ -353,10 +352,4 @@ def paged_attention(
     for run in runs:
         pieces.append(_sdpa_run(dialect, q, k_cache, v_cache, meta, run, scale))
         order.append(np.arange(cu[run[0]], cu[run[0] + run[1]]))
-    packed = mx.concatenate(pieces, axis=0) if len(pieces) > 1 else pieces[0]
-    at = np.concatenate(order)
-    if (np.diff(at) > 0).all():
-        return packed
-    inverse = np.empty(meta.num_tokens, dtype=np.int32)
-    inverse[at] = np.arange(meta.num_tokens, dtype=np.int32)
-    return packed[mx.array(inverse)]
+    return in_packed_order(pieces, order, meta.num_tokens)

@@ -67,3 +67,17 @@ class AttentionMetadata:
             cu_seqlens_q_np=cu,
             block_size=block_size,
         )
+
+
+def in_packed_order(pieces: list[mx.array], rows: list[np.ndarray], num_tokens: int) -> mx.array:
+    """Concatenate ``pieces`` (rows ``rows[i]`` of the packed batch each) into packed order.
+
+    No gather when they already are in order (e.g. decode rows ahead of the chunks).
+    """
+    packed = mx.concatenate(pieces, axis=0) if len(pieces) > 1 else pieces[0]
+    at = np.concatenate(rows)
+    if (np.diff(at) > 0).all():
+        return packed
+    inverse = np.empty(num_tokens, dtype=np.int32)
+    inverse[at] = np.arange(num_tokens, dtype=np.int32)
+    return packed[mx.array(inverse)]

@@ -1,4 +1,5 @@
-"""Pure-MLX paged attention: the oracle every kernel is tested against, and the CPU path.
+"""Pure-MLX paged attention: the oracle every implementation is tested against, and the
+fallback for what the others do not cover (half precision on the CPU, sinks on a GPU).
 
 Decode rows (one query token) are gathered into one padded batch and run as a
 single attention call; each prefill chunk runs on its own with a causal mask
@@ -10,7 +11,7 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 
-from kernels.metadata import AttentionMetadata
+from kernels.metadata import AttentionMetadata, in_packed_order
 
 
 def write_kv(
@@ -72,7 +73,17 @@ def paged_attention(
     that takes probability mass and contributes no value. Returns ``[T, H, D]``
     in ``q``'s dtype.
     """
-    return attention_by_kind(q, k_cache, v_cache, meta, scale, sliding_window, softcap, sinks=sinks)
+    qlens, cu = meta.query_lens_np, meta.cu_seqlens_q_np
+    pieces: list[mx.array] = []
+    rows: list[np.ndarray] = []
+    decode = np.flatnonzero(qlens == 1)
+    if len(decode):
+        pieces.append(decode_rows(q, k_cache, v_cache, meta, decode, scale, sliding_window, softcap, sinks))
+        rows.append(cu[decode])
+    for b in np.flatnonzero(qlens > 1):
+        pieces.append(prefill_chunk(q, k_cache, v_cache, meta, int(b), scale, sliding_window, softcap, sinks))
+        rows.append(np.arange(cu[b], cu[b] + qlens[b]))
+    return in_packed_order(pieces, rows, meta.num_tokens)
 
 
 def decode_rows(
@@ -116,35 +127,3 @@ def prefill_chunk(
             mask = mask & (key_pos > q_pos - sliding_window)
         out = _attend(qp, k, v, mask[None, None], scale, softcap, sinks)
     return out[0].transpose(1, 0, 2)
-
-
-def attention_by_kind(
-    q: mx.array, k_cache: mx.array, v_cache: mx.array, meta: AttentionMetadata, scale: float,
-    sliding_window: int | None = None, softcap: float | None = None, decode_fn=None,
-    sinks: mx.array | None = None,
-) -> mx.array:
-    """Decode rows in one batch (through ``decode_fn(decode_requests)`` if given), each prefill
-    chunk on its own, then back into packed order. Nothing is padded across prefill chunks."""
-    qlens, cu = meta.query_lens_np, meta.cu_seqlens_q_np
-    pieces: list[mx.array] = []
-    order: list[np.ndarray] = []
-
-    decode = np.flatnonzero(qlens == 1)
-    if len(decode):
-        if decode_fn is None:
-            pieces.append(decode_rows(q, k_cache, v_cache, meta, decode, scale, sliding_window, softcap, sinks))
-        else:
-            pieces.append(decode_fn(decode))
-        order.append(cu[decode])
-
-    for b in np.flatnonzero(qlens > 1):
-        pieces.append(prefill_chunk(q, k_cache, v_cache, meta, int(b), scale, sliding_window, softcap, sinks))
-        order.append(np.arange(cu[b], cu[b] + qlens[b]))
-
-    packed = mx.concatenate(pieces, axis=0) if len(pieces) > 1 else pieces[0]
-    rows = np.concatenate(order)
-    if (np.diff(rows) > 0).all():
-        return packed  # already in packed order (e.g. decode rows ahead of the chunks): no gather
-    inverse = np.empty(meta.num_tokens, dtype=np.int32)
-    inverse[rows] = np.arange(meta.num_tokens, dtype=np.int32)
-    return packed[mx.array(inverse)]
