@@ -7,7 +7,8 @@ verification windows, small prefill chunks) run in one launch; long fp16/bf16
 prefill chunks without window or softcap go to MLX's fused SDPA instead,
 because the kernel's scalar tile path is far slower than matrix-unit attention
 (numbers in ``bench/kernels/RESULTS.md``): adjacent chunks of one shape share
-one SDPA call over a head-major copy of their paged context (``gather_context``),
+one SDPA call over a head-major copy of their paged context (``gather_runs``, one
+launch for all of a step's runs),
 reading q and writing the output in packed order without copies. A
 configuration the kernel does not cover returns ``None`` so the caller falls
 back to the reference.
@@ -15,6 +16,7 @@ back to the reference.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from functools import lru_cache
 
 import mlx.core as mx
@@ -174,11 +176,23 @@ def _subset(meta: AttentionMetadata, reqs: np.ndarray) -> tuple[AttentionMetadat
     return sub, rows
 
 
+@dataclass(frozen=True)
+class ContextLayout:
+    """One step's plan for ``gather_runs``: a thread group per (request, logical block) in ``work``,
+    each request's first output row and context length in ``dst``."""
+
+    work: mx.array  # [2 * groups] int32
+    dst: mx.array  # [2 * B] int32
+    groups: int
+    rows: int
+    offsets: list[int]
+
+
 class _StepPlan:
     """Launch plan of one step, shared by all its layers (same metadata object)."""
 
     __slots__ = ("meta", "dialect", "parts", "part_tokens", "iparams", "has_rows", "has_tiles", "long_chunks",
-                 "_routed")
+                 "_routed", "_layouts")
 
     def __init__(self, meta: AttentionMetadata, dialect: str):
         self.meta = meta
@@ -190,6 +204,7 @@ class _StepPlan:
         self.has_tiles = bool((meta.query_lens_np > 1).any())
         self.long_chunks = bool((meta.query_lens_np >= SDPA_CHUNK_TOKENS).any())
         self._routed = None
+        self._layouts: dict[int, ContextLayout] = {}
 
     def routed(self):
         """(plan of the kernel's requests or None, their packed rows, SDPA runs) when long chunks
@@ -214,6 +229,27 @@ class _StepPlan:
                     runs.append((b, 1, int(qlens[b]), int(slens[b])))
             self._routed = (sub, rows, runs)
         return self._routed
+
+    def context_layout(self, hkv: int) -> ContextLayout:
+        """Where ``gather_runs`` puts the SDPA runs' contexts for caches with ``hkv`` KV heads:
+        run ``r`` (``n`` chunks over ``sl`` positions) is rows ``offsets[r]`` on, ``[n, hkv, sl, D]``."""
+        if hkv not in self._layouts:
+            _, _, runs = self.routed()
+            bs = self.meta.block_size
+            dst = np.zeros((self.meta.num_seqs, 2), dtype=np.int32)
+            work, offsets, at = [], [], 0
+            for b0, n, _, sl in runs:
+                offsets.append(at)
+                reqs = np.arange(b0, b0 + n)
+                dst[reqs, 0] = at + np.arange(n) * hkv * sl
+                dst[reqs, 1] = sl
+                blocks = -(-sl // bs)
+                work.append(np.stack([np.repeat(reqs, blocks), np.tile(np.arange(blocks), n)], axis=1))
+                at += n * hkv * sl
+            work_np = np.concatenate(work).astype(np.int32)
+            self._layouts[hkv] = ContextLayout(mx.array(work_np.reshape(-1)), mx.array(dst.reshape(-1)),
+                                               len(work_np), at, offsets)
+        return self._layouts[hkv]
 
 
 _last_plan: list[_StepPlan] = []
@@ -276,39 +312,38 @@ def _launch(
     return merged
 
 
-def gather_context(
-    dialect: str, k_cache: mx.array, v_cache: mx.array, tables: mx.array, length: int,
+def gather_runs(
+    dialect: str, k_cache: mx.array, v_cache: mx.array, meta: AttentionMetadata, layout: ContextLayout,
 ) -> tuple[mx.array, mx.array]:
-    """K and V ``[N, H_kv, length, D]``: the first ``length`` positions of each table's context,
-    contiguous per head (what fused SDPA reads fastest)."""
+    """K and V ``[layout.rows, D]``: every SDPA run's paged context, head-major, in one launch."""
     _, bs, hkv, d = k_cache.shape
-    n = tables.shape[0]
-    w = 16 // k_cache.dtype.size
-    threads = length * d // w
     _, _, gather = _kernels(dialect, 0)
     k, v = gather(
-        inputs=[k_cache, v_cache, tables, _iparams(length, tables.shape[1])],
-        template=[("T", k_cache.dtype), ("D", d), ("HKV", hkv), ("BS", bs), ("W", w)],
-        grid=(-(-threads // NT) * NT, n * hkv, 1),
+        inputs=[k_cache, v_cache, meta.block_tables, layout.work, layout.dst,
+                _iparams(meta.block_tables.shape[1])],
+        template=[("T", k_cache.dtype), ("D", d), ("HKV", hkv), ("BS", bs), ("W", 16 // k_cache.dtype.size)],
+        grid=(layout.groups * NT, 1, 1),
         threadgroup=(NT, 1, 1),
-        output_shapes=[(n, hkv, length, d)] * 2,
+        output_shapes=[(layout.rows, d)] * 2,
         output_dtypes=[k_cache.dtype] * 2,
     )
     return k, v
 
 
 def _sdpa_run(
-    dialect: str, q: mx.array, k_cache: mx.array, v_cache: mx.array, meta: AttentionMetadata,
-    run: tuple[int, int, int, int], scale: float,
+    q: mx.array, k_ctx: mx.array, v_ctx: mx.array, hkv: int, start: int, run: tuple[int, int, int, int],
+    offset: int, scale: float,
 ) -> mx.array:
-    """``[count * query_len, H, D]`` for ``count`` adjacent chunks of one shape, in packed order."""
-    b0, n, ql, sl = run
+    """``[count * query_len, H, D]`` for ``count`` adjacent chunks of one shape (from packed row
+    ``start``), in packed order; their context is rows ``offset`` on of the gathered K/V."""
+    _, n, ql, sl = run
     _, h, d = q.shape
-    start = int(meta.cu_seqlens_q_np[b0])
     # Views of the packed rows: SDPA reads them strided and writes its output in q's layout,
     # so the result is already [rows, H, D] without a copy.
     qv = q[start : start + n * ql].reshape(n, ql, h, d).transpose(0, 2, 1, 3)
-    k, v = gather_context(dialect, k_cache, v_cache, meta.block_tables[b0 : b0 + n], sl)
+    end = offset + n * hkv * sl
+    k = k_ctx[offset:end].reshape(n, hkv, sl, d)
+    v = v_ctx[offset:end].reshape(n, hkv, sl, d)
     # MLX's causal mask is aligned to the last key: exactly a chunk after its cached context.
     out = mx.fast.scaled_dot_product_attention(qv, k, v, scale=scale, mask="causal")
     return out.transpose(0, 2, 1, 3).reshape(n * ql, h, d)
@@ -349,7 +384,10 @@ def paged_attention(
         pieces.append(_launch(sub, q_sub, k_cache, v_cache, scale, sliding_window, softcap))
         order.append(rows)
     cu = meta.cu_seqlens_q_np
-    for run in runs:
-        pieces.append(_sdpa_run(dialect, q, k_cache, v_cache, meta, run, scale))
+    hkv = k_cache.shape[2]
+    layout = plan.context_layout(hkv)
+    k_ctx, v_ctx = gather_runs(dialect, k_cache, v_cache, meta, layout)
+    for run, offset in zip(runs, layout.offsets):
+        pieces.append(_sdpa_run(q, k_ctx, v_ctx, hkv, int(cu[run[0]]), run, offset, scale))
         order.append(np.arange(cu[run[0]], cu[run[0] + run[1]]))
     return in_packed_order(pieces, order, meta.num_tokens)

@@ -535,32 +535,37 @@ REDUCE_BODY = r"""
   }
 """
 
-# Inputs: k_cache/v_cache [NB,BS,HKV,D], block_tables [N,MAXB] (the chunks' rows), iparams [L, MAXB].
-# Outputs: k_ctx/v_ctx [N,HKV,L,D], each chunk's first L positions, head-major and contiguous:
-# the layout fused SDPA reads fastest (strided token-major K/V cost it ~20 % on the H200).
-# Template: T, D, HKV, BS, W (elements per 16 bytes). Grid [ceil(L * D / W), N * HKV]: one
-# thread per 16 bytes of K and of V.
+# The context of every long chunk of a step, in one launch, for fused SDPA.
+# Inputs: k_cache/v_cache [NB,BS,HKV,D]; block_tables [B,MAXB]; work [2 * groups]: (request, logical
+# block) per thread group; dst [2 * B]: (first output row, context length L) per request; iparams [MAXB].
+# Outputs: k_ctx/v_ctx [rows, D]: request c's first L positions land head-major at rows
+# dst[c] + h * L + t, so a run of equal chunks is one contiguous [n, HKV, L, D] region, the layout
+# fused SDPA reads fastest (token-major K/V cost it 2-20 % on the H200).
+# Template: T, D, HKV, BS, W (elements per 16 bytes). Each group copies one physical block, which is
+# contiguous in the cache: reads are whole blocks, writes BS-row runs per head.
 GATHER_BODY = r"""
-  const int L = iparams[0];
-  const int MAXB = iparams[1];
-  constexpr int VPR = D / W;  // 16-byte vectors per row
-  const int i = gx * 128 + tid;
-  if (i >= L * VPR) return;
-  const int c = gy / HKV;
-  const int h = gy - c * HKV;
-  const int t = i / VPR;
-  const int v = i - t * VPR;
-  const long src = ((long)(block_tables[c * MAXB + t / BS] * BS + t % BS) * HKV + h) * VPR + v;
-  const long dst = (long)gy * L * VPR + i;
-  COPY16(k_ctx + dst * W, k_cache + src * W);
-  COPY16(v_ctx + dst * W, v_cache + src * W);
+  constexpr int NT = 128;
+  constexpr int VPR = D / W;          // 16-byte vectors per row of one head
+  constexpr int PB = BS * HKV * VPR;  // 16-byte vectors in one physical block
+  const int c = work[2 * gx];
+  const int j = work[2 * gx + 1];
+  const long base = dst[2 * c];
+  const int L = dst[2 * c + 1];
+  const long src0 = (long)block_tables[c * iparams[0] + j] * PB;
+  for (int r = tid; r < PB; r += NT) {
+    const int t = j * BS + r / (HKV * VPR);
+    if (t >= L) break;
+    const long o = (base + (long)((r / VPR) % HKV) * L + t) * VPR + r % VPR;
+    COPY16(k_ctx + o * W, k_cache + (src0 + r) * W);
+    COPY16(v_ctx + o * W, v_cache + (src0 + r) * W);
+  }
 """
 
 MAIN_INPUTS = ["q", "k_cache", "v_cache", "cu_seqlens_q", "seq_lens", "block_tables", "iparams", "fparams"]
 MAIN_OUTPUTS = ["out", "part_o", "part_ml"]
 REDUCE_INPUTS = ["full", "part_o", "part_ml", "cu_seqlens_q", "seq_lens", "iparams"]
 REDUCE_OUTPUTS = ["out"]
-GATHER_INPUTS = ["k_cache", "v_cache", "block_tables", "iparams"]
+GATHER_INPUTS = ["k_cache", "v_cache", "block_tables", "work", "dst", "iparams"]
 GATHER_OUTPUTS = ["k_ctx", "v_ctx"]
 
 DIALECTS = ("metal", "cuda")

@@ -27,7 +27,7 @@ import mlx.core as mx  # noqa: E402
 import numpy as np  # noqa: E402
 
 from kernels import gpu, reference  # noqa: E402
-from kernels.cases import dense_attention, make_case, rel_error  # noqa: E402
+from kernels.cases import dense_attention, host_gather_runs, make_case, rel_error  # noqa: E402
 from kernels.metadata import AttentionMetadata  # noqa: E402
 
 TOL = {mx.float32: 1e-4, mx.float16: 3e-3, mx.bfloat16: 1.2e-2}
@@ -139,6 +139,91 @@ def hbm_bandwidth():
     return 2 * x.nbytes / sec, sec, spread
 
 
+def interleaved(fns: dict, iters=20, reps=9) -> dict:
+    """Median seconds per call of each variant; the variants alternate within every repetition,
+    so clock and thermal drift fall on all of them alike."""
+    if S > 1:
+        iters, reps = 1, 1
+    for f in fns.values():
+        mx.eval(f())
+    times = {k: [] for k in fns}
+    for _ in range(reps):
+        for k, f in fns.items():
+            mx.synchronize()
+            t0 = time.perf_counter()
+            outs = [f() for _ in range(iters)]
+            mx.eval(outs)
+            mx.synchronize()
+            times[k].append((time.perf_counter() - t0) / iters)
+            del outs
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
+def prefill(title, lens, h, hkv, d, bs, dt, scale, rng, md, log):
+    """Fresh prefill chunks: the default route and its parts against SDPA on the padded batch
+    (every prompt right-padded to the longest; with fresh chunks the causal mask alone is exact)."""
+    n, longest = len(lens), max(lens)
+    kc, vc, tables = random_pool(rng, lens, hkv, d, bs, dt)
+    meta = AttentionMetadata.build(lens, lens, tables, bs)
+    q = mx.random.normal((sum(lens), h, d)).astype(dt)
+    qp = mx.random.normal((n, longest, h, d)).astype(dt).transpose(0, 2, 1, 3)  # as packed rows are read
+    kp = mx.random.normal((n, hkv, longest, d)).astype(dt)
+    vp = mx.random.normal((n, hkv, longest, d)).astype(dt)
+    mx.eval(q, qp, kp, vp)
+    out_k = kernel(q, kc, vc, meta, scale)
+    out_r = reference.paged_attention(q, kc, vc, meta, scale)
+    perr = rel_error(out_k, out_r)
+    plan = gpu._plan(meta, "cuda")
+    layout = plan.context_layout(hkv)
+    kg, vg = gpu.gather_runs("cuda", kc, vc, meta, layout)
+    mx.eval(kg, vg)
+    cu = meta.cu_seqlens_q_np
+
+    def sdpa_parts():  # the route's SDPA calls alone, on K/V gathered beforehand
+        return [gpu._sdpa_run(q, kg, vg, hkv, int(cu[r[0]]), r, off, scale)
+                for r, off in zip(plan.routed()[2], layout.offsets)]
+
+    def padded():
+        return mx.fast.scaled_dot_product_attention(qp, kp, vp, scale=scale, mask="causal")
+
+    sec = interleaved({
+        "route": lambda: kernel(q, kc, vc, meta, scale),
+        "padded": padded,
+        "gather": lambda: gpu.gather_runs("cuda", kc, vc, meta, layout),
+        "sdpa_parts": sdpa_parts,
+    })
+    sec_r, _ = bench(lambda: reference.paged_attention(q, kc, vc, meta, scale), iters=5, reps=3)
+    useful = sum(4 * h * d * x * (x + 1) / 2 for x in lens)
+    padded_flops = 4 * n * h * d * longest * (longest + 1) / 2
+    t0 = time.perf_counter()
+    outs = [kernel(q, kc, vc, meta, scale) for _ in range(100)]
+    host_us = (time.perf_counter() - t0) / 100 * 1e6
+    mx.eval(outs)
+    del outs
+    runs = len(plan.routed()[2])
+    rows = [("kernels.paged_attention (default route)", sec["route"]),
+            (f"of which: one gather of K and V for all {runs} SDPA run(s)", sec["gather"]),
+            (f"of which: the {runs} SDPA call(s) alone", sec["sdpa_parts"]),
+            ("reference (gather + SDPA per chunk)", sec_r),
+            (f"mx.fast.scaled_dot_product_attention, padded batch [{n}, {h}, {longest}, {d}]", sec["padded"])]
+    extra = ""
+    if S == 1 and len(set(lens)) == 1:  # the slow tile path is timed on the equal batch only
+        sec_t, _ = bench(lambda: gpu.paged_attention("cuda", q, kc, vc, meta, scale, route_chunks=False),
+                         iters=3, reps=3)
+        out_t = gpu.paged_attention("cuda", q, kc, vc, meta, scale, route_chunks=False)
+        rows.insert(3, ("kernel tile path only (one launch)", sec_t))
+        extra = f", tile path {rel_error(out_t, out_r):.1e}"
+    md += [f"### Prefill: {title}, H={h}, H_kv={hkv}, D={d}, bf16 (useful causal FLOPs {useful / 1e9:.0f} G, "
+           f"padded {padded_flops / 1e9:.0f} G)\n",
+           "| path | ms | useful TFLOP/s | padded SDPA / this |", "|---|---|---|---|"]
+    md += [f"| {name} | {t * 1e3:.3f} | {useful / t / 1e12:.1f} | {sec['padded'] / t:.2f}x |" for name, t in rows]
+    md.append(f"\nError vs reference: default route {perr:.1e}{extra}. Host time to enqueue one route call "
+              f"(plan cached for the step, as every layer after the first sees it): {host_us:.0f} us.\n")
+    log.setdefault("prefill", []).append({"title": title, "lens": lens, "err": perr, "host_us": host_us,
+                                          "reference_sec": sec_r, **{k + "_sec": v for k, v in sec.items()}})
+    print("\n".join(md[-(len(rows) + 4):]), flush=True)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=".")
@@ -155,12 +240,7 @@ def main() -> int:
         def launch(plan, q, kc, vc, scale, window, softcap):
             return reference.paged_attention(q, kc, vc, plan.meta, scale, window, softcap)
 
-        def gather(dialect, kc, vc, tables, length):
-            nb, bs, hkv, d = kc.shape
-            return tuple(c[tables[:, : -(-length // bs)]].reshape(tables.shape[0], -1, hkv, d)[:, :length]
-                         .transpose(0, 2, 1, 3) for c in (kc, vc))
-
-        gpu._launch, gpu.gather_context = launch, gather
+        gpu._launch, gpu.gather_runs = launch, host_gather_runs
     else:
         assert mx.cuda.is_available(), "MLX has no CUDA device here"
         mx.set_default_device(mx.gpu)
@@ -296,40 +376,14 @@ def main() -> int:
     flush()
     del kc, vc, state
 
-    # -- prefill: 8 x 2K
+    # -- prefill: 8 x 2K, then 8 ragged fresh prompts of 1K-2K (the padded batch pads them to 2K)
     nseq, ctx = 8, 2048 // S
-    kc, vc, tables = random_pool(rng, [ctx] * nseq, hkv, d, bs, dt)
-    meta = AttentionMetadata.build([ctx] * nseq, [ctx] * nseq, tables, bs)
-    q = mx.random.normal((nseq * ctx, h, d)).astype(dt)
-    out_k = kernel(q, kc, vc, meta, scale)
-    out_r = reference.paged_attention(q, kc, vc, meta, scale)
-    sec_g, _ = bench(lambda: gpu.gather_context("cuda", kc, vc, meta.block_tables, ctx), iters=10, reps=5)
-    out_t = gpu.paged_attention("cuda", q, kc, vc, meta, scale, route_chunks=False)
-    perr = rel_error(out_k, out_r)
-    terr = rel_error(out_t, out_r)
-    sec_k, _ = bench(lambda: kernel(q, kc, vc, meta, scale), iters=5, reps=5)
-    sec_t, _ = bench(lambda: gpu.paged_attention("cuda", q, kc, vc, meta, scale, route_chunks=False), iters=3, reps=3)
-    sec_r, _ = bench(lambda: reference.paged_attention(q, kc, vc, meta, scale), iters=5, reps=5)
-    # The padded dense equivalent: contiguous [B, H, L, D], causal.
-    qp = q.reshape(nseq, ctx, h, d).transpose(0, 2, 1, 3)
-    kp = mx.random.normal((nseq, hkv, ctx, d)).astype(dt)
-    vp = mx.random.normal((nseq, hkv, ctx, d)).astype(dt)
-    mx.eval(qp, kp, vp)
-    sec_s, _ = bench(lambda: mx.fast.scaled_dot_product_attention(qp, kp, vp, scale=scale, mask="causal"), iters=5, reps=5)
-    flops = 4 * nseq * h * d * (ctx * (ctx + 1) / 2)
-    md += [f"### Prefill: {nseq} x {ctx} new tokens, H={h}, H_kv={hkv}, D={d}, bf16 (causal FLOPs {flops / 1e9:.0f} G)\n",
-           "| path | ms | TFLOP/s | vs padded SDPA |", "|---|---|---|---|",
-           f"| kernels.paged_attention (default: chunks >= {gpu.SDPA_CHUNK_TOKENS} tokens to fused SDPA) | {sec_k * 1e3:.2f} | {flops / sec_k / 1e12:.1f} | {sec_s / sec_k:.2f}x |",
-           f"| of which: paged gather of K and V for all chunks (one launch) | {sec_g * 1e3:.3f} | | |",
-           f"| kernel tile path only (one launch) | {sec_t * 1e3:.2f} | {flops / sec_t / 1e12:.1f} | {sec_s / sec_t:.2f}x |",
-           f"| reference (gather + SDPA per chunk) | {sec_r * 1e3:.2f} | {flops / sec_r / 1e12:.1f} | {sec_s / sec_r:.2f}x |",
-           f"| mx.fast.scaled_dot_product_attention, padded batch | {sec_s * 1e3:.2f} | {flops / sec_s / 1e12:.1f} | 1.00x |",
-           f"\nError vs reference: default {perr:.1e}, tile path {terr:.1e}.\n"]
-    log["prefill"] = {"kernel_sec": sec_k, "gather_sec": sec_g, "tile_sec": sec_t, "reference_sec": sec_r, "sdpa_sec": sec_s,
-                      "err": perr, "tile_err": terr}
-    print("\n".join(md[-10:]), flush=True)
-    flush()
-    del kc, vc, q, qp, kp, vp, out_k, out_r, out_t
+    ragged = sorted(int(x) for x in rng.integers(ctx // 2, ctx + 1, size=nseq))
+    ragged[-1] = ctx
+    for title, lens in ((f"{nseq} x {ctx} new tokens", [ctx] * nseq),
+                        (f"{nseq} ragged fresh prompts {ragged}", ragged)):
+        prefill(title, lens, h, hkv, d, bs, dt, scale, rng, md, log)
+        flush()
 
     # -- mixed batches: one call vs its decode and prefill parts called separately
     mixed = [

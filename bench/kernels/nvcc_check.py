@@ -72,8 +72,9 @@ def main() -> int:
                     [("full", dt), ("part_o", "float32"), ("part_ml", "float32"), ("cu_seqlens_q", "int32"),
                      ("seq_lens", "int32"), ("iparams", "int32")], [("out", dt)],
                     [("T", dt), ("D", d), ("H", 8 * g)])
-        gsrc = wrap("gather", gh_, gb_, [("k_cache", dt), ("v_cache", dt), ("block_tables", "int32"),
-                                         ("iparams", "int32")], [("k_ctx", dt), ("v_ctx", dt)], [("T", dt), ("D", d), ("HKV", 8), ("BS", 16), ("W", 16 // SIZES[dt])])
+        gins = [(n, dt if n.endswith("_cache") else "int32") for n in source.GATHER_INPUTS]
+        gsrc = wrap("gather", gh_, gb_, gins, [(n, dt) for n in source.GATHER_OUTPUTS],
+                    [("T", dt), ("D", d), ("HKV", 8), ("BS", 16), ("W", 16 // SIZES[dt])])
         for tag, text in (("main", src), ("rows only", rows_only), ("reduce", rsrc), ("gather", gsrc)):
             with tempfile.NamedTemporaryFile("w", suffix=".cu", delete=False) as f:
                 f.write(text)

@@ -13,7 +13,7 @@ import pytest
 
 import kernels
 from kernels import gpu, host, reference, source
-from kernels.cases import dense_attention, make_case, rel_error
+from kernels.cases import dense_attention, host_gather_runs, make_case, rel_error
 from kernels.metadata import AttentionMetadata
 
 TOL = {mx.float32: 2e-5, mx.float16: 3e-3, mx.bfloat16: 2e-2}
@@ -175,25 +175,21 @@ def _host_kernels(monkeypatch):
     def launch(plan, q, k_cache, v_cache, scale, window, softcap):
         return reference.paged_attention(q, k_cache, v_cache, plan.meta, scale, window, softcap)
 
-    def gather(dialect, k_cache, v_cache, tables, length):
-        nb, bs, hkv, d = k_cache.shape
-        blocks = -(-length // bs)
-        return tuple(c[tables[:, :blocks]].reshape(tables.shape[0], blocks * bs, hkv, d)[:, :length]
-                     .transpose(0, 2, 1, 3) for c in (k_cache, v_cache))
-
     monkeypatch.setattr(gpu, "_launch", launch)
-    monkeypatch.setattr(gpu, "gather_context", gather)
+    monkeypatch.setattr(gpu, "gather_runs", host_gather_runs)
 
 
-@pytest.mark.parametrize("order", ["decode first", "interleaved", "prefill only"])
+@pytest.mark.parametrize("order", ["decode first", "interleaved", "prefill only", "ragged"])
 def test_kernel_chunk_route_batches_equal_chunks_and_keeps_packed_order(rng, monkeypatch, order):
     _host_kernels(monkeypatch)
     if order == "decode first":
         qlens, slens = [1, 1, 5, 64, 64, 64, 80], [300, 17, 40, 64, 64, 64, 200]
     elif order == "interleaved":
         qlens, slens = [64, 1, 64, 64, 3, 1, 70, 70], [100, 50, 100, 100, 9, 700, 70, 70]
-    else:
+    elif order == "prefill only":
         qlens, slens = [96] * 4, [96] * 4
+    else:  # fresh and continued chunks of different lengths: one run each, one gather for all
+        qlens, slens = [64, 100, 1, 81, 81, 77], [64, 333, 50, 81, 81, 200]
     case = make_case(rng, qlens, slens, 8, 2, 64, 16, dtype=mx.float16)
     meta = case.meta
     plan = gpu._StepPlan(meta, "cuda")
