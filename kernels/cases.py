@@ -29,11 +29,13 @@ class Case:
 def make_case(
     rng: np.random.Generator, query_lens: list[int], seq_lens: list[int], num_heads: int,
     num_kv_heads: int, head_dim: int, block_size: int, dtype=mx.float32, spare_blocks: int = 3,
+    shuffle: bool = True,
 ) -> Case:
-    """Random q/K/V for requests with the given new-token and total context lengths."""
+    """Random q/K/V for requests with the given new-token and total context lengths; their
+    blocks scattered over the pool, or (``shuffle=False``) in order as a fresh pool hands them out."""
     blocks_per = [-(-s // block_size) for s in seq_lens]
     num_blocks = sum(blocks_per) + spare_blocks
-    perm = rng.permutation(num_blocks)  # physical blocks scattered over the pool
+    perm = rng.permutation(num_blocks) if shuffle else np.arange(num_blocks)
     tables, start = [], 0
     for n in blocks_per:
         tables.append([int(x) for x in perm[start : start + n]])

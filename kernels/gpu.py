@@ -192,7 +192,7 @@ class _StepPlan:
     """Launch plan of one step, shared by all its layers (same metadata object)."""
 
     __slots__ = ("meta", "dialect", "parts", "part_tokens", "iparams", "has_rows", "has_tiles", "long_chunks",
-                 "_routed", "_layouts")
+                 "_routed", "_layouts", "_in_place")
 
     def __init__(self, meta: AttentionMetadata, dialect: str):
         self.meta = meta
@@ -205,6 +205,7 @@ class _StepPlan:
         self.long_chunks = bool((meta.query_lens_np >= SDPA_CHUNK_TOKENS).any())
         self._routed = None
         self._layouts: dict[int, ContextLayout] = {}
+        self._in_place: list[tuple[int, int] | None] | None = None
 
     def routed(self):
         """(plan of the kernel's requests or None, their packed rows, SDPA runs) when long chunks
@@ -230,6 +231,23 @@ class _StepPlan:
             self._routed = (sub, rows, runs)
         return self._routed
 
+    def in_place(self) -> list[tuple[int, int] | None]:
+        """Per SDPA run, ``(first block, blocks between chunks)`` where SDPA can read the cache
+        itself: each chunk's blocks consecutive and in order, the chunks evenly spaced (as a fresh
+        pool hands out blocks). SDPA reads that token-major view as fast as a gathered copy
+        (``bench/kernels/RESULTS.md``), so such runs skip the gather; None elsewhere."""
+        if self._in_place is None:
+            _, _, runs = self.routed()
+            tables = np.asarray(self.meta.block_tables)
+            bs = self.meta.block_size
+            self._in_place = []
+            for b0, n, _, sl in runs:
+                t = tables[b0 : b0 + n, : -(-sl // bs)]
+                steps = np.diff(t[:, 0])
+                ok = (t - t[:, :1] == np.arange(t.shape[1])).all() and (steps >= 0).all() and (steps == steps[:1]).all()
+                self._in_place.append((int(t[0, 0]), int(steps[0]) if n > 1 else 0) if ok else None)
+        return self._in_place
+
     def context_layout(self, hkv: int) -> ContextLayout:
         """Where ``gather_runs`` puts the SDPA runs' contexts for caches with ``hkv`` KV heads:
         run ``r`` (``n`` chunks over ``sl`` positions) is rows ``offsets[r]`` on, ``[n, hkv, sl, D]``."""
@@ -238,15 +256,17 @@ class _StepPlan:
             bs = self.meta.block_size
             dst = np.zeros((self.meta.num_seqs, 2), dtype=np.int32)
             work, offsets, at = [], [], 0
-            for b0, n, _, sl in runs:
+            for (b0, n, _, sl), place in zip(runs, self.in_place()):
                 offsets.append(at)
+                if place is not None:
+                    continue
                 reqs = np.arange(b0, b0 + n)
                 dst[reqs, 0] = at + np.arange(n) * hkv * sl
                 dst[reqs, 1] = sl
                 blocks = -(-sl // bs)
                 work.append(np.stack([np.repeat(reqs, blocks), np.tile(np.arange(blocks), n)], axis=1))
                 at += n * hkv * sl
-            work_np = np.concatenate(work).astype(np.int32)
+            work_np = np.concatenate(work or [np.zeros((0, 2))]).astype(np.int32)
             self._layouts[hkv] = ContextLayout(mx.array(work_np.reshape(-1)), mx.array(dst.reshape(-1)),
                                                len(work_np), at, offsets)
         return self._layouts[hkv]
@@ -330,23 +350,42 @@ def gather_runs(
     return k, v
 
 
-def _sdpa_run(
-    q: mx.array, k_ctx: mx.array, v_ctx: mx.array, hkv: int, start: int, run: tuple[int, int, int, int],
-    offset: int, scale: float,
-) -> mx.array:
-    """``[count * query_len, H, D]`` for ``count`` adjacent chunks of one shape (from packed row
-    ``start``), in packed order; their context is rows ``offset`` on of the gathered K/V."""
-    _, n, ql, sl = run
+def _cache_view(cache: mx.array, place: tuple[int, int], n: int, length: int) -> mx.array:
+    """``[n, H_kv, length, D]`` read in place from the cache: n chunks of consecutive blocks,
+    the first at block ``place[0]``, each ``place[1]`` blocks after the one before."""
+    _, bs, hkv, d = cache.shape
+    first, step = place
+    return mx.as_strided(cache, (n, hkv, length, d), (step * bs * hkv * d, d, hkv * d, 1), first * bs * hkv * d)
+
+
+def run_contexts(
+    plan: _StepPlan, k_cache: mx.array, v_cache: mx.array, gathered: tuple[mx.array, mx.array] | None,
+) -> list[tuple[mx.array, mx.array]]:
+    """K and V ``[n, H_kv, context, D]`` of each SDPA run: the cache read in place where the
+    run's blocks allow it, else its rows of the ``gather_runs`` output."""
+    _, _, runs = plan.routed()
+    hkv = k_cache.shape[2]
+    layout = plan.context_layout(hkv)
+    out = []
+    for (_, n, _, sl), offset, place in zip(runs, layout.offsets, plan.in_place()):
+        if place is None:
+            out.append(tuple(c[offset : offset + n * hkv * sl].reshape(n, hkv, sl, -1) for c in gathered))
+        else:
+            out.append(tuple(_cache_view(c, place, n, sl) for c in (k_cache, v_cache)))
+    return out
+
+
+def _sdpa_run(q: mx.array, k: mx.array, v: mx.array, start: int, query_len: int, scale: float) -> mx.array:
+    """``[count * query_len, H, D]`` for the ``count`` chunks of ``k``/``v`` ``[count, H_kv,
+    context, D]`` whose queries are the packed rows from ``start``, in packed order."""
+    n = k.shape[0]
     _, h, d = q.shape
     # Views of the packed rows: SDPA reads them strided and writes its output in q's layout,
     # so the result is already [rows, H, D] without a copy.
-    qv = q[start : start + n * ql].reshape(n, ql, h, d).transpose(0, 2, 1, 3)
-    end = offset + n * hkv * sl
-    k = k_ctx[offset:end].reshape(n, hkv, sl, d)
-    v = v_ctx[offset:end].reshape(n, hkv, sl, d)
+    qv = q[start : start + n * query_len].reshape(n, query_len, h, d).transpose(0, 2, 1, 3)
     # MLX's causal mask is aligned to the last key: exactly a chunk after its cached context.
     out = mx.fast.scaled_dot_product_attention(qv, k, v, scale=scale, mask="causal")
-    return out.transpose(0, 2, 1, 3).reshape(n * ql, h, d)
+    return out.transpose(0, 2, 1, 3).reshape(n * query_len, h, d)
 
 
 def chunks_take_sdpa(plan: _StepPlan, q: mx.array, sliding_window: int | None, softcap: float | None) -> bool:
@@ -386,8 +425,8 @@ def paged_attention(
     cu = meta.cu_seqlens_q_np
     hkv = k_cache.shape[2]
     layout = plan.context_layout(hkv)
-    k_ctx, v_ctx = gather_runs(dialect, k_cache, v_cache, meta, layout)
-    for run, offset in zip(runs, layout.offsets):
-        pieces.append(_sdpa_run(q, k_ctx, v_ctx, hkv, int(cu[run[0]]), run, offset, scale))
-        order.append(np.arange(cu[run[0]], cu[run[0] + run[1]]))
+    gathered = gather_runs(dialect, k_cache, v_cache, meta, layout) if layout.groups else None
+    for (b0, n, ql, _), (k, v) in zip(runs, run_contexts(plan, k_cache, v_cache, gathered)):
+        pieces.append(_sdpa_run(q, k, v, int(cu[b0]), ql, scale))
+        order.append(np.arange(cu[b0], cu[b0 + n]))
     return in_packed_order(pieces, order, meta.num_tokens)

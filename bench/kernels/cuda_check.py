@@ -117,11 +117,12 @@ def correctness(rng, rows, log):
 # ---------------------------------------------------------------- timing helpers
 
 
-def random_pool(rng, seq_lens, hkv, d, bs, dtype, extra_blocks=0):
-    """Caches holding exactly the requests' blocks, physically shuffled; random values made on the GPU."""
+def random_pool(rng, seq_lens, hkv, d, bs, dtype, extra_blocks=0, shuffle=True):
+    """Caches holding exactly the requests' blocks, physically shuffled (or in allocation order,
+    as a fresh pool hands them out); random values made on the GPU."""
     per = [-(-int(s) // bs) for s in seq_lens]
     nb = sum(per) + extra_blocks
-    perm = rng.permutation(nb)
+    perm = rng.permutation(nb) if shuffle else np.arange(nb)
     tables, at = [], 0
     for n in per:
         tables.append([int(x) for x in perm[at : at + n]])
@@ -176,11 +177,11 @@ def interleaved(fns: dict, iters=20, reps=9) -> dict:
     return {k: statistics.median(v) for k, v in times.items()}
 
 
-def prefill(title, lens, h, hkv, d, bs, dt, scale, rng, md, log):
+def prefill(title, lens, h, hkv, d, bs, dt, scale, rng, md, log, shuffle=True):
     """Fresh prefill chunks: the default route and its parts against SDPA on the padded batch
     (every prompt right-padded to the longest; with fresh chunks the causal mask alone is exact)."""
     n, longest = len(lens), max(lens)
-    kc, vc, tables = random_pool(rng, lens, hkv, d, bs, dt)
+    kc, vc, tables = random_pool(rng, lens, hkv, d, bs, dt, shuffle=shuffle)
     meta = AttentionMetadata.build(lens, lens, tables, bs)
     q = mx.random.normal((sum(lens), h, d)).astype(dt)
     qp = mx.random.normal((n, longest, h, d)).astype(dt).transpose(0, 2, 1, 3)  # as packed rows are read
@@ -192,30 +193,22 @@ def prefill(title, lens, h, hkv, d, bs, dt, scale, rng, md, log):
     perr = rel_error(out_k, out_r)
     plan = gpu._plan(meta, "cuda")
     layout = plan.context_layout(hkv)
-    kg, vg = gpu.gather_runs("cuda", kc, vc, meta, layout)
-    mx.eval(kg, vg)
+    gathered = gpu.gather_runs("cuda", kc, vc, meta, layout) if layout.groups else None
+    if gathered:
+        mx.eval(gathered)
+    contexts = gpu.run_contexts(plan, kc, vc, gathered)
     cu = meta.cu_seqlens_q_np
 
     def sdpa_parts():  # the route's SDPA calls alone, on K/V gathered beforehand
-        return [gpu._sdpa_run(q, kg, vg, hkv, int(cu[r[0]]), r, off, scale)
-                for r, off in zip(plan.routed()[2], layout.offsets)]
+        return [gpu._sdpa_run(q, k, v, int(cu[r[0]]), r[2], scale) for r, (k, v) in zip(plan.routed()[2], contexts)]
 
     def padded():
         return mx.fast.scaled_dot_product_attention(qp, kp, vp, scale=scale, mask="causal")
 
-    variants = {
-        "route": lambda: kernel(q, kc, vc, meta, scale),
-        "padded": padded,
-        "gather": lambda: gpu.gather_runs("cuda", kc, vc, meta, layout),
-        "sdpa_parts": sdpa_parts,
-    }
+    variants = {"route": lambda: kernel(q, kc, vc, meta, scale), "padded": padded, "sdpa_parts": sdpa_parts}
+    if gathered:
+        variants["gather"] = lambda: gpu.gather_runs("cuda", kc, vc, meta, layout)
     equal = len(set(lens)) == 1
-    if equal:
-        # What skipping the gather would cost SDPA: the cache read in place, token-major (possible
-        # only where each request's blocks are contiguous and in order).
-        kt = kc.reshape(n, longest, hkv, d).transpose(0, 2, 1, 3)
-        vt = vc.reshape(n, longest, hkv, d).transpose(0, 2, 1, 3)
-        variants["in_place"] = lambda: mx.fast.scaled_dot_product_attention(qp, kt, vt, scale=scale, mask="causal")
     sec = interleaved(variants)
     sec_r, _ = bench(lambda: reference.paged_attention(q, kc, vc, meta, scale), iters=5, reps=3)
     useful = sum(4 * h * d * x * (x + 1) / 2 for x in lens)
@@ -226,16 +219,15 @@ def prefill(title, lens, h, hkv, d, bs, dt, scale, rng, md, log):
     mx.eval(outs)
     del outs
     runs = len(plan.routed()[2])
-    rows = [("kernels.paged_attention (default route)", sec["route"]),
-            (f"of which: one gather of K and V for all {runs} SDPA run(s)", sec["gather"]),
-            (f"of which: the {runs} SDPA call(s) alone", sec["sdpa_parts"]),
+    read = sum(p is not None for p in plan.in_place())
+    rows = [("kernels.paged_attention (default route)", sec["route"])]
+    if gathered:
+        rows.append((f"of which: one gather of K and V for {runs - read} of {runs} SDPA run(s)", sec["gather"]))
+    rows += [(f"of which: the {runs} SDPA call(s) alone ({read} reading the cache in place)", sec["sdpa_parts"]),
             ("reference (gather + SDPA per chunk)", sec_r),
             (f"mx.fast.scaled_dot_product_attention, padded batch [{n}, {h}, {longest}, {d}]", sec["padded"])]
     extra = ""
-    if equal:
-        rows.append(("SDPA over the paged cache read in place, token-major (no gather; contiguous blocks only)",
-                     sec["in_place"]))
-    if S == 1 and equal:  # the slow tile path is timed on the equal batch only
+    if S == 1 and equal and shuffle:  # the slow tile path is timed once
         sec_t, _ = bench(lambda: gpu.paged_attention("cuda", q, kc, vc, meta, scale, route_chunks=False),
                          iters=3, reps=3)
         out_t = gpu.paged_attention("cuda", q, kc, vc, meta, scale, route_chunks=False)
@@ -247,10 +239,11 @@ def prefill(title, lens, h, hkv, d, bs, dt, scale, rng, md, log):
     md += [f"| {name} | {t * 1e3:.3f} | {useful / t / 1e12:.1f} | {sec['padded'] / t:.2f}x |" for name, t in rows]
     md.append(f"\nError vs reference: default route {perr:.1e}{extra}. Host time to enqueue one route call "
               f"(plan cached for the step, as every layer after the first sees it): {host_us:.0f} us.\n")
-    log.setdefault("prefill", []).append({"title": title, "lens": lens, "err": perr, "host_us": host_us,
+    log.setdefault("prefill", []).append({"title": title, "lens": lens, "shuffle": shuffle, "err": perr,
+                                          "host_us": host_us, "in_place_runs": read,
                                           "reference_sec": sec_r, **{k + "_sec": v for k, v in sec.items()}})
     print("\n".join(md[-(len(rows) + 4):]), flush=True)
-    if equal:
+    if equal and shuffle:
         sdpa_batch_efficiency(n, h, hkv, d, dt, scale, md, log)
 
 
@@ -437,9 +430,12 @@ def main() -> int:
     nseq, ctx = 8, 2048 // S
     ragged = sorted(int(x) for x in rng.integers(ctx // 2, ctx + 1, size=nseq))
     ragged[-1] = ctx
-    for title, lens in ((f"{nseq} x {ctx} new tokens", [ctx] * nseq),
-                        (f"{nseq} ragged fresh prompts {ragged}", ragged)):
-        prefill(title, lens, h, hkv, d, bs, dt, scale, rng, md, log)
+    for title, lens, shuffle in (
+            (f"{nseq} x {ctx} new tokens, blocks shuffled over the pool", [ctx] * nseq, True),
+            (f"{nseq} x {ctx} new tokens, blocks in allocation order (as a fresh pool hands them out)",
+             [ctx] * nseq, False),
+            (f"{nseq} ragged fresh prompts {ragged}, blocks shuffled", ragged, True)):
+        prefill(title, lens, h, hkv, d, bs, dt, scale, rng, md, log, shuffle)
         flush()
 
     # -- mixed batches: one call vs its decode and prefill parts called separately

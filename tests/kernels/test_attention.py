@@ -179,7 +179,7 @@ def _host_kernels(monkeypatch):
     monkeypatch.setattr(gpu, "gather_runs", host_gather_runs)
 
 
-@pytest.mark.parametrize("order", ["decode first", "interleaved", "prefill only", "ragged"])
+@pytest.mark.parametrize("order", ["decode first", "interleaved", "prefill only", "ragged", "in order"])
 def test_kernel_chunk_route_batches_equal_chunks_and_keeps_packed_order(rng, monkeypatch, order):
     _host_kernels(monkeypatch)
     if order == "decode first":
@@ -188,12 +188,18 @@ def test_kernel_chunk_route_batches_equal_chunks_and_keeps_packed_order(rng, mon
         qlens, slens = [64, 1, 64, 64, 3, 1, 70, 70], [100, 50, 100, 100, 9, 700, 70, 70]
     elif order == "prefill only":
         qlens, slens = [96] * 4, [96] * 4
-    else:  # fresh and continued chunks of different lengths: one run each, one gather for all
+    elif order == "ragged":  # fresh and continued chunks of different lengths: one run each, one gather
         qlens, slens = [64, 100, 1, 81, 81, 77], [64, 333, 50, 81, 81, 200]
-    case = make_case(rng, qlens, slens, 8, 2, 64, 16, dtype=mx.float16)
+    else:  # blocks as a fresh pool hands them out: SDPA reads the cache in place, no gather
+        qlens, slens = [1, 96, 96, 80, 70], [50, 96, 96, 300, 77]
+    case = make_case(rng, qlens, slens, 8, 2, 64, 16, dtype=mx.float16, shuffle=order != "in order")
     meta = case.meta
     plan = gpu._StepPlan(meta, "cuda")
     sub, rows, runs = plan.routed()
+    if order == "in order":
+        assert plan.in_place() == [(4, 6), (16, 0), (35, 0)] and plan.context_layout(2).groups == 0
+    else:  # scattered blocks (4+ per chunk) are gathered
+        assert all(p is None for p in plan.in_place()) and plan.context_layout(2).groups > 0
     long = np.flatnonzero(meta.query_lens_np >= gpu.SDPA_CHUNK_TOKENS)
     assert sum(n for _, n, _, _ in runs) == len(long)
     assert (sub is None) == (len(rows) == 0) and len(rows) + meta.query_lens_np[long].sum() == meta.num_tokens
