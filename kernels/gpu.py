@@ -204,8 +204,8 @@ class _StepPlan:
         self.has_tiles = bool((meta.query_lens_np > 1).any())
         self.long_chunks = bool((meta.query_lens_np >= SDPA_CHUNK_TOKENS).any())
         self._routed = None
-        self._layouts: dict[int, ContextLayout] = {}
-        self._in_place: list[tuple[int, int] | None] | None = None
+        self._layouts: dict[tuple[int, int], ContextLayout] = {}
+        self._in_place: dict[int, list[tuple[int, int] | None]] = {}
 
     def routed(self):
         """(plan of the kernel's requests or None, their packed rows, SDPA runs) when long chunks
@@ -231,32 +231,34 @@ class _StepPlan:
             self._routed = (sub, rows, runs)
         return self._routed
 
-    def in_place(self) -> list[tuple[int, int] | None]:
-        """Per SDPA run, ``(first block, blocks between chunks)`` where SDPA can read the cache
+    def in_place(self, num_blocks: int) -> list[tuple[int, int] | None]:
+        """Per SDPA run, ``(first block, blocks from chunk to chunk)`` where SDPA can read the cache
         itself: each chunk's blocks consecutive and in order, the chunks evenly spaced (as a fresh
         pool hands out blocks). SDPA reads that token-major view as fast as a gathered copy
         (``bench/kernels/RESULTS.md``), so such runs skip the gather; None elsewhere."""
-        if self._in_place is None:
+        if num_blocks not in self._in_place:
             _, _, runs = self.routed()
             tables = np.asarray(self.meta.block_tables)
             bs = self.meta.block_size
-            self._in_place = []
+            places = []
             for b0, n, _, sl in runs:
                 t = tables[b0 : b0 + n, : -(-sl // bs)]
-                steps = np.diff(t[:, 0])
-                ok = (t - t[:, :1] == np.arange(t.shape[1])).all() and (steps >= 0).all() and (steps == steps[:1]).all()
-                self._in_place.append((int(t[0, 0]), int(steps[0]) if n > 1 else 0) if ok else None)
-        return self._in_place
+                span = int(t[1, 0] - t[0, 0]) if n > 1 else t.shape[1]
+                ok = ((t - t[:, :1] == np.arange(t.shape[1])).all() and span >= t.shape[1]
+                      and (t[:, 0] == t[0, 0] + span * np.arange(n)).all() and t[0, 0] + n * span <= num_blocks)
+                places.append((int(t[0, 0]), span) if ok else None)
+            self._in_place[num_blocks] = places
+        return self._in_place[num_blocks]
 
-    def context_layout(self, hkv: int) -> ContextLayout:
+    def context_layout(self, hkv: int, num_blocks: int) -> ContextLayout:
         """Where ``gather_runs`` puts the SDPA runs' contexts for caches with ``hkv`` KV heads:
         run ``r`` (``n`` chunks over ``sl`` positions) is rows ``offsets[r]`` on, ``[n, hkv, sl, D]``."""
-        if hkv not in self._layouts:
+        if (hkv, num_blocks) not in self._layouts:
             _, _, runs = self.routed()
             bs = self.meta.block_size
             dst = np.zeros((self.meta.num_seqs, 2), dtype=np.int32)
             work, offsets, at = [], [], 0
-            for (b0, n, _, sl), place in zip(runs, self.in_place()):
+            for (b0, n, _, sl), place in zip(runs, self.in_place(num_blocks)):
                 offsets.append(at)
                 if place is not None:
                     continue
@@ -267,9 +269,9 @@ class _StepPlan:
                 work.append(np.stack([np.repeat(reqs, blocks), np.tile(np.arange(blocks), n)], axis=1))
                 at += n * hkv * sl
             work_np = np.concatenate(work or [np.zeros((0, 2))]).astype(np.int32)
-            self._layouts[hkv] = ContextLayout(mx.array(work_np.reshape(-1)), mx.array(dst.reshape(-1)),
+            self._layouts[hkv, num_blocks] = ContextLayout(mx.array(work_np.reshape(-1)), mx.array(dst.reshape(-1)),
                                                len(work_np), at, offsets)
-        return self._layouts[hkv]
+        return self._layouts[hkv, num_blocks]
 
 
 _last_plan: list[_StepPlan] = []
@@ -351,11 +353,13 @@ def gather_runs(
 
 
 def _cache_view(cache: mx.array, place: tuple[int, int], n: int, length: int) -> mx.array:
-    """``[n, H_kv, length, D]`` read in place from the cache: n chunks of consecutive blocks,
-    the first at block ``place[0]``, each ``place[1]`` blocks after the one before."""
+    """``[n, H_kv, length, D]`` read in place from the cache: n chunks of consecutive blocks, the
+    first at block ``place[0]``, each ``place[1]`` blocks after the one before. Slices and
+    reshapes only, which MLX keeps as views of the cache."""
     _, bs, hkv, d = cache.shape
-    first, step = place
-    return mx.as_strided(cache, (n, hkv, length, d), (step * bs * hkv * d, d, hkv * d, 1), first * bs * hkv * d)
+    first, span = place
+    rows = cache[first : first + n * span].reshape(n, span * bs, hkv, d)
+    return rows[:, :length].transpose(0, 2, 1, 3)
 
 
 def run_contexts(
@@ -365,9 +369,9 @@ def run_contexts(
     run's blocks allow it, else its rows of the ``gather_runs`` output."""
     _, _, runs = plan.routed()
     hkv = k_cache.shape[2]
-    layout = plan.context_layout(hkv)
+    layout = plan.context_layout(hkv, k_cache.shape[0])
     out = []
-    for (_, n, _, sl), offset, place in zip(runs, layout.offsets, plan.in_place()):
+    for (_, n, _, sl), offset, place in zip(runs, layout.offsets, plan.in_place(k_cache.shape[0])):
         if place is None:
             out.append(tuple(c[offset : offset + n * hkv * sl].reshape(n, hkv, sl, -1) for c in gathered))
         else:
@@ -424,7 +428,7 @@ def paged_attention(
         order.append(rows)
     cu = meta.cu_seqlens_q_np
     hkv = k_cache.shape[2]
-    layout = plan.context_layout(hkv)
+    layout = plan.context_layout(hkv, k_cache.shape[0])
     gathered = gather_runs(dialect, k_cache, v_cache, meta, layout) if layout.groups else None
     for (b0, n, ql, _), (k, v) in zip(runs, run_contexts(plan, k_cache, v_cache, gathered)):
         pieces.append(_sdpa_run(q, k, v, int(cu[b0]), ql, scale))

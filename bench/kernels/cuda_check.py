@@ -192,14 +192,14 @@ def prefill(title, lens, h, hkv, d, bs, dt, scale, rng, md, log, shuffle=True):
     out_r = reference.paged_attention(q, kc, vc, meta, scale)
     perr = rel_error(out_k, out_r)
     plan = gpu._plan(meta, "cuda")
-    layout = plan.context_layout(hkv)
+    layout = plan.context_layout(hkv, kc.shape[0])
     gathered = gpu.gather_runs("cuda", kc, vc, meta, layout) if layout.groups else None
     if gathered:
         mx.eval(gathered)
-    contexts = gpu.run_contexts(plan, kc, vc, gathered)
     cu = meta.cu_seqlens_q_np
 
     def sdpa_parts():  # the route's SDPA calls alone, on K/V gathered beforehand
+        contexts = gpu.run_contexts(plan, kc, vc, gathered)
         return [gpu._sdpa_run(q, k, v, int(cu[r[0]]), r[2], scale) for r, (k, v) in zip(plan.routed()[2], contexts)]
 
     def padded():
@@ -219,7 +219,7 @@ def prefill(title, lens, h, hkv, d, bs, dt, scale, rng, md, log, shuffle=True):
     mx.eval(outs)
     del outs
     runs = len(plan.routed()[2])
-    read = sum(p is not None for p in plan.in_place())
+    read = sum(p is not None for p in plan.in_place(kc.shape[0]))
     rows = [("kernels.paged_attention (default route)", sec["route"])]
     if gathered:
         rows.append((f"of which: one gather of K and V for {runs - read} of {runs} SDPA run(s)", sec["gather"]))
@@ -269,10 +269,27 @@ def sdpa_batch_efficiency(n, h, hkv, d, dt, scale, md, log):
     print("\n".join(md[-7:]), flush=True)
 
 
+def run_prefill(h, hkv, d, bs, dt, scale, rng, md, log, flush) -> int:
+    # -- prefill: 8 x 2K, then 8 ragged fresh prompts of 1K-2K (the padded batch pads them to 2K)
+    nseq, ctx = 8, 2048 // S
+    ragged = sorted(int(x) for x in rng.integers(ctx // 2, ctx + 1, size=nseq))
+    ragged[-1] = ctx
+    for title, lens, shuffle in (
+            (f"{nseq} x {ctx} new tokens, blocks shuffled over the pool", [ctx] * nseq, True),
+            (f"{nseq} x {ctx} new tokens, blocks in allocation order (as a fresh pool hands them out)",
+             [ctx] * nseq, False),
+            (f"{nseq} ragged fresh prompts {ragged}, blocks shuffled", ragged, True)):
+        prefill(title, lens, h, hkv, d, bs, dt, scale, rng, md, log, shuffle)
+        flush()
+
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=".")
     ap.add_argument("--skip-correctness", action="store_true")
+    ap.add_argument("--prefill-only", action="store_true", help="time the prefill cases only")
     ap.add_argument("--cpu-dry-run", action="store_true",
                     help="exercise this script on the CPU: reference in place of the kernel, tiny sizes")
     args = ap.parse_args()
@@ -330,9 +347,12 @@ def main() -> int:
     print(md[-1], flush=True)
     flush()
 
-    # -- decode: 64 x 4K, H=32, H_kv=8, D=128, bf16
     h, hkv, d, bs, dt = 32, 8, 128, 16, mx.bfloat16
     scale = d ** -0.5
+    if args.prefill_only:
+        return run_prefill(h, hkv, d, bs, dt, scale, rng, md, log, flush)
+
+    # -- decode: 64 x 4K, H=32, H_kv=8, D=128, bf16
     nseq, ctx = 64, 4096 // S
     kc, vc, tables = random_pool(rng, [ctx] * nseq, hkv, d, bs, dt)
     meta = AttentionMetadata.build([1] * nseq, [ctx] * nseq, tables, bs)
@@ -426,17 +446,7 @@ def main() -> int:
     flush()
     del kc, vc, state
 
-    # -- prefill: 8 x 2K, then 8 ragged fresh prompts of 1K-2K (the padded batch pads them to 2K)
-    nseq, ctx = 8, 2048 // S
-    ragged = sorted(int(x) for x in rng.integers(ctx // 2, ctx + 1, size=nseq))
-    ragged[-1] = ctx
-    for title, lens, shuffle in (
-            (f"{nseq} x {ctx} new tokens, blocks shuffled over the pool", [ctx] * nseq, True),
-            (f"{nseq} x {ctx} new tokens, blocks in allocation order (as a fresh pool hands them out)",
-             [ctx] * nseq, False),
-            (f"{nseq} ragged fresh prompts {ragged}, blocks shuffled", ragged, True)):
-        prefill(title, lens, h, hkv, d, bs, dt, scale, rng, md, log, shuffle)
-        flush()
+    run_prefill(h, hkv, d, bs, dt, scale, rng, md, log, flush)
 
     # -- mixed batches: one call vs its decode and prefill parts called separately
     mixed = [

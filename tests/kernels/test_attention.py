@@ -196,10 +196,12 @@ def test_kernel_chunk_route_batches_equal_chunks_and_keeps_packed_order(rng, mon
     meta = case.meta
     plan = gpu._StepPlan(meta, "cuda")
     sub, rows, runs = plan.routed()
-    if order == "in order":
-        assert plan.in_place() == [(4, 6), (16, 0), (35, 0)] and plan.context_layout(2).groups == 0
+    pool = case.k_cache.shape[0]
+    if order == "in order":  # (first block, blocks from chunk to chunk)
+        assert plan.in_place(pool) == [(4, 6), (16, 19), (35, 5)] and plan.context_layout(2, pool).groups == 0
+        assert plan.in_place(39) == [(4, 6), (16, 19), None]  # a pool too short for the last view
     else:  # scattered blocks (4+ per chunk) are gathered
-        assert all(p is None for p in plan.in_place()) and plan.context_layout(2).groups > 0
+        assert all(p is None for p in plan.in_place(pool)) and plan.context_layout(2, pool).groups > 0
     long = np.flatnonzero(meta.query_lens_np >= gpu.SDPA_CHUNK_TOKENS)
     assert sum(n for _, n, _, _ in runs) == len(long)
     assert (sub is None) == (len(rows) == 0) and len(rows) + meta.query_lens_np[long].sum() == meta.num_tokens
