@@ -9,9 +9,9 @@ because the kernel's scalar tile path is far slower than matrix-unit attention
 (numbers in ``bench/kernels/RESULTS.md``): adjacent chunks of one shape share
 one SDPA call over their paged context, read in place where the blocks are
 consecutive (``_StepPlan.in_place``) and otherwise from a head-major copy
-(``gather_runs``, one launch for all of a step's runs), reading q and writing the output in packed order without copies. A
-configuration the kernel does not cover returns ``None`` so the caller falls
-back to the reference.
+(``gather_runs``, one launch for all of a step's runs), reading q and writing
+the output in packed order without copies. A configuration the kernel does not
+cover returns ``None`` so the caller falls back to the reference.
 """
 
 from __future__ import annotations
