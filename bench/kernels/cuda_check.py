@@ -158,15 +158,19 @@ def hbm_bandwidth():
 
 
 def interleaved(fns: dict, iters=20, reps=9) -> dict:
-    """Median seconds per call of each variant; the variants alternate within every repetition,
-    so clock and thermal drift fall on all of them alike."""
+    """Median seconds per call of each variant; the variants alternate within every repetition in
+    a fresh random order, so clock drift and the position in the sequence fall on all alike."""
     if S > 1:
         iters, reps = 1, 1
     for f in fns.values():
         mx.eval(f())
     times = {k: [] for k in fns}
+    order = list(fns)
+    shuffler = np.random.default_rng(0)
     for _ in range(reps):
-        for k, f in fns.items():
+        shuffler.shuffle(order)
+        for k in order:
+            f = fns[k]
             mx.synchronize()
             t0 = time.perf_counter()
             outs = [f() for _ in range(iters)]
@@ -289,7 +293,7 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=".")
     ap.add_argument("--skip-correctness", action="store_true")
-    ap.add_argument("--prefill-only", action="store_true", help="time the prefill cases only")
+    ap.add_argument("--only", choices=["decode", "prefill"], help="time one section only")
     ap.add_argument("--cpu-dry-run", action="store_true",
                     help="exercise this script on the CPU: reference in place of the kernel, tiny sizes")
     args = ap.parse_args()
@@ -349,7 +353,7 @@ def main() -> int:
 
     h, hkv, d, bs, dt = 32, 8, 128, 16, mx.bfloat16
     scale = d ** -0.5
-    if args.prefill_only:
+    if args.only == "prefill":
         return run_prefill(h, hkv, d, bs, dt, scale, rng, md, log, flush)
 
     # -- decode: 64 x 4K, H=32, H_kv=8, D=128, bf16
@@ -367,7 +371,9 @@ def main() -> int:
     default = (gpu.lanes_per_token(d), gpu.decode_unroll(gpu.lanes_per_token(d)), gpu.PARTITION_TOKENS,
                gpu.DECODE_ACC_SHARED, gpu.DECODE_MIN_GROUPS)
     variants = [default] + [v for v in [(16, 8, 512, False, 0), (16, 8, 1024, True, 0), (16, 4, 512, True, 0),
-                                        (16, 8, 1024, True, 5), (16, 4, 512, True, 6)] if v != default]
+                                        (16, 8, 1024, True, 5), (16, 4, 512, True, 6), (16, 16, 512, True, 0),
+                                        (16, 16, 1024, True, 0), (8, 8, 512, True, 0), (8, 4, 512, True, 0),
+                                        (8, 4, 1024, True, 0)] if v != default]
     for lpt, u, part_tokens, acc_shared, min_groups in variants:
         gpu.lanes_per_token = lambda _d, _v=lpt: _v
         gpu.decode_unroll = lambda _l, _v=u: _v
@@ -414,6 +420,9 @@ def main() -> int:
     md.append("")
     print("\n".join(md[-len(drows) - 5:]), flush=True)
     flush()
+
+    if args.only == "decode":
+        return 0
 
     # -- KV write (slot_mapping scatter) at the decode step's shape
     k_new = mx.random.normal((nseq, hkv, d)).astype(dt)
