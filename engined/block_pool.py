@@ -54,7 +54,12 @@ class BlockPool:
         return len(self.free_queue)
 
     def allocate(self, n: int) -> list[Block]:
-        """Take ``n`` blocks from the front of the free queue, evicting their cached contents."""
+        """Take ``n`` blocks from the front of the free queue, evicting their cached contents.
+
+        They are handed out in block order. Which blocks are evicted does not change, but a
+        request that recycles another's run (freed tail first, so queued in reverse) gets it
+        back consecutive and ascending, which lets GPU prefill read the cache in place
+        (``kernels.gpu``) instead of gathering a copy."""
         assert n <= len(self.free_queue), "caller must check num_free first"
         out = []
         for _ in range(n):
@@ -66,6 +71,7 @@ class BlockPool:
                 block.block_hash = None
             block.ref_count = 1
             out.append(block)
+        out.sort(key=lambda b: b.block_id)
         return out
 
     def touch(self, blocks: list[Block]) -> None:

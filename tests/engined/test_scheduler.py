@@ -205,3 +205,31 @@ def test_lower_priority_value_is_admitted_first_and_preempted_last():
     _, preempted = drain(s, kv)
     assert preempted and set(preempted) == {"casual"}
     assert important.finished and casual.finished
+
+
+def test_recycled_blocks_let_gpu_prefill_read_the_cache_in_place():
+    """A wave of prompts that reuses a finished wave's blocks gets each run back consecutive and
+    ascending, evenly spaced in a batch: the GPU route's in-place condition, no gather."""
+    from kernels import gpu
+    from kernels.metadata import AttentionMetadata
+
+    bs, n, length = 16, 4, 160
+    kv = KVCacheManager(n * length // bs, bs, True)
+
+    def wave(tag):
+        reqs = [Request(f"{tag}{i}", [hash((tag, i, t)) % 1000 + 1 for t in range(length)],
+                        SamplingParams(max_tokens=1), seed=i) for i in range(n)]
+        for req in reqs:
+            assert kv.allocate(req, length, kv.cached_prefix(req))
+        return reqs
+
+    first = wave("a")
+    for req in first:  # computed and cached, then finished: freed tail first, queued in reverse
+        req.num_computed_tokens = length
+        kv.commit(req)
+        kv.free(req)
+    second = wave("b")
+    tables = [kv.block_ids(r.request_id) for r in second]
+    meta = AttentionMetadata.build([length] * n, [length] * n, tables, bs)
+    plan = gpu._StepPlan(meta, "cuda")
+    assert plan.in_place(kv.pool.num_blocks) == [(0, length // bs)]
