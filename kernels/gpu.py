@@ -269,8 +269,8 @@ class _StepPlan:
                 work.append(np.stack([np.repeat(reqs, blocks), np.tile(np.arange(blocks), n)], axis=1))
                 at += n * hkv * sl
             work_np = np.concatenate(work or [np.zeros((0, 2))]).astype(np.int32)
-            self._layouts[hkv, num_blocks] = ContextLayout(mx.array(work_np.reshape(-1)), mx.array(dst.reshape(-1)),
-                                               len(work_np), at, offsets)
+            self._layouts[hkv, num_blocks] = ContextLayout(
+                mx.array(work_np.reshape(-1)), mx.array(dst.reshape(-1)), len(work_np), at, offsets)
         return self._layouts[hkv, num_blocks]
 
 
