@@ -85,7 +85,7 @@ def test_requests_wait_for_blocks_and_memory_stays_flat_under_load(tiny_dir):
         outs = e.generate(prompts, params)
         assert [len(o) for o in outs] == [64] * 12
         peaks.append(mx.get_peak_memory())
-        e.kv.pool.check_whole()
+        e.scheduler.kv.pool.check_whole()
     # The pool never grows: active memory returns to where it was, and the peak
     # stays within weights + KV + the measured activations.
     assert mx.get_active_memory() <= active_before + (1 << 20)
