@@ -54,6 +54,10 @@ class DraftProposer:
     def arrays(self) -> list[mx.array]:
         return self.kv.arrays()
 
+    @property
+    def nbytes(self) -> int:
+        return self.kv.nbytes
+
     def retain(self, request_ids) -> None:
         """Forget every request but these (finished or aborted ones, and preempted ones still waiting)."""
         keep = set(request_ids)

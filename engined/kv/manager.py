@@ -88,6 +88,11 @@ class KVCacheManager:
     def arrays(self) -> list[mx.array]:
         return [a for g in self.groups for a in g.arrays()]
 
+    @property
+    def nbytes(self) -> int:
+        """Bytes of every array the groups hold now (main pool and fixed pools)."""
+        return sum(a.nbytes for a in self.arrays())
+
     # -- the main pool -------------------------------------------------------------------------
 
     @property

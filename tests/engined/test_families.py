@@ -13,7 +13,7 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 
-from engined import attention
+from engined import model_layers
 from engined.engine import Engine
 from engined.loaders import load_model
 from shared.config import EngineConfig
@@ -109,7 +109,7 @@ def test_layer_settings_read_from_each_layer():
         config = tiny_config(arch)
         model_class, args_class = _get_classes(config)
         model = model_class(args_class.from_dict(config))
-        return [attention.layer_settings(model, i, layer, layer.self_attn) for i, layer in enumerate(model.layers)]
+        return [model_layers.layer_settings(model, i, layer, layer.self_attn) for i, layer in enumerate(model.layers)]
 
     gemma = settings("gemma3_text")
     assert [s.sliding_window for s in gemma] == [12, None]

@@ -179,7 +179,7 @@ def test_greedy_outputs_with_a_draft_model_equal_outputs_without(smol, tmp_path)
         assert eng.generate([texts[0]], params) == expected[:1]  # alone, too
         assert_drafts_were_verified(eng, good)
         # Both models' KV share one block allocation: the pool is billed for both.
-        assert eng.memory.kv_bytes == eng.runner.kv_bytes + eng.drafter.runner.kv_bytes
+        assert eng.memory.kv_bytes == eng.scheduler.kv.nbytes + eng.drafter.nbytes
         eng.scheduler.kv.pool.check_whole()
 
 
