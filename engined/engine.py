@@ -194,15 +194,20 @@ class Engine:
         outputs = self._take_ended()
         batch = self.scheduler.schedule(self.speculator.propose(self.scheduler.running))
         self.speculator.draft(batch)
-        if batch.scheduled:
-            logits = self.runner.run(batch)
-            emitted = self._sample(batch, logits)
-            outputs += self._outputs(self.scheduler.postprocess(batch, emitted))
-        elif self._compiling:
+        if not batch.scheduled:
+            return outputs + self._idle()
+        logits = self.runner.run(batch)
+        emitted = self._sample(batch, logits)
+        outputs += self._outputs(self.scheduler.postprocess(batch, emitted))
+        self.metrics.on_step(batch.num_tokens, time.monotonic() - start, self.stats())
+        return outputs
+
+    def _idle(self) -> list[RequestOutput]:
+        if self._compiling:
             # Nothing else to run: wait briefly for a grammar instead of spinning.
             wait_futures([r.grammar.future for r in self._compiling], timeout=0.005, return_when=FIRST_COMPLETED)
-        self.metrics.on_step(batch.num_tokens, time.monotonic() - start if batch.scheduled else 0.0, self.stats())
-        return outputs
+        self.metrics.on_step(0, 0.0, self.stats())
+        return []
 
     def _take_ended(self) -> list[RequestOutput]:
         """Outputs of requests aborted since the last step; requests whose grammar failed are failed now."""
