@@ -36,8 +36,6 @@ from shared.sampling import SamplingParams
 
 log = logging.getLogger("mlxd.engine")
 
-EngineStats = SchedulerStats
-
 
 class Engine:
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None, progress: bool = False):
@@ -184,7 +182,7 @@ class Engine:
                 self._fail(req, req.grammar.error)
         self._compiling = still
 
-    def stats(self) -> EngineStats:
+    def stats(self) -> SchedulerStats:
         return self.scheduler.stats()
 
     # -- the step -----------------------------------------------------------------------------

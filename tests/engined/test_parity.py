@@ -8,7 +8,6 @@ scale (observed ~1e-6).
 """
 
 import mlx.core as mx
-import numpy as np
 import pytest
 
 from engined.engine import Engine

@@ -7,7 +7,6 @@ equal mlx_lm's own forward far past the window and after resuming from a
 cached prefix, and outputs are the same with prefix caching on and off.
 """
 
-import mlx.core as mx
 import numpy as np
 import pytest
 
