@@ -97,7 +97,8 @@ def warm_up(runner, config: EngineConfig, max_model_len: int, vocab_size: int, p
     rng = np.random.default_rng(0)
     bar = tqdm(total=2, desc="warm-up", disable=not progress, leave=False)
     req = Request("warm-up", rng.integers(0, vocab_size, size=tokens).tolist(), SamplingParams(), 0)
-    assert kv.allocate(req, tokens)
+    if not kv.allocate(req, tokens):
+        raise RuntimeError("the warm-up step did not fit a KV cache sized for it")
     logits = runner.run(SchedulerOutput([(req, tokens)]))
     mx.eval(logits, kv.arrays())
     kv.free(req)
