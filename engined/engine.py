@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
+import kernels
 from engined import memory_guard
 from engined.metrics import EngineMetrics
 from engined.loaders import LoadedModel, load_model
@@ -70,8 +71,10 @@ class Engine:
         )
         log.info("%s", self.memory.describe())
         num_blocks = self.memory.num_blocks
+        attention_backend = kernels.resolve_backend(config.attention_backend)
         for runner in runners:
             runner.allocate_kv(num_blocks)
+            runner.ctx.attention_backend = attention_backend
         self.kv = make_kv_manager(self.runner, num_blocks, config)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
         self.requests: dict[str, Request] = {}

@@ -12,6 +12,7 @@ import os
 from typing import Any
 
 from shared.errors import InvalidRequestError
+from shared.hub import load_tokenizer
 
 
 def load_chat_template(value: str | None) -> str | None:
@@ -24,12 +25,8 @@ def load_chat_template(value: str | None) -> str | None:
 
 class Tokenizer:
     def __init__(self, tokenizer_dir: str, chat_template: str | None = None):
-        os.environ.setdefault("HF_HUB_OFFLINE", "1")
-        os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-        from transformers import AutoTokenizer
-
         self.tokenizer_dir = tokenizer_dir
-        self.hf = AutoTokenizer.from_pretrained(tokenizer_dir)
+        self.hf = load_tokenizer(tokenizer_dir)
         # The Rust tokenizer decodes without transformers' clean-up rewriting of
         # spaces, so incremental and whole decodes agree.
         self._backend = getattr(self.hf, "backend_tokenizer", None) or getattr(self.hf, "_tokenizer", None)
