@@ -52,13 +52,16 @@ class InProcess:
     """An Engine in this process, running the whole batch on demand."""
 
     def __init__(self, model: str = ""):
-        import engined  # noqa: F401  (the fast BLAS before mlx.core)
+        from engined.device import load_fast_blas
+
+        load_fast_blas()  # before mlx.core (engined/device.py)
         from engined.engine import Engine
-        from shared.cli import _build, _parser
+        from mlxd.cli import build_parser
+        from mlxd.flags import build_config
         from shared.config import EngineConfig
 
-        args = _parser().parse_args(["engine", *ENGINE_FLAGS, *(["--model", model] if model else [])])
-        self.engine = Engine(_build(EngineConfig, args))
+        args = build_parser().parse_args(["engine", *ENGINE_FLAGS, *(["--model", model] if model else [])])
+        self.engine = Engine(build_config(EngineConfig, args))
         self.runs = 0
 
     def run(self, prompts, max_tokens: int) -> tuple[float, int, int, float]:
@@ -150,9 +153,9 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory() as tmp:
         endpoint = f"ipc://{tmp}/engine.sock"
-        engine = subprocess.Popen([sys.executable, "-m", "engined", "--engine-endpoint", endpoint,
+        engine = subprocess.Popen([sys.executable, "-m", "mlxd", "engine", "--engine-endpoint", endpoint,
                                    "--log-level", "WARNING", *ENGINE_FLAGS, *model_flags])
-        gateway = subprocess.Popen([sys.executable, "-m", "shared.cli", "gateway", "--log-level", "WARNING",
+        gateway = subprocess.Popen([sys.executable, "-m", "mlxd", "gateway", "--log-level", "WARNING",
                                     "--engine-endpoint", endpoint, "--port", str(args.port)])
         url = f"http://127.0.0.1:{args.port}"
         try:

@@ -12,7 +12,6 @@ from __future__ import annotations
 import logging
 import os
 import signal
-import socket
 import time
 import traceback
 import uuid
@@ -24,7 +23,7 @@ import zmq
 from shared import protocol as p
 from shared.curve import secure_server
 from shared.errors import EngineUnavailableError, InvalidRequestError, MlxdError
-from shared.paths import check_ipc_endpoint
+from shared.paths import check_ipc_endpoint, refuse_live_ipc
 from shared.protocol import Kind
 
 log = logging.getLogger("mlxd.engine")
@@ -44,27 +43,6 @@ def _version() -> str:
         return version("mlxd")
     except Exception:
         return "0"
-
-
-def refuse_live_ipc(endpoint: str) -> None:
-    """Refuse to bind an ipc endpoint whose socket file a live engine is serving.
-
-    ZeroMQ's ipc bind silently replaces an existing socket file, which would cut
-    the running engine off from every new gateway.
-    """
-    if not endpoint.startswith("ipc://"):
-        return
-    path = endpoint[len("ipc://"):]
-    if not os.path.exists(path):
-        return
-    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    try:
-        s.connect(path)
-    except OSError:
-        return  # a stale file left by a dead engine
-    finally:
-        s.close()
-    raise RuntimeError(f"another engine is already serving {endpoint}")
 
 
 class Daemon:

@@ -18,7 +18,7 @@ def test_serve_runs_engine_and_gateway_and_ctrl_c_stops_both(tmp_path):
     port = free_port()
     log = open(tmp_path / "serve.log", "wb")
     serve = subprocess.Popen(
-        [sys.executable, "-m", "shared.cli", "serve", "--port", str(port),
+        [sys.executable, "-m", "mlxd", "serve", "--port", str(port),
          "--engine-endpoint", f"ipc://{tmp_path}/engine.sock", "--num-kv-blocks", "32",
          "--max-model-len", "256", "--max-num-batched-tokens", "128", "--shutdown-timeout", "1"],
         stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"},

@@ -8,21 +8,22 @@ import stat
 import msgspec
 import pytest
 
-from shared import cli
+from mlxd import cli
+from mlxd.flags import build_config, to_flags
 from shared.config import EngineConfig
 from shared.paths import default_engine_endpoint, runtime_dir
 from shared.serve_config import DaemonConfig, GatewayConfig
 
 
 def _parse(*argv):
-    args = cli._parser().parse_args(list(argv))
+    args = cli.build_parser().parse_args(list(argv))
     if getattr(args, "model_pos", None):
         args.model = args.model_pos
     return args
 
 
 def test_every_config_field_has_a_flag_with_vllm_style_name():
-    help_text = cli._parser()._subparsers._group_actions[0].choices["serve"].format_help()
+    help_text = cli.build_parser()._subparsers._group_actions[0].choices["serve"].format_help()
     for struct in (EngineConfig, DaemonConfig, GatewayConfig):
         for f in msgspec.structs.fields(struct):
             assert "--" + f.name.replace("_", "-") in help_text
@@ -32,13 +33,13 @@ def test_flags_build_configs_and_round_trip_to_the_engine_child():
     args = _parse("serve", "my.gguf", "--max-model-len", "256", "--no-enable-prefix-caching",
                   "--gpu-memory-utilization", "0.5", "--port", "9000", "--api-key", "k",
                   "--allowed-origins", "http://a", "http://b")
-    engine = cli._build(EngineConfig, args)
+    engine = build_config(EngineConfig, args)
     assert engine.model == "my.gguf" and engine.max_model_len == 256
     assert engine.enable_prefix_caching is False and engine.gpu_memory_utilization == 0.5
-    gateway = cli._build(GatewayConfig, args)
+    gateway = build_config(GatewayConfig, args)
     assert gateway.port == 9000 and gateway.api_key == "k" and gateway.allowed_origins == ["http://a", "http://b"]
     # What `serve` passes to its engine child rebuilds the same config.
-    again = cli._build(EngineConfig, _parse("engine", *cli._to_flags(engine)))
+    again = build_config(EngineConfig, _parse("engine", *to_flags(engine)))
     assert again == engine
 
 
