@@ -22,6 +22,12 @@ def run_engine(config: EngineConfig, daemon: DaemonConfig, parent_pid: int | Non
     ``parent_pid``: stop when that process (`mlxd serve`) is gone, during the
     load too. ``ready_fd``: a pipe to write one byte to once gateways are served.
     """
+    loading = threading.Event()
+    if parent_pid is not None:
+        # The daemon loop watches the parent once it runs; imports and the load take a while
+        # and must not outlive it.
+        threading.Thread(target=_exit_with_parent, args=(parent_pid, loading), daemon=True,
+                         name="parent-watch").start()
     from engined.device import load_fast_blas
 
     # Before anything imports mlx.core (engined/device.py says why).
@@ -38,18 +44,13 @@ def run_engine(config: EngineConfig, daemon: DaemonConfig, parent_pid: int | Non
     check_endpoint(endpoint, daemon.curve_keys)
     refuse_live_ipc(endpoint)
     log.info("loading %s", config.model or "the embedded SmolLM2")
-    loading = threading.Event()
-    if parent_pid is not None:
-        # The daemon loop watches the parent once it runs; a load takes minutes and must not outlive it.
-        threading.Thread(target=_exit_with_parent, args=(parent_pid, loading), daemon=True,
-                         name="parent-watch").start()
     try:
         with _progress("loading the model and warming up"):
             engine = Engine(config)
     except KeyboardInterrupt:
         return 130
     finally:
-        loading.set()
+        loading.set()  # the daemon loop watches the parent from here on
     d = Daemon(engine, endpoint, gateway_timeout=daemon.gateway_timeout,
                shutdown_timeout=daemon.shutdown_timeout, parent_pid=parent_pid,
                curve_keys=daemon.curve_keys)

@@ -65,10 +65,14 @@ def run_gateway(config: GatewayConfig, supervisor=None) -> int:
         await task
         return rc
 
+    def on_signal(_signum, _frame):
+        server.should_exit = True
+
     # uvicorn handles SIGINT/SIGTERM during serve() and raises the signal again when it returns,
     # under the handlers it found: these, so that the process is not killed there (by SIGTERM's
-    # default action) before its callers stop the engine they started.
-    previous = {sig: signal.signal(sig, lambda *_: None) for sig in (signal.SIGINT, signal.SIGTERM)}
+    # default action) before its callers stop the engine they started, and so that a signal
+    # that comes before uvicorn listens still stops it.
+    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         return asyncio.run(main())
     finally:

@@ -43,6 +43,8 @@ class EngineSupervisor:
         self._started_at = 0.0
         self._crashes = 0
         self._restart_at: float | None = None
+        # Set by serve's SIGTERM/SIGINT handler until the gateway's own takes over.
+        self.stop_requested = False
 
     def start(self) -> None:
         r, w = os.pipe()
@@ -64,6 +66,8 @@ class EngineSupervisor:
 
     def poll(self) -> int | None:
         """Check on the engine: None while serve goes on, else serve's exit code (and why, printed)."""
+        if self.stop_requested:
+            return 0
         now = time.monotonic()
         if self._restart_at is not None:
             if now >= self._restart_at:
@@ -150,8 +154,16 @@ def main(args) -> int:
     supervisor = EngineSupervisor(
         [sys.executable, "-m", "mlxd", "engine", "--log-level", args.log_level,
          *to_flags(engine_cfg), *to_flags(daemon_cfg), "--parent-pid", str(os.getpid())])
-    supervisor.start()
+
+    def on_signal(_signum, _frame):
+        supervisor.stop_requested = True
+
+    # From now on a SIGTERM stops serve through its `finally` (the engine with it), never by
+    # the signal's default action, which would leave the engine running on its own.
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, on_signal)
     try:
+        supervisor.start()
         from gateway.server import run_gateway
 
         return run_gateway(gateway_cfg, supervisor=supervisor)
