@@ -88,9 +88,13 @@ def error_response(exc: BaseException, anthropic: bool = False) -> JSONResponse:
 
 
 def sse_error_event(exc: BaseException) -> bytes:
-    """An error inside an open stream: the status is already sent, so the body says it."""
+    """An error inside an open stream: the status is already sent, so the body says it.
+
+    Then ``[DONE]``, as every OpenAI stream ends: a client reading up to it knows the
+    stream ended on purpose, not by a cut connection.
+    """
     _, body = error_body(exc)
-    return b"data: " + msgspec.json.encode(body) + b"\n\n"
+    return b"data: " + msgspec.json.encode(body) + b"\n\ndata: [DONE]\n\n"
 
 
 async def handle_exception(request, exc: Exception) -> JSONResponse:
