@@ -30,8 +30,21 @@ import time
 import httpx
 import numpy as np
 
-ENGINE_FLAGS = ["--max-num-seqs", "16", "--max-num-batched-tokens", "512", "--num-kv-blocks", "2048",
-                "--max-model-len", "2048", "--no-enable-prefix-caching"]
+# EngineConfig fields, the same in process and for `mlxd engine` (as flags: ENGINE_FLAGS).
+ENGINE_SETTINGS = dict(max_num_seqs=16, max_num_batched_tokens=512, num_kv_blocks=2048, max_model_len=2048,
+                       enable_prefix_caching=False)
+
+
+def _engine_flags(settings: dict) -> list[str]:
+    """The `mlxd engine` flags of EngineConfig fields (bench stays below the CLI: no import of it)."""
+    out = []
+    for name, value in settings.items():
+        flag = name.replace("_", "-")
+        out += ([f"--{flag}" if value else f"--no-{flag}"] if isinstance(value, bool) else [f"--{flag}", str(value)])
+    return out
+
+
+ENGINE_FLAGS = _engine_flags(ENGINE_SETTINGS)
 
 
 _WORDS = ("river stone lamp orbit quiet violet harbor maple signal copper meadow lantern falcon "
@@ -56,12 +69,9 @@ class InProcess:
 
         load_fast_blas()  # before mlx.core (engined/device.py)
         from engined.engine import Engine
-        from mlxd.cli import build_parser
-        from mlxd.flags import build_config
         from shared.config import EngineConfig
 
-        args = build_parser().parse_args(["engine", *ENGINE_FLAGS, *(["--model", model] if model else [])])
-        self.engine = Engine(build_config(EngineConfig, args))
+        self.engine = Engine(EngineConfig(**ENGINE_SETTINGS, model=model))
         self.runs = 0
 
     def run(self, prompts, max_tokens: int) -> tuple[float, int, int, float]:
