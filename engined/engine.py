@@ -13,7 +13,6 @@ import random
 import time
 from concurrent.futures import FIRST_COMPLETED
 from concurrent.futures import wait as wait_futures
-from dataclasses import dataclass
 
 import mlx.core as mx
 from mlx.utils import tree_flatten
@@ -31,21 +30,10 @@ from engined.structured import GrammarCompiler
 from engined.speculative import DraftProposer, Speculator
 from shared.config import EngineConfig, SpeculativeConfig
 from shared.errors import ContextLengthError, InvalidRequestError, ModelLoadError, OverloadedError
-from shared.protocol import ModelInfo, RequestOutput
+from shared.protocol import EngineStats, ModelInfo, RequestOutput
 from shared.sampling import SamplingParams
 
 log = logging.getLogger("mlxd.engine")
-
-
-@dataclass(frozen=True)
-class EngineStats:
-    num_running: int
-    num_waiting: int
-    num_free_blocks: int
-    num_total_blocks: int
-    num_preemptions: int
-    prefix_cache_queries: int
-    prefix_cache_hits: int
 
 
 class Engine:
