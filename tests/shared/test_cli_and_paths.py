@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import stat
+import subprocess
+import sys
 
 import msgspec
 import pytest
@@ -58,3 +60,18 @@ def test_runtime_dir_is_private(tmp_path, monkeypatch):
     assert path == str(tmp_path / "mlxd")
     assert stat.S_IMODE(os.stat(path).st_mode) == 0o700
     assert default_engine_endpoint() == f"ipc://{tmp_path}/mlxd/engine.sock"
+
+
+def test_an_mlx_without_its_cpu_backend_says_what_to_install(tmp_path):
+    # What `pip install mlx` without the [cpu] extra gives on Linux: mlx.core cannot load libmlx.so.
+    fake = tmp_path / "mlx"
+    fake.mkdir()
+    (fake / "__init__.py").write_text("")
+    (fake / "core.py").write_text(
+        'raise ImportError("libmlx.so: cannot open shared object file: No such file or directory")\n')
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    r = subprocess.run([sys.executable, "-m", "mlxd", "engine", "--engine-endpoint", f"ipc://{tmp_path}/e.sock"],
+                       capture_output=True, text=True, timeout=120,
+                       env={**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), root])})
+    assert r.returncode == 2, r.stderr
+    assert "Traceback" not in r.stderr and "pip install 'mlxd[cpu]'" in r.stderr, r.stderr
