@@ -21,7 +21,7 @@ import sys
 import pytest
 
 from mlxd import cli
-from mlxd.flags import build_config, to_flags
+from mlxd.flags import build_config
 from shared.config import EngineConfig
 from shared.serve_config import DaemonConfig, GatewayConfig
 

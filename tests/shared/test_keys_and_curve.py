@@ -9,7 +9,6 @@ import stat
 import pytest
 
 from mlxd import cli
-from mlxd.flags import build_config, to_flags
 from shared.errors import MlxdError
 from shared.curve import InsecureEndpointError, check_endpoint, is_loopback, make_keys
 from shared.keys import KeyChecker, add_key, match_key, read_keys, revoke_key
