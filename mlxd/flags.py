@@ -32,6 +32,14 @@ HELP = {
     "engine_timeout": "seconds of silence after which the engine is declared dead",
     "sse_keepalive": "seconds between keep-alive comments on an idle stream",
     "allowed_origins": "CORS origins allowed (default: none)",
+    # Flags of settings being added on other branches (gateway, agents), so that they land here.
+    "allowed_hosts": "Host names answered beyond loopback names, IP literals and --host, or '*' (DNS rebinding)",
+    "trust_request_chat_template": "render chat templates sent in requests (default: refused)",
+    "request_timeout": "seconds a client has to send its request head, and may pause within its body",
+    "generation_config": "sampling defaults for omitted fields: auto (the model's generation_config.json), "
+                         "vllm (none), or a folder holding one",
+    "override_generation_config": "JSON object over those defaults, e.g. '{\"max_new_tokens\": 512}' "
+                                  "(caps every request's max_tokens)",
     "enable_auto_tool_choice": "let the model call tools by itself (tool_choice auto); needs --tool-call-parser",
     "tool_call_parser": "the model's tool-call format, for reading calls and for required/named tool choice",
     "reasoning_parser": "split <think>...</think> into the message's reasoning field",

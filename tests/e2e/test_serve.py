@@ -14,7 +14,7 @@ import time
 import httpx
 import openai
 
-from tests.e2e.serve_process import Serve, gone
+from tests.e2e.serve_harness import Serve, gone
 from tests.e2e.servers import free_port
 from tests.tiny_models import make_tiny_model
 
