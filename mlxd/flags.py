@@ -32,7 +32,6 @@ HELP = {
     "engine_timeout": "seconds of silence after which the engine is declared dead",
     "sse_keepalive": "seconds between keep-alive comments on an idle stream",
     "allowed_origins": "CORS origins allowed (default: none)",
-    # Flags of settings being added on other branches (gateway, agents), so that they land here.
     "allowed_hosts": "Host names answered beyond loopback names, IP literals and --host, or '*' (DNS rebinding)",
     "trust_request_chat_template": "render chat templates sent in requests (default: refused)",
     "request_timeout": "seconds a client has to send its request head, and may pause within its body",
