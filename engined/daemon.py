@@ -266,9 +266,12 @@ class Daemon:
                                                  message=e.message, param=e.param))
 
     def _publish_stats(self) -> None:
-        self._stats_snapshot = msgspec.structs.replace(
-            self.engine.stats(), step_seconds=self.step_seconds, io_seconds=self.io_seconds,
-            num_steps=self.num_steps)
+        s = self.engine.stats()
+        self._stats_snapshot = p.EngineStats(
+            num_running=s.num_running, num_waiting=s.num_waiting, num_free_blocks=s.num_free_blocks,
+            num_total_blocks=s.num_total_blocks, num_preemptions=s.num_preemptions,
+            prefix_cache_queries=s.prefix_cache_queries, prefix_cache_hits=s.prefix_cache_hits,
+            step_seconds=self.step_seconds, io_seconds=self.io_seconds, num_steps=self.num_steps)
 
     # -- housekeeping --------------------------------------------------------
 
