@@ -75,6 +75,9 @@ class Daemon:
         self.last_seen: dict[bytes, float] = {}
         self._seen_lock = threading.Lock()
         self.stop_reason: str | None = None
+        # When the engine thread last looked for messages: silence is measured up to then, so the
+        # step that just ran does not count against a gateway that sends nothing while it waits.
+        self._drained_at = time.monotonic()
         self.step_seconds = 0.0
         self.io_seconds = 0.0
         self.num_steps = 0
@@ -146,6 +149,7 @@ class Daemon:
                     raise RuntimeError("the engine's wire thread stopped (see the log above)")
                 busy = self.engine.has_unfinished()
                 t0 = clock()
+                self._drained_at = time.monotonic()
                 self._drain(wait=0.0 if busy else _IDLE_WAIT_S)
                 if self.engine.has_unfinished():
                     t1 = clock()
@@ -163,7 +167,7 @@ class Daemon:
                 now = time.monotonic()
                 if now >= next_housekeeping:
                     next_housekeeping = now + _HOUSEKEEPING_S
-                    self._housekeeping(now)
+                    self._housekeeping()
                     self._publish_stats()
                 if self.stop_reason is not None:
                     if not self.engine.has_unfinished() or now >= self._stop_deadline:
@@ -275,9 +279,10 @@ class Daemon:
 
     # -- housekeeping --------------------------------------------------------
 
-    def _housekeeping(self, now: float) -> None:
+    def _housekeeping(self) -> None:
+        at = self._drained_at
         with self._seen_lock:
-            silent = [(g, now - seen) for g, seen in self.last_seen.items() if now - seen > self.gateway_timeout]
+            silent = [(g, at - seen) for g, seen in self.last_seen.items() if at - seen > self.gateway_timeout]
         for identity, quiet in silent:
             self._forget_gateway(identity, f"silent for {quiet:.1f}s")
         if self.parent_pid is not None and self.stop_reason is None and os.getppid() != self.parent_pid:
