@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import logging
 import os
 import re
 import secrets
@@ -29,8 +30,6 @@ import tempfile
 import time
 
 import msgspec
-
-import logging
 
 from shared.errors import InvalidRequestError, MlxdError
 from shared.paths import config_dir
