@@ -3,7 +3,10 @@
 The same prompts and lengths run greedy and sampled (temperature 0.7,
 top_p 0.95: what real clients send) at each concurrency level, alternating,
 median of ``--repeats`` after a warm-up; reports generated tokens/s and the
-sampled run's time over the greedy run's.
+sampled run's time over the greedy run's. Prompts are slices of this
+project's README (``--prompts text``, the default: a real model's next-token
+distribution is peaked) or random token ids (``--prompts random``: nearly flat
+distributions, the sampler's worst case).
 
     python -m bench.sampling [--model PATH] [--levels 8] [--max-tokens 64]
 """
@@ -12,12 +15,30 @@ from __future__ import annotations
 
 import argparse
 import statistics
+from pathlib import Path
+
+import numpy as np
 
 from bench.offline_throughput import make_prompts, time_it
 from engined.engine import Engine
 from engined.loaders import load_model
 from shared.config import EngineConfig
 from shared.sampling import SamplingParams
+
+
+def text_prompts(loaded, n: int) -> list[list[int]]:
+    """``n`` slices of 64-512 tokens of the README, each from its own offset."""
+    from transformers import AutoTokenizer
+
+    ids = AutoTokenizer.from_pretrained(loaded.tokenizer_dir).encode(
+        (Path(__file__).resolve().parent.parent / "README.md").read_text())
+    rng = np.random.default_rng(n)
+    out = []
+    for _ in range(n):
+        length = int(rng.integers(64, 513))
+        start = int(rng.integers(0, max(1, len(ids) - length)))
+        out.append(ids[start : start + length])
+    return out
 
 
 def main() -> None:
@@ -28,6 +49,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--temperature", type=float, default=0.7)
     ap.add_argument("--top-p", type=float, default=0.95)
+    ap.add_argument("--prompts", choices=["text", "random"], default="text")
     args = ap.parse_args()
 
     loaded = load_model(args.model)
@@ -41,7 +63,8 @@ def main() -> None:
                              ignore_eos=True, seed=0)
     rows = []
     for level in args.levels:
-        prompts = make_prompts(level, loaded.vocab_size, seed=level)
+        prompts = (text_prompts(loaded, level) if args.prompts == "text"
+                   else make_prompts(level, loaded.vocab_size, seed=level))
         runs = {name: (lambda p=p: engine.generate(prompts, p)) for name, p in (("greedy", greedy), ("sampled", sampled))}
         for run in runs.values():
             run()  # warm-up

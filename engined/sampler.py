@@ -45,17 +45,23 @@ class Sampler:
         if all(r.params.temperature == 0.0 for r in reqs):
             return mx.argmax(self._constrain(logits, reqs), axis=-1), lp_parts
         scaled = self._scale(self._constrain(logits, reqs), reqs)
-        sampled = self._sample_head(scaled, reqs)
-        if sampled is None:
-            sampled = self._sample_full(self._truncate(scaled, reqs), reqs)
+        sampled, past = self._sample_head(scaled, reqs)
+        if past:
+            # Rows whose kept set runs past their head: sort those rows whole.
+            rows = mx.array(past)
+            sub = [reqs[i] for i in past]
+            full = self._sample_full(self._truncate(scaled[rows], sub, head_first=False), sub)
+            sampled = full if sampled is None else _put_rows(sampled, rows, full)
         return sampled, lp_parts
 
-    def _sample_head(self, scaled: mx.array, reqs: list[Request]) -> mx.array | None:
-        """Sample each row among its ``_CANDIDATES`` largest logits, or None where that would not be exact.
+    def _sample_head(self, scaled: mx.array, reqs: list[Request]) -> tuple[mx.array | None, list[int]]:
+        """Sample each row among its ``_CANDIDATES`` largest logits; returns (tokens, rows left to the caller).
 
-        Exact when every sampled row truncates (top-k/top-p/min-p) and its kept
-        set ends inside its head; then neither the noise nor the cutoff needs
-        the whole vocabulary. Greedy rows take their head's first token.
+        Exact for a row that truncates (top-k/top-p/min-p) and whose kept set
+        ends inside its head; then neither the noise nor the cutoff needs the
+        whole vocabulary. Greedy rows take their head's first token. The rows
+        listed (all of them where the head would not help) still need sampling
+        over the whole vocabulary.
         """
         v = scaled.shape[1]
         greedy = [r.params.temperature == 0.0 for r in reqs]
@@ -63,18 +69,19 @@ class Sampler:
         truncates = [g or k or r.params.top_p < 1.0 or r.params.min_p > 0.0
                      for g, k, r in zip(greedy, top_k, reqs)]
         width = min(v, max(_CANDIDATES, max(top_k)))
-        if width == v or not all(truncates):
-            return None
+        if width == v or not any(truncates):
+            return None, list(range(len(reqs)))
         ids = mx.argpartition(-scaled, width - 1, axis=-1)[:, :width]
         head = mx.take_along_axis(scaled, ids, axis=-1)
         order = mx.argsort(-head, axis=-1)
         ids, head = mx.take_along_axis(ids, order, axis=-1), mx.take_along_axis(head, order, axis=-1)
         keep = _kept_prefix(head, mx.logsumexp(scaled, axis=-1, keepdims=True), *self._limits(reqs, top_k, v))
-        if bool(mx.any(keep[:, -1]).item()):
-            return None
+        # The step's one host sync in sampling: which rows' kept sets run past their head.
+        overflow = np.array(keep[:, -1]).tolist()
+        past = [i for i, (t, o) in enumerate(zip(truncates, overflow)) if o or not t]
         noise = self._noise(reqs, width)
         choice = mx.argmax(mx.where(keep, head, _NEG) + noise, axis=-1)
-        return mx.take_along_axis(ids, choice[:, None], axis=-1)[:, 0]
+        return mx.take_along_axis(ids, choice[:, None], axis=-1)[:, 0], past
 
     def _sample_full(self, processed: mx.array, reqs: list[Request]) -> mx.array:
         """Gumbel-max over the whole vocabulary; greedy rows take the argmax."""
@@ -180,7 +187,7 @@ class Sampler:
             logits = mx.where(banned.counts(s, v) > 0, _NEG, logits)
         return logits
 
-    def _truncate(self, logits: mx.array, reqs: list[Request]) -> mx.array:
+    def _truncate(self, logits: mx.array, reqs: list[Request], head_first: bool = True) -> mx.array:
         """top_k, top_p and min_p on temperature-scaled logits; masked entries get -inf.
 
         Each kept set is a prefix of its row's descending order, so a row keeps
@@ -188,7 +195,8 @@ class Sampler:
         cutoff is looked for among the row's ``_CANDIDATES`` largest logits
         (a partial selection, ~10x cheaper than sorting the vocabulary); only a
         step with a row whose kept prefix runs past them (a flat distribution)
-        sorts whole rows. Tokens tied with the cutoff are all kept.
+        sorts whole rows, at once when ``head_first`` is False (the caller
+        knows). Tokens tied with the cutoff are all kept.
         """
         top_k = [r.params.top_k if r.params.top_k > 0 else 0 for r in reqs]
         top_p = [r.params.top_p for r in reqs]
@@ -198,7 +206,7 @@ class Sampler:
         v = logits.shape[1]
         k, p, m = self._limits(reqs, top_k, v)
         lse = mx.logsumexp(logits, axis=-1, keepdims=True)
-        width = min(v, max(_CANDIDATES, max(top_k)))
+        width = min(v, max(_CANDIDATES, max(top_k))) if head_first else v
         head = _descending(mx.topk(logits, width, axis=-1) if width < v else logits)
         keep = _kept_prefix(head, lse, k, p, m)
         if width < v and bool(mx.any(keep[:, -1]).item()):
@@ -215,6 +223,11 @@ _CANDIDATES = 1024
 
 def _descending(x: mx.array) -> mx.array:
     return -mx.sort(-x, axis=-1)
+
+
+def _put_rows(x: mx.array, rows: mx.array, values: mx.array) -> mx.array:
+    x[rows] = values
+    return x
 
 
 def _kept_prefix(head: mx.array, lse: mx.array, k: mx.array, p: mx.array, m: mx.array) -> mx.array:

@@ -118,3 +118,18 @@ def test_greedy_rows_beside_sampled_rows_take_the_argmax():
             for i in range(4)]
     tokens = np.array(Sampler(vocab, [0])(mx.array(logits), reqs)[0])
     assert tokens[1] == logits[1].argmax() and tokens[3] == logits[3].argmax()
+
+
+def test_a_step_mixing_peaked_flat_and_untruncated_rows_samples_each_within_its_kept_set():
+    seed = random.randrange(2**32)
+    print("seed", seed)
+    rng = np.random.default_rng(seed)
+    vocab, rows = 2 * _CANDIDATES + 3, 24
+    scales = [3.0, 0.01, 1.0] * (rows // 3)
+    logits = np.stack([rng.standard_normal(vocab) * s for s in scales]).astype(np.float32)
+    params = [SamplingParams(temperature=1.0, top_p=0.9), SamplingParams(temperature=1.0, top_p=0.99),
+              SamplingParams(temperature=1.0)] * (rows // 3)
+    reqs = [Request(f"r{i}", [1], p, seed=i) for i, p in enumerate(params)]
+    tokens = np.array(Sampler(vocab, [0])(mx.array(logits), reqs)[0])
+    for i, p in enumerate(params):
+        assert _oracle_truncate(logits[i], p.top_k, p.top_p, p.min_p)[tokens[i]], i
