@@ -114,6 +114,13 @@ class Usage(msgspec.Struct):
     prompt_tokens_details: PromptTokensDetails | None = None
 
 
+def usage(counts: tuple[int, int, int]) -> Usage:
+    """OpenAI's usage of (prompt tokens, completion tokens, cached prompt tokens)."""
+    prompt, completion, cached = counts
+    return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
+                 prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
+
+
 class TopLogprob(msgspec.Struct):
     token: str
     logprob: float

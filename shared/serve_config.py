@@ -60,8 +60,14 @@ class GatewayConfig(msgspec.Struct, kw_only=True):
     # A comment line is sent on an SSE stream idle this long (a long prefill) so
     # that proxies and clients keep the connection.
     sse_keepalive: float = 5.0
-    # CORS origins allowed; empty: no CORS headers.
+    # Browser origins allowed to call the API (CORS; "*": any); empty: requests that carry an
+    # Origin header are refused, so that no web page can drive the local server.
     allowed_origins: list[str] = []
+    # Host names the server answers to beyond loopback names, IP literals and --host ("*": any);
+    # others are refused (DNS rebinding).
+    allowed_hosts: list[str] = []
+    # Render chat templates sent in requests (vLLM's flag); off, such requests are refused.
+    trust_request_chat_template: bool = False
     # tool_choice "auto": the model's tool calls are read by --tool-call-parser.
     enable_auto_tool_choice: bool = False
     # The model's tool-call format: how calls are read, and the grammar of
