@@ -22,14 +22,12 @@ MAX_BODY_BYTES = 64 << 20
 # compilers) survives; msgspec itself gives up near 1,000.
 MAX_JSON_DEPTH = 64
 
-# A client that stops sending mid-body holds a connection and a task; this long
-# without a byte of the body ends the request.
-BODY_IDLE_TIMEOUT = 30.0
 
-
-async def read_body(request: Request, idle_timeout: float = BODY_IDLE_TIMEOUT) -> bytes:
-    """The request body, refusing (413) one over MAX_BODY_BYTES before or while reading it,
-    and (408) one whose next chunk does not arrive within ``idle_timeout`` seconds."""
+async def read_body(request: Request) -> bytes:
+    """The request body, refusing (413) one over MAX_BODY_BYTES before or while reading it, and
+    (408) one whose next chunk does not arrive within --request-timeout seconds (a client that
+    stops mid-body would otherwise hold its connection and its task)."""
+    idle_timeout = request.app.state.gw.config.request_timeout
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > MAX_BODY_BYTES:
         raise RequestTooLargeError(f"the request body is over {MAX_BODY_BYTES >> 20} MiB")

@@ -23,10 +23,13 @@ def run_gateway(config: GatewayConfig, engine_process: subprocess.Popen | None =
 
     from gateway.app import build_app
 
+    from gateway.http_protocol import protocol_with_deadline
+
     app = build_app(config)
     server = uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.port,
                                            log_level="warning", access_log=False,
-                                           timeout_graceful_shutdown=3))
+                                           timeout_graceful_shutdown=3,
+                                           http=protocol_with_deadline(config.request_timeout)))
     print(f"mlxd gateway on http://{config.host}:{config.port}/v1 "
           f"(engine {app.state.gw.client.endpoint})", file=sys.stderr, flush=True)
 

@@ -42,6 +42,7 @@ _HELP = {
     "allowed_origins": "browser origins allowed to call the API, or '*' (default: none; requests with Origin refused)",
     "allowed_hosts": "Host names answered beyond loopback names, IP literals and --host, or '*' (DNS rebinding)",
     "trust_request_chat_template": "render chat templates sent in requests (default: refused)",
+    "request_timeout": "seconds a client has to send its request head, and may pause within its body",
     "enable_auto_tool_choice": "let the model call tools by itself (tool_choice auto); needs --tool-call-parser",
     "tool_call_parser": "the model's tool-call format, for reading calls and for required/named tool choice",
     "reasoning_parser": "split <think>...</think> into the message's reasoning field",

@@ -68,6 +68,9 @@ class GatewayConfig(msgspec.Struct, kw_only=True):
     allowed_hosts: list[str] = []
     # Render chat templates sent in requests (vLLM's flag); off, such requests are refused.
     trust_request_chat_template: bool = False
+    # A client gets this long to send its request head, and may pause this long within its body;
+    # past it the connection is closed (head) or the request answered 408 (body).
+    request_timeout: float = 30.0
     # tool_choice "auto": the model's tool calls are read by --tool-call-parser.
     enable_auto_tool_choice: bool = False
     # The model's tool-call format: how calls are read, and the grammar of
@@ -89,5 +92,7 @@ class GatewayConfig(msgspec.Struct, kw_only=True):
             raise InvalidRequestError("port must be in [0, 65536)", param="port")
         if self.engine_timeout <= 0:
             raise InvalidRequestError("engine_timeout must be positive", param="engine_timeout")
+        if self.request_timeout <= 0:
+            raise InvalidRequestError("request_timeout must be positive", param="request_timeout")
         if self.sse_keepalive <= 0:
             raise InvalidRequestError("sse_keepalive must be positive", param="sse_keepalive")

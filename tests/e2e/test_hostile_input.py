@@ -211,3 +211,41 @@ def test_an_allowed_origin_is_served_with_cors(serve, tmp_path):
         assert_error(r, False, 403)
     finally:
         g.stop()
+
+
+def test_listening_beyond_loopback_without_a_key_warns(serve, tmp_path):
+    g = Gateway(serve.endpoint, str(tmp_path / "open.log"), extra=["--host", "0.0.0.0"]).start()
+    keyed = Gateway(serve.endpoint, str(tmp_path / "keyed.log"), extra=["--host", "0.0.0.0", "--api-key", "k"]).start()
+    try:
+        g.wait_healthy()
+        keyed.wait_healthy()
+    finally:
+        g.stop()
+        keyed.stop()
+    assert "listening on 0.0.0.0 with no API key" in (tmp_path / "open.log").read_text()
+    assert "with no API key" not in (tmp_path / "keyed.log").read_text()
+
+
+def test_a_request_head_or_body_left_unfinished_is_dropped(serve, tmp_path):
+    import socket
+
+    g = Gateway(serve.endpoint, str(tmp_path / "gateway.log"), extra=["--request-timeout", "1"]).start()
+    try:
+        g.wait_healthy()
+        with socket.create_connection(("127.0.0.1", g.port), timeout=60) as s:
+            s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Ty")
+            assert s.recv(1024) == b""  # closed by the server, with nothing sent
+        with socket.create_connection(("127.0.0.1", g.port), timeout=60) as s:
+            s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                      b"Content-Type: application/json\r\nContent-Length: 100\r\n\r\n{\"messages\"")
+            answer = b""
+            while b"\r\n\r\n" not in answer or not answer.rstrip().endswith(b"}"):
+                chunk = s.recv(4096)
+                if not chunk:
+                    break
+                answer += chunk
+        assert answer.startswith(b"HTTP/1.1 408"), answer
+        assert b'"code":"request_timeout"' in answer
+        assert httpx.post(g.url + "/v1/chat/completions", json=CHAT, timeout=60).status_code == 200
+    finally:
+        g.stop()
