@@ -55,15 +55,24 @@ EXTRA_FIELDS = {
              "tools": [TOOL], "tool_choice": "none", "response_format": {"type": "text"},
              "stop_token_ids": [2], "min_tokens": 1, "repetition_penalty": 1.1, "cache_salt": "s",
              "chat_template_kwargs": {"x": 1}, "continue_final_message": False, "ignore_eos": True,
-             "stream_options": {"include_usage": True}, "structured_outputs": {"choice": ["a", "b"]}},
+             "stream_options": {"include_usage": True}, "structured_outputs": {"choice": ["a", "b"]},
+             "messages": USER + [{"role": "assistant", "content": "", "tool_calls": [
+                 {"id": "c1", "type": "function", "function": {"name": "add", "arguments": '{"a": 1}'}}]},
+                 {"role": "tool", "tool_call_id": "c1", "content": "2"}]},
     "completions": {"top_k": 5, "seed": 1, "n": 2, "logprobs": 2, "echo": True, "stream": True, "priority": 1,
                     "stop": "x", "frequency_penalty": 0.5, "best_of": 2, "suffix": "", "ignore_eos": True},
     "messages": {"top_k": 5, "top_p": 0.9, "stop_sequences": ["x"], "system": "be brief", "stream": True,
                  "tools": [{"name": "add", "input_schema": TOOL["function"]["parameters"]}],
-                 "tool_choice": {"type": "auto"}, "metadata": {"user_id": "u"}},
+                 "tool_choice": {"type": "auto"}, "metadata": {"user_id": "u"},
+                 "messages": USER + [{"role": "assistant", "content": [
+                     {"type": "tool_use", "id": "t1", "name": "add", "input": {"a": 1}}]},
+                     {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": "2"}]}]},
     "count_tokens": {"system": "be brief", "tools": [{"name": "add", "input_schema": {"type": "object"}}]},
     "responses": {"top_p": 0.9, "top_k": 5, "instructions": "be brief", "stream": True, "store": False,
-                  "tools": [{"type": "function", "name": "add", "parameters": {"type": "object"}}]},
+                  "tools": [{"type": "function", "name": "add", "parameters": {"type": "object"}}],
+                  "input": [{"role": "user", "content": "hi"},
+                            {"type": "function_call", "call_id": "c1", "name": "add", "arguments": '{"a": 1}'},
+                            {"type": "function_call_output", "call_id": "c1", "output": "2"}]},
     "tokenize": {"add_special_tokens": False},
     "detokenize": {},
     "models": {},
@@ -93,6 +102,9 @@ def _hostile_value(rng: random.Random) -> object:
     if kind == 2:
         return rng.choice(_FLOATS)
     if kind == 3:
+        if rng.random() < 0.3:  # JSON text nested deep, for fields that hold JSON in a string
+            d = rng.choice([65, 1000, 5000])
+            return rng.choice(["[" * d + "]" * d, '{"a":' * d + "1" + "}" * d])
         return rng.choice(_STRINGS)
     if kind == 4:
         return rng.choice([None, True, False, [], {}, [None], {"": None}])
@@ -245,6 +257,8 @@ class Report:
     by_route: Counter = field(default_factory=Counter)
     problems: list[tuple[int, str, str]] = field(default_factory=list)
     seconds: list[float] = field(default_factory=list)
+    # (seconds, case index, route, mutation, status) of every case
+    timings: list[tuple[float, int, str, str, int]] = field(default_factory=list)
     wall: float = 0.0
 
 
@@ -264,6 +278,7 @@ async def send_all(url: str, cases: list[Case], concurrency: int = 8, timeout: f
             except httpx.HTTPError as e:
                 status, ctype, body = 599, "", f"{type(e).__name__}: {e}".encode()
             report.seconds.append(time.perf_counter() - t0)
+            report.timings.append((report.seconds[-1], case.index, case.route, case.mutation, status))
             report.statuses[status] += 1
             report.by_route[case.route] += 1
             p = problem(case, status, ctype, body)
@@ -305,6 +320,11 @@ def _markdown(seed: int, n: int, report: Report, pid_same: bool, normal_ok: bool
         f"Statuses: {statuses}.", "",
         f"Requests per route: {routes}.", "",
     ]
+    lines.append("Slowest cases (seconds, case, route, mutation, status; replay with `--only CASE`):")
+    lines.append("")
+    for sec, index, route, mutation, status in sorted(report.timings, reverse=True)[:5]:
+        lines.append(f"- {sec:.1f} s: case {index}, {route}, {mutation or 'valid'}, {status}")
+    lines.append("")
     for index, mutation, p in report.problems[:20]:
         lines.append(f"- case {index} ({mutation}): {p}")
     return "\n".join(lines) + "\n"

@@ -64,6 +64,8 @@ def _text_of(blocks: str | list, where: str) -> str:
     """Text blocks joined; anything else (images, documents) is a 400."""
     if isinstance(blocks, str):
         return blocks
+    if not isinstance(blocks, list):
+        raise InvalidRequestError("content must be a string or a list of text blocks", param=where)
     texts = []
     for j, b in enumerate(blocks):
         if not isinstance(b, dict) or b.get("type") != "text" or not isinstance(b.get("text"), str):

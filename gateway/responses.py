@@ -10,7 +10,6 @@ whole or as the Responses event stream. Nothing is stored: ``store`` and
 
 from __future__ import annotations
 
-import json
 import time
 from typing import Any
 
@@ -20,7 +19,7 @@ from starlette.responses import Response
 
 from gateway.chat_run import ChatInput, ChatRun
 from gateway.errors import error_body, to_mlxd_error
-from gateway.request_body import decode_body
+from gateway.request_body import decode_body, loads
 from gateway.sse import KEEPALIVE, SSEResponse, named_event
 from gateway.state import GatewayState
 from shared.errors import InvalidRequestError, MlxdError
@@ -73,10 +72,7 @@ def _text(content, where: str) -> str:
 
 def _arguments(text: str, where: str) -> dict:
     """A call's arguments as the object templates render (as the chat path gives them)."""
-    try:
-        value = json.loads(text) if text.strip() else {}
-    except ValueError:
-        value = None
+    value = loads(text, param=where) if text.strip() else {}
     if not isinstance(value, dict):
         raise InvalidRequestError("function_call arguments must be a JSON object", param=where)
     return value

@@ -249,3 +249,21 @@ def test_a_request_head_or_body_left_unfinished_is_dropped(serve, tmp_path):
         assert httpx.post(g.url + "/v1/chat/completions", json=CHAT, timeout=60).status_code == 200
     finally:
         g.stop()
+
+
+def test_deeply_nested_function_call_arguments_are_400_on_responses(serve, http):
+    args = "[" * 2000 + "]" * 2000
+    item = {"type": "function_call", "call_id": "c1", "name": "f", "arguments": '{"a": ' + args + "}"}
+    r = http.post("/v1/responses", json={"input": [item], "max_output_tokens": 2})
+    assert assert_error(r, False)["param"] == "input[0].arguments"
+    assert_still_serving(serve, http)
+
+
+@pytest.mark.parametrize("content", [5, {"text": "x"}, True])
+def test_an_anthropic_tool_result_whose_content_is_not_text_is_400(serve, http, content):
+    messages = [{"role": "user", "content": "add"},
+                {"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "add", "input": {}}]},
+                {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": content}]}]
+    r = http.post("/v1/messages", json={"messages": messages, "max_tokens": 2})
+    assert_error(r, True)
+    assert_still_serving(serve, http)
