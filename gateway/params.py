@@ -120,10 +120,15 @@ def check_prompt(ids: list[int], info: EngineInfo, max_tokens: int | None, param
 
 
 def engine_error(err: MlxdError, prompt_param: str, max_tokens_param: str | None) -> MlxdError:
-    """An engine's error with the request field it concerns: the engine speaks of prompts and
-    KV blocks, not of HTTP fields; a context-length refusal concerns the requested length when
-    the client gave one, else the prompt."""
-    if isinstance(err, ContextLengthError) and err.param is None:
+    """An engine's error with the request field it concerns.
+
+    The engine speaks of prompts and KV blocks, not of HTTP fields (the
+    gateway has checked the prompt against the context already, so what the
+    engine can still refuse is the prompt plus its completion in the KV
+    pool): a context-length refusal names the requested length when the
+    client gave one, else the prompt.
+    """
+    if isinstance(err, ContextLengthError):
         err.param = max_tokens_param or prompt_param
     return err
 

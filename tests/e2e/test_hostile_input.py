@@ -267,3 +267,25 @@ def test_an_anthropic_tool_result_whose_content_is_not_text_is_400(serve, http, 
     r = http.post("/v1/messages", json={"messages": messages, "max_tokens": 2})
     assert_error(r, True)
     assert_still_serving(serve, http)
+
+
+def test_the_kv_pool_refusal_names_the_field_of_each_api(tmp_path):
+    from tests.e2e.servers import Engine, free_port
+
+    # 8 blocks of 16 tokens: a short prompt fits the context of 512 but not with 300 more tokens.
+    e = Engine(f"tcp://127.0.0.1:{free_port()}", str(tmp_path / "engine.log"), extra=["--num-kv-blocks", "8"]).start()
+    g = Gateway(e.endpoint, str(tmp_path / "gateway.log")).start()
+    try:
+        g.wait_healthy()
+        cases = [("/v1/chat/completions", {**CHAT, "max_tokens": 300}, "max_tokens"),
+                 ("/v1/chat/completions", {**CHAT, "max_tokens": None, "max_completion_tokens": 300},
+                  "max_completion_tokens"),
+                 ("/v1/chat/completions", {**CHAT, "max_tokens": None}, "messages"),
+                 ("/v1/completions", {"prompt": "hi", "max_tokens": 300}, "max_tokens"),
+                 ("/v1/responses", {"input": "hi", "max_output_tokens": 300}, "max_output_tokens")]
+        for path, body, param in cases:
+            err = assert_error(httpx.post(g.url + path, json=body, timeout=60), False)
+            assert err["code"] == "context_length_exceeded" and err["param"] == param, (path, err)
+    finally:
+        g.stop()
+        e.stop()
