@@ -9,6 +9,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from gateway import openai_types as t
+from gateway import params as P
 from gateway.chat_output import finish_reason
 from gateway.chat_run import ChatInput, ChatRun
 from gateway.errors import sse_error_event
@@ -16,14 +17,11 @@ from gateway.request_body import decode_body
 from gateway.sse import DONE, KEEPALIVE, SSEResponse, event
 from gateway.state import GatewayState
 from gateway.tokenizer import message_dicts
-from shared.errors import InvalidRequestError, MlxdError
+from shared.errors import MlxdError
 
 
 def chat_input(req: t.ChatCompletionRequest, app: str | None) -> ChatInput:
-    if req.stream_options is not None and not req.stream:
-        raise InvalidRequestError("stream_options is only allowed with stream=true", param="stream_options")
-    if req.top_logprobs is not None and not req.logprobs:
-        raise InvalidRequestError("top_logprobs needs logprobs=true", param="top_logprobs")
+    P.check_stream_options(req)
     max_tokens, max_tokens_param = req.max_completion_tokens, "max_completion_tokens"
     if max_tokens is None:
         max_tokens, max_tokens_param = req.max_tokens, "max_tokens"
@@ -35,7 +33,7 @@ def chat_input(req: t.ChatCompletionRequest, app: str | None) -> ChatInput:
         add_generation_prompt=req.add_generation_prompt, app=app, n=req.n, seed=req.seed, min_p=req.min_p,
         repetition_penalty=req.repetition_penalty, presence_penalty=req.presence_penalty,
         frequency_penalty=req.frequency_penalty, logit_bias=req.logit_bias,
-        logprobs=(req.top_logprobs or 0) if req.logprobs else None, min_tokens=req.min_tokens,
+        logprobs=P.chat_logprobs(req.logprobs, req.top_logprobs), min_tokens=req.min_tokens,
         stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos, speculate=req.speculate,
         priority=req.priority, cache_salt=req.cache_salt,
         include_stop_str_in_output=req.include_stop_str_in_output,

@@ -17,7 +17,7 @@ from gateway.request_body import decode_body
 from gateway.sse import DONE, KEEPALIVE, SSEResponse, event
 from gateway.state import GatewayState
 from gateway.structured import structured_outputs_spec
-from shared.errors import InvalidRequestError, MlxdError
+from shared.errors import MlxdError
 
 # OpenAI's default for completions.
 DEFAULT_MAX_TOKENS = 16
@@ -27,20 +27,11 @@ async def completions(request: Request) -> Response:
     gw: GatewayState = request.app.state.gw
     app = gw.check_auth(request)
     req = await decode_body(request, t.CompletionRequest)
-    if req.stream_options is not None and not req.stream:
-        raise InvalidRequestError("stream_options is only allowed with stream=true", param="stream_options")
+    P.check_stream_options(req)
     info, tok = gw.require_ready()
     model = gw.check_model(req.model)
-    if req.suffix:
-        raise InvalidRequestError("suffix is not supported", param="suffix")
     n = P.check_n(req.n)
-    if req.best_of is not None and req.best_of != n:
-        raise InvalidRequestError("best_of other than n is not supported", param="best_of")
-    if req.logprobs is not None and not 0 <= req.logprobs <= 20:
-        raise InvalidRequestError("logprobs must be in [0, 20]", param="logprobs")
-    if req.echo and req.stream:
-        raise InvalidRequestError("echo is not supported with stream=true", param="echo")
-    P.check_priority(req.priority)
+    P.check_completion(req, n)
     stops = P.stop_list(req.stop)
     requested = P.requested_max_tokens(req.max_tokens, "max_tokens")
     P.check_choices(P.num_prompts(req.prompt), n)

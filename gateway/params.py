@@ -52,6 +52,31 @@ def check_priority(priority: int) -> int:
     return priority
 
 
+def check_stream_options(req) -> None:
+    if req.stream_options is not None and not req.stream:
+        raise InvalidRequestError("stream_options is only allowed with stream=true", param="stream_options")
+
+
+def chat_logprobs(logprobs: bool, top_logprobs: int | None) -> int | None:
+    """Chat's logprobs/top_logprobs as the engine's count: None (none), or the top k beside the sampled token."""
+    if top_logprobs is not None and not logprobs:
+        raise InvalidRequestError("top_logprobs needs logprobs=true", param="top_logprobs")
+    return (top_logprobs or 0) if logprobs else None
+
+
+def check_completion(req, n: int) -> None:
+    """What /v1/completions takes beyond the shared sampling fields."""
+    if req.suffix:
+        raise InvalidRequestError("suffix is not supported", param="suffix")
+    if req.best_of is not None and req.best_of != n:
+        raise InvalidRequestError("best_of other than n is not supported", param="best_of")
+    if req.logprobs is not None and not 0 <= req.logprobs <= 20:
+        raise InvalidRequestError("logprobs must be in [0, 20]", param="logprobs")
+    if req.echo and req.stream:
+        raise InvalidRequestError("echo is not supported with stream=true", param="echo")
+    check_priority(req.priority)
+
+
 def requested_max_tokens(value: int | None, param: str) -> int | None:
     if value is not None and value < 1:
         raise InvalidRequestError(f"{param} must be at least 1", param=param)
