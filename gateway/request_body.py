@@ -91,6 +91,13 @@ def decode(body: bytes, typ):
     return msgspec.convert(value, typ)
 
 
+# Bodies above this are decoded in a worker thread: tens of MB of JSON take the loop's time.
+THREAD_DECODE_BYTES = 1 << 20
+
+
 async def decode_body(request: Request, typ):
     """Read and decode a request body into ``typ``."""
-    return decode(await read_body(request), typ)
+    body = await read_body(request)
+    if len(body) > THREAD_DECODE_BYTES:
+        return await asyncio.to_thread(decode, body, typ)
+    return decode(body, typ)
