@@ -78,7 +78,7 @@ class ChatCompletionRequest(_SamplingFields, kw_only=True):
 
 class CompletionRequest(_SamplingFields, kw_only=True):
     # A string, a list of strings, a list of token ids, or a list of lists of them;
-    # msgspec cannot tell list shapes apart in a union, so prompts.py checks the shape.
+    # msgspec cannot tell list shapes apart in a union, so params.completion_prompts checks the shape.
     prompt: str | list[Any]
     logprobs: int | None = None
     echo: bool = False

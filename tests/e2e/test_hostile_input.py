@@ -289,3 +289,27 @@ def test_the_kv_pool_refusal_names_the_field_of_each_api(tmp_path):
     finally:
         g.stop()
         e.stop()
+
+
+def test_the_event_loop_answers_while_a_template_renders(serve, tmp_path):
+    import json
+    import socket
+
+    g = Gateway(serve.endpoint, str(tmp_path / "gateway.log"), extra=["--trust-request-chat-template"]).start()
+    try:
+        g.wait_healthy()
+        # About 10**7 loop steps: seconds of rendering, then the step cap's 400.
+        slow = "{% for a in range(4000) %}{% for b in range(4000) %}{% endfor %}{% endfor %}"
+        body = json.dumps({**CHAT, "chat_template": slow}).encode()
+        with socket.create_connection(("127.0.0.1", g.port), timeout=120) as s:
+            s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                      b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+            # Answered while the render is still running: the slow request has no answer yet.
+            assert httpx.get(g.url + "/health", timeout=120).status_code == 200
+            s.setblocking(False)
+            with pytest.raises(BlockingIOError):
+                s.recv(1)
+            s.setblocking(True)
+            assert s.recv(64).startswith(b"HTTP/1.1 400")
+    finally:
+        g.stop()
