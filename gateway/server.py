@@ -22,7 +22,6 @@ def run_gateway(config: GatewayConfig, engine_process: subprocess.Popen | None =
     import uvicorn
 
     from gateway.app import build_app
-
     from gateway.http_protocol import protocol_with_deadline
 
     app = build_app(config)
