@@ -18,10 +18,6 @@ from shared.errors import InvalidRequestError, MlxdError
 
 log = logging.getLogger("mlxd.gateway")
 
-class RequestTooLargeError(InvalidRequestError):
-    status = 413
-    code = "request_too_large"
-
 
 _PATH = re.compile(r"at `\$\.?([^`]*)`")
 _MISSING = re.compile(r"missing required field `([^`]*)`")
@@ -58,7 +54,8 @@ def error_body(exc: BaseException) -> tuple[int, dict]:
 
 # Anthropic's error types by HTTP status; its SDK picks exception classes by status.
 _ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-                    404: "not_found_error", 405: "invalid_request_error", 413: "request_too_large",
+                    404: "not_found_error", 405: "invalid_request_error", 408: "invalid_request_error",
+                    413: "request_too_large", 415: "invalid_request_error",
                     429: "rate_limit_error", 503: "overloaded_error"}
 
 ANTHROPIC_PREFIX = "/v1/messages"

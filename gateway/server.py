@@ -34,13 +34,15 @@ def run_gateway(config: GatewayConfig, supervisor=None) -> int:
     import uvicorn
 
     from gateway.app import build_app
+    from gateway.http_protocol import protocol_with_deadline
 
     if config.api_key_file is not None:
         config.api_key = _read_key_file(config.api_key_file)
     app = build_app(config)
     server = uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.port,
                                            log_level="warning", access_log=False,
-                                           timeout_graceful_shutdown=config.shutdown_timeout + _FLUSH_GRACE_S))
+                                           timeout_graceful_shutdown=config.shutdown_timeout + _FLUSH_GRACE_S,
+                                           http=protocol_with_deadline(config.request_timeout)))
     client = app.state.gw.client
     print(f"mlxd gateway on http://{config.host}:{config.port}/v1 "
           f"(engine {client.endpoint})", file=sys.stderr, flush=True)

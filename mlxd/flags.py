@@ -31,7 +31,7 @@ HELP = {
     "metrics_port": "serve the engine's Prometheus /metrics on this port (0: any free port)",
     "engine_timeout": "seconds of silence after which the engine is declared dead",
     "sse_keepalive": "seconds between keep-alive comments on an idle stream",
-    "allowed_origins": "CORS origins allowed (default: none)",
+    "allowed_origins": "browser origins allowed to call the API, or '*' (default: none; requests with Origin refused)",
     "allowed_hosts": "Host names answered beyond loopback names, IP literals and --host, or '*' (DNS rebinding)",
     "trust_request_chat_template": "render chat templates sent in requests (default: refused)",
     "request_timeout": "seconds a client has to send its request head, and may pause within its body",
