@@ -38,7 +38,7 @@ class PagedAttention(nn.Module):
             self.sinks = inner.sinks  # same parameter path as the original module's
         self.rope = inner.rope
         self.settings = settings
-        # Which paged_attention implementation runs (EngineConfig.attention_backend).
+        # Which kernels.paged_attention implementation runs (EngineConfig.attention_backend, resolved).
         self.backend = backend
 
     def __call__(self, x: mx.array, mask=None, cache=None) -> mx.array:
@@ -61,7 +61,7 @@ class PagedAttention(nn.Module):
         kc, vc = cache.write(k, v)
         out = kernels.paged_attention(
             q, kc, vc, meta, s.scale, sliding_window=s.sliding_window, softcap=s.softcap,
-            sinks=self.sinks if "sinks" in self else None,
+            sinks=self.sinks if "sinks" in self else None, backend=self.backend,
         )
         out = out.reshape(1, t, -1)
         if s.output_gate:

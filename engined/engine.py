@@ -17,6 +17,7 @@ from concurrent.futures import wait as wait_futures
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
+import kernels
 from engined import memory_guard
 from engined.draft_model import DraftProposer
 from engined.kv import KVCacheManager
@@ -26,12 +27,12 @@ from engined.model_layers import read_layers
 from engined.request import Request
 from engined.runner import ModelRunner
 from engined.sampler import Sampler, logprobs_for
-from engined.scheduler import Scheduler, SchedulerOutput, SchedulerStats
+from engined.scheduler import Scheduler, SchedulerOutput
 from engined.speculative import Speculator
 from engined.structured import GrammarCompiler
 from shared.config import EngineConfig, SpeculativeConfig
 from shared.errors import ContextLengthError, InvalidRequestError, ModelLoadError, OverloadedError
-from shared.protocol import ModelInfo, RequestOutput
+from shared.protocol import EngineStats, ModelInfo, RequestOutput
 from shared.sampling import SamplingParams
 
 log = logging.getLogger("mlxd.engine")
@@ -44,7 +45,7 @@ class Engine:
         self.loaded = loaded
         self.max_model_len = config.max_model_len or loaded.context_length
         dtype = _float_dtype(loaded)
-        backend = getattr(config, "attention_backend", "auto")
+        backend = kernels.resolve_backend(config.attention_backend)
         specs = read_layers(loaded.model)
         kv = KVCacheManager.build(specs, config, dtype)
         spec = config.speculative
@@ -182,7 +183,7 @@ class Engine:
                 self._fail(req, req.grammar.error)
         self._compiling = still
 
-    def stats(self) -> SchedulerStats:
+    def stats(self) -> EngineStats:
         return self.scheduler.stats()
 
     # -- the step -----------------------------------------------------------------------------

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 from engined.kv import KVCacheManager
 from engined.request import Request, Status
-from shared.protocol import Logprob
+from shared.protocol import EngineStats, Logprob
 
 
 @dataclass
@@ -44,17 +44,6 @@ class SchedulerOutput:
                 for r, n in self.scheduled]
 
 
-@dataclass(frozen=True)
-class SchedulerStats:
-    num_running: int
-    num_waiting: int
-    num_free_blocks: int
-    num_total_blocks: int
-    num_preemptions: int
-    prefix_cache_queries: int
-    prefix_cache_hits: int
-
-
 class Scheduler:
     def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
                  max_model_len: int | None = None, eos_token_ids: tuple[int, ...] = ()):
@@ -67,10 +56,13 @@ class Scheduler:
         self.running: list[Request] = []
         self.num_preemptions = 0
 
-    def stats(self) -> SchedulerStats:
+    def stats(self) -> EngineStats:
+        """The queues and the main pool (the daemon adds its step and socket times)."""
         kv = self.kv
-        return SchedulerStats(len(self.running), len(self.waiting), kv.num_free_blocks, kv.pool.num_blocks,
-                              self.num_preemptions, kv.queries, kv.hits)
+        return EngineStats(num_running=len(self.running), num_waiting=len(self.waiting),
+                           num_free_blocks=kv.num_free_blocks, num_total_blocks=kv.pool.num_blocks,
+                           num_preemptions=self.num_preemptions, prefix_cache_queries=kv.queries,
+                           prefix_cache_hits=kv.hits)
 
     def can_ever_fit(self, num_tokens: int) -> bool:
         """Whether a request of ``num_tokens`` tokens fits the whole main pool (else it could never run)."""

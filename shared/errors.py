@@ -33,6 +33,33 @@ class ContextLengthError(InvalidRequestError):
     code = "context_length_exceeded"
 
 
+class RequestTooLargeError(InvalidRequestError):
+    status = 413
+    code = "request_too_large"
+
+
+class RequestTimeoutError(InvalidRequestError):
+    """The client stopped sending its request part-way."""
+
+    status = 408
+    code = "request_timeout"
+
+
+class UnsupportedMediaTypeError(InvalidRequestError):
+    """A body that is not declared JSON (a browser's form or text/plain post, which needs no preflight)."""
+
+    status = 415
+    code = "unsupported_media_type"
+
+
+class ForbiddenError(MlxdError):
+    """A browser page of a foreign origin, or a Host name this server does not answer to (DNS rebinding)."""
+
+    status = 403
+    type = "permission_error"
+    code = "forbidden"
+
+
 class AuthenticationError(MlxdError):
     status = 401
     type = "authentication_error"

@@ -109,7 +109,7 @@ BAD = [
     ({"input": [{"type": "mystery"}]}, "input[0]"),
     ({"tools": [{"type": "web_search"}]}, "tools[0]"),
     ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "nonsense"}}}}, None),
-    ({"max_output_tokens": 0}, "max_tokens"),
+    ({"max_output_tokens": 0}, "max_output_tokens"),
 ]
 
 
