@@ -287,6 +287,7 @@ class Daemon:
             self._forget_gateway(identity, f"silent for {quiet:.1f}s")
         if self.parent_pid is not None and self.stop_reason is None and os.getppid() != self.parent_pid:
             self.request_stop("engine stopped: its parent process exited")
+        self.engine.release_idle_memory()
 
     def _forget_gateway(self, identity: bytes, why: str) -> None:
         with self._seen_lock:

@@ -41,10 +41,15 @@ class DraftProposer:
         self.sampler = sampler
         self.computed: dict[str, int] = {}  # request -> tokens whose draft K/V is written
 
-    # The memory guard's view, as for a KV manager: billed per block, nothing fixed.
+    # The memory guard's view, as for a KV manager: billed per block, nothing fixed; its arrays
+    # follow the target's main pool as it grows and shrinks (``KVCacheManager.follow``).
     @property
     def bytes_per_block(self) -> int:
         return self.kv.bytes_per_block
+
+    @property
+    def resize_bytes_per_block(self) -> int:
+        return self.kv.array_bytes_per_block
 
     fixed_bytes = 0
 

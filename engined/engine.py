@@ -65,8 +65,9 @@ class Engine:
         self.memory = memory_guard.plan(self.runner, stores, config, self.max_model_len, loaded.vocab_size,
                                         progress)
         log.info("%s", self.memory.describe())
-        for store in stores:
-            store.create(self.memory.num_blocks)
+        if self.drafter:
+            kv.follow(self.drafter.kv)
+        kv.create(self.memory.num_blocks, self.memory.resident_blocks)
         self.scheduler = Scheduler(kv, config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len,
                                    tuple(loaded.eos_token_ids))
         self.requests: dict[str, Request] = {}
@@ -200,6 +201,15 @@ class Engine:
         outputs += self._outputs(self.scheduler.postprocess(batch, emitted))
         self.metrics.on_step(batch.num_tokens, time.monotonic() - start, self.stats())
         return outputs
+
+    def release_idle_memory(self) -> bool:
+        """Cut the KV pool back after a while with no request holding a block (the daemon's idle loop
+        calls this); True if it did."""
+        kv = self.runner.kv
+        if not kv.release_idle(time.monotonic()):
+            return False
+        log.info("idle: KV pool cut back to %d resident blocks of %d", kv.pool.num_resident, kv.pool.num_blocks)
+        return True
 
     def _idle(self) -> list[RequestOutput]:
         if self._compiling:

@@ -1,9 +1,16 @@
-"""Sizes the fixed KV pool from a memory budget, so memory does not grow with load.
+"""Sizes the KV pool from a memory budget, so memory never grows past it.
 
 budget = gpu_memory_utilization x device memory (``--kv-cache-memory`` replaces
 the fraction's result for the pool). A warm-up forward of the largest step the
 scheduler can build measures what activations and scratch need at peak; MLX's
-buffer cache is capped at that, and what is left becomes the KV pool.
+buffer cache is capped at that, and what is left becomes the KV pool's capacity.
+
+Admission counts on the whole capacity, but only part of it is resident: the
+pool starts with the blocks of one ``max_model_len`` request and grows in
+doubling steps as load needs (``kv.block_pool``), so an idle engine holds
+little. A growth step copies one array at a time after handing MLX's buffer
+cache back, so its transient is one array at full capacity, which must fit in
+the activations' room; the capacity is cut where it would not.
 """
 
 from __future__ import annotations
@@ -67,6 +74,11 @@ class MemoryPlan:
     num_blocks: int
     block_size: int
     fixed_bytes: int = 0  # pools sized by max_num_seqs, not by the budget (state slots, window K/V)
+    initial_blocks: int = 0  # blocks resident at start (and after idle); the pool grows to num_blocks
+
+    @property
+    def resident_blocks(self) -> int:
+        return self.initial_blocks or self.num_blocks
 
     @property
     def kv_tokens(self) -> int:
@@ -78,7 +90,8 @@ class MemoryPlan:
         return (
             f"memory: budget {budget}; weights {gb(self.weights)}; activations {gb(self.activations)} "
             f"(buffer cache capped there); KV cache {gb(self.kv_bytes)} = {self.num_blocks} blocks "
-            f"x {self.block_size} = {self.kv_tokens} tokens"
+            f"x {self.block_size} = {self.kv_tokens} tokens, {self.resident_blocks} of them resident at start "
+            f"(grown as load needs, cut back after idle)"
             + (f"; fixed pools (state slots, window K/V) {gb(self.fixed_bytes)}" if self.fixed_bytes else "")
         )
 
@@ -137,7 +150,7 @@ def plan(runner, stores: list, config: EngineConfig, max_model_len: int, vocab_s
     fixed = sum(s.fixed_bytes for s in stores)
     if config.num_kv_blocks is not None:
         return MemoryPlan(0, weights, activations, config.num_kv_blocks * per_block,
-                          config.num_kv_blocks, config.block_size, fixed)
+                          config.num_kv_blocks, config.block_size, fixed, min(needed, config.num_kv_blocks))
     memory = device_memory()
     budget = int(config.gpu_memory_utilization * memory)
     if config.kv_cache_memory is not None:
@@ -159,4 +172,9 @@ def plan(runner, stores: list, config: EngineConfig, max_model_len: int, vocab_s
         )
     # More blocks than every running sequence at full length could use would only sit idle.
     num_blocks = min(num_blocks, config.max_num_seqs * needed)
-    return MemoryPlan(budget, weights, activations, num_blocks * per_block, num_blocks, config.block_size, fixed)
+    # A growth step's one-array copy beyond the activations' room comes out of the pool's capacity;
+    # a pool of one request's blocks starts full and never grows, so it needs no such room.
+    resize = max(s.resize_bytes_per_block for s in stores)
+    num_blocks = max(needed, min(num_blocks, (max(kv, 0) + activations) // (per_block + resize)))
+    return MemoryPlan(budget, weights, activations, num_blocks * per_block, num_blocks, config.block_size, fixed,
+                      needed)

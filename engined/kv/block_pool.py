@@ -4,6 +4,12 @@ A block with ``ref_count == 0`` sits in the free queue. If it also carries a
 hash, its contents stay valid and findable by that hash until the block is
 handed out again (evicted), least recently freed first; so cached prefixes
 never reduce capacity.
+
+The pool has a fixed ``capacity`` (what admission counts on) but only its
+first ``num_resident`` blocks exist: the owner's arrays follow that number.
+Blocks are added at the tail in large steps when an allocation would otherwise
+evict a cached prefix or run short, and ``shrink`` cuts free tail blocks off
+again, so resident memory follows demand while every block id stays valid.
 """
 
 from __future__ import annotations
@@ -48,19 +54,64 @@ def extend_hashes(req, num_blocks: int, block_size: int) -> None:
 
 
 class BlockPool:
-    def __init__(self, num_blocks: int):
-        self.blocks = [Block(i) for i in range(num_blocks)]
+    def __init__(self, num_blocks: int, num_resident: int | None = None):
+        """``num_blocks`` is the capacity; ``num_resident`` (default: all of it) the blocks that exist now."""
+        resident = num_blocks if num_resident is None else min(num_resident, num_blocks)
+        self.capacity = num_blocks
+        self.blocks = [Block(i) for i in range(resident)]
         # Insertion order is eviction order: the front is evicted first.
         self.free_queue: OrderedDict[int, Block] = OrderedDict((b.block_id, b) for b in self.blocks)
         self.cached: dict[bytes, Block] = {}
 
     @property
     def num_blocks(self) -> int:
+        """The capacity: every block the pool may ever hold (the unit admission counts in)."""
+        return self.capacity
+
+    @property
+    def num_resident(self) -> int:
         return len(self.blocks)
 
     @property
     def num_free(self) -> int:
-        return len(self.free_queue)
+        """Free blocks, counting those not resident yet (allocation adds them as needed)."""
+        return len(self.free_queue) + self.capacity - len(self.blocks)
+
+    def _must_grow(self, n: int) -> bool:
+        """Whether taking ``n`` blocks from the queue's front would run short or evict a cached prefix."""
+        if len(self.blocks) == self.capacity:
+            return False
+        if n > len(self.free_queue):
+            return True
+        for i, block in enumerate(self.free_queue.values()):
+            if i == n:
+                return False
+            if block.block_hash is not None:
+                return True
+        return False
+
+    def _grow(self, n: int) -> None:
+        """Add at least ``n`` blocks (doubling, capped at the capacity), at the front of the free queue:
+        fresh blocks are handed out before any cached prefix is evicted."""
+        old = len(self.blocks)
+        new = min(self.capacity, max(2 * old, old + n))
+        fresh = [Block(i) for i in range(old, new)]
+        self.blocks += fresh
+        for block in reversed(fresh):
+            self.free_queue[block.block_id] = block
+            self.free_queue.move_to_end(block.block_id, last=False)
+
+    def shrink(self, floor: int) -> int:
+        """Cut the resident blocks to the fewest (at least ``floor``) that keep every held block;
+        cached prefixes past the cut are dropped. Returns the new resident count."""
+        held = max((b.block_id for b in self.blocks if b.ref_count), default=-1)
+        cut = min(len(self.blocks), max(floor, held + 1))
+        for block in self.blocks[cut:]:
+            del self.free_queue[block.block_id]
+            if block.block_hash is not None and self.cached.get(block.block_hash) is block:
+                del self.cached[block.block_hash]
+        del self.blocks[cut:]
+        return cut
 
     def allocate(self, n: int) -> list[Block]:
         """Take ``n`` blocks from the front of the free queue, evicting their cached contents.
@@ -69,7 +120,9 @@ class BlockPool:
         request that recycles another's run (freed tail first, so queued in reverse) gets it
         back consecutive and ascending, which lets GPU prefill read the cache in place
         (``kernels.gpu``) instead of gathering a copy."""
-        assert n <= len(self.free_queue), "caller must check num_free first"
+        assert n <= self.num_free, "caller must check num_free first"
+        if self._must_grow(n):
+            self._grow(n)
         out = []
         for _ in range(n):
             _, block = self.free_queue.popitem(last=False)

@@ -6,6 +6,11 @@ with the same prefix takes a reference to it instead of computing it again
 (``block_pool`` keeps freed blocks findable until they are handed out again).
 The memory guard sizes this pool from the budget; every other group is sized
 from the configuration and set aside first.
+
+Only the pool's resident blocks have K/V arrays: they start at the size of one
+full-length request and follow the pool as it grows (an allocation that would
+otherwise evict or run short) and shrinks (``shrink``, after idle). Arrays
+indexed by this pool's block ids elsewhere (a draft model's K/V) ``follow`` it.
 """
 
 from __future__ import annotations
@@ -29,6 +34,9 @@ class FullAttentionGroup(KVGroup):
         self.kv = PagedArrays(specs, block_size, dtype)
         self.pool = BlockPool(0)
         self.tables: dict[str, list[Block]] = {}
+        self.followers: list[PagedArrays] = []
+        self.floor = 0  # the resident size the pool starts at and never shrinks below
+        self._resident = 0  # blocks the arrays hold now
 
     @classmethod
     def claim(cls, specs: list[LayerSpec], config: EngineConfig, dtype: mx.Dtype) -> "FullAttentionGroup":
@@ -41,10 +49,30 @@ class FullAttentionGroup(KVGroup):
     def bytes_per_block(self) -> int:
         return self.kv.bytes_per_block
 
-    def create(self, num_blocks: int) -> None:
-        self.pool = BlockPool(num_blocks)
+    def create(self, num_blocks: int, resident: int | None = None) -> None:
+        """A pool of ``num_blocks`` blocks, of which ``resident`` (default: all) have arrays now."""
+        self.pool = BlockPool(num_blocks, resident)
         self.tables = {}
-        self.kv.create(num_blocks)
+        self.floor = self._resident = self.pool.num_resident
+        for arrays in (self.kv, *self.followers):
+            arrays.create(self._resident)
+
+    def _fit_arrays(self) -> None:
+        """Resize the arrays to the pool's resident blocks after it grew or shrank."""
+        n = self.pool.num_resident
+        if n != self._resident:
+            # The step's scratch is idle now: giving MLX's buffer cache back first makes room
+            # for the one array a resize holds twice (the memory guard counts on it).
+            mx.clear_cache()
+            for arrays in (self.kv, *self.followers):
+                arrays.resize(n)
+            self._resident = n
+
+    def shrink(self) -> None:
+        """Cut the pool back towards its starting size, keeping every block a request holds
+        (cached prefixes past the cut are dropped)."""
+        self.pool.shrink(self.floor)
+        self._fit_arrays()
 
     def arrays(self) -> list[mx.array]:
         return self.kv.arrays()
@@ -79,6 +107,7 @@ class FullAttentionGroup(KVGroup):
         self.pool.touch(list(prefix))
         held = self.tables.get(req.request_id, [])
         self.tables[req.request_id] = held + list(prefix) + self.pool.allocate(max(needed, 0))
+        self._fit_arrays()
 
     def commit(self, req: Request) -> None:
         """Register the request's newly completed full blocks in the prefix cache (hashes computed)."""

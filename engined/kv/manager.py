@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import mlx.core as mx
 
+from engined.kv.paged import PagedArrays
+
 from engined.kv.block_pool import Block, BlockPool, extend_hashes
 from engined.kv.full_attention import FullAttentionGroup
 from engined.kv.group import KVGroup
@@ -28,6 +30,10 @@ from engined.model_layers import LayerSpec
 from engined.request import Request
 from shared.config import EngineConfig
 from shared.errors import ModelLoadError
+
+# Seconds with no request holding a block before the main pool is cut back to its starting size:
+# long enough that an agent's pause between turns keeps its grown pool and cached prefixes.
+IDLE_RELEASE_S = 30.0
 
 # Kinds that claim layers before the full-attention group takes every attention layer left.
 KINDS: tuple[type[KVGroup], ...] = (SlidingWindowGroup, RecurrentStateGroup)
@@ -43,6 +49,7 @@ class KVCacheManager:
         # Prompt tokens looked up in / found in the prefix cache (vLLM's prefix_cache_queries/hits).
         self.queries = 0
         self.hits = 0
+        self._idle_since: float | None = None  # when ``release_idle`` first saw no block held
 
     @classmethod
     def build(cls, specs: list[LayerSpec], config: EngineConfig, dtype: mx.Dtype) -> "KVCacheManager":
@@ -80,10 +87,35 @@ class KVCacheManager:
         """Whether tokens computed past what is kept (rejected drafts) can be taken back."""
         return all(g.can_rewind for g in self.groups)
 
-    def create(self, num_blocks: int) -> None:
-        """(Re)create every group's pools for a main pool of ``num_blocks`` blocks; 0 drops them."""
-        for g in self.groups:
+    @property
+    def resize_bytes_per_block(self) -> int:
+        """Per block of the main pool, the largest array it resizes: the transient a growth step holds."""
+        return self.main.kv.array_bytes_per_block
+
+    def create(self, num_blocks: int, resident: int | None = None) -> None:
+        """(Re)create every group's pools for a main pool of ``num_blocks`` blocks, ``resident`` of
+        them (default: all) with arrays now; 0 drops them."""
+        self.main.create(num_blocks, resident)
+        for g in self.groups[1:]:
             g.create(num_blocks)
+
+    def follow(self, arrays: PagedArrays) -> None:
+        """Keep ``arrays`` (indexed by the main pool's block ids) sized to the main pool's resident blocks."""
+        self.main.followers.append(arrays)
+
+    def release_idle(self, now: float) -> bool:
+        """Cut the main pool back once no request has held a block for ``IDLE_RELEASE_S`` seconds
+        (``now`` on ``time.monotonic``'s clock) and hand MLX's freed buffers back; True if it did."""
+        if self.main.tables:
+            self._idle_since = None
+            return False
+        if self._idle_since is None:
+            self._idle_since = now
+        if now - self._idle_since < IDLE_RELEASE_S or self.pool.num_resident <= self.main.floor:
+            return False
+        self.main.shrink()
+        mx.clear_cache()
+        return True
 
     def arrays(self) -> list[mx.array]:
         return [a for g in self.groups for a in g.arrays()]
@@ -144,6 +176,7 @@ class KVCacheManager:
             return False
         for g in self.groups:
             g.allocate(req, num_new_tokens, prefix)
+        self._idle_since = None
         return True
 
     def commit(self, req: Request) -> None:

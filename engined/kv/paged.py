@@ -42,8 +42,17 @@ class PagedArrays:
         return 2 * sum(int(np.prod(shape)) for shape in self.shapes) * self.dtype.size
 
     @property
+    def array_bytes_per_block(self) -> int:
+        """Bytes per block of the largest single array: the most a ``resize`` holds twice at once."""
+        return max((int(np.prod(shape)) for shape in self.shapes), default=0) * self.dtype.size
+
+    @property
     def nbytes(self) -> int:
         return sum(a.nbytes for a in self.k) + sum(a.nbytes for a in self.v)
+
+    @property
+    def num_blocks(self) -> int:
+        return self.k[0].shape[0] if self.k else 0
 
     def create(self, num_blocks: int) -> None:
         """(Re)create the pools with ``num_blocks`` blocks each, dropping the old ones first."""
@@ -51,6 +60,23 @@ class PagedArrays:
         self.k = [mx.zeros((num_blocks, *shape), dtype=self.dtype) for shape in self.shapes]
         self.v = [mx.zeros((num_blocks, *shape), dtype=self.dtype) for shape in self.shapes]
         mx.eval(self.k, self.v)
+
+    def resize(self, num_blocks: int) -> None:
+        """Grow (zero blocks appended) or cut (tail blocks dropped) every pool to ``num_blocks`` blocks.
+
+        One array at a time, each evaluated before the next, so the transient
+        overhead is a single array's new copy; blocks below the cut keep their contents.
+        """
+        old = self.num_blocks
+        if num_blocks == old:
+            return
+        for pools in (self.k, self.v):
+            for i in range(len(pools)):
+                if num_blocks > old:
+                    pools[i] = mx.pad(pools[i], [(0, num_blocks - old), (0, 0), (0, 0), (0, 0)])
+                else:
+                    pools[i] = mx.contiguous(pools[i][:num_blocks])  # a copy: a slice would keep the old buffer
+                mx.eval(pools[i])
 
     def arrays(self) -> list[mx.array]:
         return self.k + self.v

@@ -33,7 +33,10 @@ def test_budget_fraction_sets_the_pool_and_the_breakdown_adds_up(tiny_dir):
     assert abs(m.budget - 0.01 * device_memory()) < 0.01 * (512 << 20)
     assert m.weights > 0 and m.activations > 0
     per_block = e.scheduler.kv.bytes_per_block
-    assert m.kv_bytes == m.num_blocks * per_block == e.scheduler.kv.nbytes
+    assert m.kv_bytes == m.num_blocks * per_block
+    # Resident at start: the blocks of one max_model_len request, not the whole capacity.
+    assert m.initial_blocks == 4096 // 16 < m.num_blocks
+    assert e.scheduler.kv.nbytes == m.initial_blocks * per_block
     # Either the budget's remainder or the most the running cap can use, whichever is less.
     assert m.num_blocks == min((m.budget - m.weights - m.activations) // per_block, 4 * 4096 // 16)
     assert "weights" in m.describe() and f"{m.num_blocks} blocks" in m.describe()
@@ -61,7 +64,10 @@ def test_cpu_budget_shrinks_when_another_process_holds_ram():
 
 def test_kv_cache_memory_overrides_the_fraction(tiny_dir):
     e = engine(tiny_dir, kv_cache_memory=64 << 20, max_num_seqs=64, max_num_batched_tokens=256)
-    assert e.memory.num_blocks == (64 << 20) // e.scheduler.kv.bytes_per_block
+    kv, m = e.scheduler.kv, e.memory
+    # The budget less a growth step's one-array copy beyond the activations' room.
+    assert m.num_blocks == ((64 << 20) + m.activations) // (kv.bytes_per_block + kv.resize_bytes_per_block)
+    assert m.num_blocks * kv.bytes_per_block + m.num_blocks * kv.resize_bytes_per_block - m.activations <= 64 << 20
 
 
 def test_a_budget_too_small_for_one_full_request_refuses_to_start(tiny_dir):
