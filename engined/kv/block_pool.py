@@ -77,24 +77,23 @@ class BlockPool:
         """Free blocks, counting those not resident yet (allocation adds them as needed)."""
         return len(self.free_queue) + self.capacity - len(self.blocks)
 
-    def _must_grow(self, n: int) -> bool:
-        """Whether taking ``n`` blocks from the queue's front would run short or evict a cached prefix."""
+    def _shortfall(self, n: int) -> int:
+        """How many of ``n`` blocks the queue's front lacks before it would run out or reach a cached
+        prefix (0 once the pool is at its capacity: then it evicts, least recently used first)."""
         if len(self.blocks) == self.capacity:
-            return False
-        if n > len(self.free_queue):
-            return True
-        for i, block in enumerate(self.free_queue.values()):
-            if i == n:
-                return False
-            if block.block_hash is not None:
-                return True
-        return False
+            return 0
+        fresh = 0
+        for block in self.free_queue.values():
+            if fresh == n or block.block_hash is not None:
+                break
+            fresh += 1
+        return n - fresh
 
-    def _grow(self, n: int) -> None:
-        """Add at least ``n`` blocks (doubling, capped at the capacity), at the front of the free queue:
-        fresh blocks are handed out before any cached prefix is evicted."""
+    def _grow(self, shortfall: int) -> None:
+        """Add ``shortfall`` blocks or, in one large step, as many as the pool has (capped at the
+        capacity), at the front of the free queue: fresh blocks go out before a cached prefix is evicted."""
         old = len(self.blocks)
-        new = min(self.capacity, max(2 * old, old + n))
+        new = min(self.capacity, max(2 * old, old + shortfall))
         fresh = [Block(i) for i in range(old, new)]
         self.blocks += fresh
         for block in reversed(fresh):
@@ -121,8 +120,9 @@ class BlockPool:
         back consecutive and ascending, which lets GPU prefill read the cache in place
         (``kernels.gpu``) instead of gathering a copy."""
         assert n <= self.num_free, "caller must check num_free first"
-        if self._must_grow(n):
-            self._grow(n)
+        shortfall = self._shortfall(n)
+        if shortfall:
+            self._grow(shortfall)
         out = []
         for _ in range(n):
             _, block = self.free_queue.popitem(last=False)
