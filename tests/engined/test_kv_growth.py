@@ -163,3 +163,21 @@ def test_idle_pool_is_cut_back_and_still_serves_the_same(tiny_dir):
 
     assert e.generate(batch, GREEDY) == first  # grows again and serves the same
     assert kv.pool.num_resident > floor
+
+
+def test_a_draft_models_kv_grows_and_shrinks_with_the_pool(tiny_dir, tmp_path):
+    draft = make_tiny_model(tmp_path / "draft", "llama", seed=12, max_position_embeddings=4096)
+    cfg = f'{{"method": "draft_model", "model": "{draft}", "num_speculative_tokens": 2}}'
+    rng = seeded_rng()
+    batch = prompts(rng, 12)
+    expected = tiny_engine(tiny_dir).generate(batch, GREEDY)
+    e = tiny_engine(tiny_dir, speculative_config=cfg)
+    kv = e.scheduler.kv
+    floor = kv.pool.num_resident
+    assert e.generate(batch, GREEDY) == expected
+    assert e.metrics.spec_draft_tokens._value.get() > 0
+    assert kv.pool.num_resident > floor
+    assert all(a.shape[0] == kv.pool.num_resident for a in e.drafter.arrays())
+    assert kv.release_idle(0.0) is False and kv.release_idle(IDLE_RELEASE_S)
+    assert all(a.shape[0] == floor for a in e.drafter.arrays())
+    assert e.generate(batch[:3], GREEDY) == expected[:3]
