@@ -23,6 +23,8 @@ class DaemonConfig(msgspec.Struct, kw_only=True):
     # Directory of CurveZMQ keys (`mlxd keys curve`): encrypts the engine's socket and lets in only
     # known gateways; required for TCP beyond loopback (shared/curve.py).
     curve_keys: str | None = None
+    # vLLM's flag: no periodic stats line (throughput, running/waiting, KV usage) in the log.
+    disable_log_stats: bool = False
 
     def __post_init__(self) -> None:
         if self.gateway_timeout <= 0:
@@ -83,6 +85,8 @@ class GatewayConfig(msgspec.Struct, kw_only=True):
     tool_call_parser: str | None = None
     # Splits <think>…</think> into the message's "reasoning".
     reasoning_parser: str | None = None
+    # vLLM's flag (off by default there too): one access line per request in the log.
+    enable_log_requests: bool = False
 
     def __post_init__(self) -> None:
         if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_CALL_PARSERS:
