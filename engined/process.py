@@ -53,7 +53,7 @@ def run_engine(config: EngineConfig, daemon: DaemonConfig, parent_pid: int | Non
         loading.set()  # the daemon loop watches the parent from here on
     d = Daemon(engine, endpoint, gateway_timeout=daemon.gateway_timeout,
                shutdown_timeout=daemon.shutdown_timeout, parent_pid=parent_pid,
-               curve_keys=daemon.curve_keys)
+               curve_keys=daemon.curve_keys, log_stats=not daemon.disable_log_stats)
     d.install_signal_handlers()
     if daemon.metrics_port is not None:
         server, _ = engine.metrics.serve(daemon.metrics_port, daemon.metrics_host)
