@@ -35,7 +35,10 @@ class _Record:
         self.status: int | None = None
 
     def line(self, method: str, path: str, now: float) -> str:
-        ids = self.ids[0] + (f" (+{len(self.ids) - 1})" if len(self.ids) > 1 else "") if self.ids else "-"
+        # Engine request ids are "<base>-<choice>"; the base is what the response's id carries
+        # (chatcmpl-<base>, cmpl-<base>, ...), so a client's id finds its line.
+        ids = sorted({i.rpartition("-")[0] or i for i in self.ids})
+        ids = ",".join(ids) if ids else "-"
         ttft = f"{self.first_token - self.start:.3f}s" if self.first_token is not None else "-"
         return (f"{ids} app={self.app or '-'} {method} {path} {self.status or '-'} "
                 f"prompt_tokens={sum(p for p, _ in self.prompt.values())} "
