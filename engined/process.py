@@ -7,6 +7,7 @@ import logging
 import os
 import sys
 import threading
+import time
 
 from shared.config import EngineConfig
 from shared.errors import MlxdError
@@ -88,11 +89,29 @@ def _exit_with_parent(parent_pid: int, loaded: threading.Event) -> None:
             os._exit(1)
 
 
+# Seconds between "still loading" lines when stderr is a log file, not a terminal.
+_LOAD_LOG_EVERY_S = 15.0
+
+
 @contextlib.contextmanager
 def _progress(what: str):
-    """An elapsed-time bar on a terminal while ``what`` runs (the load reports no fractions)."""
+    """An elapsed-time bar on a terminal while ``what`` runs (the load reports no fractions); in a
+    log file, a line every ``_LOAD_LOG_EVERY_S`` seconds and one when it is done."""
     if not sys.stderr.isatty():
-        yield
+        done, start = threading.Event(), time.monotonic()
+
+        def note():
+            while not done.wait(_LOAD_LOG_EVERY_S):
+                log.info("%s: %.0fs so far", what, time.monotonic() - start)
+
+        t = threading.Thread(target=note, daemon=True, name="load-progress")
+        t.start()
+        try:
+            yield
+        finally:
+            done.set()
+            t.join()
+        log.info("%s took %.1fs", what, time.monotonic() - start)
         return
     from tqdm import tqdm
 
