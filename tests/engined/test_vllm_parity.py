@@ -78,7 +78,8 @@ def test_every_shared_name_has_vllms_type_labels_and_buckets(tmp_path):
             buckets = want["buckets"]
             if buckets == "1-2-5 up to max_model_len":
                 buckets = build_1_2_5_buckets(MAX_MODEL_LEN)
-            got = [float(s.labels["le"]) for s in fam.samples if s.name.endswith("_bucket") and s.labels["le"] != "+Inf"]
+            got = [float(s.labels["le"]) for s in fam.samples
+                   if s.name.endswith("_bucket") and s.labels["le"] != "+Inf"]
             assert got == [float(b) for b in buckets], name
     # Not under vLLM's names without speculation, as in vLLM.
     assert not SPEC & set(fams)
