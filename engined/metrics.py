@@ -168,7 +168,7 @@ class EngineMetrics:
                       "num_gpu_blocks", "engine"], registry=self.registry)
         info.labels(str(config.block_size), "auto", str(config.enable_prefix_caching),
                     str(config.gpu_memory_utilization), str(stats.num_total_blocks), ENGINE_INDEX).set(1)
-        if engine.speculator is not None:
+        if engine.config.speculative_config is not None:
             self._spec_series()
         self.on_step(0, 0.0, stats)
 
