@@ -40,6 +40,8 @@ class ChatInput:
     # The last (assistant) message is the start of the answer, continued rather than closed.
     continue_final: bool = False
     param: str = "messages"
+    # A max_tokens past the room the prompt leaves is cut to it rather than refused (Anthropic's clients).
+    clamp_max_tokens: bool = False
     # The app of the request's key (per-app accounting in the engine).
     app: str | None = None
 
@@ -73,6 +75,9 @@ def render(gw: GatewayState, inp: ChatInput, check_length: bool = True) -> Promp
     ids = tok.encode(text, add_special_tokens=False)
     if not check_length:
         return Prompt(text, ids, 0, plan)
+    room = info.max_model_len - len(ids)
+    if inp.clamp_max_tokens and max_tokens is not None and room >= 1:
+        max_tokens = min(max_tokens, room)
     return Prompt(text, ids, P.check_prompt(ids, info, max_tokens, inp.param), plan)
 
 

@@ -48,7 +48,8 @@ def check_prompt(ids: list[int], info: EngineInfo, max_tokens: int | None, param
     if room < 1:
         raise ContextLengthError(
             f"This model's maximum context length is {info.max_model_len} tokens; "
-            f"the prompt has {len(ids)} tokens.", param=param)
+            f"the prompt has {len(ids)} tokens.", param=param,
+            prompt_tokens=len(ids), max_model_len=info.max_model_len)
     if max_tokens is None:
         return room
     if max_tokens > room:
