@@ -99,11 +99,14 @@ class ChatRun:
         self.prompt = prompt = render(gw, inp)
         spec = one_spec(("response_format", response_format_spec(inp.response_format)),
                         ("tool_choice", prompt.tools.spec))
+        d = gw.sampling_defaults
         params = SamplingParams(
-            max_tokens=prompt.max_tokens,
-            temperature=1.0 if inp.temperature is None else inp.temperature,
-            top_p=1.0 if inp.top_p is None else inp.top_p,
-            top_k=0 if inp.top_k is None else inp.top_k,
+            max_tokens=d.cap(prompt.max_tokens),
+            temperature=d.temperature if inp.temperature is None else inp.temperature,
+            top_p=d.top_p if inp.top_p is None else inp.top_p,
+            top_k=d.top_k if inp.top_k is None else inp.top_k,
+            min_p=d.min_p,
+            repetition_penalty=d.repetition_penalty,
             structured=spec,
         )
         params.validate(info.vocab_size)

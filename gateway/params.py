@@ -6,6 +6,7 @@ anything reaches the engine.
 
 from __future__ import annotations
 
+from gateway.generation_defaults import SamplingDefaults
 from shared.errors import ContextLengthError, InvalidRequestError
 from shared.protocol import EngineInfo
 from shared.sampling import SamplingParams, StructuredSpec
@@ -61,8 +62,9 @@ def check_prompt(ids: list[int], info: EngineInfo, max_tokens: int | None, param
 
 
 def sampling_params(req, max_tokens: int, logprobs: int | None, info: EngineInfo,
-                    structured: StructuredSpec | None = None) -> SamplingParams:
-    """SamplingParams of one choice; validated against the model's vocabulary."""
+                    structured: StructuredSpec | None = None,
+                    defaults: SamplingDefaults = SamplingDefaults()) -> SamplingParams:
+    """SamplingParams of one choice, ``defaults`` for omitted fields; validated against the model's vocabulary."""
     bias = None
     if req.logit_bias:
         try:
@@ -72,12 +74,12 @@ def sampling_params(req, max_tokens: int, logprobs: int | None, info: EngineInfo
         if any(not -100 <= v <= 100 for v in bias.values()):
             raise InvalidRequestError("logit_bias values must be in [-100, 100]", param="logit_bias")
     p = SamplingParams(
-        max_tokens=max_tokens,
-        temperature=1.0 if req.temperature is None else req.temperature,
-        top_p=1.0 if req.top_p is None else req.top_p,
-        top_k=0 if req.top_k is None else req.top_k,
-        min_p=0.0 if req.min_p is None else req.min_p,
-        repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+        max_tokens=defaults.cap(max_tokens),
+        temperature=defaults.temperature if req.temperature is None else req.temperature,
+        top_p=defaults.top_p if req.top_p is None else req.top_p,
+        top_k=defaults.top_k if req.top_k is None else req.top_k,
+        min_p=defaults.min_p if req.min_p is None else req.min_p,
+        repetition_penalty=defaults.repetition_penalty if req.repetition_penalty is None else req.repetition_penalty,
         presence_penalty=req.presence_penalty or 0.0,
         frequency_penalty=req.frequency_penalty or 0.0,
         logit_bias=bias,

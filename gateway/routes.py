@@ -84,7 +84,7 @@ async def chat_completions(request: Request) -> Response:
     spec = one_spec(("response_format", response_format_spec(req.response_format)),
                     ("structured_outputs", structured_outputs_spec(req.structured_outputs)),
                     ("tool_choice", tools.spec))
-    params = P.sampling_params(req, max_tokens, logprobs, info, spec)
+    params = P.sampling_params(req, max_tokens, logprobs, info, spec, gw.sampling_defaults)
     # Formats whose markers are special tokens need them in the text to be parsed.
     skip_special = req.skip_special_tokens and not (tools.parser and tools.parser.special_markers)
     gen = Generation(gw.client, tok, [prompt_ids], params, n, P.stop_list(req.stop),
@@ -137,7 +137,7 @@ async def completions(request: Request) -> Response:
     max_tokens = min(P.check_prompt(p, info, 16 if requested is None else requested, "prompt")
                      for p in prompts)
     spec = structured_outputs_spec(req.structured_outputs)
-    params = P.sampling_params(req, max_tokens, req.logprobs, info, spec)
+    params = P.sampling_params(req, max_tokens, req.logprobs, info, spec, gw.sampling_defaults)
     gen = Generation(gw.client, tok, prompts, params, n, P.stop_list(req.stop),
                      req.include_stop_str_in_output, req.skip_special_tokens, req.logprobs is not None,
                      req.cache_salt, app, req.priority)

@@ -43,6 +43,10 @@ _HELP = {
     "enable_auto_tool_choice": "let the model call tools by itself (tool_choice auto); needs --tool-call-parser",
     "tool_call_parser": "the model's tool-call format, for reading calls and for required/named tool choice",
     "reasoning_parser": "split <think>...</think> into the message's reasoning field",
+    "generation_config": "sampling defaults for omitted fields: auto (the model's generation_config.json), "
+                         "vllm (none), or a folder holding one",
+    "override_generation_config": "JSON object over those defaults, e.g. '{\"max_new_tokens\": 512}' "
+                                  "(caps every request's max_tokens)",
     "keys_file": "per-app API keys made by `mlxd keys add` (default: keys.json in the config dir)",
     "curve_keys": "directory of CurveZMQ keys (`mlxd keys curve`); needed for TCP beyond loopback",
 }
