@@ -34,15 +34,14 @@ class Exchange:
 class Recorder:
     """``with Recorder(upstream) as rec:``; the CLIs get ``rec.url``; ``rec.exchanges`` after."""
 
-    def __init__(self, upstream: str, rewrite: Callable[[str, dict, int], dict] | None = None):
-        """``rewrite(path, body, n)`` may change the n-th JSON request (from 0) before it is forwarded
-        (a test makes a small model call a tool that way); the recorded body is what the client sent."""
+    def __init__(self, upstream: str, rewrite: Callable[[str, dict], dict] | None = None):
+        """``rewrite(path, body)`` may change a JSON request before it is forwarded (a test makes a
+        small model call a tool that way); the recorded body is what the client sent."""
         u = urlsplit(upstream)
         self.rewrite = rewrite
         self.upstream = (u.hostname, u.port)
         self.exchanges: list[Exchange] = []
         self._lock = threading.Lock()
-        self._posted = 0
         self._server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
         self._server.daemon_threads = True
         self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
@@ -79,11 +78,8 @@ class Recorder:
                     body = json.loads(raw) if raw else None
                 except ValueError:
                     body = None
-                if body is not None and rec.rewrite is not None:
-                    with rec._lock:
-                        n = rec._posted
-                        rec._posted += 1
-                    raw = json.dumps(rec.rewrite(self.path, json.loads(raw), n)).encode()
+                if isinstance(body, dict) and rec.rewrite is not None:
+                    raw = json.dumps(rec.rewrite(self.path, json.loads(raw))).encode()
                 headers = {k: v for k, v in self.headers.items() if k.lower() not in _HOP}
                 conn = http.client.HTTPConnection(*rec.upstream, timeout=600)
                 try:

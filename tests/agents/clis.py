@@ -1,0 +1,128 @@
+"""The real coding CLIs, installed from npm by .ci/run, driven non-interactively against mlxd.
+
+Each CLI runs in a scratch home with its own settings: pointed at one loopback
+URL only, telemetry, update checks and error reporting off, no standard input,
+and a wall-clock limit, so it can neither reach out nor hang. A ``Recorder``
+between the CLI and the gateway keeps every exchange; its ``rewrite`` makes
+the first request name one of the CLI's own tools (``tool_choice``), so that
+even a 135M model calls a tool and the CLI sends its follow-up with the call
+and the tool's result.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+
+from tests.agents.recorder import Exchange, Recorder
+
+REPO = Path(__file__).resolve().parents[2]
+NODE_MODULES = REPO / ".ci" / "node_modules"
+# Pinned in .ci/run, which installs them.
+CODEX_VERSION = "0.171.0"
+CLAUDE_CODE_VERSION = "2.1.332"
+CODEX = NODE_MODULES / ".bin" / "codex"
+# The package's postinstall would put its native binary in place of the stub; npm skips install
+# scripts unless allowed, so run it through the package's own wrapper, which finds the binary.
+CLAUDE = NODE_MODULES / "@anthropic-ai" / "claude-code" / "cli-wrapper.cjs"
+TIMEOUT = 600
+
+
+def installed() -> str | None:
+    """None when both CLIs are installed, else what to run to install them."""
+    if CODEX.exists() and CLAUDE.exists():
+        return None
+    return (f"npm install --prefix .ci --no-save @openai/codex@{CODEX_VERSION} "
+            f"@anthropic-ai/claude-code@{CLAUDE_CODE_VERSION} (as .ci/run does)")
+
+
+@dataclass
+class Run:
+    returncode: int
+    stdout: str
+    stderr: str
+    exchanges: list[Exchange]
+
+    @property
+    def posts(self) -> list[Exchange]:
+        return [e for e in self.exchanges if e.method == "POST"]
+
+
+def _base_env(home: Path) -> dict:
+    # Nothing of the developer's own environment (keys, base URLs, proxies) reaches the CLI.
+    return {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(home), "LANG": "C.UTF-8",
+            "TERM": "dumb", "NO_COLOR": "1"}
+
+
+def _holds(turns: list, kinds: tuple[str, ...]) -> bool:
+    """Whether a conversation's items (or their content blocks) include one of ``kinds``."""
+    for t in turns:
+        if not isinstance(t, dict):
+            continue
+        blocks = t.get("content") if isinstance(t.get("content"), list) else []
+        if t.get("type") in kinds or any(isinstance(b, dict) and b.get("type") in kinds for b in blocks):
+            return True
+    return False
+
+
+def _forcing(tool: str, results: tuple[str, ...]):
+    """A Recorder rewrite: name ``tool`` in tool_choice until the conversation holds a tool result."""
+    def rewrite(path: str, body: dict) -> dict:
+        names = [t.get("name") for t in body.get("tools") or [] if isinstance(t, dict)]
+        turns = body.get("input") if isinstance(body.get("input"), list) else body.get("messages") or []
+        if tool in names and not _holds(turns, results):
+            body = dict(body, tool_choice=tool_choice_of(path, tool))
+        return body
+    return rewrite
+
+
+def tool_choice_of(path: str, tool: str) -> dict:
+    if path.startswith("/v1/messages"):
+        return {"type": "tool", "name": tool}
+    return {"type": "function", "name": tool}
+
+
+def _run(cmd: list[str], env: dict, cwd: Path, rec: Recorder) -> Run:
+    p = subprocess.run(cmd, env=env, cwd=cwd, stdin=subprocess.DEVNULL, capture_output=True, text=True,
+                       timeout=TIMEOUT)
+    return Run(p.returncode, p.stdout, p.stderr, list(rec.exchanges))
+
+
+def codex_exec(gateway_url: str, model: str, home: Path, workdir: Path, prompt: str,
+               force_tool: str | None = None, context_window: int | None = None) -> Run:
+    """``codex exec`` with mlxd as a Responses provider (the README's configuration)."""
+    codex_home = home / "codex"
+    codex_home.mkdir(parents=True, exist_ok=True)
+    config = [f'model = "{model}"', 'model_provider = "mlxd"', "check_for_update_on_startup = false"]
+    if context_window:
+        config.append(f"model_context_window = {context_window}")
+    config += ["", "[model_providers.mlxd]", 'name = "mlxd"', 'base_url = "BASE"', 'wire_api = "responses"',
+               "", "[analytics]", "enabled = false", ""]
+    rewrite = _forcing(force_tool, ("function_call_output",)) if force_tool else None
+    with Recorder(gateway_url, rewrite) as rec:
+        (codex_home / "config.toml").write_text("\n".join(config).replace("BASE", rec.url + "/v1"))
+        env = {**_base_env(home), "CODEX_HOME": str(codex_home)}
+        return _run([str(CODEX), "exec", "--skip-git-repo-check", prompt], env, workdir, rec)
+
+
+def claude_print(gateway_url: str, model: str, home: Path, workdir: Path, prompt: str, tools: str,
+                 force_tool: str | None = None) -> Run:
+    """``claude -p`` with mlxd as its Anthropic endpoint (the README's environment)."""
+    rewrite = _forcing(force_tool, ("tool_result",)) if force_tool else None
+    with Recorder(gateway_url, rewrite) as rec:
+        env = {**_base_env(home), "ANTHROPIC_BASE_URL": rec.url, "ANTHROPIC_API_KEY": "unused",
+               "ANTHROPIC_MODEL": model, "ANTHROPIC_DEFAULT_HAIKU_MODEL": model,
+               "ANTHROPIC_SMALL_FAST_MODEL": model,
+               # Claude Code's own switches: no telemetry, error reports, update checks or other
+               # traffic beyond the model's endpoint.
+               "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1", "DISABLE_TELEMETRY": "1",
+               "DISABLE_ERROR_REPORTING": "1", "DISABLE_AUTOUPDATER": "1"}
+        cmd = ["node", str(CLAUDE), "-p", "--tools", tools, "--no-session-persistence", prompt]
+        return _run(cmd, env, workdir, rec)
+
+
+def save_fixture(path: Path, body: dict) -> None:
+    path.write_text(json.dumps(body, indent=1, ensure_ascii=False) + "\n")

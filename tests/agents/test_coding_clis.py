@@ -1,0 +1,130 @@
+"""Codex CLI and Claude Code, the real ones from npm, complete a tool round trip against `mlxd serve`.
+
+One `mlxd serve` on loopback (the embedded SmolLM2, a small KV pool, a
+context that holds the CLIs' prompts, and the operator's output cap that
+agents need: they send no limit or one far past the context). Each CLI runs
+once, non-interactively; the recorder between it and the gateway must see
+every answer 2xx, the CLI's own tool definitions accepted, and a follow-up
+request carrying the tool call and its result in the CLI's own format.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+from tests.agents import clis
+from tests.e2e.servers import free_port
+
+pytestmark = pytest.mark.skipif(clis.installed() is not None, reason=f"needs the CLIs: {clis.installed()}")
+
+CONTEXT = 6144  # Codex's first prompt is ~4,600 tokens under SmolLM2's template
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    """(url, model) of a fresh `mlxd serve`, its own process group, killed at the end."""
+    tmp = tmp_path_factory.mktemp("serve")
+    port = free_port()
+    log = open(tmp / "serve.log", "wb")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "shared.cli", "serve", "--port", str(port),
+         "--engine-endpoint", f"ipc://{tmp}/engine.sock", "--kv-cache-memory", "320000000",
+         "--max-model-len", str(CONTEXT), "--max-num-batched-tokens", "512", "--shutdown-timeout", "1",
+         "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
+         "--override-generation-config", json.dumps({"max_new_tokens": 48})],
+        stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 180
+        while True:
+            assert proc.poll() is None, (tmp / "serve.log").read_text()[-4000:]
+            try:
+                if httpx.get(url + "/health").status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, "mlxd serve did not become healthy"
+            time.sleep(0.5)
+        yield url, httpx.get(url + "/v1/models").json()["data"][0]["id"]
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(20)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+        log.close()
+
+
+def _report(run: clis.Run) -> str:
+    lines = [f"rc={run.returncode}", "stdout: " + run.stdout[-2000:], "stderr: " + run.stderr[-3000:]]
+    lines += [f"{e.method} {e.path} -> {e.status}: {e.response[:300]!r}" for e in run.exchanges]
+    return "\n".join(lines)
+
+
+def _sse_events(raw: bytes) -> list[dict]:
+    return [json.loads(line[6:]) for line in raw.decode().splitlines() if line.startswith("data: ")]
+
+
+def test_codex_exec_calls_a_tool_and_finishes(served, tmp_path):
+    url, model = served
+    work = tmp_path / "work"
+    work.mkdir()
+    run = clis.codex_exec(url, model, tmp_path / "home", work, "What is the current goal?",
+                          force_tool="get_goal", context_window=CONTEXT)
+    report = _report(run)
+    assert run.returncode == 0, report
+    assert run.exchanges and all(200 <= e.status < 300 for e in run.exchanges), report
+    posts = [e for e in run.posts if e.path.startswith("/v1/responses")]
+    assert len(posts) >= 2, report
+    first = posts[0].body
+    # What mlxd refused before: namespaced function tools and hosted ones, in Codex's first request.
+    kinds = {t["type"] for t in first["tools"]}
+    assert {"function", "namespace"} <= kinds and kinds - {"function", "namespace"}, kinds
+    events = _sse_events(posts[0].response)
+    done = [e["item"] for e in events if e["type"] == "response.output_item.done"]
+    calls = [i for i in done if i["type"] == "function_call"]
+    assert calls and calls[0]["name"] == "get_goal" and calls[0]["status"] == "completed", report
+    follow = posts[1].body["input"]
+    sent = [i for i in follow if i.get("type") == "function_call"]
+    results = [i for i in follow if i.get("type") == "function_call_output"]
+    assert [c["call_id"] for c in sent] == [calls[0]["call_id"]], follow[-3:]
+    assert [r["call_id"] for r in results] == [calls[0]["call_id"]], follow[-3:]
+    assert events[-1]["type"] in ("response.completed", "response.incomplete")
+
+
+def test_claude_print_calls_a_tool_and_finishes(served, tmp_path):
+    url, model = served
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "NOTES.md").write_text("The answer is 42.\n")
+    run = clis.claude_print(url, model, tmp_path / "home", work, "Read NOTES.md and tell me the answer.",
+                            tools="Read", force_tool="Read")
+    report = _report(run)
+    assert run.returncode == 0, report
+    assert run.exchanges and all(200 <= e.status < 300 for e in run.exchanges), report
+    posts = [e for e in run.posts if e.path.startswith("/v1/messages")]
+    assert len(posts) >= 2, report
+    first = posts[0].body
+    # What mlxd refused before: system turns inside messages; and a max_tokens past the context.
+    assert any(m["role"] == "system" for m in first["messages"]), [m["role"] for m in first["messages"]]
+    assert first["max_tokens"] > CONTEXT
+    events = _sse_events(posts[0].response)
+    assert events[0]["type"] == "message_start" and events[-1]["type"] == "message_stop"
+    uses = [e["content_block"] for e in events if e["type"] == "content_block_start"
+            and e["content_block"]["type"] == "tool_use"]
+    assert uses and uses[0]["name"] == "Read", report
+    follow = posts[1].body["messages"]
+    blocks = [b for m in follow if isinstance(m["content"], list) for b in m["content"]]
+    assert [b["id"] for b in blocks if b["type"] == "tool_use"] == [uses[0]["id"]]
+    assert [b["tool_use_id"] for b in blocks if b["type"] == "tool_result"] == [uses[0]["id"]]
