@@ -18,7 +18,8 @@ from gateway import params as P
 from gateway.chat_output import ChatOutput
 from gateway.generation import Generation
 from gateway.state import GatewayState
-from gateway.structured import ToolPlan, marker_literal, one_spec, response_format_spec, tool_plan
+from gateway.structured import (ToolPlan, marker_literal, one_spec, reasoning_aware, response_format_spec,
+                                tool_plan)
 from shared.errors import InvalidRequestError
 from shared.sampling import SamplingParams
 
@@ -99,6 +100,7 @@ class ChatRun:
         self.prompt = prompt = render(gw, inp)
         spec = one_spec(("response_format", response_format_spec(inp.response_format)),
                         ("tool_choice", prompt.tools.spec))
+        spec = reasoning_aware(spec, gw.config.reasoning_parser, prompt.text, marker_literal(tok))
         d = gw.sampling_defaults
         params = SamplingParams(
             max_tokens=d.cap(prompt.max_tokens),

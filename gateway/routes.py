@@ -15,8 +15,8 @@ from gateway.errors import RequestTooLargeError, sse_error_event
 from gateway.generation import Generation, check_n
 from gateway.sse import DONE, KEEPALIVE, SSEResponse, event
 from gateway.state import GatewayState
-from gateway.structured import (marker_literal, one_spec, response_format_spec, structured_outputs_spec,
-                                tool_plan)
+from gateway.structured import (marker_literal, one_spec, reasoning_aware, response_format_spec,
+                                structured_outputs_spec, tool_plan)
 from gateway.tokenizer import message_dicts
 from shared.errors import InvalidRequestError, MlxdError
 
@@ -84,6 +84,7 @@ async def chat_completions(request: Request) -> Response:
     spec = one_spec(("response_format", response_format_spec(req.response_format)),
                     ("structured_outputs", structured_outputs_spec(req.structured_outputs)),
                     ("tool_choice", tools.spec))
+    spec = reasoning_aware(spec, cfg.reasoning_parser, prompt_text, marker_literal(tok))
     params = P.sampling_params(req, max_tokens, logprobs, info, spec, gw.sampling_defaults)
     # Formats whose markers are special tokens need them in the text to be parsed.
     skip_special = req.skip_special_tokens and not (tools.parser and tools.parser.special_markers)
