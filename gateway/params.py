@@ -79,7 +79,8 @@ def sampling_params(req, max_tokens: int, logprobs: int | None, info: EngineInfo
         top_p=defaults.top_p if req.top_p is None else req.top_p,
         top_k=defaults.top_k if req.top_k is None else req.top_k,
         min_p=defaults.min_p if req.min_p is None else req.min_p,
-        repetition_penalty=defaults.repetition_penalty if req.repetition_penalty is None else req.repetition_penalty,
+        repetition_penalty=(defaults.repetition_penalty if req.repetition_penalty is None
+                            else req.repetition_penalty),
         presence_penalty=req.presence_penalty or 0.0,
         frequency_penalty=req.frequency_penalty or 0.0,
         logit_bias=bias,
@@ -99,3 +100,25 @@ def requested_max_tokens(value: int | None, param: str) -> int | None:
     if value is not None and value < 1:
         raise InvalidRequestError(f"{param} must be at least 1", param=param)
     return value
+
+
+# vLLM's request fields the engine cannot honour yet: refused rather than silently ignored.
+_UNSUPPORTED = ("prompt_logprobs", "bad_words", "allowed_token_ids")
+
+
+def refuse_unsupported(req) -> None:
+    for name in _UNSUPPORTED:
+        if getattr(req, name) is not None:
+            raise InvalidRequestError(f"{name} is not supported by this server", param=name)
+
+
+def truncate_prompt(ids: list[int], keep: int | None, info: EngineInfo) -> list[int]:
+    """vLLM's ``truncate_prompt_tokens``: the prompt's last ``keep`` tokens (-1: the context's worth)."""
+    if keep is None:
+        return ids
+    if keep == -1:
+        keep = info.max_model_len
+    if keep < 1:
+        raise InvalidRequestError("truncate_prompt_tokens must be -1 or at least 1",
+                                  param="truncate_prompt_tokens")
+    return ids[-keep:]

@@ -148,7 +148,8 @@ def _response_format(text: dict | None) -> dict | None:
 
 
 def chat_input(req: ResponsesRequest, tools: ResponsesTools) -> ChatInput:
-    return ChatInput(_messages(req, tools), tools=tools.chat or None, tool_choice=_tool_choice(req.tool_choice, tools),
+    return ChatInput(_messages(req, tools), tools=tools.chat or None,
+                     tool_choice=_tool_choice(req.tool_choice, tools),
                      parallel_tool_calls=req.parallel_tool_calls, max_tokens=req.max_output_tokens,
                      temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
                      response_format=_response_format(req.text), param="input")

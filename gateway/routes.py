@@ -16,7 +16,7 @@ from gateway.generation import Generation, check_n
 from gateway.sse import DONE, KEEPALIVE, SSEResponse, event
 from gateway.state import GatewayState
 from gateway.structured import (marker_literal, one_spec, reasoning_aware, response_format_spec,
-                                structured_outputs_spec, tool_plan)
+                                structured_outputs_of, structured_outputs_spec, tool_plan)
 from gateway.tokenizer import message_dicts
 from shared.errors import InvalidRequestError, MlxdError
 
@@ -50,6 +50,7 @@ async def _decode(request: Request, typ):
 
 
 def _check_common(req) -> None:
+    P.refuse_unsupported(req)
     if req.stream_options is not None and not req.stream:
         raise InvalidRequestError("stream_options is only allowed with stream=true",
                                   param="stream_options")
@@ -76,13 +77,14 @@ async def chat_completions(request: Request) -> Response:
         add_generation_prompt=req.add_generation_prompt,
         continue_final_message=req.continue_final_message,
         chat_template_kwargs=req.chat_template_kwargs)
-    prompt_ids = tok.encode(prompt_text, add_special_tokens=False)
+    prompt_ids = P.truncate_prompt(tok.encode(prompt_text, add_special_tokens=False), req.truncate_prompt_tokens,
+                                   info)
     max_tokens = P.check_prompt(prompt_ids, info, max_tokens, "messages")
     cfg = gw.config
     tools = tool_plan(req.tools, req.tool_choice, req.parallel_tool_calls, cfg.tool_call_parser,
                       cfg.enable_auto_tool_choice, marker_literal(tok))
     spec = one_spec(("response_format", response_format_spec(req.response_format)),
-                    ("structured_outputs", structured_outputs_spec(req.structured_outputs)),
+                    ("structured_outputs", structured_outputs_spec(structured_outputs_of(req))),
                     ("tool_choice", tools.spec))
     spec = reasoning_aware(spec, cfg.reasoning_parser, prompt_text, marker_literal(tok))
     params = P.sampling_params(req, max_tokens, logprobs, info, spec, gw.sampling_defaults)
@@ -134,10 +136,12 @@ async def completions(request: Request) -> Response:
         raise InvalidRequestError("echo is not supported with stream=true", param="echo")
     # OpenAI's default for completions is 16 tokens.
     requested = P.requested_max_tokens(req.max_tokens, "max_tokens")
-    prompts = P.completion_prompts(req.prompt, tok)
+    prompts = [P.truncate_prompt(p, req.truncate_prompt_tokens, info)
+               for p in P.completion_prompts(req.prompt, tok)]
     max_tokens = min(P.check_prompt(p, info, 16 if requested is None else requested, "prompt")
                      for p in prompts)
-    spec = structured_outputs_spec(req.structured_outputs)
+    spec = one_spec(("response_format", response_format_spec(req.response_format)),
+                    ("structured_outputs", structured_outputs_spec(structured_outputs_of(req))))
     params = P.sampling_params(req, max_tokens, req.logprobs, info, spec, gw.sampling_defaults)
     gen = Generation(gw.client, tok, prompts, params, n, P.stop_list(req.stop),
                      req.include_stop_str_in_output, req.skip_special_tokens, req.logprobs is not None,

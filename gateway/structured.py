@@ -140,6 +140,22 @@ def structured_outputs_spec(so: dict[str, Any] | None) -> StructuredSpec | None:
     raise InvalidRequestError(f"structured_outputs.{key} has the wrong type", param=f"structured_outputs.{key}")
 
 
+_GUIDED = (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"),
+           ("guided_grammar", "grammar"))
+
+
+def structured_outputs_of(req) -> dict[str, Any] | None:
+    """``structured_outputs``, or the same constraint under vLLM's older ``guided_*`` names."""
+    guided = {new: getattr(req, old) for old, new in _GUIDED if getattr(req, old) is not None}
+    if guided and req.structured_outputs:
+        raise InvalidRequestError("structured_outputs and guided_* cannot both constrain the output",
+                                  param="structured_outputs")
+    if len(guided) > 1:
+        raise InvalidRequestError("give at most one of guided_json, guided_regex, guided_choice, guided_grammar",
+                                  param=next(old for old, new in _GUIDED if new in guided))
+    return guided or req.structured_outputs
+
+
 def one_spec(*specs: tuple[str, StructuredSpec | None]) -> StructuredSpec | None:
     """The one constraint of a request; two at once is a 400 naming both."""
     given = [(name, s) for name, s in specs if s is not None]
