@@ -26,6 +26,7 @@ from tests.e2e.servers import free_port
 pytestmark = pytest.mark.skipif(clis.installed() is not None, reason=f"needs the CLIs: {clis.installed()}")
 
 CONTEXT = 6144  # Codex's first prompt is ~4,600 tokens under SmolLM2's template
+CAP = 48  # --override-generation-config's max_new_tokens
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +40,7 @@ def served(tmp_path_factory):
          "--engine-endpoint", f"ipc://{tmp}/engine.sock", "--kv-cache-memory", "320000000",
          "--max-model-len", str(CONTEXT), "--max-num-batched-tokens", "512", "--shutdown-timeout", "1",
          "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
-         "--override-generation-config", json.dumps({"max_new_tokens": 48})],
+         "--override-generation-config", json.dumps({"max_new_tokens": CAP})],
         stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"},
         start_new_session=True)
     url = f"http://127.0.0.1:{port}"
@@ -101,6 +102,9 @@ def test_codex_exec_calls_a_tool_and_finishes(served, tmp_path):
     assert [c["call_id"] for c in sent] == [calls[0]["call_id"]], follow[-3:]
     assert [r["call_id"] for r in results] == [calls[0]["call_id"]], follow[-3:]
     assert events[-1]["type"] in ("response.completed", "response.incomplete")
+    # Codex sends no output limit: the operator's cap holds every answer.
+    for e in posts:
+        assert 0 < _sse_events(e.response)[-1]["response"]["usage"]["output_tokens"] <= CAP
 
 
 def test_claude_print_calls_a_tool_and_finishes(served, tmp_path):
@@ -128,3 +132,6 @@ def test_claude_print_calls_a_tool_and_finishes(served, tmp_path):
     blocks = [b for m in follow if isinstance(m["content"], list) for b in m["content"]]
     assert [b["id"] for b in blocks if b["type"] == "tool_use"] == [uses[0]["id"]]
     assert [b["tool_use_id"] for b in blocks if b["type"] == "tool_result"] == [uses[0]["id"]]
+    for e in posts:  # 32000 asked for, clamped to the context, capped by the operator
+        end = next(x for x in _sse_events(e.response) if x["type"] == "message_delta")
+        assert 0 < end["usage"]["output_tokens"] <= CAP
