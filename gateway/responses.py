@@ -305,7 +305,8 @@ async def _stream(run: ChatRun, shell: _Shell):
             out.append(ev("response.content_part.done", item_id=iid, output_index=i, content_index=0,
                           part=_text_part(cur["text"])))
         else:
-            item = shell.call_item(iid, cur["call_id"], cur["name"], cur["text"], _status(run, last, cur["text"]))
+            item = shell.call_item(iid, cur["call_id"], cur["name"], cur["text"],
+                                   _status(run, last, cur["text"]))
             out.append(ev("response.function_call_arguments.done", item_id=iid, output_index=i,
                           arguments=cur["text"]))
         out.append(ev("response.output_item.done", output_index=i, item=item))

@@ -44,8 +44,7 @@ class ResponsesTools:
 def _function(tool: dict, where: str) -> dict:
     if not isinstance(tool.get("name"), str) or not tool["name"]:
         raise InvalidRequestError("a function tool needs a name", param=f"{where}.name")
-    f = {k: tool[k] for k in ("name", "description", "parameters") if tool.get(k) is not None}
-    return f
+    return {k: tool[k] for k in ("name", "description", "parameters") if tool.get(k) is not None}
 
 
 def responses_tools(tools: list[dict] | None) -> ResponsesTools:

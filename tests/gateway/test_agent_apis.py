@@ -155,3 +155,21 @@ def test_error_shapes_side_by_side():
         assert set(body["error"]) == {"type", "message"}
         s2, openai_body = error_body(exc)
         assert s2 == status and set(openai_body["error"]) == {"message", "type", "param", "code"}
+
+
+def test_responses_tools_flatten_namespaces_and_qualify_only_clashing_names():
+    fn = {"type": "function", "name": "read", "parameters": {"type": "object"}}
+    t = responses_tools([fn, {"type": "namespace", "name": "fs", "description": "Files", "tools": [
+        {"type": "function", "name": "read"}, {"type": "function", "name": "write"}]},
+        {"type": "web_search"}, {"type": "file_search", "vector_store_ids": []}])
+    assert [c["function"]["name"] for c in t.chat] == ["read", "fs__read", "write"]
+    assert t.client_name("fs__read") == ("read", "fs") and t.client_name("write") == ("write", "fs")
+    assert t.client_name("read") == ("read", None) and t.flat_name("read", "fs") == "fs__read"
+    for bad, param in (([{"type": "custom", "name": "x"}], "tools[0]"),
+                       ([{"type": "namespace", "name": "n"}], "tools[0]"),
+                       ([{"type": "namespace", "name": "n", "tools": [{"type": "web_search"}]}], "tools[0].tools[0]"),
+                       ([{"type": "function"}], "tools[0].name"),
+                       ([fn, fn], "tools")):
+        with pytest.raises(InvalidRequestError) as err:
+            responses_tools(bad)
+        assert err.value.param == param
