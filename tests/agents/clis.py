@@ -11,13 +11,20 @@ and the tool's result.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import subprocess
+import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import httpx
+
 from tests.agents.recorder import Exchange, Recorder
+from tests.e2e.servers import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 NODE_MODULES = REPO / ".ci" / "node_modules"
@@ -86,9 +93,16 @@ def tool_choice_of(path: str, tool: str) -> dict:
 
 
 def _run(cmd: list[str], env: dict, cwd: Path, rec: Recorder) -> Run:
-    p = subprocess.run(cmd, env=env, cwd=cwd, stdin=subprocess.DEVNULL, capture_output=True, text=True,
-                       timeout=TIMEOUT)
-    return Run(p.returncode, p.stdout, p.stderr, list(rec.exchanges))
+    # Its own process group: a wrapper's child (Claude Code's native binary) goes down with it.
+    p = subprocess.Popen(cmd, env=env, cwd=cwd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        out, err = p.communicate(timeout=TIMEOUT)
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGKILL)
+        out, err = p.communicate()
+        err += f"\n[killed after {TIMEOUT} s]"
+    return Run(p.returncode, out, err, list(rec.exchanges))
 
 
 def codex_exec(gateway_url: str, model: str, home: Path, workdir: Path, prompt: str,
@@ -124,5 +138,63 @@ def claude_print(gateway_url: str, model: str, home: Path, workdir: Path, prompt
         return _run(cmd, env, workdir, rec)
 
 
-def save_fixture(path: Path, body: dict) -> None:
-    path.write_text(json.dumps(body, indent=1, ensure_ascii=False) + "\n")
+# A context that holds Codex's first prompt (~4,600 tokens under SmolLM2's template), and the
+# operator's cap that agents need: they send no output limit, or one far past the context.
+CONTEXT = 6144
+CAP = 48
+
+
+@contextlib.contextmanager
+def serve(tmp: Path):
+    """(url, model) of a fresh `mlxd serve` on loopback (small KV pool), its process group killed after."""
+    port = free_port()
+    log = open(tmp / "serve.log", "wb")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "shared.cli", "serve", "--port", str(port),
+         "--engine-endpoint", f"ipc://{tmp}/engine.sock", "--kv-cache-memory", "320000000",
+         "--max-model-len", str(CONTEXT), "--max-num-batched-tokens", "512", "--shutdown-timeout", "1",
+         "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
+         "--override-generation-config", json.dumps({"max_new_tokens": CAP})],
+        stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 180
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError((tmp / "serve.log").read_text()[-4000:])
+            try:
+                if httpx.get(url + "/health").status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise TimeoutError("mlxd serve did not become healthy")
+            time.sleep(0.5)
+        yield url, httpx.get(url + "/v1/models").json()["data"][0]["id"]
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(20)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+        log.close()
+
+
+def codex_round_trip(url: str, model: str, tmp: Path) -> Run:
+    """The run the tests check and the fixtures come from: Codex asked about its goal, made to call get_goal."""
+    work = tmp / "codex-work"
+    work.mkdir(exist_ok=True)
+    return codex_exec(url, model, tmp / "codex-home", work, "What is the current goal?", force_tool="get_goal",
+                      context_window=CONTEXT)
+
+
+def claude_round_trip(url: str, model: str, tmp: Path) -> Run:
+    """Claude Code asked to read a file, made to call Read."""
+    work = tmp / "claude-work"
+    work.mkdir(exist_ok=True)
+    (work / "NOTES.md").write_text("The answer is 42.\n")
+    return claude_print(url, model, tmp / "claude-home", work, "Read NOTES.md and tell me the answer.",
+                        tools="Read", force_tool="Read")

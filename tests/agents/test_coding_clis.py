@@ -11,60 +11,20 @@ request carrying the tool call and its result in the CLI's own format.
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
-import sys
-import time
 
-import httpx
 import pytest
 
 from tests.agents import clis
-from tests.e2e.servers import free_port
 
 pytestmark = pytest.mark.skipif(clis.installed() is not None, reason=f"needs the CLIs: {clis.installed()}")
 
-CONTEXT = 6144  # Codex's first prompt is ~4,600 tokens under SmolLM2's template
-CAP = 48  # --override-generation-config's max_new_tokens
+CAP = clis.CAP
 
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
-    """(url, model) of a fresh `mlxd serve`, its own process group, killed at the end."""
-    tmp = tmp_path_factory.mktemp("serve")
-    port = free_port()
-    log = open(tmp / "serve.log", "wb")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "shared.cli", "serve", "--port", str(port),
-         "--engine-endpoint", f"ipc://{tmp}/engine.sock", "--kv-cache-memory", "320000000",
-         "--max-model-len", str(CONTEXT), "--max-num-batched-tokens", "512", "--shutdown-timeout", "1",
-         "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
-         "--override-generation-config", json.dumps({"max_new_tokens": CAP})],
-        stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"},
-        start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 180
-        while True:
-            assert proc.poll() is None, (tmp / "serve.log").read_text()[-4000:]
-            try:
-                if httpx.get(url + "/health").status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, "mlxd serve did not become healthy"
-            time.sleep(0.5)
-        yield url, httpx.get(url + "/v1/models").json()["data"][0]["id"]
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(20)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-        log.close()
+    with clis.serve(tmp_path_factory.mktemp("serve")) as url_model:
+        yield url_model
 
 
 def _report(run: clis.Run) -> str:
@@ -78,11 +38,7 @@ def _sse_events(raw: bytes) -> list[dict]:
 
 
 def test_codex_exec_calls_a_tool_and_finishes(served, tmp_path):
-    url, model = served
-    work = tmp_path / "work"
-    work.mkdir()
-    run = clis.codex_exec(url, model, tmp_path / "home", work, "What is the current goal?",
-                          force_tool="get_goal", context_window=CONTEXT)
+    run = clis.codex_round_trip(*served, tmp_path)
     report = _report(run)
     assert run.returncode == 0, report
     assert run.exchanges and all(200 <= e.status < 300 for e in run.exchanges), report
@@ -108,12 +64,7 @@ def test_codex_exec_calls_a_tool_and_finishes(served, tmp_path):
 
 
 def test_claude_print_calls_a_tool_and_finishes(served, tmp_path):
-    url, model = served
-    work = tmp_path / "work"
-    work.mkdir()
-    (work / "NOTES.md").write_text("The answer is 42.\n")
-    run = clis.claude_print(url, model, tmp_path / "home", work, "Read NOTES.md and tell me the answer.",
-                            tools="Read", force_tool="Read")
+    run = clis.claude_round_trip(*served, tmp_path)
     report = _report(run)
     assert run.returncode == 0, report
     assert run.exchanges and all(200 <= e.status < 300 for e in run.exchanges), report
@@ -122,7 +73,7 @@ def test_claude_print_calls_a_tool_and_finishes(served, tmp_path):
     first = posts[0].body
     # What mlxd refused before: system turns inside messages; and a max_tokens past the context.
     assert any(m["role"] == "system" for m in first["messages"]), [m["role"] for m in first["messages"]]
-    assert first["max_tokens"] > CONTEXT
+    assert first["max_tokens"] > clis.CONTEXT
     events = _sse_events(posts[0].response)
     assert events[0]["type"] == "message_start" and events[-1]["type"] == "message_stop"
     uses = [e["content_block"] for e in events if e["type"] == "content_block_start"
