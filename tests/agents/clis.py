@@ -4,9 +4,10 @@ Each CLI runs in a scratch home with its own settings: pointed at one loopback
 URL only, telemetry, update checks and error reporting off, no standard input,
 and a wall-clock limit, so it can neither reach out nor hang. A ``Recorder``
 between the CLI and the gateway keeps every exchange; its ``rewrite`` makes
-the first request name one of the CLI's own tools (``tool_choice``), so that
-even a 135M model calls a tool and the CLI sends its follow-up with the call
-and the tool's result.
+the first request name one of the CLI's own tools (``tool_choice``, greedy),
+so that even a 135M model calls a tool and the CLI sends its follow-up with
+the call and the tool's result, and gives Claude Code's follow-ups a stop
+sequence so that the model ends its turn. The recorded bodies are the CLI's.
 """
 
 from __future__ import annotations
@@ -75,13 +76,18 @@ def _holds(turns: list, kinds: tuple[str, ...]) -> bool:
     return False
 
 
-def _forcing(tool: str, results: tuple[str, ...]):
-    """A Recorder rewrite: name ``tool`` in tool_choice until the conversation holds a tool result."""
+def _forcing(tool: str, results: tuple[str, ...], after: dict | None = None):
+    """A Recorder rewrite: name ``tool`` in tool_choice until the conversation holds a tool result,
+    then add ``after``'s fields (a stop sequence, so that the small model ends its turn)."""
     def rewrite(path: str, body: dict) -> dict:
         names = [t.get("name") for t in body.get("tools") or [] if isinstance(t, dict)]
         turns = body.get("input") if isinstance(body.get("input"), list) else body.get("messages") or []
-        if tool in names and not _holds(turns, results):
-            body = dict(body, tool_choice=tool_choice_of(path, tool))
+        if not _holds(turns, results):
+            if tool in names:
+                # Greedy: the same call each run (sampled, a 135M model may ramble past the cap).
+                body = dict(body, tool_choice=tool_choice_of(path, tool), temperature=0.0)
+        elif after:
+            body = {**body, **after}
         return body
     return rewrite
 
@@ -125,7 +131,9 @@ def codex_exec(gateway_url: str, model: str, home: Path, workdir: Path, prompt: 
 def claude_print(gateway_url: str, model: str, home: Path, workdir: Path, prompt: str, tools: str,
                  force_tool: str | None = None) -> Run:
     """``claude -p`` with mlxd as its Anthropic endpoint (the README's environment)."""
-    rewrite = _forcing(force_tool, ("tool_result",)) if force_tool else None
+    # Claude Code answers a max_tokens stop with "resume" turns and gives up (exit 1) after a few; a
+    # 135M model rarely ends a turn by itself, so after the tool's result a sentence ends it.
+    rewrite = _forcing(force_tool, ("tool_result",), {"stop_sequences": ["."]}) if force_tool else None
     with Recorder(gateway_url, rewrite) as rec:
         env = {**_base_env(home), "ANTHROPIC_BASE_URL": rec.url, "ANTHROPIC_API_KEY": "unused",
                "ANTHROPIC_MODEL": model, "ANTHROPIC_DEFAULT_HAIKU_MODEL": model,
@@ -141,7 +149,7 @@ def claude_print(gateway_url: str, model: str, home: Path, workdir: Path, prompt
 # A context that holds Codex's first prompt (~4,600 tokens under SmolLM2's template), and the
 # operator's cap that agents need: they send no output limit, or one far past the context.
 CONTEXT = 6144
-CAP = 48
+CAP = 96
 
 
 @contextlib.contextmanager

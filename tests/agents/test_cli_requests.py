@@ -1,7 +1,8 @@
 """The requests Codex CLI and Claude Code really send (captured by tests/agents/clis.py), replayed fast.
 
 Fixtures: each CLI's first request and its follow-up carrying a tool call and
-the tool's result, recorded from the runs in test_coding_clis.py (the first
+the tool's result, recorded by `python -m tests.agents.capture` from the runs
+test_coding_clis.py makes (the first
 request's tool_choice was forced on the wire so that SmolLM2 called a tool;
 the recorded bodies are the CLI's own), plus Claude Code's first request with
 its default tool set. Replayed through the gateway's translation and the real
@@ -65,9 +66,10 @@ def test_codex_first_request_flattens_namespaces_and_sets_hosted_tools_aside(tok
     assert tools.client_name("exec_command") == ("exec_command", None)
     # Codex's developer turns are system instructions; the user's prompt comes last.
     assert [m["role"] for m in inp.messages] == ["system", "system", "user", "user"]
-    assert inp.messages[-1]["content"] == "Say hi" and inp.max_tokens is None and inp.tool_choice == "auto"
+    prompt = body["input"][-1]["content"][0]["text"]
+    assert inp.messages[-1]["content"] == prompt and inp.max_tokens is None and inp.tool_choice == "auto"
     text = tokenizer.render_chat(inp.messages, tools=inp.tools)
-    assert "Say hi" in text and "web_search" not in text
+    assert prompt in text and "web_search" not in text
 
 
 def test_codex_follow_up_carries_the_call_and_its_output_in_order():
