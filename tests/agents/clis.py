@@ -121,7 +121,9 @@ def codex_exec(gateway_url: str, model: str, home: Path, workdir: Path, prompt: 
         config.append(f"model_context_window = {context_window}")
     config += ["", "[model_providers.mlxd]", 'name = "mlxd"', 'base_url = "BASE"', 'wire_api = "responses"',
                "", "[analytics]", "enabled = false", ""]
-    rewrite = _forcing(force_tool, ("function_call_output",)) if force_tool else None
+    # Codex fails a turn that ends incomplete (the operator's cap); greedy, the answer after the
+    # tool's result ends by itself.
+    rewrite = _forcing(force_tool, ("function_call_output",), {"temperature": 0.0}) if force_tool else None
     with Recorder(gateway_url, rewrite) as rec:
         (codex_home / "config.toml").write_text("\n".join(config).replace("BASE", rec.url + "/v1"))
         env = {**_base_env(home), "CODEX_HOME": str(codex_home)}
