@@ -15,7 +15,10 @@ import argparse
 import statistics
 import time
 
-import engined  # noqa: F401  (loads the fast BLAS before mlx.core)
+from engined.device import load_fast_blas
+
+# A benchmark script, run as __main__: the fast BLAS before the imports below load mlx.core.
+load_fast_blas()
 import numpy as np
 from mlx_lm.generate import batch_generate
 

@@ -30,8 +30,21 @@ import time
 import httpx
 import numpy as np
 
-ENGINE_FLAGS = ["--max-num-seqs", "16", "--max-num-batched-tokens", "512", "--num-kv-blocks", "2048",
-                "--max-model-len", "2048", "--no-enable-prefix-caching"]
+# EngineConfig fields, the same in process and for `mlxd engine` (as flags: ENGINE_FLAGS).
+ENGINE_SETTINGS = dict(max_num_seqs=16, max_num_batched_tokens=512, num_kv_blocks=2048, max_model_len=2048,
+                       enable_prefix_caching=False)
+
+
+def _engine_flags(settings: dict) -> list[str]:
+    """The `mlxd engine` flags of EngineConfig fields (bench stays below the CLI: no import of it)."""
+    out = []
+    for name, value in settings.items():
+        flag = name.replace("_", "-")
+        out += ([f"--{flag}" if value else f"--no-{flag}"] if isinstance(value, bool) else [f"--{flag}", str(value)])
+    return out
+
+
+ENGINE_FLAGS = _engine_flags(ENGINE_SETTINGS)
 
 
 _WORDS = ("river stone lamp orbit quiet violet harbor maple signal copper meadow lantern falcon "
@@ -52,13 +65,13 @@ class InProcess:
     """An Engine in this process, running the whole batch on demand."""
 
     def __init__(self, model: str = ""):
-        import engined  # noqa: F401  (the fast BLAS before mlx.core)
+        from engined.device import load_fast_blas
+
+        load_fast_blas()  # before mlx.core (engined/device.py)
         from engined.engine import Engine
-        from shared.cli import _build, _parser
         from shared.config import EngineConfig
 
-        args = _parser().parse_args(["engine", *ENGINE_FLAGS, *(["--model", model] if model else [])])
-        self.engine = Engine(_build(EngineConfig, args))
+        self.engine = Engine(EngineConfig(**ENGINE_SETTINGS, model=model))
         self.runs = 0
 
     def run(self, prompts, max_tokens: int) -> tuple[float, int, int, float]:
@@ -150,9 +163,9 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory() as tmp:
         endpoint = f"ipc://{tmp}/engine.sock"
-        engine = subprocess.Popen([sys.executable, "-m", "engined", "--engine-endpoint", endpoint,
+        engine = subprocess.Popen([sys.executable, "-m", "mlxd", "engine", "--engine-endpoint", endpoint,
                                    "--log-level", "WARNING", *ENGINE_FLAGS, *model_flags])
-        gateway = subprocess.Popen([sys.executable, "-m", "shared.cli", "gateway", "--log-level", "WARNING",
+        gateway = subprocess.Popen([sys.executable, "-m", "mlxd", "gateway", "--log-level", "WARNING",
                                     "--engine-endpoint", endpoint, "--port", str(args.port)])
         url = f"http://127.0.0.1:{args.port}"
         try:

@@ -15,8 +15,11 @@ import json
 import statistics
 import time
 
-import engined  # noqa: F401  (loads the fast BLAS before mlx.core)
-from transformers import AutoTokenizer
+from engined.device import load_fast_blas
+
+# A benchmark script, run as __main__: the fast BLAS before the imports below load mlx.core.
+load_fast_blas()
+from transformers import AutoTokenizer  # noqa: E402
 
 from engined.engine import Engine
 from engined.loaders import load_model

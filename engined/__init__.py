@@ -1,6 +1,5 @@
-"""The engine daemon: scheduler, block pool, model runner, loaders, sampler."""
+"""The engine daemon: scheduler, block pool, model runner, loaders, sampler.
 
-from engined.backend import load_fast_blas
-
-# Must run before anything imports mlx.core; see engined/backend.py.
-load_fast_blas()
+Importing it does nothing else: the engine process loads its BLAS when it
+starts (``engined.device.load_fast_blas``, called from ``run_engine``).
+"""

@@ -45,6 +45,8 @@ class StepContext:
     # window layers' metadata (their own block tables and slots) for this step.
     attention: list = field(default_factory=list)
     window_meta: AttentionMetadata | None = None
+    # Which kernels.paged_attention implementation runs (EngineConfig.attention_backend, resolved).
+    attention_backend: str = "auto"
 
 
 @dataclass(frozen=True)
@@ -95,7 +97,7 @@ class PagedAttention(nn.Module):
         ctx.k_caches[layer], ctx.v_caches[layer] = kc, vc
         out = kernels.paged_attention(
             q, kc, vc, meta, s.scale, sliding_window=s.sliding_window, softcap=s.softcap,
-            sinks=self.sinks if "sinks" in self else None,
+            sinks=self.sinks if "sinks" in self else None, backend=ctx.attention_backend,
         )
         out = out.reshape(1, t, -1)
         if s.output_gate:

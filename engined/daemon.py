@@ -1,18 +1,24 @@
-"""The engine daemon: a ZeroMQ ROUTER loop around one Engine, serving any number of gateways.
+"""The engine daemon: one Engine, serving any number of gateways over a ZeroMQ ROUTER socket.
 
-The loop never waits on a gateway: while requests are running it polls the
-socket with a zero timeout between engine steps, and every send is
-non-blocking (a gateway too slow to read loses frames, never stalls the
-step). Bad frames are logged and dropped. A gateway that stops pinging is
-declared gone and its requests are aborted, freeing their blocks.
+Two threads. The wire thread owns the socket: it answers HELLO itself, and
+PING too while a step has run for over a second (a 60 s prefill is not a
+dead engine), notes when each gateway was last heard from, hands every other
+message to the engine thread's inbox in order (so a PING answered there
+reflects all that its gateway sent before it), and forwards what the engine
+thread sends (over an inproc socket: ZeroMQ sockets are not shared between
+threads). The engine thread never waits on a gateway: between steps it takes
+what the inbox holds and runs the next step. Bad frames are logged and
+dropped. A gateway that stops pinging is declared gone and its requests are
+aborted, freeing their blocks.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import queue
 import signal
-import socket
+import threading
 import time
 import traceback
 import uuid
@@ -24,17 +30,21 @@ import zmq
 from shared import protocol as p
 from shared.curve import secure_server
 from shared.errors import EngineUnavailableError, InvalidRequestError, MlxdError
-from shared.paths import check_ipc_endpoint
+from shared.paths import check_ipc_endpoint, refuse_live_ipc
 from shared.protocol import Kind
 
 log = logging.getLogger("mlxd.engine")
 
-# How long the loop sleeps in poll when no request is running (ms): bounds how
-# late housekeeping (gateway timeouts, SIGTERM) is noticed when idle.
-_IDLE_POLL_MS = 100
-# Messages read per drain before the next step, so a flood cannot starve decoding.
+# How long the engine thread waits for a message when no request is running (s): bounds
+# how late housekeeping (gateway timeouts, SIGTERM) is noticed when idle.
+_IDLE_WAIT_S = 0.1
+# Messages taken per drain before the next step, so a flood cannot starve decoding.
 _MAX_DRAIN = 4096
 _HOUSEKEEPING_S = 0.5
+# The wire thread's poll timeout (ms): how late it notices that it must stop.
+_WIRE_POLL_MS = 100
+# A step running this long (s) gets its PINGs answered by the wire thread, from the last stats.
+_LONG_STEP_S = 1.0
 
 
 def _version() -> str:
@@ -46,29 +56,8 @@ def _version() -> str:
         return "0"
 
 
-def refuse_live_ipc(endpoint: str) -> None:
-    """Refuse to bind an ipc endpoint whose socket file a live engine is serving.
-
-    ZeroMQ's ipc bind silently replaces an existing socket file, which would cut
-    the running engine off from every new gateway.
-    """
-    if not endpoint.startswith("ipc://"):
-        return
-    path = endpoint[len("ipc://"):]
-    if not os.path.exists(path):
-        return
-    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    try:
-        s.connect(path)
-    except OSError:
-        return  # a stale file left by a dead engine
-    finally:
-        s.close()
-    raise RuntimeError(f"another engine is already serving {endpoint}")
-
-
 class Daemon:
-    """Owns the ROUTER socket and the Engine; ``run()`` returns the process exit code."""
+    """Owns the Engine and (through its wire thread) the ROUTER socket; ``run()`` returns the exit code."""
 
     def __init__(self, engine, endpoint: str, *, gateway_timeout: float = 10.0,
                  shutdown_timeout: float = 3.0, parent_pid: int | None = None,
@@ -80,18 +69,25 @@ class Daemon:
         self.parent_pid = parent_pid
         self.instance_id = uuid.uuid4().hex
         self.info = self._engine_info()
-        # request id -> identity of the gateway that sent it
+        # request id -> identity of the gateway that sent it (engine thread only)
         self.owner: dict[str, bytes] = {}
-        # gateway identity -> monotonic time it was last heard from
+        # gateway identity -> monotonic time it was last heard from (written by the wire thread)
         self.last_seen: dict[bytes, float] = {}
+        self._seen_lock = threading.Lock()
         self.stop_reason: str | None = None
-        # When the socket was last read: a gateway is silent only if its last frame
-        # is old at that moment (its pings queue up unread during a long step).
+        # When the engine thread last looked for messages: silence is measured up to then, so the
+        # step that just ran does not count against a gateway that sends nothing while it waits.
         self._drained_at = time.monotonic()
         self.step_seconds = 0.0
         self.io_seconds = 0.0
         self.num_steps = 0
         self._stop_deadline = 0.0
+        # What a PONG carries: replaced whole by the engine thread, read by the wire thread.
+        self._stats_snapshot = p.EngineStats()
+        # When the running step began (monotonic), None between steps.
+        self._step_started: float | None = None
+        # (identity, kind, message) from gateways, for the engine thread.
+        self._inbox: queue.Queue = queue.Queue()
         self.ctx = zmq.Context.instance()
         self.sock = self.ctx.socket(zmq.ROUTER)
         # A full send queue for a slow gateway drops frames instead of blocking the step.
@@ -106,6 +102,14 @@ class Daemon:
         if endpoint.startswith("ipc://"):
             os.chmod(endpoint[len("ipc://"):], 0o600)
         self.endpoint = self.sock.getsockopt_string(zmq.LAST_ENDPOINT) or endpoint
+        # The engine thread's frames reach the wire thread through this pair, in order.
+        outbox = f"inproc://mlxd-outbox-{self.instance_id}"
+        self._outbox_in = self.ctx.socket(zmq.PULL)
+        self._outbox_in.bind(outbox)
+        self._outbox = self.ctx.socket(zmq.PUSH)
+        self._outbox.setsockopt(zmq.SNDHWM, 0)
+        self._outbox.connect(outbox)
+        self._wire = threading.Thread(target=self._wire_loop, name="engine-wire", daemon=True)
 
     def _engine_info(self) -> p.EngineInfo:
         return p.EngineInfo(
@@ -131,22 +135,27 @@ class Daemon:
         self._stop_deadline = time.monotonic() + self.shutdown_timeout
         log.info("%s; finishing in-flight requests", reason)
 
-    # -- the loop ------------------------------------------------------------
+    # -- the engine thread ---------------------------------------------------
 
     def run(self) -> int:
         log.info("engine serving %s on %s", self.info.served_model_name, self.endpoint)
+        self._publish_stats()
+        self._wire.start()
         next_housekeeping = time.monotonic() + _HOUSEKEEPING_S
         clock = time.perf_counter
         try:
             while True:
+                if not self._wire.is_alive():
+                    raise RuntimeError("the engine's wire thread stopped (see the log above)")
                 busy = self.engine.has_unfinished()
                 t0 = clock()
                 self._drained_at = time.monotonic()
-                if self.sock.poll(0 if busy else _IDLE_POLL_MS, zmq.POLLIN):
-                    self._drain()
+                self._drain(wait=0.0 if busy else _IDLE_WAIT_S)
                 if self.engine.has_unfinished():
                     t1 = clock()
+                    self._step_started = time.monotonic()
                     outputs = self.engine.step()
+                    self._step_started = None
                     t2 = clock()
                     self._send_failures()
                     self._send_outputs(outputs)
@@ -154,10 +163,12 @@ class Daemon:
                     self.num_steps += 1
                     # Socket work around the step: what serving costs the engine.
                     self.io_seconds += (t1 - t0 if busy else 0.0) + clock() - t2
+                    self._publish_stats()
                 now = time.monotonic()
                 if now >= next_housekeeping:
                     next_housekeeping = now + _HOUSEKEEPING_S
-                    self._housekeeping(now)
+                    self._housekeeping()
+                    self._publish_stats()
                 if self.stop_reason is not None:
                     if not self.engine.has_unfinished() or now >= self._stop_deadline:
                         self._abort_all(EngineUnavailableError(self.stop_reason))
@@ -168,29 +179,24 @@ class Daemon:
             self._broadcast_dead(f"engine failed: {type(e).__name__}: {e}")
             return 1
         finally:
-            # Terminating the context waits (up to LINGER) until the last frames,
-            # DEAD and the per-request errors, are on the wire; exiting without it
-            # would drop them.
-            self.sock.close()
+            # The wire thread forwards what is queued (DEAD, the per-request errors) before it
+            # closes the socket; terminating the context then waits (up to LINGER) until those
+            # last frames are on the wire. Exiting without both would drop them.
+            self._outbox.send_multipart([b""])  # the end marker, after every real frame
+            self._wire.join()
+            self._outbox.close(linger=0)  # the wire thread has read everything (or is gone)
             if self._auth is not None:
                 self._auth.stop()  # its ZAP socket would keep ctx.term() waiting
             self.ctx.term()
 
-    def _drain(self) -> None:
-        for _ in range(_MAX_DRAIN):
+    def _drain(self, wait: float) -> None:
+        """Act on what the wire thread handed over, waiting up to ``wait`` seconds for the first."""
+        for i in range(_MAX_DRAIN):
             try:
-                frames = self.sock.recv_multipart(zmq.NOBLOCK, copy=True)
-            except zmq.Again:
+                identity, kind, msg = self._inbox.get(timeout=wait) if i == 0 and wait else \
+                    self._inbox.get_nowait()
+            except queue.Empty:
                 return
-            if len(frames) < 2:
-                log.warning("dropped a frame without identity or kind")
-                continue
-            identity, body = frames[0], frames[1:]
-            try:
-                kind, msg = p.decode(body)
-            except p.MalformedFrame as e:
-                log.warning("dropped a malformed frame from gateway %s: %s", identity.hex(), e)
-                continue
             try:
                 self._handle(identity, kind, msg)
             except Exception:
@@ -200,7 +206,6 @@ class Daemon:
                           traceback.format_exc())
 
     def _handle(self, identity: bytes, kind: Kind, msg) -> None:
-        self.last_seen[identity] = time.monotonic()
         if kind is Kind.ADD:
             self._add(identity, msg)
         elif kind is Kind.ABORT:
@@ -211,21 +216,10 @@ class Daemon:
                 self.engine.abort(ids)
             log.debug("gateway %s aborted %s (%d in flight)", identity.hex(), msg.request_ids, len(ids))
         elif kind is Kind.PING:
-            self._send(identity, Kind.PONG, p.Pong(self.instance_id, msg.sent_at, self._stats()))
-        elif kind is Kind.HELLO:
-            if msg.protocol_version != p.PROTOCOL_VERSION:
-                self._send(identity, Kind.ERROR, p.Error(
-                    request_id=None, code="protocol_mismatch",
-                    message=f"engine speaks protocol {p.PROTOCOL_VERSION}, gateway "
-                            f"{msg.protocol_version}; upgrade the older one"))
-                self.last_seen.pop(identity, None)
-                return
-            log.info("gateway %s connected (pid %d)", identity.hex(), msg.pid)
-            self._send(identity, Kind.READY, self.info)
+            self._publish_stats()
+            self._send(identity, Kind.PONG, p.Pong(self.instance_id, msg.sent_at, self._stats_snapshot))
         elif kind is Kind.BYE:
             self._forget_gateway(identity, "said goodbye")
-        else:
-            log.warning("dropped a %s frame: not a gateway's message", kind.name)
 
     def _add(self, identity: bytes, msg: p.AddRequest) -> None:
         rid = msg.request_id
@@ -268,34 +262,35 @@ class Daemon:
             self._send(identity, Kind.OUTPUTS, p.StepOutputs(outs))
 
     def _send(self, identity: bytes, kind: Kind, payload) -> None:
-        try:
-            self.sock.send_multipart([identity, *p.encode(kind, payload)], zmq.NOBLOCK)
-        except zmq.Again:
-            log.warning("dropped a %s frame to slow gateway %s", kind.name, identity.hex())
+        """Queue a frame for the wire thread (never blocks: the inproc pipe has no limit)."""
+        self._outbox.send_multipart([identity, *p.encode(kind, payload)])
 
     def _send_error(self, identity: bytes, request_id: str | None, e: MlxdError) -> None:
         self._send(identity, Kind.ERROR, p.Error(request_id=request_id, code=e.code,
                                                  message=e.message, param=e.param))
 
-    def _stats(self) -> p.EngineStats:
+    def _publish_stats(self) -> None:
         s = self.engine.stats()
-        return p.EngineStats(num_running=s.num_running, num_waiting=s.num_waiting,
-                             num_free_blocks=s.num_free_blocks, num_total_blocks=s.num_total_blocks,
-                             num_preemptions=getattr(s, "num_preemptions", 0),
-                             step_seconds=self.step_seconds, io_seconds=self.io_seconds,
-                             num_steps=self.num_steps)
+        self._stats_snapshot = p.EngineStats(
+            num_running=s.num_running, num_waiting=s.num_waiting, num_free_blocks=s.num_free_blocks,
+            num_total_blocks=s.num_total_blocks, num_preemptions=s.num_preemptions,
+            prefix_cache_queries=s.prefix_cache_queries, prefix_cache_hits=s.prefix_cache_hits,
+            step_seconds=self.step_seconds, io_seconds=self.io_seconds, num_steps=self.num_steps)
 
     # -- housekeeping --------------------------------------------------------
 
-    def _housekeeping(self, now: float) -> None:
-        for identity, seen in list(self.last_seen.items()):
-            if self._drained_at - seen > self.gateway_timeout:
-                self._forget_gateway(identity, f"silent for {self._drained_at - seen:.1f}s")
+    def _housekeeping(self) -> None:
+        at = self._drained_at
+        with self._seen_lock:
+            silent = [(g, at - seen) for g, seen in self.last_seen.items() if at - seen > self.gateway_timeout]
+        for identity, quiet in silent:
+            self._forget_gateway(identity, f"silent for {quiet:.1f}s")
         if self.parent_pid is not None and self.stop_reason is None and os.getppid() != self.parent_pid:
             self.request_stop("engine stopped: its parent process exited")
 
     def _forget_gateway(self, identity: bytes, why: str) -> None:
-        self.last_seen.pop(identity, None)
+        with self._seen_lock:
+            self.last_seen.pop(identity, None)
         ids = [r for r, g in self.owner.items() if g == identity]
         for r in ids:
             del self.owner[r]
@@ -315,5 +310,86 @@ class Daemon:
             self._send_error(self.owner.pop(rid), rid, e)
 
     def _broadcast_dead(self, reason: str) -> None:
-        for identity in list(self.last_seen):
+        with self._seen_lock:
+            gateways = list(self.last_seen)
+        for identity in gateways:
             self._send(identity, Kind.DEAD, p.Dead(reason=reason))
+
+    # -- the wire thread -----------------------------------------------------
+
+    def _wire_loop(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self.sock, zmq.POLLIN)
+        poller.register(self._outbox_in, zmq.POLLIN)
+        try:
+            while True:
+                ready = dict(poller.poll(_WIRE_POLL_MS))
+                if self._outbox_in in ready and not self._forward_outbox():
+                    return
+                if self.sock in ready:
+                    self._read_gateways()
+        except Exception:
+            log.error("the engine's wire thread failed:\n%s", traceback.format_exc())
+        finally:
+            self.sock.close()
+            self._outbox_in.close()
+
+    def _forward_outbox(self) -> bool:
+        """Put the engine thread's frames on the socket; False at its end marker."""
+        for _ in range(_MAX_DRAIN):
+            try:
+                frames = self._outbox_in.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return True
+            if frames == [b""]:
+                return False
+            try:
+                self.sock.send_multipart(frames, zmq.NOBLOCK)
+            except zmq.Again:
+                log.warning("dropped a frame to slow gateway %s", frames[0].hex())
+        return True
+
+    def _read_gateways(self) -> None:
+        for _ in range(_MAX_DRAIN):
+            try:
+                frames = self.sock.recv_multipart(zmq.NOBLOCK, copy=True)
+            except zmq.Again:
+                return
+            if len(frames) < 2:
+                log.warning("dropped a frame without identity or kind")
+                continue
+            identity, body = frames[0], frames[1:]
+            try:
+                kind, msg = p.decode(body)
+            except p.MalformedFrame as e:
+                log.warning("dropped a malformed frame from gateway %s: %s", identity.hex(), e)
+                continue
+            with self._seen_lock:
+                self.last_seen[identity] = time.monotonic()
+            started = self._step_started
+            if kind is Kind.PING and started is not None and time.monotonic() - started > _LONG_STEP_S:
+                self._reply(identity, Kind.PONG, p.Pong(self.instance_id, msg.sent_at, self._stats_snapshot))
+            elif kind is Kind.HELLO:
+                self._hello(identity, msg)
+            elif kind in (Kind.ADD, Kind.ABORT, Kind.BYE, Kind.PING):
+                self._inbox.put((identity, kind, msg))
+            else:
+                log.warning("dropped a %s frame: not a gateway's message", kind.name)
+
+    def _reply(self, identity: bytes, kind: Kind, payload) -> None:
+        try:
+            self.sock.send_multipart([identity, *p.encode(kind, payload)], zmq.NOBLOCK)
+        except zmq.Again:
+            log.warning("dropped a %s frame to slow gateway %s", kind.name, identity.hex())
+
+    def _hello(self, identity: bytes, msg: p.Hello) -> None:
+        if msg.protocol_version != p.PROTOCOL_VERSION:
+            self._reply(identity, Kind.ERROR, p.Error(
+                request_id=None, code="protocol_mismatch",
+                message=f"engine speaks protocol {p.PROTOCOL_VERSION}, gateway "
+                        f"{msg.protocol_version}; upgrade the older one"))
+            with self._seen_lock:
+                self.last_seen.pop(identity, None)
+            return
+        log.info("gateway %s connected (pid %d)", identity.hex(), msg.pid)
+        self._reply(identity, Kind.READY, self.info)

@@ -13,11 +13,11 @@ import random
 import time
 from concurrent.futures import FIRST_COMPLETED
 from concurrent.futures import wait as wait_futures
-from dataclasses import dataclass
 
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
+import kernels
 from engined import memory_guard
 from engined.metrics import EngineMetrics
 from engined.loaders import LoadedModel, load_model
@@ -30,21 +30,10 @@ from engined.structured import GrammarCompiler
 from engined.speculative import DraftProposer, Speculator
 from shared.config import EngineConfig, SpeculativeConfig
 from shared.errors import ContextLengthError, InvalidRequestError, ModelLoadError, OverloadedError
-from shared.protocol import ModelInfo, RequestOutput
+from shared.protocol import EngineStats, ModelInfo, RequestOutput
 from shared.sampling import SamplingParams
 
 log = logging.getLogger("mlxd.engine")
-
-
-@dataclass(frozen=True)
-class EngineStats:
-    num_running: int
-    num_waiting: int
-    num_free_blocks: int
-    num_total_blocks: int
-    num_preemptions: int
-    prefix_cache_queries: int
-    prefix_cache_hits: int
 
 
 class Engine:
@@ -70,8 +59,10 @@ class Engine:
         )
         log.info("%s", self.memory.describe())
         num_blocks = self.memory.num_blocks
+        attention_backend = kernels.resolve_backend(config.attention_backend)
         for runner in runners:
             runner.allocate_kv(num_blocks)
+            runner.ctx.attention_backend = attention_backend
         self.kv = make_kv_manager(self.runner, num_blocks, config)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
         self.requests: dict[str, Request] = {}

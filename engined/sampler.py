@@ -42,17 +42,59 @@ class Sampler:
         logits = logits.astype(mx.float32)
         logits = logits[:, : self.vocab_size] if logits.shape[1] > self.vocab_size else logits
         lp_parts = self.raw_logprobs(logits, reqs)
+        if all(r.params.temperature == 0.0 for r in reqs):
+            return mx.argmax(self._constrain(logits, reqs), axis=-1), lp_parts
+        scaled = self._scale(self._constrain(logits, reqs), reqs)
+        sampled, past = self._sample_head(scaled, reqs)
+        if past:
+            # Rows whose kept set runs past their head: sort those rows whole.
+            rows = mx.array(past)
+            sub = [reqs[i] for i in past]
+            full = self._sample_full(self._truncate(scaled[rows], sub, head_first=False), sub)
+            sampled = full if sampled is None else _put_rows(sampled, rows, full)
+        return sampled, lp_parts
 
-        processed = self.process(logits, reqs)
+    def _sample_head(self, scaled: mx.array, reqs: list[Request]) -> tuple[mx.array | None, list[int]]:
+        """Sample each row among its ``_CANDIDATES`` largest logits; returns (tokens, rows left to the caller).
+
+        Exact for a row that truncates (top-k/top-p/min-p) and whose kept set
+        ends inside its head; then neither the noise nor the cutoff needs the
+        whole vocabulary. Greedy rows take their head's first token. The rows
+        listed (all of them where the head would not help) still need sampling
+        over the whole vocabulary.
+        """
+        v = scaled.shape[1]
+        greedy = [r.params.temperature == 0.0 for r in reqs]
+        top_k = [1 if g else max(r.params.top_k, 0) for g, r in zip(greedy, reqs)]
+        truncates = [g or k or r.params.top_p < 1.0 or r.params.min_p > 0.0
+                     for g, k, r in zip(greedy, top_k, reqs)]
+        width = min(v, max(_CANDIDATES, max(top_k)))
+        if width == v or not any(truncates):
+            return None, list(range(len(reqs)))
+        ids = mx.argpartition(-scaled, width - 1, axis=-1)[:, :width]
+        head = mx.take_along_axis(scaled, ids, axis=-1)
+        order = mx.argsort(-head, axis=-1)
+        ids, head = mx.take_along_axis(ids, order, axis=-1), mx.take_along_axis(head, order, axis=-1)
+        keep = _kept_prefix(head, mx.logsumexp(scaled, axis=-1, keepdims=True), *self._limits(reqs, top_k, v))
+        # The step's one host sync in sampling: which rows' kept sets run past their head.
+        overflow = np.array(keep[:, -1]).tolist()
+        past = [i for i, (t, o) in enumerate(zip(truncates, overflow)) if o or not t]
+        noise = self._noise(reqs, width)
+        choice = mx.argmax(mx.where(keep, head, _NEG) + noise, axis=-1)
+        return mx.take_along_axis(ids, choice[:, None], axis=-1)[:, 0], past
+
+    def _sample_full(self, processed: mx.array, reqs: list[Request]) -> mx.array:
+        """Gumbel-max over the whole vocabulary; greedy rows take the argmax."""
+        sampled = mx.argmax(processed + self._noise(reqs, processed.shape[1]), axis=-1)
         greedy = np.array([r.params.temperature == 0.0 for r in reqs])
-        if greedy.all():
-            return mx.argmax(processed, axis=-1), lp_parts
-        noise = mx.stack([mx.random.gumbel((logits.shape[1],), key=row_key(r.seed, r.num_output_tokens))
-                          for r in reqs])
-        sampled = mx.argmax(processed + noise, axis=-1)
         if greedy.any():
             sampled = mx.where(mx.array(greedy), mx.argmax(processed, axis=-1), sampled)
-        return sampled, lp_parts
+        return sampled
+
+    @staticmethod
+    def _noise(reqs: list[Request], width: int) -> mx.array:
+        # Keyed by the request's seed and output position: a seeded request reproduces whatever else is in the batch.
+        return mx.stack([mx.random.gumbel((width,), key=row_key(r.seed, r.num_output_tokens)) for r in reqs])
 
     @staticmethod
     def raw_logprobs(logits: mx.array, reqs: list[Request]):
@@ -72,18 +114,39 @@ class Sampler:
         come from each grammar's current state unless ``allowed [S, V]`` (bool)
         is given: a speculation window's rows each follow a different draft prefix.
         """
+        logits = self._constrain(logits, reqs, allowed)
+        if all(r.params.temperature == 0.0 for r in reqs):
+            return logits
+        return self._truncate(self._scale(logits, reqs), reqs)
+
+    def _constrain(self, logits: mx.array, reqs: list[Request], allowed: mx.array | None = None) -> mx.array:
+        """The grammar masks (or ``allowed``), then penalties, bias and min_tokens."""
         if allowed is None and self.grammars is not None and any(r.grammar is not None for r in reqs):
             allowed = self.grammars.token_bitmask([r.grammar for r in reqs])
         if allowed is not None:
             logits = mx.where(allowed, logits, _NEG)
-        logits = self._penalize(logits, reqs)
-        if all(r.params.temperature == 0.0 for r in reqs):
-            return logits
+        return self._penalize(logits, reqs)
+
+    @staticmethod
+    def _scale(logits: mx.array, reqs: list[Request]) -> mx.array:
+        """Divide by each row's temperature; greedy rows keep theirs (their argmax is what counts)."""
         temps = mx.array([r.params.temperature or 1.0 for r in reqs], dtype=mx.float32)[:, None]
-        return self._truncate(logits / temps, reqs)
+        return logits / temps
+
+    @staticmethod
+    def _limits(reqs: list[Request], top_k: list[int], v: int) -> tuple[mx.array, mx.array, mx.array]:
+        """Per-row (top_k with 0 as the whole row, top_p, min_p) as ``[S, 1]`` columns."""
+        return (mx.array([k or v for k in top_k])[:, None],
+                mx.array([r.params.top_p for r in reqs], dtype=mx.float32)[:, None],
+                mx.array([r.params.min_p for r in reqs], dtype=mx.float32)[:, None])
 
     def _penalize(self, logits: mx.array, reqs: list[Request]) -> mx.array:
-        """Repetition/presence/frequency penalties, logit bias and min_tokens, as one dense update."""
+        """Repetition/presence/frequency penalties, logit bias and min_tokens.
+
+        Built on the device by scattering each row's token ids into ``[S, V]``
+        counts: the host only concatenates id lists, it never fills a dense
+        vocabulary-wide array.
+        """
         s, v = logits.shape
         needs = [
             (r.params.repetition_penalty != 1.0 or r.params.presence_penalty or r.params.frequency_penalty
@@ -92,50 +155,119 @@ class Sampler:
         ]
         if not any(needs):
             return logits
-        scale = np.ones((s, v), dtype=np.float32)  # repetition: divide positive, multiply negative
-        add = np.zeros((s, v), dtype=np.float32)
+        seen, generated, biased, banned = _Scatter(), _Scatter(), _Scatter(), _Scatter()
+        rep = np.ones(s, np.float32)
+        freq = np.zeros(s, np.float32)
+        pres = np.zeros(s, np.float32)
         for i, r in enumerate(reqs):
             if not needs[i]:
                 continue
             p = r.params
             if p.repetition_penalty != 1.0:
-                seen = np.unique(np.asarray(r.token_ids, dtype=np.int64))
-                scale[i, seen[seen < v]] = p.repetition_penalty
+                rep[i] = p.repetition_penalty
+                seen.add(i, r.token_ids)
             if p.presence_penalty or p.frequency_penalty:
-                counts = np.bincount(np.asarray(r.output_token_ids, dtype=np.int64), minlength=v)[:v]
-                add[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0)
+                freq[i], pres[i] = p.frequency_penalty, p.presence_penalty
+                generated.add(i, r.output_token_ids)
             if p.logit_bias:
-                ids = np.fromiter(p.logit_bias.keys(), dtype=np.int64)
-                add[i, ids] += np.fromiter(p.logit_bias.values(), dtype=np.float32)
+                biased.add(i, list(p.logit_bias.keys()), list(p.logit_bias.values()))
             if r.num_output_tokens < p.min_tokens:
                 stops = set(p.stop_token_ids) | (set() if p.ignore_eos else set(self.eos_token_ids))
-                add[i, [t for t in stops if t < v]] = _NEG
-        scale_mx = mx.array(scale)
-        logits = mx.where(logits > 0, logits / scale_mx, logits * scale_mx)
-        return logits + mx.array(add)
+                banned.add(i, sorted(stops))
+        if seen:
+            # Repetition: divide positive logits, multiply negative ones, for every token seen so far.
+            scale = mx.where(seen.counts(s, v) > 0, mx.array(rep)[:, None], 1.0)
+            logits = mx.where(logits > 0, logits / scale, logits * scale)
+        if generated:
+            counts = generated.counts(s, v)
+            logits = logits - mx.array(freq)[:, None] * counts - mx.array(pres)[:, None] * (counts > 0)
+        if biased:
+            logits = logits + biased.counts(s, v)
+        if banned:
+            logits = mx.where(banned.counts(s, v) > 0, _NEG, logits)
+        return logits
 
-    def _truncate(self, logits: mx.array, reqs: list[Request]) -> mx.array:
-        """top_k, top_p and min_p on temperature-scaled logits; masked entries get -inf."""
+    def _truncate(self, logits: mx.array, reqs: list[Request], head_first: bool = True) -> mx.array:
+        """top_k, top_p and min_p on temperature-scaled logits; masked entries get -inf.
+
+        Each kept set is a prefix of its row's descending order, so a row keeps
+        every token at or above its cutoff logit: no inverse permutation. The
+        cutoff is looked for among the row's ``_CANDIDATES`` largest logits
+        (a partial selection, ~10x cheaper than sorting the vocabulary); only a
+        step with a row whose kept prefix runs past them (a flat distribution)
+        sorts whole rows, at once when ``head_first`` is False (the caller
+        knows). Tokens tied with the cutoff are all kept.
+        """
         top_k = [r.params.top_k if r.params.top_k > 0 else 0 for r in reqs]
         top_p = [r.params.top_p for r in reqs]
         min_p = [r.params.min_p for r in reqs]
         if max(top_k) == 0 and min(top_p) >= 1.0 and max(min_p) == 0.0:
             return logits
         v = logits.shape[1]
-        order = mx.argsort(-logits, axis=-1)
-        sorted_logits = mx.take_along_axis(logits, order, axis=-1)
-        probs = mx.softmax(sorted_logits, axis=-1)
-        rank = mx.arange(v)[None, :]
-        k = mx.array([t or v for t in top_k])[:, None]
-        keep = rank < k
-        # Keep a token while the mass before it is below top_p (the first token always stays).
-        before = mx.cumsum(probs, axis=-1) - probs
-        keep = keep & (before < mx.array(top_p, dtype=mx.float32)[:, None])
-        keep = keep & (probs >= mx.array(min_p, dtype=mx.float32)[:, None] * probs[:, :1])
-        masked_sorted = mx.where(keep, sorted_logits, _NEG)
-        # Scatter back to vocabulary order.
-        inverse = mx.argsort(order, axis=-1)
-        return mx.take_along_axis(masked_sorted, inverse, axis=-1)
+        k, p, m = self._limits(reqs, top_k, v)
+        lse = mx.logsumexp(logits, axis=-1, keepdims=True)
+        width = min(v, max(_CANDIDATES, max(top_k))) if head_first else v
+        head = _descending(mx.topk(logits, width, axis=-1) if width < v else logits)
+        keep = _kept_prefix(head, lse, k, p, m)
+        if width < v and bool(mx.any(keep[:, -1]).item()):
+            head = _descending(logits)
+            keep = _kept_prefix(head, lse, k, p, m)
+        num_kept = keep.sum(axis=-1, keepdims=True)
+        cutoff = mx.take_along_axis(head, num_kept - 1, axis=-1)
+        return mx.where(logits >= cutoff, logits, _NEG)
+
+
+# Candidates per row in which top-k/top-p/min-p look for their cutoff first.
+_CANDIDATES = 1024
+
+
+def _descending(x: mx.array) -> mx.array:
+    return -mx.sort(-x, axis=-1)
+
+
+def _put_rows(x: mx.array, rows: mx.array, values: mx.array) -> mx.array:
+    x[rows] = values
+    return x
+
+
+def _kept_prefix(head: mx.array, lse: mx.array, k: mx.array, p: mx.array, m: mx.array) -> mx.array:
+    """Which of a row's largest logits (``head``, descending) top-k, top-p and min-p keep.
+
+    Probabilities are of the whole row (``lse``, its log-sum-exp), so the
+    answer over a row's head equals the answer over the whole sorted row
+    wherever the head does not end kept. The first token always stays.
+    """
+    probs = mx.exp(head - lse)
+    rank = mx.arange(head.shape[1])[None, :]
+    before = mx.cumsum(probs, axis=-1) - probs
+    return (rank < k) & (before < p) & (probs >= m * probs[:, :1])
+
+
+class _Scatter:
+    """(row, token id, value) triples gathered on the host, summed into ``[S, V]`` on the device."""
+
+    def __init__(self):
+        self.rows: list[np.ndarray] = []
+        self.cols: list[np.ndarray] = []
+        self.vals: list[np.ndarray] = []
+
+    def __bool__(self) -> bool:
+        return bool(self.rows)
+
+    def add(self, row: int, ids, values=None) -> None:
+        cols = np.asarray(ids, dtype=np.int64)
+        self.rows.append(np.full(len(cols), row, dtype=np.int64))
+        self.cols.append(cols)
+        self.vals.append(np.ones(len(cols), np.float32) if values is None else np.asarray(values, np.float32))
+
+    def counts(self, s: int, v: int) -> mx.array:
+        cols = np.concatenate(self.cols)
+        inside = cols < v  # ids past the logits' width (padding) have no row to land in
+        rows, vals = np.concatenate(self.rows)[inside], np.concatenate(self.vals)[inside]
+        out = mx.zeros((s, v), dtype=mx.float32)
+        if not inside.any():
+            return out
+        return out.at[mx.array(rows), mx.array(cols[inside])].add(mx.array(vals))
 
 
 def logprobs_for(lp_parts, tokens: list[int], reqs: list[Request]) -> list[Logprob | None]:

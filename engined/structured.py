@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import threading
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -32,6 +31,7 @@ import mlx.core as mx
 import numpy as np
 
 from shared.errors import InvalidRequestError
+from shared.hub import load_tokenizer
 from shared.sampling import StructuredSpec
 
 log = logging.getLogger("mlxd.structured")
@@ -206,12 +206,10 @@ class GrammarCompiler:
     def tokenizer(self):
         with self._lock:
             if self._tokenizer is None:
-                os.environ.setdefault("HF_HUB_OFFLINE", "1")
                 import llguidance
                 import llguidance.hf
-                from transformers import AutoTokenizer
 
-                hf = AutoTokenizer.from_pretrained(self.tokenizer_dir)
+                hf = load_tokenizer(self.tokenizer_dir)
                 self._tokenizer = llguidance.hf.from_tokenizer(
                     hf, n_vocab=self.vocab_size, eos_token=self.eos_token_ids)
                 self._executor = llguidance.LLExecutor()

@@ -20,7 +20,7 @@ from starlette.responses import Response
 
 from gateway.chat_run import ChatInput, ChatRun, render
 from gateway.errors import anthropic_sse_error_event
-from gateway.routes import read_body
+from gateway.request_body import decode_body
 from gateway.sse import KEEPALIVE, SSEResponse, named_event
 from gateway.state import GatewayState
 from shared.errors import InvalidRequestError, MlxdError
@@ -64,6 +64,8 @@ def _text_of(blocks: str | list, where: str) -> str:
     """Text blocks joined; anything else (images, documents) is a 400."""
     if isinstance(blocks, str):
         return blocks
+    if not isinstance(blocks, list):
+        raise InvalidRequestError("content must be a string or a list of text blocks", param=where)
     texts = []
     for j, b in enumerate(blocks):
         if not isinstance(b, dict) or b.get("type") != "text" or not isinstance(b.get("text"), str):
@@ -196,14 +198,14 @@ def _response_format(output_config: dict | None) -> dict | None:
 async def _decode(request: Request, typ):
     gw: GatewayState = request.app.state.gw
     app = gw.check_auth(request)
-    req = msgspec.json.decode(await read_body(request), type=typ)
+    req = await decode_body(request, typ)
     gw.require_ready()
     return gw, app, req, gw.check_model(req.model)
 
 
 async def count_tokens(request: Request) -> Response:
     gw, _, req, _ = await _decode(request, CountTokensRequest)
-    prompt = render(gw, chat_input(req), check_length=False)
+    prompt = await render(gw, chat_input(req), check_length=False)
     return Response(msgspec.json.encode({"input_tokens": len(prompt.ids)}), media_type="application/json")
 
 

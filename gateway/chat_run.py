@@ -1,32 +1,37 @@
 """One chat generation described in OpenAI's chat terms, whichever API the request came in by.
 
-Anthropic's Messages and OpenAI's Responses translate their bodies into a
-``ChatInput`` (template-ready message dicts, OpenAI function tools, a
-tool_choice, sampling fields) and drive a ``ChatRun``: the same template,
-tool-choice grammar, stop strings, parsers and engine requests as
-/v1/chat/completions, with only the output's shape left to the caller.
+/v1/chat/completions, Anthropic's Messages and OpenAI's Responses translate
+their bodies into a ``ChatInput`` (template-ready message dicts, OpenAI
+function tools, a tool_choice, sampling fields) and drive a ``ChatRun``: one
+template, tool-choice grammar, stop strings, parsers and engine requests for
+all three, with only the output's shape left to the caller. Rendering and
+tokenizing run in a worker thread, off the event loop.
 """
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass, field
 from typing import Any
 
 from starlette.requests import Request
 
 from gateway import params as P
-from gateway.chat_output import ChatOutput
+from gateway.chat_output import ChatOutput, finish_reason
 from gateway.generation import Generation
 from gateway.state import GatewayState
 from gateway.structured import (ToolPlan, marker_literal, one_spec, reasoning_aware, response_format_spec,
-                                tool_plan)
-from shared.errors import InvalidRequestError
-from shared.sampling import SamplingParams
+                                structured_outputs_spec, tool_plan)
+from shared.errors import MlxdError
+from shared.protocol import Logprob
 
 
 @dataclass
 class ChatInput:
-    """A chat request in OpenAI's terms; ``param`` names the field prompt errors point at."""
+    """A chat request in OpenAI's terms; ``param`` names the field prompt errors point at.
+
+    Sampling fields are None where the client gave none (the engine's default).
+    """
 
     messages: list[dict[str, Any]]
     tools: list[dict[str, Any]] | None = None
@@ -36,15 +41,42 @@ class ChatInput:
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None
-    stop: list[str] = field(default_factory=list)
+    stop: str | list[str] | None = field(default_factory=list)
     response_format: dict[str, Any] | None = None
     # The last (assistant) message is the start of the answer, continued rather than closed.
     continue_final: bool = False
     param: str = "messages"
     # A max_tokens past the room the prompt leaves is cut to it rather than refused (Anthropic's clients).
     clamp_max_tokens: bool = False
+    # vLLM's: keep only the prompt's last N tokens (-1: as many as the context holds).
+    truncate_prompt_tokens: int | None = None
     # The app of the request's key (per-app accounting in the engine).
     app: str | None = None
+    # The field max_tokens came in as (max_completion_tokens, max_output_tokens), for errors.
+    max_tokens_param: str = "max_tokens"
+    # None: unless continue_final.
+    add_generation_prompt: bool | None = None
+    # OpenAI chat's and vLLM's further fields.
+    n: int | None = None
+    seed: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    # None: no logprobs; k: the sampled token's and the top k.
+    logprobs: int | None = None
+    min_tokens: int = 0
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    speculate: bool = True
+    priority: int = 0
+    cache_salt: str | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    structured_outputs: dict[str, Any] | None = None
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 @dataclass
@@ -57,71 +89,70 @@ class Prompt:
     tools: ToolPlan
 
 
-def render(gw: GatewayState, inp: ChatInput, check_length: bool = True) -> Prompt:
-    """Template, tokenize and check; InvalidRequestError (400) for anything the engine would refuse.
+async def render(gw: GatewayState, inp: ChatInput, check_length: bool = True) -> Prompt:
+    """Check, template and tokenize; InvalidRequestError (400) for anything the engine would refuse.
 
     Without ``check_length`` a prompt longer than the context is still counted
-    (clients count tokens to learn that they must shorten the conversation).
+    (clients count tokens to learn that they must shorten the conversation),
+    up to a few contexts' worth of text.
     """
     info, tok = gw.require_ready()
-    if not inp.messages:
-        raise InvalidRequestError("the conversation is empty", param=inp.param)
-    max_tokens = P.requested_max_tokens(inp.max_tokens, "max_tokens")
     cfg = gw.config
+    add_generation_prompt = (not inp.continue_final if inp.add_generation_prompt is None
+                             else inp.add_generation_prompt)
+    P.check_chat(inp.messages, inp.param, add_generation_prompt, inp.continue_final, inp.chat_template,
+                 cfg.trust_request_chat_template)
+    max_tokens = P.requested_max_tokens(inp.max_tokens, inp.max_tokens_param)
     plan = tool_plan(inp.tools, inp.tool_choice, inp.parallel_tool_calls, cfg.tool_call_parser,
                      cfg.enable_auto_tool_choice, marker_literal(tok))
-    # None rather than []: templates test ``if tools``.
-    text = tok.render_chat(inp.messages, tools=inp.tools or None, add_generation_prompt=not inp.continue_final,
-                           continue_final_message=inp.continue_final)
-    ids = tok.encode(text, add_special_tokens=False)
+
+    def template_and_tokenize() -> tuple[str, list[int]]:
+        # None rather than []: templates test ``if tools``.
+        text = tok.render_chat(
+            inp.messages, tools=inp.tools or None, chat_template=inp.chat_template,
+            add_generation_prompt=add_generation_prompt, continue_final_message=inp.continue_final,
+            chat_template_kwargs=inp.chat_template_kwargs,
+            max_steps=P.TEMPLATE_MAX_STEPS if inp.chat_template is not None else None)
+        P.check_prompt_bytes(text, info, tok.max_token_bytes, inp.param, slack=1 if check_length else 4)
+        return text, tok.encode(text, add_special_tokens=False)
+
+    text, ids = await asyncio.to_thread(template_and_tokenize)
+    ids = P.truncate_prompt(ids, inp.truncate_prompt_tokens, info)
     if not check_length:
         return Prompt(text, ids, 0, plan)
     room = info.max_model_len - len(ids)
     if inp.clamp_max_tokens and max_tokens is not None and room >= 1:
         max_tokens = min(max_tokens, room)
-    return Prompt(text, ids, P.check_prompt(ids, info, max_tokens, inp.param), plan)
+    return Prompt(text, ids, P.check_prompt(ids, info, max_tokens, inp.param, inp.max_tokens_param), plan)
 
 
 @dataclass
 class Piece:
-    """What one engine output added: reasoning text, content text, OpenAI tool-call deltas, the end."""
+    """What one engine output added to one choice: reasoning text, content text, OpenAI tool-call
+    deltas, whether it ended (and why: stop, length, abort, tool_calls), and its tokens' logprobs."""
 
     reasoning: str
     content: str
     calls: list[dict]
     finished: bool
+    index: int = 0
+    logprobs: list[tuple[int, Logprob]] = field(default_factory=list)
+    finish_reason: str | None = None
 
 
 class ChatRun:
-    """One started generation (n=1) of a ChatInput: streamed as Pieces or collected whole."""
+    """One generation of a ChatInput (``n`` choices): streamed as Pieces or collected whole.
+
+    Construct, then ``await start()``; the prompt, the id and the choices exist from then on.
+    """
 
     def __init__(self, gw: GatewayState, inp: ChatInput):
-        info, tok = gw.require_ready()
-        self.prompt = prompt = render(gw, inp)
-        spec = one_spec(("response_format", response_format_spec(inp.response_format)),
-                        ("tool_choice", prompt.tools.spec))
-        spec = reasoning_aware(spec, gw.config.reasoning_parser, prompt.text, marker_literal(tok))
-        d = gw.sampling_defaults
-        params = SamplingParams(
-            max_tokens=d.cap(prompt.max_tokens),
-            temperature=d.temperature if inp.temperature is None else inp.temperature,
-            top_p=d.top_p if inp.top_p is None else inp.top_p,
-            top_k=d.top_k if inp.top_k is None else inp.top_k,
-            min_p=d.min_p,
-            repetition_penalty=d.repetition_penalty,
-            structured=spec,
-        )
-        params.validate(info.vocab_size)
-        self.constrained = spec is not None
-        parser = prompt.tools.parser
-        # Formats whose markers are special tokens need them in the text to be parsed.
-        skip_special = not (parser and parser.special_markers)
-        stops = P.stop_list(inp.stop)
-        self.gen = Generation(gw.client, tok, [prompt.ids], params, 1, stops, False, skip_special, False,
-                              app=inp.app)
-        self.output = ChatOutput(gw.config.reasoning_parser, prompt.text, parser)
+        self._gw = gw
+        self.inp = inp
+        self.prompt: Prompt | None = None
+        self.gen: Generation | None = None
+        self.outputs: list[ChatOutput] = []
         self.keepalive = gw.config.sse_keepalive
-        self._head: list = []
         self._deltas = None
 
     @property
@@ -129,29 +160,55 @@ class ChatRun:
         return self.gen.id_base
 
     @property
+    def choices(self):
+        return self.gen.choices
+
+    @property
     def choice(self):
         return self.gen.choices[0]
 
+    @property
+    def output(self) -> ChatOutput:
+        return self.outputs[0]
+
     async def start(self) -> None:
-        """Send the request. A constrained one waits for its first output, so that a grammar
-        the engine refuses is a 400 before any response starts rather than an error mid-stream."""
+        """Check and render the request, then send it. A constrained one waits for its first
+        output, so that a grammar the engine refuses is a 400 before any response starts
+        rather than an error mid-stream."""
+        gw, inp = self._gw, self.inp
+        info, tok = gw.require_ready()
+        n = P.check_n(inp.n)
+        P.check_priority(inp.priority)
+        stops = P.stop_list(inp.stop)
+        self.prompt = prompt = await render(gw, inp)
+        spec = one_spec(("response_format", response_format_spec(inp.response_format)),
+                        ("structured_outputs", structured_outputs_spec(inp.structured_outputs)),
+                        ("tool_choice", prompt.tools.spec))
+        spec = reasoning_aware(spec, gw.config.reasoning_parser, prompt.text, marker_literal(tok))
+        params = P.sampling_params(inp, prompt.max_tokens, inp.logprobs, info.vocab_size, n, spec,
+                                   gw.sampling_defaults)
+        parser = prompt.tools.parser
+        # Formats whose markers are special tokens need them in the text to be parsed.
+        skip_special = inp.skip_special_tokens and not (parser and parser.special_markers)
+        self.gen = Generation(gw.client, tok, [prompt.ids], params, n, stops, inp.include_stop_str_in_output,
+                              skip_special, inp.logprobs is not None, inp.cache_salt, inp.app, inp.priority)
+        self.outputs = [ChatOutput(gw.config.reasoning_parser, prompt.text, parser) for _ in self.gen.choices]
         self.gen.start()
-        self._deltas = self.gen.deltas(keepalive=self.keepalive)
-        if self.constrained:
-            try:
-                async for d in self._deltas:
-                    if d is not None:
-                        self._head.append(d)
-                        break
-            except BaseException:
-                await self._deltas.aclose()
-                raise
+        try:
+            self._deltas = await self.gen.primed_deltas(self.keepalive, wait_first=spec is not None)
+        except MlxdError as e:
+            raise self._engine_error(e) from None
+
+    def _engine_error(self, e: MlxdError) -> MlxdError:
+        given = self.inp.max_tokens_param if self.inp.max_tokens is not None else None
+        return P.engine_error(e, self.inp.param, given)
 
     async def _raw(self):
-        for d in self._head:
-            yield d
-        async for d in self._deltas:
-            yield d
+        try:
+            async for d in self._deltas:
+                yield d
+        except MlxdError as e:
+            raise self._engine_error(e) from None
 
     async def pieces(self):
         """Yield Pieces as the text arrives, and None after each idle keep-alive interval."""
@@ -160,10 +217,12 @@ class ChatRun:
                 if d is None:
                     yield None
                     continue
+                out = self.outputs[d.index]
                 final = d.finish_reason is not None
-                reasoning, content, calls = self.output.feed(d.text, final=final)
-                if reasoning or content or calls or final:
-                    yield Piece(reasoning, content, calls, final)
+                reasoning, content, calls = out.feed(d.text, final=final)
+                if reasoning or content or calls or final or d.logprobs:
+                    reason = finish_reason(d.finish_reason, out.called_tools) if final else None
+                    yield Piece(reasoning, content, calls, final, d.index, d.logprobs, reason)
         finally:
             self.gen.abort_unfinished()
 
@@ -171,9 +230,9 @@ class ChatRun:
         """Run to the end; False when the client hung up (the generation is aborted)."""
         return await self.gen.collect(request.receive, self._raw())
 
-    def whole(self) -> tuple[str | None, str | None, list[dict]]:
-        """The finished choice as (reasoning, content, OpenAI tool_calls), parsed from its whole text."""
-        return self.output.whole(self.choice.text)
+    def whole(self, index: int = 0) -> tuple[str | None, str | None, list[dict]]:
+        """A finished choice as (reasoning, content, OpenAI tool_calls), parsed from its whole text."""
+        return self.outputs[index].whole(self.gen.choices[index].text)
 
     @property
     def stop_string(self) -> str | None:
@@ -188,4 +247,3 @@ class ChatRun:
     def usage(self) -> tuple[int, int, int]:
         """(prompt tokens, completion tokens, cached prompt tokens)."""
         return self.gen.usage_counts()
-

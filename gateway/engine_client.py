@@ -152,10 +152,20 @@ class EngineClient:
             self.unavailable_reason = reason
         self._fail_all(EngineUnavailableError(self.unavailable_reason))
 
+    def end_all(self, reason: str) -> int:
+        """End every open request with an EngineUnavailableError (shutdown); how many there were."""
+        n = len(self._streams)
+        self._fail_all(EngineUnavailableError(reason))
+        return n
+
     def _fail_all(self, err: MlxdError) -> None:
         streams, self._streams = self._streams, {}
         for queue, index in streams.values():
             queue.put_nowait((index, err))
+        # An engine that is alive after all (silent through a long step, say) must not go on
+        # running requests nobody reads: abort them (a dead engine's successor ignores the ids).
+        if streams and self._sock is not None and not self._sock.closed:
+            self._send(Kind.ABORT, p.Abort(list(streams)))
 
     async def _recv_loop(self) -> None:
         while True:

@@ -18,10 +18,6 @@ from shared.errors import ContextLengthError, InvalidRequestError, MlxdError
 
 log = logging.getLogger("mlxd.gateway")
 
-class RequestTooLargeError(InvalidRequestError):
-    status = 413
-    code = "request_too_large"
-
 
 _PATH = re.compile(r"at `\$\.?([^`]*)`")
 _MISSING = re.compile(r"missing required field `([^`]*)`")
@@ -58,7 +54,8 @@ def error_body(exc: BaseException) -> tuple[int, dict]:
 
 # Anthropic's error types by HTTP status; its SDK picks exception classes by status.
 _ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-                    404: "not_found_error", 405: "invalid_request_error", 413: "request_too_large",
+                    404: "not_found_error", 405: "invalid_request_error", 408: "invalid_request_error",
+                    413: "request_too_large", 415: "invalid_request_error",
                     429: "rate_limit_error", 503: "overloaded_error"}
 
 ANTHROPIC_PREFIX = "/v1/messages"
@@ -97,9 +94,13 @@ def error_response(exc: BaseException, anthropic: bool = False) -> JSONResponse:
 
 
 def sse_error_event(exc: BaseException) -> bytes:
-    """An error inside an open stream: the status is already sent, so the body says it."""
+    """An error inside an open stream: the status is already sent, so the body says it.
+
+    Then ``[DONE]``, as every OpenAI stream ends: a client reading up to it knows the
+    stream ended on purpose, not by a cut connection.
+    """
     _, body = error_body(exc)
-    return b"data: " + msgspec.json.encode(body) + b"\n\n"
+    return b"data: " + msgspec.json.encode(body) + b"\n\ndata: [DONE]\n\n"
 
 
 async def handle_exception(request, exc: Exception) -> JSONResponse:

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from gateway.detokenizer import IncrementalDetokenizer
 from gateway.sse import wait_disconnect
 from gateway.stops import StopMatcher
-from shared.errors import InvalidRequestError, MlxdError
+from shared.errors import MlxdError
 from shared.protocol import Logprob, RequestOutput
 from shared.sampling import SamplingParams
 
@@ -181,6 +181,33 @@ class Generation:
         finally:
             self.abort_unfinished()
 
+    async def primed_deltas(self, keepalive: float, wait_first: bool):
+        """``deltas(keepalive)``, with the first delta already awaited when ``wait_first``.
+
+        A constrained request's grammar may be refused by the engine; waiting
+        for the first output before the response starts turns that refusal
+        into a 400 instead of an error event inside a 200 stream.
+        """
+        it = self.deltas(keepalive=keepalive)
+        head = []
+        if wait_first:
+            try:
+                async for d in it:
+                    if d is not None:  # no keep-alives before the response starts
+                        head.append(d)
+                        break
+            except BaseException:
+                await it.aclose()
+                raise
+
+        async def chained():
+            for d in head:
+                yield d
+            async for d in it:
+                yield d
+
+        return chained()
+
     def usage_counts(self) -> tuple[int, int, int]:
         """(prompt tokens, completion tokens, cached prompt tokens) over the whole request."""
         prompt = sum(len(p) for p in self.prompts)
@@ -193,10 +220,3 @@ def _replace_seed(params: SamplingParams, seed: int) -> SamplingParams:
     import msgspec
 
     return msgspec.structs.replace(params, seed=seed)
-
-
-def check_n(n: int | None, limit: int = 64) -> int:
-    n = 1 if n is None else n
-    if not 1 <= n <= limit:
-        raise InvalidRequestError(f"n must be in [1, {limit}]", param="n")
-    return n

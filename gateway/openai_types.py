@@ -89,7 +89,7 @@ class ChatCompletionRequest(_SamplingFields, kw_only=True):
 
 class CompletionRequest(_SamplingFields, kw_only=True):
     # A string, a list of strings, a list of token ids, or a list of lists of them;
-    # msgspec cannot tell list shapes apart in a union, so prompts.py checks the shape.
+    # msgspec cannot tell list shapes apart in a union, so params.completion_prompts checks the shape.
     prompt: str | list[Any]
     logprobs: int | None = None
     echo: bool = False
@@ -125,6 +125,13 @@ class Usage(msgspec.Struct):
     completion_tokens: int
     total_tokens: int
     prompt_tokens_details: PromptTokensDetails | None = None
+
+
+def usage(counts: tuple[int, int, int]) -> Usage:
+    """OpenAI's usage of (prompt tokens, completion tokens, cached prompt tokens)."""
+    prompt, completion, cached = counts
+    return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
+                 prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
 
 
 class TopLogprob(msgspec.Struct):

@@ -1,17 +1,30 @@
-"""From an OpenAI request body to the engine's terms: prompt token ids and SamplingParams.
+"""The one place a request's fields are checked and mapped to the engine's terms: prompts and SamplingParams.
 
-Everything here raises InvalidRequestError naming the offending field, before
-anything reaches the engine.
+Every route (chat completions, completions, Anthropic's messages, Responses)
+goes through these functions, and everything here raises
+InvalidRequestError naming the offending field, before anything reaches the
+engine. The ranges of the sampling fields themselves are
+``SamplingParams.validate``'s, which the engine applies again at its end of
+the wire.
 """
 
 from __future__ import annotations
 
 from gateway.generation_defaults import SamplingDefaults
-from shared.errors import ContextLengthError, InvalidRequestError
+from shared.errors import ContextLengthError, InvalidRequestError, MlxdError
 from shared.protocol import EngineInfo
-from shared.sampling import SamplingParams, StructuredSpec
+from shared.sampling import INT64_MAX, INT64_MIN, SamplingParams, StructuredSpec
 
 MAX_STOP_STRINGS = 16
+MAX_N = 64
+# Engine requests one HTTP request may start (prompts x n): each takes a place in the
+# engine's waiting queue, and a batch of 1,000 prompts would otherwise fill it alone.
+MAX_CHOICES = 64
+# Roles a chat template is given; OpenAI's developer role arrives as system.
+CHAT_ROLES = ("system", "user", "assistant", "tool")
+# Python steps a request-supplied chat template may take to render (a long
+# conversation through a model's own template takes a few hundred thousand).
+TEMPLATE_MAX_STEPS = 5_000_000
 
 
 def stop_list(stop: str | list[str] | None) -> list[str]:
@@ -21,25 +34,97 @@ def stop_list(stop: str | list[str] | None) -> list[str]:
     return [s for s in stops if s]
 
 
-def completion_prompts(prompt, tokenizer) -> list[list[int]]:
-    """A string, list of strings, list of token ids, or list of lists of token ids."""
-    if isinstance(prompt, str):
-        return [tokenizer.encode(prompt, add_special_tokens=True)]
-    if not prompt:
-        raise InvalidRequestError("the prompt is empty", param="prompt")
-    if all(isinstance(x, str) for x in prompt):
-        return [tokenizer.encode(x, add_special_tokens=True) for x in prompt]
-    if all(isinstance(x, int) and not isinstance(x, bool) for x in prompt):
-        return [list(prompt)]
-    if all(isinstance(x, list) and x and all(isinstance(t, int) and not isinstance(t, bool) for t in x)
-           for x in prompt):
-        return [list(x) for x in prompt]
-    raise InvalidRequestError(
-        "prompt must be a string, a list of strings, a list of token ids, or a list of lists of token ids",
-        param="prompt")
+def check_n(n: int | None) -> int:
+    n = 1 if n is None else n
+    if not 1 <= n <= MAX_N:
+        raise InvalidRequestError(f"n must be in [1, {MAX_N}]", param="n")
+    return n
 
 
-def check_prompt(ids: list[int], info: EngineInfo, max_tokens: int | None, param: str) -> int:
+def check_choices(num_prompts: int, n: int, param: str = "prompt") -> None:
+    if num_prompts * n > MAX_CHOICES:
+        raise InvalidRequestError(f"one request may ask for at most {MAX_CHOICES} completions "
+                                  f"(prompts x n); this one asks for {num_prompts * n}", param=param)
+
+
+def check_priority(priority: int) -> int:
+    if not INT64_MIN <= priority <= INT64_MAX:
+        raise InvalidRequestError("priority must fit in a signed 64-bit integer", param="priority")
+    return priority
+
+
+def check_stream_options(req) -> None:
+    if req.stream_options is not None and not req.stream:
+        raise InvalidRequestError("stream_options is only allowed with stream=true", param="stream_options")
+
+
+def chat_logprobs(logprobs: bool, top_logprobs: int | None) -> int | None:
+    """Chat's logprobs/top_logprobs as the engine's count: None (none), or the top k beside the sampled token."""
+    if top_logprobs is not None and not logprobs:
+        raise InvalidRequestError("top_logprobs needs logprobs=true", param="top_logprobs")
+    return (top_logprobs or 0) if logprobs else None
+
+
+def check_completion(req, n: int) -> None:
+    """What /v1/completions takes beyond the shared sampling fields."""
+    if req.suffix:
+        raise InvalidRequestError("suffix is not supported", param="suffix")
+    if req.best_of is not None and req.best_of != n:
+        raise InvalidRequestError("best_of other than n is not supported", param="best_of")
+    if req.logprobs is not None and not 0 <= req.logprobs <= 20:
+        raise InvalidRequestError("logprobs must be in [0, 20]", param="logprobs")
+    if req.echo and req.stream:
+        raise InvalidRequestError("echo is not supported with stream=true", param="echo")
+    check_priority(req.priority)
+
+
+def requested_max_tokens(value: int | None, param: str) -> int | None:
+    if value is not None and value < 1:
+        raise InvalidRequestError(f"{param} must be at least 1", param=param)
+    return value
+
+
+def check_chat(messages: list[dict], param: str, add_generation_prompt: bool, continue_final: bool,
+               chat_template: str | None, trust_request_template: bool) -> None:
+    """The conversation and its template controls, before anything is rendered."""
+    if not messages:
+        raise InvalidRequestError("the conversation is empty", param=param)
+    for i, m in enumerate(messages):
+        if m.get("role") not in CHAT_ROLES:
+            raise InvalidRequestError(f"unknown role {m.get('role')!r}; a message's role is one of "
+                                      f"{', '.join(CHAT_ROLES)} or developer", param=f"{param}[{i}].role")
+    if add_generation_prompt and continue_final:
+        raise InvalidRequestError("add_generation_prompt and continue_final_message cannot both be true",
+                                  param="continue_final_message")
+    if continue_final and messages[-1]["role"] != "assistant":
+        raise InvalidRequestError("continue_final_message needs a final assistant message", param=param)
+    if chat_template is not None and not trust_request_template:
+        raise InvalidRequestError("this server does not render request-supplied chat templates "
+                                  "(start it with --trust-request-chat-template)", param="chat_template")
+
+
+def check_prompt_bytes(text: str, info: EngineInfo, max_token_bytes: int | None, param: str,
+                       slack: int = 1) -> None:
+    """Refuse, before tokenizing it, a prompt whose text cannot fit in ``slack`` contexts.
+
+    No token covers more than ``max_token_bytes`` bytes of text (see
+    ``Tokenizer.max_token_bytes``), so a text of B bytes has at least
+    B / max_token_bytes tokens; over ``slack * max_model_len`` such tokens it
+    cannot fit, whatever the tokenizer makes of it.
+    """
+    if max_token_bytes is None:
+        return
+    limit = slack * info.max_model_len * max_token_bytes
+    size = len(text) if text.isascii() else len(text.encode("utf-8"))
+    if size > limit:
+        raise ContextLengthError(
+            f"This model's maximum context length is {info.max_model_len} tokens; the prompt's "
+            f"{size} bytes are more than {info.max_model_len * slack} tokens of this tokenizer can hold.",
+            param=param)
+
+
+def check_prompt(ids: list[int], info: EngineInfo, max_tokens: int | None, param: str,
+                 max_tokens_param: str = "max_tokens") -> int:
     """Validate one prompt against the context; returns the max_tokens to use."""
     if not ids:
         raise InvalidRequestError("the prompt is empty", param=param)
@@ -57,14 +142,34 @@ def check_prompt(ids: list[int], info: EngineInfo, max_tokens: int | None, param
         raise ContextLengthError(
             f"This model's maximum context length is {info.max_model_len} tokens. However, you "
             f"requested {len(ids) + max_tokens} tokens ({len(ids)} in the prompt, {max_tokens} "
-            f"in the completion).", param="max_tokens")
+            f"in the completion).", param=max_tokens_param)
     return max_tokens
 
 
-def sampling_params(req, max_tokens: int, logprobs: int | None, info: EngineInfo,
+def engine_error(err: MlxdError, prompt_param: str, max_tokens_param: str | None) -> MlxdError:
+    """An engine's error with the request field it concerns.
+
+    The engine speaks of prompts and KV blocks, not of HTTP fields (the
+    gateway has checked the prompt against the context already, so what the
+    engine can still refuse is the prompt plus its completion in the KV
+    pool): a context-length refusal names the requested length when the
+    client gave one, else the prompt.
+    """
+    if isinstance(err, ContextLengthError):
+        err.param = max_tokens_param or prompt_param
+    return err
+
+
+def sampling_params(req, max_tokens: int, logprobs: int | None, vocab_size: int, n: int = 1,
                     structured: StructuredSpec | None = None,
                     defaults: SamplingDefaults = SamplingDefaults()) -> SamplingParams:
-    """SamplingParams of one choice, ``defaults`` for omitted fields; validated against the model's vocabulary."""
+    """SamplingParams of a request's choices, validated against the model's vocabulary.
+
+    ``req`` has the sampling fields of OpenAI's and vLLM's requests (a
+    ChatInput, a CompletionRequest), None where the client gave none: those
+    take ``defaults`` (the model's generation config, the operator's override),
+    whose cap also bounds ``max_tokens``.
+    """
     bias = None
     if req.logit_bias:
         try:
@@ -73,6 +178,9 @@ def sampling_params(req, max_tokens: int, logprobs: int | None, info: EngineInfo
             raise InvalidRequestError("logit_bias keys must be token ids", param="logit_bias") from None
         if any(not -100 <= v <= 100 for v in bias.values()):
             raise InvalidRequestError("logit_bias values must be in [-100, 100]", param="logit_bias")
+    # Choices of one prompt are seeded seed, seed+1, ...: the last must still be an int64.
+    if req.seed is not None and INT64_MIN <= req.seed <= INT64_MAX < req.seed + n - 1:
+        raise InvalidRequestError("seed + n - 1 must fit in a signed 64-bit integer", param="seed")
     p = SamplingParams(
         max_tokens=defaults.cap(max_tokens),
         temperature=defaults.temperature if req.temperature is None else req.temperature,
@@ -92,14 +200,40 @@ def sampling_params(req, max_tokens: int, logprobs: int | None, info: EngineInfo
         speculate=req.speculate,
         structured=structured,
     )
-    p.validate(info.vocab_size)
+    p.validate(vocab_size)
     return p
 
 
-def requested_max_tokens(value: int | None, param: str) -> int | None:
-    if value is not None and value < 1:
-        raise InvalidRequestError(f"{param} must be at least 1", param=param)
-    return value
+def completion_prompts(prompt, tokenizer, info: EngineInfo) -> list[list[int]]:
+    """A string, list of strings, list of token ids, or list of lists of token ids, as token ids.
+
+    Tokenizes: call it off the event loop. Texts that cannot fit are refused unread.
+    """
+    def encode(text: str) -> list[int]:
+        check_prompt_bytes(text, info, tokenizer.max_token_bytes, "prompt")
+        return tokenizer.encode(text, add_special_tokens=True)
+
+    if isinstance(prompt, str):
+        return [encode(prompt)]
+    if not prompt:
+        raise InvalidRequestError("the prompt is empty", param="prompt")
+    if all(isinstance(x, str) for x in prompt):
+        return [encode(x) for x in prompt]
+    if all(isinstance(x, int) and not isinstance(x, bool) for x in prompt):
+        return [list(prompt)]
+    if all(isinstance(x, list) and x and all(isinstance(t, int) and not isinstance(t, bool) for t in x)
+           for x in prompt):
+        return [list(x) for x in prompt]
+    raise InvalidRequestError(
+        "prompt must be a string, a list of strings, a list of token ids, or a list of lists of token ids",
+        param="prompt")
+
+
+def num_prompts(prompt) -> int:
+    """How many prompts a completions ``prompt`` holds, before any is tokenized."""
+    if isinstance(prompt, list) and prompt and all(isinstance(x, (str, list)) for x in prompt):
+        return len(prompt)
+    return 1
 
 
 # vLLM's request fields the engine cannot honour yet: refused rather than silently ignored.

@@ -10,7 +10,6 @@ whole or as the Responses event stream. Nothing is stored: ``store`` and
 
 from __future__ import annotations
 
-import json
 import time
 from typing import Any
 
@@ -20,8 +19,8 @@ from starlette.responses import Response
 
 from gateway.chat_run import ChatInput, ChatRun
 from gateway.errors import error_body, to_mlxd_error
+from gateway.request_body import decode_body, loads
 from gateway.responses_tools import ResponsesTools, responses_tools
-from gateway.routes import read_body
 from gateway.sse import KEEPALIVE, SSEResponse, named_event
 from gateway.state import GatewayState
 from shared.errors import InvalidRequestError, MlxdError
@@ -74,10 +73,7 @@ def _text(content, where: str) -> str:
 
 def _arguments(text: str, where: str) -> dict:
     """A call's arguments as the object templates render (as the chat path gives them)."""
-    try:
-        value = json.loads(text) if text.strip() else {}
-    except ValueError:
-        value = None
+    value = loads(text, param=where) if text.strip() else {}
     if not isinstance(value, dict):
         raise InvalidRequestError("function_call arguments must be a JSON object", param=where)
     return value
@@ -152,7 +148,8 @@ def chat_input(req: ResponsesRequest, tools: ResponsesTools) -> ChatInput:
                      tool_choice=_tool_choice(req.tool_choice, tools),
                      parallel_tool_calls=req.parallel_tool_calls, max_tokens=req.max_output_tokens,
                      temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
-                     response_format=_response_format(req.text), param="input")
+                     response_format=_response_format(req.text), param="input",
+                     max_tokens_param="max_output_tokens")
 
 
 # -- route ------------------------------------------------------------------------------
@@ -160,7 +157,7 @@ def chat_input(req: ResponsesRequest, tools: ResponsesTools) -> ChatInput:
 async def responses(request: Request) -> Response:
     gw: GatewayState = request.app.state.gw
     app = gw.check_auth(request)
-    req = msgspec.json.decode(await read_body(request), type=ResponsesRequest)
+    req = await decode_body(request, ResponsesRequest)
     gw.require_ready()
     model = gw.check_model(req.model)
     if req.previous_response_id is not None:

@@ -9,7 +9,7 @@ and cancels the event source at once, whose ``finally`` aborts the requests.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 import msgspec
 
@@ -36,8 +36,13 @@ async def wait_disconnect(receive) -> None:
 
 
 class SSEResponse:
-    def __init__(self, events: AsyncIterator[bytes], headers: dict[str, str] | None = None):
+    """``on_close`` runs when the response ends however it ends, also when the client left
+    before the first event (an async generator closed unstarted never runs its ``finally``)."""
+
+    def __init__(self, events: AsyncIterator[bytes], headers: dict[str, str] | None = None,
+                 on_close: Callable[[], None] | None = None):
         self.events = events
+        self.on_close = on_close
         self.headers = [
             (b"content-type", b"text/event-stream; charset=utf-8"),
             (b"cache-control", b"no-cache"),
@@ -63,6 +68,8 @@ class SSEResponse:
             aclose = getattr(self.events, "aclose", None)
             if aclose is not None:
                 await aclose()
+            if self.on_close is not None:
+                self.on_close()
         if pump_task.done() and not pump_task.cancelled():
             exc = pump_task.exception()
             # A write to a connection that just closed is the client's leaving, not an error.

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import ipaddress
 import logging
 
 from starlette.requests import Request
@@ -21,6 +22,18 @@ from shared.serve_config import GatewayConfig
 log = logging.getLogger("mlxd.gateway")
 
 
+def exposure_warning(host: str, keys_required: bool) -> str | None:
+    """A warning when the gateway listens beyond loopback with no key required, else None."""
+    try:
+        loopback = host == "localhost" or ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        loopback = False
+    if loopback or keys_required:
+        return None
+    return (f"listening on {host} with no API key: anyone who can reach this port can use the model "
+            "(set --api-key or add keys with `mlxd keys add APP`)")
+
+
 class GatewayState:
     def __init__(self, config: GatewayConfig):
         self.config = config
@@ -34,6 +47,9 @@ class GatewayState:
         check_endpoint(endpoint, config.curve_keys)
         self.client = EngineClient(endpoint, engine_timeout=config.engine_timeout,
                                    on_ready=self._on_engine_ready, curve_keys=config.curve_keys)
+        warning = exposure_warning(config.host, config.api_key is not None or self.keys.active)
+        if warning:
+            log.warning(warning)
 
     async def _on_engine_ready(self, info: EngineInfo) -> None:
         """Load the tokenizer of the engine's model (again only if the model changed)."""

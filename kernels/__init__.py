@@ -1,30 +1,31 @@
 """Paged variable-length attention: one contract, several implementations.
 
-``paged_attention`` runs the Metal kernel on a Metal GPU, the CUDA kernel on a
-CUDA GPU, the numpy host path on the CPU (float32), and the pure-MLX reference
-otherwise (a shape or dtype the others do not cover). ``MLXD_ATTENTION=reference``
-forces the reference; it is read here, once, at import.
+``paged_attention`` runs the implementation its caller names (the engine's
+``--attention-backend``): the Metal kernel on a Metal GPU, the CUDA kernel on a
+CUDA GPU, the numpy path on the CPU (``host``, float32), or the pure-MLX
+reference. ``auto`` picks by the current default device. Any of them falls back
+to the reference for a shape or dtype it does not cover.
 """
 
 from __future__ import annotations
 
-import os
-
 import mlx.core as mx
 
-from kernels import gpu, host, reference
+from kernels import gpu, numpy_attention, reference
 from kernels.metadata import AttentionMetadata
 from kernels.reference import write_kv
 
-__all__ = ["AttentionMetadata", "backend", "paged_attention", "write_kv"]
+__all__ = ["BACKENDS", "AttentionMetadata", "paged_attention", "resolve_backend", "write_kv"]
 
-_FORCE_REFERENCE = os.environ.get("MLXD_ATTENTION", "").strip().lower() == "reference"
+BACKENDS = ("auto", "reference", "host", "metal", "cuda")
 
 
-def backend() -> str:
-    """Which implementation ``paged_attention`` uses on the current default device."""
-    if _FORCE_REFERENCE:
-        return "reference"
+def resolve_backend(requested: str = "auto") -> str:
+    """The implementation ``paged_attention(..., backend=requested)`` uses on the current default device."""
+    if requested not in BACKENDS:
+        raise ValueError(f"attention backend {requested!r} is not one of {', '.join(BACKENDS)}")
+    if requested != "auto":
+        return requested
     if mx.default_device().type != mx.DeviceType.gpu:
         return "host"
     if mx.metal.is_available():
@@ -43,16 +44,17 @@ def paged_attention(
     sliding_window: int | None = None,
     softcap: float | None = None,
     sinks: mx.array | None = None,
+    backend: str = "auto",
 ) -> mx.array:
     """Attention of packed queries ``q [T, H, D]`` over each request's paged context.
 
     Same contract as ``reference.paged_attention`` (see there); returns ``[T, H, D]``
     in ``q``'s dtype. The GPU kernels do not take ``sinks`` yet: with sinks the
-    reference runs.
+    reference runs. ``backend`` is one of BACKENDS (see ``resolve_backend``).
     """
-    which = backend()
-    if which == "host" and host.supported(q, k_cache):
-        return host.paged_attention(q, k_cache, v_cache, meta, scale, sliding_window, softcap, sinks)
+    which = resolve_backend(backend)
+    if which == "host" and numpy_attention.supported(q, k_cache):
+        return numpy_attention.paged_attention(q, k_cache, v_cache, meta, scale, sliding_window, softcap, sinks)
     if which in ("metal", "cuda") and sinks is None:
         out = gpu.paged_attention(which, q, k_cache, v_cache, meta, scale, sliding_window, softcap)
         if out is not None:

@@ -274,15 +274,11 @@ class _StepPlan:
         return self._layouts[hkv, num_blocks]
 
 
-_last_plan: list[_StepPlan] = []
-
-
 def _plan(meta: AttentionMetadata, dialect: str) -> _StepPlan:
-    # Every layer of a step passes the same metadata object: plan once per step.
-    if _last_plan and _last_plan[0].meta is meta and _last_plan[0].dialect == dialect:
-        return _last_plan[0]
-    plan = _StepPlan(meta, dialect)
-    _last_plan[:] = [plan]
+    # Every layer of a step passes the same metadata: plan once per step, kept on the metadata.
+    plan = meta.plans.get(dialect)
+    if plan is None:
+        plan = meta.plans[dialect] = _StepPlan(meta, dialect)
     return plan
 
 

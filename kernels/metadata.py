@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import mlx.core as mx
 import numpy as np
@@ -17,6 +17,10 @@ class AttentionMetadata:
     of which the last ``query_lens[b]`` are this step's. ``block_tables[b]``
     lists its physical blocks (padded with 0); ``slot_mapping[t]`` is where row
     ``t``'s K/V goes in the flattened ``[num_blocks * block_size]`` cache.
+
+    ``plans`` holds what an implementation derives from the metadata once and
+    every layer of the step reuses (its launch plan); it lives and dies with
+    the metadata, so no cache outside it has to guess when a step is over.
     """
 
     cu_seqlens_q: mx.array  # [B + 1] int32
@@ -28,6 +32,7 @@ class AttentionMetadata:
     seq_lens_np: np.ndarray  # [B] host copy
     cu_seqlens_q_np: np.ndarray  # [B + 1] host copy
     block_size: int
+    plans: dict = field(default_factory=dict, compare=False, repr=False)
 
     @property
     def num_tokens(self) -> int:

@@ -6,6 +6,9 @@ import msgspec
 
 from shared.errors import InvalidRequestError
 
+# kernels.BACKENDS, spelled out here because shared/ does not import the kernels (nor MLX).
+ATTENTION_BACKENDS = ("auto", "reference", "host", "metal", "cuda")
+
 
 class SpeculativeConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """``--speculative-config`` as vLLM spells it (a JSON object).
@@ -63,6 +66,9 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     speculative_config: str | None = None
     # Metric name prefix: "mlxd", or "vllm" for dashboards written for vLLM.
     metrics_prefix: str = "mlxd"
+    # The paged attention implementation (kernels.BACKENDS): "auto" picks by device (Metal or
+    # CUDA kernel on a GPU, numpy "host" path on the CPU); "reference" is the pure-MLX oracle.
+    attention_backend: str = "auto"
 
     def __post_init__(self) -> None:
         positive = ("max_num_seqs", "max_num_batched_tokens", "block_size", "max_waiting_requests")
@@ -81,6 +87,9 @@ class EngineConfig(msgspec.Struct, kw_only=True):
             self.speculative  # parse now so a bad JSON object fails at start-up
         if self.metrics_prefix not in ("mlxd", "vllm"):
             raise InvalidRequestError("metrics_prefix must be 'mlxd' or 'vllm'", param="metrics_prefix")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise InvalidRequestError(f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}",
+                                      param="attention_backend")
         if self.dtype not in ("auto", "float32", "float16", "bfloat16", "quantized"):
             raise InvalidRequestError(f"unknown dtype {self.dtype!r}", param="dtype")
 

@@ -43,6 +43,33 @@ class ContextLengthError(InvalidRequestError):
         self.prompt_tokens, self.max_model_len = prompt_tokens, max_model_len
 
 
+class RequestTooLargeError(InvalidRequestError):
+    status = 413
+    code = "request_too_large"
+
+
+class RequestTimeoutError(InvalidRequestError):
+    """The client stopped sending its request part-way."""
+
+    status = 408
+    code = "request_timeout"
+
+
+class UnsupportedMediaTypeError(InvalidRequestError):
+    """A body that is not declared JSON (a browser's form or text/plain post, which needs no preflight)."""
+
+    status = 415
+    code = "unsupported_media_type"
+
+
+class ForbiddenError(MlxdError):
+    """A browser page of a foreign origin, or a Host name this server does not answer to (DNS rebinding)."""
+
+    status = 403
+    type = "permission_error"
+    code = "forbidden"
+
+
 class AuthenticationError(MlxdError):
     status = 401
     type = "authentication_error"

@@ -10,12 +10,19 @@ The file is written whole to a temporary file of mode 0600 and renamed over
 the old one, so a gateway reading it never sees half a file; gateways reload
 it when its modification time or size changes, so a revoked key stops working
 at once, without a restart.
+
+Once an app has had a key, authentication stays on: revoking the last key
+leaves an empty file (nobody gets in without ``--api-key`` until a key is
+added), and a marker beside the file (``keys.json.required``) keeps it on when
+the file itself is deleted. A damaged file stops a gateway from starting and,
+if it is damaged later, shuts everyone out (the path only in the server log).
 """
 
 from __future__ import annotations
 
 import hashlib
 import hmac
+import logging
 import os
 import re
 import secrets
@@ -24,8 +31,10 @@ import time
 
 import msgspec
 
-from shared.errors import InvalidRequestError
+from shared.errors import InvalidRequestError, MlxdError
 from shared.paths import config_dir
+
+log = logging.getLogger("mlxd.keys")
 
 # Short and plain: app names become metric labels and log fields.
 _APP_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
@@ -47,6 +56,11 @@ class KeyFile(msgspec.Struct, kw_only=True):
 
 def default_keys_file() -> str:
     return os.path.join(config_dir(), "keys.json")
+
+
+def required_marker(path: str) -> str:
+    """The file whose presence says that keys are required even with ``path`` empty or gone."""
+    return path + ".required"
 
 
 def _digest(salt: bytes, secret: str) -> str:
@@ -71,7 +85,8 @@ def read_keys(path: str) -> KeyFile:
     try:
         return msgspec.json.decode(data, type=KeyFile)
     except (msgspec.DecodeError, msgspec.ValidationError) as e:
-        raise InvalidRequestError(f"key file {path} is damaged: {e}") from e
+        raise MlxdError(f"key file {path} is damaged ({e}); fix it, or add a key again "
+                        f"with `mlxd keys add` after removing it") from e
 
 
 def _write_keys(path: str, keys: KeyFile) -> None:
@@ -104,6 +119,9 @@ def add_key(path: str, app: str) -> str:
     keys.keys.append(AppKey(app=app, key_id=key_id, salt=salt.hex(), hash=_digest(salt, secret),
                             created=time.time()))
     _write_keys(path, keys)
+    # Made after the file: a crash in between leaves a key file, which requires keys on its own.
+    fd = os.open(required_marker(path), os.O_WRONLY | os.O_CREAT, 0o600)
+    os.close(fd)
     return f"{_PREFIX}_{key_id}_{secret}"
 
 
@@ -133,28 +151,48 @@ def match_key(keys: KeyFile, presented: str) -> str | None:
 
 
 class KeyChecker:
-    """The gateway's view of the key file, reloaded whenever the file changes."""
+    """The gateway's view of the key file, reloaded whenever the file changes.
+
+    Built at start-up, it reads the file at once, so a damaged one is a
+    start-up error (MlxdError, naming the file) rather than every request's.
+    """
 
     def __init__(self, path: str):
         self.path = path
         self._stamp: tuple | None = None
         self._keys = KeyFile()
+        # Once keys were seen (the file or its marker), they stay required for this process.
+        self._required = False
+        self._damaged = False
+        self._refresh(at_start=True)
 
-    def _refresh(self) -> None:
+    def _refresh(self, at_start: bool = False) -> None:
         try:
             st = os.stat(self.path)
             stamp = (st.st_mtime_ns, st.st_size, st.st_ino)
         except FileNotFoundError:
             stamp = None
         if stamp != self._stamp:
-            self._keys = read_keys(self.path) if stamp is not None else KeyFile()
+            try:
+                self._keys = read_keys(self.path) if stamp is not None else KeyFile()
+                self._damaged = False
+            except MlxdError as e:
+                if at_start:
+                    raise
+                log.error("%s; refusing every request until it is fixed", e.message)
+                self._keys, self._damaged = KeyFile(), True
             self._stamp = stamp
+        if stamp is not None or os.path.exists(required_marker(self.path)):
+            self._required = True
 
     @property
     def active(self) -> bool:
-        """Whether any app has a key (then every request must present one)."""
+        """Whether requests must present a key: any app has or ever had one (see the module doc)."""
         self._refresh()
-        return bool(self._keys.keys)
+        if self._damaged:
+            # Not the client's fault, and the file's path is the server's business.
+            raise MlxdError("the server's API key file is damaged; see the server log")
+        return self._required
 
     def app_of(self, presented: str) -> str | None:
         self._refresh()

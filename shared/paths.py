@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import socket
 import stat
 import tempfile
 
@@ -66,7 +67,37 @@ def check_ipc_endpoint(endpoint: str, create: bool = True) -> None:
             check_private_dir(directory, create=create)
 
 
+def xdg_home(kind: str) -> str:
+    """The user's base directory of ``kind`` ("config", "cache"): $XDG_<KIND>_HOME, else ~/.<kind>."""
+    return os.environ.get(f"XDG_{kind.upper()}_HOME") or os.path.join(os.path.expanduser("~"), "." + kind)
+
+
 def config_dir() -> str:
     """$XDG_CONFIG_HOME/mlxd (~/.config/mlxd): keys and certificates; not created here."""
-    base = os.environ.get("XDG_CONFIG_HOME") or os.path.join(os.path.expanduser("~"), ".config")
-    return os.path.join(base, "mlxd")
+    return os.path.join(xdg_home("config"), "mlxd")
+
+
+def cache_dir() -> str:
+    """$XDG_CACHE_HOME/mlxd (~/.cache/mlxd): what mlxd derives from models; not created here."""
+    return os.path.join(xdg_home("cache"), "mlxd")
+
+
+def refuse_live_ipc(endpoint: str) -> None:
+    """Refuse to bind an ipc endpoint whose socket file a live engine is serving.
+
+    ZeroMQ's ipc bind silently replaces an existing socket file, which would cut
+    the running engine off from every new gateway.
+    """
+    if not endpoint.startswith("ipc://"):
+        return
+    path = endpoint[len("ipc://"):]
+    if not os.path.exists(path):
+        return
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        s.connect(path)
+    except OSError:
+        return  # a stale file left by a dead engine
+    finally:
+        s.close()
+    raise InvalidRequestError(f"another engine is already serving {endpoint}", param="engine_endpoint")

@@ -61,7 +61,8 @@ class RequestOutput(msgspec.Struct, array_like=True, gc=False):
 
 
 class EngineStats(msgspec.Struct, array_like=True, gc=False):
-    """A snapshot of the scheduler and the block pool."""
+    """A snapshot of the scheduler and the block pool: ``Engine.stats()``, and a PONG's payload
+    with the daemon's step and socket times filled in."""
 
     num_running: int = 0
     num_waiting: int = 0
@@ -73,6 +74,10 @@ class EngineStats(msgspec.Struct, array_like=True, gc=False):
     step_seconds: float = 0.0
     io_seconds: float = 0.0
     num_steps: int = 0
+    # Prefix cache lookups and hits, in blocks, since the engine started (last: an older
+    # peer's shorter array still decodes).
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
 
 
 class Hello(msgspec.Struct, kw_only=True):

@@ -7,6 +7,9 @@ import msgspec
 from shared.errors import InvalidRequestError
 
 
+INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
+INT32_MAX = (1 << 31) - 1
+
 STRUCTURED_KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
 
 
@@ -48,18 +51,24 @@ class SamplingParams(msgspec.Struct, array_like=True, gc=False, omit_defaults=Tr
     structured: StructuredSpec | None = None
 
     def validate(self, vocab_size: int) -> None:
-        """Raise InvalidRequestError naming the first field out of range."""
+        """Raise InvalidRequestError naming the first field out of range.
+
+        The ranges are what the engine's sampler and the msgpack wire can
+        hold: an int the engine cannot take (a top_k past the vocabulary, a
+        seed past int64) must never reach a step.
+        """
         checks = (
-            ("max_tokens", self.max_tokens >= 1, "must be at least 1"),
+            ("max_tokens", 1 <= self.max_tokens <= INT32_MAX, "must be at least 1"),
             ("temperature", 0.0 <= self.temperature <= 100.0, "must be in [0, 100]"),
             ("top_p", 0.0 < self.top_p <= 1.0, "must be in (0, 1]"),
-            ("top_k", self.top_k >= -1, "must be -1, 0 or positive"),
+            ("top_k", -1 <= self.top_k <= vocab_size, f"must be -1 or 0 (off), or in [1, {vocab_size}]"),
             ("min_p", 0.0 <= self.min_p <= 1.0, "must be in [0, 1]"),
-            ("repetition_penalty", self.repetition_penalty > 0.0, "must be positive"),
+            ("repetition_penalty", 0.0 < self.repetition_penalty <= 100.0, "must be in (0, 100]"),
             ("presence_penalty", -2.0 <= self.presence_penalty <= 2.0, "must be in [-2, 2]"),
             ("frequency_penalty", -2.0 <= self.frequency_penalty <= 2.0, "must be in [-2, 2]"),
             ("logprobs", self.logprobs is None or 0 <= self.logprobs <= 20, "must be in [0, 20]"),
             ("min_tokens", 0 <= self.min_tokens <= self.max_tokens, "must be in [0, max_tokens]"),
+            ("seed", self.seed is None or INT64_MIN <= self.seed <= INT64_MAX, "must fit in a signed 64-bit integer"),
             (
                 "logit_bias",
                 not self.logit_bias or all(0 <= t < vocab_size for t in self.logit_bias),

@@ -71,6 +71,8 @@ class GatewayConfig(msgspec.Struct, kw_only=True):
     port: int = 8000
     # Clients must send "Authorization: Bearer <api_key>" to /v1/* when set.
     api_key: str | None = None
+    # The same, read from this file at start-up: keeps the key off command lines and unit files.
+    api_key_file: str | None = None
     # Per-app keys (`mlxd keys add APP`); None: keys.json in the config dir. Once any app has
     # a key, every request must present one (or --api-key); requests carry their app to the engine.
     keys_file: str | None = None
@@ -86,8 +88,20 @@ class GatewayConfig(msgspec.Struct, kw_only=True):
     # A comment line is sent on an SSE stream idle this long (a long prefill) so
     # that proxies and clients keep the connection.
     sse_keepalive: float = 5.0
-    # CORS origins allowed; empty: no CORS headers.
+    # On SIGTERM/SIGINT, open requests get this long to finish; then each ends with an error
+    # (a JSON body, or an SSE error event and [DONE]). `serve` passes the engine's value.
+    shutdown_timeout: float = 3.0
+    # Browser origins allowed to call the API (CORS; "*": any); empty: requests that carry an
+    # Origin header are refused, so that no web page can drive the local server.
     allowed_origins: list[str] = []
+    # Host names the server answers to beyond loopback names, IP literals and --host ("*": any);
+    # others are refused (DNS rebinding).
+    allowed_hosts: list[str] = []
+    # Render chat templates sent in requests (vLLM's flag); off, such requests are refused.
+    trust_request_chat_template: bool = False
+    # A client gets this long to send its request head, and may pause this long within its body;
+    # past it the connection is closed (head) or the request answered 408 (body).
+    request_timeout: float = 30.0
     # tool_choice "auto": the model's tool calls are read by --tool-call-parser.
     enable_auto_tool_choice: bool = False
     # The model's tool-call format: how calls are read, and the grammar of
@@ -135,5 +149,11 @@ class GatewayConfig(msgspec.Struct, kw_only=True):
             raise InvalidRequestError("port must be in [0, 65536)", param="port")
         if self.engine_timeout <= 0:
             raise InvalidRequestError("engine_timeout must be positive", param="engine_timeout")
+        if self.shutdown_timeout < 0:
+            raise InvalidRequestError("shutdown_timeout must be >= 0", param="shutdown_timeout")
+        if self.api_key is not None and self.api_key_file is not None:
+            raise InvalidRequestError("give --api-key or --api-key-file, not both", param="api_key_file")
+        if self.request_timeout <= 0:
+            raise InvalidRequestError("request_timeout must be positive", param="request_timeout")
         if self.sse_keepalive <= 0:
             raise InvalidRequestError("sse_keepalive must be positive", param="sse_keepalive")

@@ -15,7 +15,9 @@ def mlx_lm_dir(out: Path, spec: str = "") -> Path:
     out = Path(out)
     if (out / "config.json").is_file() and any(out.glob("*.safetensors")):
         return out
-    import engined  # noqa: F401  (the fast BLAS before mlx.core)
+    from engined.device import load_fast_blas
+
+    load_fast_blas()  # before mlx.core (engined/device.py)
     from mlx_lm.utils import save_config, save_model
 
     from engined.loaders import default_model_path, load_model

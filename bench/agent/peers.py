@@ -159,7 +159,7 @@ class Mlxd(Server):
         # Its own engine socket: the default one is per user, and another `mlxd serve` may hold it.
         # A short temp path: Unix socket paths are limited to ~100 bytes.
         sock = f"ipc://{tempfile.mkdtemp(prefix='mlxd-bench-')}/engine.sock"
-        return [sys.executable, "-m", "shared.cli", "serve", *([self.model] if self.model else []),
+        return [sys.executable, "-m", "mlxd", "serve", *([self.model] if self.model else []),
                 "--port", str(self.port), "--engine-endpoint", sock, "--log-level", "WARNING", *self.extra]
 
 

@@ -29,7 +29,7 @@ import mlx.core as mx  # noqa: E402
 import numpy as np  # noqa: E402
 
 from kernels import gpu, reference  # noqa: E402
-from kernels.cases import dense_attention, host_gather_runs, make_case, rel_error  # noqa: E402
+from tests.kernels.cases import dense_attention, host_gather_runs, make_case, rel_error  # noqa: E402
 from kernels.metadata import AttentionMetadata  # noqa: E402
 
 TOL = {mx.float32: 1e-4, mx.float16: 3e-3, mx.bfloat16: 1.2e-2}
@@ -375,7 +375,7 @@ def main() -> int:
         gpu.PARTITION_TOKENS = part_tokens
         gpu.DECODE_ACC_SHARED = acc_shared
         gpu.DECODE_MIN_GROUPS = min_groups
-        gpu._last_plan.clear()
+        meta.plans.clear()
         p, _ = gpu.plan_partitions(meta, "cuda")
         try:
             sec, spread = bench(lambda: kernel(q, kc, vc, meta, scale))
@@ -394,7 +394,7 @@ def main() -> int:
         print(drows[-1], flush=True)
     (gpu.lanes_per_token, gpu.decode_unroll, gpu.PARTITION_TOKENS, gpu.DECODE_ACC_SHARED,
      gpu.DECODE_MIN_GROUPS) = saved
-    gpu._last_plan.clear()
+    meta.plans.clear()
     sec, _ = bench(lambda: reference.paged_attention(q, kc, vc, meta, scale), iters=5, reps=3)
     drows.append(["reference (gather + SDPA)", f"{sec * 1e6:.0f}", f"{kv_bytes / sec / 1e12:.2f}", f"{bound / sec:.0%}",
                   f"{kv_bytes / HBM_CEILING / sec:.0%}", ""])

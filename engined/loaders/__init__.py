@@ -2,7 +2,7 @@
 
 ``load_model(spec, dtype)`` returns an mlx_lm model instance with its weights
 evaluated, plus what the engine and the gateway need to know about it. Weights
-follow the backend's dtype policy (``engined.backend.weight_dtype``): on MLX's
+follow the backend's dtype policy (``engined.device.weight_dtype``): on MLX's
 CPU backend everything is dequantized to float32, because CPU quantized matmul
 does not use BLAS and is many times slower; on Metal/CUDA the checkpoint's
 quantization is kept.
@@ -18,7 +18,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
-from engined.backend import weight_dtype
+from engined.device import weight_dtype
 from shared.errors import ModelLoadError
 
 from .gguf import load_gguf

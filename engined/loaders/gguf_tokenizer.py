@@ -22,6 +22,7 @@ from pathlib import Path
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
 
 from shared.errors import ModelLoadError
+from shared.paths import cache_dir
 
 log = logging.getLogger(__name__)
 
@@ -74,8 +75,7 @@ def cache_dir_for(gguf_path: str | os.PathLike) -> Path:
     st = os.stat(gguf_path)
     key = f"{_FORMAT}\0{os.path.realpath(gguf_path)}\0{st.st_size}\0{st.st_mtime_ns}"
     digest = hashlib.sha256(key.encode()).hexdigest()[:24]
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "mlxd" / "tokenizers" / digest
+    return Path(cache_dir()) / "tokenizers" / digest
 
 
 def _byte_level_bpe(tokens: list[str], merges: list[str], pre: str) -> Tokenizer:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -12,6 +11,7 @@ import mlx.nn as nn
 from mlx_lm.utils import load_model as mlx_lm_load_model
 
 from shared.errors import ModelLoadError
+from shared.hub import cached_snapshot
 
 
 @dataclass
@@ -82,12 +82,10 @@ def load_dir(path: Path) -> DirModel:
 
 def resolve_hf_repo(repo_id: str) -> Path:
     """A repo id's snapshot directory from the local Hugging Face cache; never downloads."""
-    from huggingface_hub import snapshot_download
     from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
 
-    offline = os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on")
     try:
-        return Path(snapshot_download(repo_id, local_files_only=True))
+        return Path(cached_snapshot(repo_id))
     except HFValidationError as e:
         raise ModelLoadError(
             f"{repo_id!r} is neither a local path nor a valid Hugging Face repo id "
@@ -95,9 +93,8 @@ def resolve_hf_repo(repo_id: str) -> Path:
             param="model",
         ) from e
     except (LocalEntryNotFoundError, FileNotFoundError, OSError) as e:
-        why = "HF_HUB_OFFLINE is set and it is" if offline else "it is"
         raise ModelLoadError(
-            f"model {repo_id!r}: {why} not in the local Hugging Face cache. "
+            f"model {repo_id!r}: it is not in the local Hugging Face cache (mlxd never downloads). "
             f"Download it first with `hf download {repo_id}` "
             "(or pass a local model directory or .gguf file).",
             param="model",

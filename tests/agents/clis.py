@@ -160,7 +160,7 @@ def serve(tmp: Path):
     port = free_port()
     log = open(tmp / "serve.log", "wb")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "shared.cli", "serve", "--port", str(port),
+        [sys.executable, "-m", "mlxd", "serve", "--port", str(port),
          "--engine-endpoint", f"ipc://{tmp}/engine.sock", "--kv-cache-memory", "320000000",
          "--max-model-len", str(CONTEXT), "--max-num-batched-tokens", "512", "--shutdown-timeout", "1",
          "--enable-auto-tool-choice", "--tool-call-parser", "hermes",

@@ -54,7 +54,7 @@ class Engine:
         self._log = open(self.log_path, "ab")
         self.proc = subprocess.Popen(
             # DEBUG: every abort is logged on both sides, to diagnose a failed test from its logs.
-            [sys.executable, "-m", "engined", "--engine-endpoint", self.endpoint, "--log-level", "DEBUG",
+            [sys.executable, "-m", "mlxd", "engine", "--engine-endpoint", self.endpoint, "--log-level", "DEBUG",
              # Stop with the test run even if it dies without tearing down.
              "--parent-pid", str(os.getpid()), *ENGINE_FLAGS, *self.extra],
             stdout=self._log, stderr=subprocess.STDOUT, env=_env())
@@ -93,7 +93,7 @@ class Gateway:
     def start(self) -> "Gateway":
         self._log = open(self.log_path, "ab")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "shared.cli", "gateway", "--engine-endpoint", self.endpoint,
+            [sys.executable, "-m", "mlxd", "gateway", "--engine-endpoint", self.endpoint,
              "--port", str(self.port), "--engine-timeout", "30", "--log-level", "DEBUG", *self.extra],
             stdout=self._log, stderr=subprocess.STDOUT, env=_env())
         return self

@@ -64,7 +64,7 @@ def test_app_keys_authenticate_tag_requests_and_revoke_at_once(engine, metrics_p
 
 
 def _run_engine(*flags, timeout: float = 60) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "engined", *flags], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "mlxd", "engine", *flags], capture_output=True, text=True,
                           timeout=timeout, env=_env())
 
 
@@ -82,7 +82,7 @@ def test_engine_refuses_a_socket_directory_others_can_write(tmp_path):
     runtime = tmp_path / "xdg"
     (runtime / "mlxd").mkdir(parents=True)
     os.chmod(runtime / "mlxd", 0o777)
-    r = subprocess.run([sys.executable, "-m", "engined"], capture_output=True, text=True, timeout=60,
+    r = subprocess.run([sys.executable, "-m", "mlxd", "engine"], capture_output=True, text=True, timeout=60,
                        env={**_env(), "XDG_RUNTIME_DIR": str(runtime)})
     assert r.returncode != 0 and "writable by other users" in r.stderr
 
@@ -90,7 +90,7 @@ def test_engine_refuses_a_socket_directory_others_can_write(tmp_path):
 def test_tcp_beyond_loopback_without_curve_keys_is_refused(tmp_path):
     r = _run_engine("--engine-endpoint", f"tcp://0.0.0.0:{free_port()}")
     assert r.returncode != 0 and "CurveZMQ" in r.stderr and "--curve-keys" in r.stderr
-    r = subprocess.run([sys.executable, "-m", "shared.cli", "gateway", "--engine-endpoint",
+    r = subprocess.run([sys.executable, "-m", "mlxd", "gateway", "--engine-endpoint",
                         "tcp://192.0.2.7:5555", "--port", str(free_port())],
                        capture_output=True, text=True, timeout=60, env=_env())
     assert r.returncode != 0 and "CurveZMQ" in r.stderr

@@ -149,6 +149,20 @@ def test_chat_logprobs_with_top_alternatives(client, model):
         assert bytes(t.bytes).decode() == t.token
 
 
+def test_streamed_chat_logprobs_of_two_choices_equal_the_whole_ones(client, model):
+    kw = dict(n=2, temperature=1.0, seed=11, max_tokens=8, logprobs=True, top_logprobs=2)
+    whole = _chat(client, model, **kw)
+    streamed = {0: [], 1: []}
+    for ch in client.chat.completions.create(model=model, messages=CHAT, stream=True, **kw):
+        for c in ch.choices:
+            if c.logprobs is not None:
+                streamed[c.index] += c.logprobs.content
+    for c in whole.choices:
+        assert [t.token for t in streamed[c.index]] == [t.token for t in c.logprobs.content]
+        assert [t.logprob for t in streamed[c.index]] == pytest.approx([t.logprob for t in c.logprobs.content],
+                                                                       abs=1e-3)
+
+
 def test_completion_logprobs(client, model):
     r = client.completions.create(model=model, prompt=PROMPT, max_tokens=5, temperature=0, logprobs=2)
     lp = r.choices[0].logprobs

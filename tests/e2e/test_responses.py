@@ -110,7 +110,7 @@ BAD = [
     ({"tools": [{"type": "custom", "name": "patch"}]}, "tools[0]"),
     ({"tools": [{"type": "namespace", "name": "ns", "tools": [{"type": "web_search"}]}]}, "tools[0].tools[0]"),
     ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "nonsense"}}}}, None),
-    ({"max_output_tokens": 0}, "max_tokens"),
+    ({"max_output_tokens": 0}, "max_output_tokens"),
 ]
 
 

@@ -23,7 +23,8 @@ TEMP = 0.7
 @pytest.fixture(scope="module")
 def tools_gateway(engine, tmp_path_factory):
     g = Gateway(engine.endpoint, str(tmp_path_factory.mktemp("logs") / "gateway-tools.log"),
-                extra=["--enable-auto-tool-choice", "--tool-call-parser", "hermes", "--reasoning-parser", "qwen3"])
+                extra=["--enable-auto-tool-choice", "--tool-call-parser", "hermes", "--reasoning-parser", "qwen3",
+                       "--trust-request-chat-template"])  # test_tools_reach_the_chat_template sends one
     g.start()
     g.wait_healthy()
     yield g

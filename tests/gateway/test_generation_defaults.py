@@ -11,7 +11,6 @@ from gateway import openai_types as t
 from gateway import params as P
 from gateway.generation_defaults import SamplingDefaults, sampling_defaults
 from shared.errors import InvalidRequestError
-from shared.protocol import EngineInfo
 from shared.serve_config import GatewayConfig
 
 QWEN_LIKE = {"do_sample": True, "temperature": 0.6, "top_k": 20, "top_p": 0.95, "eos_token_id": [1, 2],
@@ -44,23 +43,18 @@ def test_a_bad_override_stops_the_gateway_at_start_up(text):
         GatewayConfig(override_generation_config=text)
 
 
-INFO = EngineInfo(model_id="m", served_model_name="m", tokenizer_dir="/nowhere", max_model_len=8192,
-                  block_size=16, num_kv_blocks=64, vocab_size=100, eos_token_ids=[0], protocol_version=2,
-                  engine_version="0", instance_id="i")
-
-
 def request(**fields) -> t.ChatCompletionRequest:
     return msgspec.json.decode(json.dumps({"messages": [], **fields}), type=t.ChatCompletionRequest)
 
 
 def test_omitted_fields_take_the_defaults_and_the_cap_holds_every_request():
     d = SamplingDefaults(temperature=0.6, top_p=0.95, top_k=20, min_p=0.05, repetition_penalty=1.1, max_tokens=64)
-    p = P.sampling_params(request(), 5000, None, INFO, defaults=d)
+    p = P.sampling_params(request(), 5000, None, 100, defaults=d)
     assert (p.temperature, p.top_p, p.top_k, p.min_p, p.repetition_penalty, p.max_tokens) == \
         (0.6, 0.95, 20, 0.05, 1.1, 64)
     own = P.sampling_params(request(temperature=0.0, top_p=0.5, top_k=3, min_p=0.0, repetition_penalty=1.0),
-                            10, None, INFO, defaults=d)
+                            10, None, 100, defaults=d)
     assert (own.temperature, own.top_p, own.top_k, own.min_p, own.repetition_penalty, own.max_tokens) == \
         (0.0, 0.5, 3, 0.0, 1.0, 10)
-    plain = P.sampling_params(request(), 5000, None, INFO)
+    plain = P.sampling_params(request(), 5000, None, 100)
     assert (plain.temperature, plain.top_p, plain.max_tokens) == (1.0, 1.0, 5000)

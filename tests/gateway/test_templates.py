@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from gateway.openai_types import ChatMessage
+from gateway.params import check_chat
 from gateway.tokenizer import load_chat_template, message_dicts
 from shared.errors import InvalidRequestError
 
@@ -21,10 +22,15 @@ def test_continue_final_message_leaves_the_assistant_turn_open(tokenizer):
     convo = CONVO + [{"role": "assistant", "content": "Hello, I am"}]
     text = tokenizer.render_chat(convo, add_generation_prompt=False, continue_final_message=True)
     assert text.endswith("<|im_start|>assistant\nHello, I am")
+    # The controls are checked with the rest of the request, before rendering.
+    check_chat(convo, "messages", add_generation_prompt=False, continue_final=True, chat_template=None,
+               trust_request_template=False)
     with pytest.raises(InvalidRequestError):
-        tokenizer.render_chat(convo, add_generation_prompt=True, continue_final_message=True)
+        check_chat(convo, "messages", add_generation_prompt=True, continue_final=True, chat_template=None,
+                   trust_request_template=False)
     with pytest.raises(InvalidRequestError):
-        tokenizer.render_chat(CONVO, add_generation_prompt=False, continue_final_message=True)
+        check_chat(CONVO, "messages", add_generation_prompt=False, continue_final=True, chat_template=None,
+                   trust_request_template=False)
 
 
 def test_template_override_from_a_file_and_kwargs(tokenizer, tmp_path):

@@ -12,7 +12,7 @@ import pytest
 
 import kernels
 from kernels import reference
-from kernels.cases import make_case, rel_error
+from tests.kernels.cases import make_case, rel_error
 
 
 def dense_with_sinks(case, sinks: np.ndarray, sliding_window=None, softcap=None) -> np.ndarray:

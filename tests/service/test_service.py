@@ -14,12 +14,14 @@ import os
 import plistlib
 import shlex
 import shutil
+import stat
 import subprocess
 import sys
 
 import pytest
 
-from shared import cli
+from mlxd import cli
+from mlxd.flags import build_config
 from shared.config import EngineConfig
 from shared.serve_config import DaemonConfig, GatewayConfig
 
@@ -85,11 +87,21 @@ INSTALL = ["service", "install", "/models/m.gguf", "--max-model-len", "256", "--
 
 def _parse_back(argv):
     """The configs an installed command line would run with (its flags parsed by the real parser)."""
-    assert argv[:3] == [sys.executable, "-m", "shared.cli"]
-    args = cli._parser().parse_args(argv[3:])
+    assert argv[:3] == [sys.executable, "-m", "mlxd"]
+    args = cli.build_parser().parse_args(argv[3:])
     if getattr(args, "model_pos", None):
         args.model = args.model_pos
     return args
+
+
+def _check_key_kept_private(gw: GatewayConfig, home, unit_files) -> None:
+    """--api-key reaches the gateway through a 0600 file, never through its unit or command line."""
+    assert gw.api_key is None and gw.api_key_file is not None
+    assert open(gw.api_key_file).read() == "s3cret"
+    assert stat.S_IMODE(os.stat(gw.api_key_file).st_mode) == 0o600
+    assert gw.api_key_file.startswith(str(home))
+    for path in unit_files:
+        assert "s3cret" not in path.read_text()
 
 
 def test_launchd_agents_install_idempotently_and_uninstall_leaves_nothing(home, capsys):
@@ -113,11 +125,12 @@ def test_launchd_agents_install_idempotently_and_uninstall_leaves_nothing(home, 
     # The serve options the user gave, split between the two processes, and one endpoint for both.
     engine = _parse_back(plists["engine"]["ProgramArguments"])
     gateway = _parse_back(plists["gateway"]["ProgramArguments"])
-    assert cli._build(EngineConfig, engine).model == "/models/m.gguf"
-    assert cli._build(EngineConfig, engine).max_model_len == 256
-    gw = cli._build(GatewayConfig, gateway)
-    assert gw.port == 9123 and gw.api_key == "s3cret"
-    assert gw.engine_endpoint == cli._build(DaemonConfig, engine).engine_endpoint
+    assert build_config(EngineConfig, engine).model == "/models/m.gguf"
+    assert build_config(EngineConfig, engine).max_model_len == 256
+    gw = build_config(GatewayConfig, gateway)
+    assert gw.port == 9123 and gw.api_key is None
+    _check_key_kept_private(gw, home, [agents / f"local.mlxd.{n}.plist" for n in ("engine", "gateway")])
+    assert gw.engine_endpoint == build_config(DaemonConfig, engine).engine_endpoint
     assert gw.engine_endpoint.startswith("ipc://") and str(home.parent / "run") in gw.engine_endpoint
 
     domain = f"gui/{uid}"
@@ -130,9 +143,10 @@ def test_launchd_agents_install_idempotently_and_uninstall_leaves_nothing(home, 
     ]
     before = _files(home)
 
-    # Again, with a changed option: updated in place, the loaded jobs booted out and in again.
+    # Again, with a changed option: updated in place, the loaded jobs booted out and in again
+    # (and, given no --api-key this time, the key file gone).
     assert cli.main([*INSTALL[:-4], "--port", "9124", "--manager", "launchd"]) == 0
-    assert _files(home) == before
+    assert _files(home) == [f for f in before if not f.endswith("service-api-key")]
     with open(agents / "local.mlxd.gateway.plist", "rb") as f:
         assert "9124" in plistlib.load(f)["ProgramArguments"]
     assert calls() == [
@@ -197,7 +211,9 @@ def test_systemd_user_units_install_idempotently_and_uninstall_leaves_nothing(ho
         exec_start = next(line for line in lines if line.startswith("ExecStart="))[len("ExecStart="):]
         argv = shlex.split(exec_start)
         assert argv[3] == unit.split("-")[1].split(".")[0]
-        _parse_back(argv)
+        if unit == "mlxd-gateway.service":
+            _check_key_kept_private(build_config(GatewayConfig, _parse_back(argv)), home,
+                                    [unit_dir / u for u in units])
     assert "After=network.target mlxd-engine.service" in texts["mlxd-gateway.service"]
     assert calls() == [
         ["systemctl", "--user", "daemon-reload"],
@@ -223,7 +239,7 @@ def test_systemd_user_units_install_idempotently_and_uninstall_leaves_nothing(ho
 
 
 def test_systemd_quoting_survives_specifiers_and_quotes():
-    from launchd.systemd import _quote
+    from service.systemd import _quote
 
     assert _quote("--max-model-len") == "--max-model-len"
     assert _quote("50%") == "50%%" and _quote("$HOME") == '"$$HOME"'
@@ -233,14 +249,14 @@ def test_systemd_quoting_survives_specifiers_and_quotes():
 
 @pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="systemd-analyze is not installed")
 def test_systemd_units_pass_systemd_analyze_verify(tmp_path):
-    from launchd.service import Job, service_env
-    from launchd.systemd import SystemdManager
+    from service.jobs import Job, service_env
+    from service.systemd import SystemdManager
 
     manager = SystemdManager(str(tmp_path))
     env = service_env(["NOTE=50% of $HOME"])
     for name in ("engine", "gateway"):
         path = tmp_path / f"mlxd-{name}.service"
-        path.write_bytes(manager.render(Job(name, [sys.executable, "-m", "shared.cli", name, "--port", "1"], env)))
+        path.write_bytes(manager.render(Job(name, [sys.executable, "-m", "mlxd", name, "--port", "1"], env)))
         r = subprocess.run(["systemd-analyze", "verify", "--man=no", str(path)], capture_output=True, text=True)
         # Only complaints about this unit count; the container's own units may be incomplete.
         bad = [line for line in (r.stdout + r.stderr).splitlines() if f"mlxd-{name}" in line]

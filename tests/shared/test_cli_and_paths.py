@@ -4,25 +4,28 @@ from __future__ import annotations
 
 import os
 import stat
+import subprocess
+import sys
 
 import msgspec
 import pytest
 
-from shared import cli
+from mlxd import cli
+from mlxd.flags import build_config, to_flags
 from shared.config import EngineConfig
 from shared.paths import default_engine_endpoint, runtime_dir
 from shared.serve_config import DaemonConfig, GatewayConfig
 
 
 def _parse(*argv):
-    args = cli._parser().parse_args(list(argv))
+    args = cli.build_parser().parse_args(list(argv))
     if getattr(args, "model_pos", None):
         args.model = args.model_pos
     return args
 
 
 def test_every_config_field_has_a_flag_with_vllm_style_name():
-    help_text = cli._parser()._subparsers._group_actions[0].choices["serve"].format_help()
+    help_text = cli.build_parser()._subparsers._group_actions[0].choices["serve"].format_help()
     for struct in (EngineConfig, DaemonConfig, GatewayConfig):
         for f in msgspec.structs.fields(struct):
             assert "--" + f.name.replace("_", "-") in help_text
@@ -32,13 +35,13 @@ def test_flags_build_configs_and_round_trip_to_the_engine_child():
     args = _parse("serve", "my.gguf", "--max-model-len", "256", "--no-enable-prefix-caching",
                   "--gpu-memory-utilization", "0.5", "--port", "9000", "--api-key", "k",
                   "--allowed-origins", "http://a", "http://b")
-    engine = cli._build(EngineConfig, args)
+    engine = build_config(EngineConfig, args)
     assert engine.model == "my.gguf" and engine.max_model_len == 256
     assert engine.enable_prefix_caching is False and engine.gpu_memory_utilization == 0.5
-    gateway = cli._build(GatewayConfig, args)
+    gateway = build_config(GatewayConfig, args)
     assert gateway.port == 9000 and gateway.api_key == "k" and gateway.allowed_origins == ["http://a", "http://b"]
     # What `serve` passes to its engine child rebuilds the same config.
-    again = cli._build(EngineConfig, _parse("engine", *cli._to_flags(engine)))
+    again = build_config(EngineConfig, _parse("engine", *to_flags(engine)))
     assert again == engine
 
 
@@ -57,3 +60,18 @@ def test_runtime_dir_is_private(tmp_path, monkeypatch):
     assert path == str(tmp_path / "mlxd")
     assert stat.S_IMODE(os.stat(path).st_mode) == 0o700
     assert default_engine_endpoint() == f"ipc://{tmp_path}/mlxd/engine.sock"
+
+
+def test_an_mlx_without_its_cpu_backend_says_what_to_install(tmp_path):
+    # What `pip install mlx` without the [cpu] extra gives on Linux: mlx.core cannot load libmlx.so.
+    fake = tmp_path / "mlx"
+    fake.mkdir()
+    (fake / "__init__.py").write_text("")
+    (fake / "core.py").write_text(
+        'raise ImportError("libmlx.so: cannot open shared object file: No such file or directory")\n')
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    r = subprocess.run([sys.executable, "-m", "mlxd", "engine", "--engine-endpoint", f"ipc://{tmp_path}/e.sock"],
+                       capture_output=True, text=True, timeout=120,
+                       env={**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), root])})
+    assert r.returncode == 2, r.stderr
+    assert "Traceback" not in r.stderr and "pip install 'mlxd[cpu]'" in r.stderr, r.stderr

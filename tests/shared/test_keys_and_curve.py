@@ -8,7 +8,8 @@ import stat
 
 import pytest
 
-from shared import cli
+from mlxd import cli
+from shared.errors import MlxdError
 from shared.curve import InsecureEndpointError, check_endpoint, is_loopback, make_keys
 from shared.keys import KeyChecker, add_key, match_key, read_keys, revoke_key
 from shared.paths import UnsafeDirectoryError, check_ipc_endpoint, check_private_dir
@@ -59,7 +60,36 @@ def test_the_gateways_checker_sees_changes_of_the_file(tmp_path):
     key = add_key(path, "a")
     assert checker.active and checker.app_of(key) == "a"
     revoke_key(path, "a")
-    assert not checker.active and checker.app_of(key) is None
+    assert checker.app_of(key) is None
+
+
+def test_revoking_the_last_key_or_deleting_the_file_keeps_authentication_on(tmp_path):
+    path = str(tmp_path / "keys.json")
+    key = add_key(path, "a")
+    checker = KeyChecker(path)
+    revoke_key(path, "a")
+    assert checker.active and checker.app_of(key) is None  # nobody gets in
+    os.unlink(path)
+    assert checker.active  # this gateway saw keys: still on
+    assert KeyChecker(path).active  # a gateway started now: the marker keeps it on
+    again = add_key(path, "b")
+    assert checker.active and checker.app_of(again) == "b"
+
+
+def test_a_damaged_key_file_stops_the_start_and_later_shuts_everyone_out_without_paths(tmp_path):
+    path = tmp_path / "keys.json"
+    path.write_text("{not json")
+    with pytest.raises(MlxdError, match="damaged") as err:
+        KeyChecker(str(path))
+    assert str(path) in err.value.message  # the operator is told which file
+    path.unlink()
+    key = add_key(str(path), "a")
+    checker = KeyChecker(str(path))
+    path.write_text('{"keys": 5}')
+    with pytest.raises(MlxdError) as err:
+        checker.active
+    assert err.value.status == 500 and str(tmp_path) not in err.value.message
+    assert checker.app_of(key) is None
 
 
 def test_private_dirs_refuse_other_writers_and_other_owners(tmp_path):

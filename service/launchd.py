@@ -15,7 +15,7 @@ import subprocess
 from collections import deque
 from pathlib import Path
 
-from launchd.service import TEMPLATES, Job, call, write_atomic
+from service.jobs import TEMPLATES, Job, call, write_atomic
 
 LABEL_PREFIX = "local.mlxd."
 JOB_NAMES = ("engine", "gateway")  # start order; stopped in reverse

@@ -1,4 +1,4 @@
-"""What `mlxd service` installs, and the verbs common to both managers.
+"""What `mlxd service` installs, and the helpers both managers share.
 
 A service is two jobs, the engine and one gateway, each its own process under
 the manager so that either restarts alone: a gateway reconnects to a
@@ -59,44 +59,17 @@ def call(argv: list[str], quiet: bool = False) -> int:
     return subprocess.run([exe, *argv[1:]], stdout=out, stderr=out).returncode
 
 
-def write_atomic(path: Path, data: bytes) -> None:
-    """Replace ``path`` whole, so a manager reading it never sees half a file."""
+def write_atomic(path: Path, data: bytes, mode: int = 0o644) -> None:
+    """Replace ``path`` whole, so a manager reading it never sees half a file.
+
+    The temporary file is created with ``mode`` already, so a secret is never
+    readable by others, not even briefly.
+    """
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name("." + path.name + ".tmp")
-    tmp.write_bytes(data)
-    os.chmod(tmp, 0o644)
+    tmp.unlink(missing_ok=True)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
+    os.chmod(tmp, mode)
     os.replace(tmp, path)
-
-
-def default_manager() -> str:
-    return "launchd" if sys.platform == "darwin" else "systemd"
-
-
-def make_manager(name: str):
-    if name == "launchd":
-        from launchd.launchctl import LaunchdManager
-
-        return LaunchdManager()
-    if name == "systemd":
-        from launchd.systemd import SystemdManager
-
-        return SystemdManager()
-    raise ValueError(f"unknown service manager {name!r}; 'launchd' or 'systemd'")
-
-
-def run(verb: str, manager, jobs: list[Job] | None = None, *, keep_logs: bool = False,
-        lines: int = 50, follow: bool = False) -> int:
-    """Carry out one `mlxd service` verb; returns the exit code."""
-    if verb == "install":
-        manager.install(jobs)
-        print(f"mlxd service installed ({manager.describe()})", file=sys.stderr)
-        return 0
-    if verb == "uninstall":
-        manager.uninstall(keep_logs=keep_logs)
-        print("mlxd service uninstalled", file=sys.stderr)
-        return 0
-    if verb in ("start", "stop", "restart", "status"):
-        return getattr(manager, verb)()
-    if verb == "logs":
-        return manager.logs(lines=lines, follow=follow)
-    raise ValueError(f"unknown verb {verb!r}")

@@ -1,8 +1,10 @@
-"""What differs between MLX's backends, decided once per process.
+"""What differs between MLX's devices: the BLAS the CPU backend runs on, and the weights' dtype.
 
 On MLX's CPU backend the bundled reference BLAS runs a float32 matmul at a
 few GFLOP/s; an optimized BLAS loaded with global symbols *before*
-``mlx.core`` is imported takes its place (about 80x faster here). Quantized
+``mlx.core`` is imported takes its place (about 80x faster here), so the
+engine process calls ``load_fast_blas`` first thing when it starts (never at
+import: importing a module must not change the process). Quantized
 matmul on CPU does not use BLAS at all, so weights are dequantized to float32
 there. On Metal and CUDA the checkpoint's quantized weights are kept.
 """
@@ -21,24 +23,25 @@ _BLAS_CANDIDATES = (
 )
 _LIB_DIRS = ("/usr/lib/x86_64-linux-gnu", "/usr/lib/aarch64-linux-gnu", "/usr/lib64", "/usr/lib")
 
-fast_blas: str | None = None
+_loaded: list[str] = []
 
 
 def load_fast_blas() -> str | None:
     """Load an optimized BLAS with global symbols; returns its path, or None.
 
+    Call it at the start of a process that runs MLX on the CPU (the engine,
+    the test session, a benchmark), before anything imports ``mlx.core``.
     Does nothing on macOS (MLX uses Accelerate/Metal there) or once
     ``mlx.core`` is already imported (too late to take effect).
     """
-    global fast_blas
     # OpenBLAS's idle workers spin for 2^28 cycles after each call before they sleep. The
     # CPU path calls two OpenBLAS builds in turn (MLX's matmuls, numpy's in kernels/host.py),
     # and on a small machine one pool's spinning starved the other: prefill ran 2-3x slower.
-    # 2^4 cycles: sleep almost at once. Read by each OpenBLAS when it loads (numpy's too, as
-    # long as engined is imported before numpy).
+    # 2^4 cycles: sleep almost at once. OpenBLAS reads it only from the environment, when it
+    # loads (numpy's too, as long as this runs before numpy is imported).
     os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", "4")
-    if fast_blas or sys.platform == "darwin" or "mlx.core" in sys.modules:
-        return fast_blas
+    if _loaded or sys.platform == "darwin" or "mlx.core" in sys.modules:
+        return _loaded[0] if _loaded else None
     for libdir in _LIB_DIRS:
         for runtime, blas in _BLAS_CANDIDATES:
             path = os.path.join(libdir, blas)
@@ -49,7 +52,7 @@ def load_fast_blas() -> str | None:
                 ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
             except OSError:
                 continue
-            fast_blas = path
+            _loaded.append(path)
             return path
     return None
 

@@ -5,12 +5,12 @@ Logs go to the journal (`mlxd service logs` reads them with journalctl).
 
 from __future__ import annotations
 
-import os
 import re
 import string
 from pathlib import Path
 
-from launchd.service import TEMPLATES, Job, call, write_atomic
+from service.jobs import TEMPLATES, Job, call, write_atomic
+from shared.paths import xdg_home
 
 JOB_NAMES = ("engine", "gateway")
 _BARE = re.compile(r"[A-Za-z0-9_@%+=:,./-]+")
@@ -31,7 +31,7 @@ def _quote(word: str, command: bool = True) -> str:
 
 class SystemdManager:
     def __init__(self, config_home: str | None = None):
-        base = config_home or os.environ.get("XDG_CONFIG_HOME") or os.path.join(os.path.expanduser("~"), ".config")
+        base = config_home or xdg_home("config")
         self.unit_dir = Path(base) / "systemd" / "user"
 
     def unit(self, name: str) -> str:

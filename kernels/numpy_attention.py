@@ -1,4 +1,4 @@
-"""Paged attention on the host CPU, in numpy: the CPU path.
+"""Paged attention on the host CPU, in numpy: the CPU path (attention backend "host").
 
 MLX's CPU backend evaluates ``exp`` one scalar at a time (about 9 ns per
 element on a 2-core x86 machine, 25x numpy's vectorised loop), so a softmax over
@@ -68,7 +68,6 @@ class _Plan:
         tables = np.asarray(meta.block_tables)
         bs = meta.block_size
         qlens, slens, cu = meta.query_lens_np, meta.seq_lens_np, meta.cu_seqlens_q_np
-        self.meta = meta
         decode = np.flatnonzero(qlens == 1)
         self.decode_rows = cu[decode]
         if len(decode):
@@ -83,16 +82,12 @@ class _Plan:
         ]
 
 
-_plans: list[_Plan] = []
-
-
 def _plan(meta: AttentionMetadata) -> _Plan:
-    # Every layer of a step passes the same metadata object (window layers their own): plan once each.
-    for plan in _plans:
-        if plan.meta is meta:
-            return plan
-    plan = _Plan(meta)
-    _plans[:] = [plan, *_plans[:1]]
+    # Every layer of a step passes the same metadata (window layers their own): plan once each,
+    # kept on the metadata.
+    plan = meta.plans.get("numpy")
+    if plan is None:
+        plan = meta.plans["numpy"] = _Plan(meta)
     return plan
 
 

@@ -1,0 +1,113 @@
+"""The engine process (`mlxd engine`): set up the process, load the model, then serve gateways until stopped."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import sys
+import threading
+
+from shared.config import EngineConfig
+from shared.errors import MlxdError
+from shared.serve_config import DaemonConfig
+
+log = logging.getLogger("mlxd.engine")
+
+
+def run_engine(config: EngineConfig, daemon: DaemonConfig, parent_pid: int | None = None,
+               ready_fd: int | None = None) -> int:
+    """Build the Engine and run the daemon loop; returns the exit code.
+
+    ``parent_pid``: stop when that process (`mlxd serve`) is gone, during the
+    load too. ``ready_fd``: a pipe to write one byte to once gateways are served.
+    """
+    loading = threading.Event()
+    if parent_pid is not None:
+        # The daemon loop watches the parent once it runs; imports and the load take a while
+        # and must not outlive it.
+        threading.Thread(target=_exit_with_parent, args=(parent_pid, loading), daemon=True,
+                         name="parent-watch").start()
+    from engined.device import load_fast_blas
+
+    # Before anything imports mlx.core (engined/device.py says why).
+    load_fast_blas()
+    _check_mlx()
+    from engined.daemon import Daemon
+    from engined.engine import Engine
+    from shared.curve import check_endpoint
+    from shared.paths import check_ipc_endpoint, default_engine_endpoint, refuse_live_ipc
+
+    endpoint = daemon.engine_endpoint or default_engine_endpoint()
+    # Refused before the model loads, which can take minutes.
+    check_ipc_endpoint(endpoint)
+    check_endpoint(endpoint, daemon.curve_keys)
+    refuse_live_ipc(endpoint)
+    log.info("loading %s", config.model or "the embedded SmolLM2")
+    try:
+        with _progress("loading the model and warming up"):
+            engine = Engine(config)
+    except KeyboardInterrupt:
+        return 130
+    finally:
+        loading.set()  # the daemon loop watches the parent from here on
+    d = Daemon(engine, endpoint, gateway_timeout=daemon.gateway_timeout,
+               shutdown_timeout=daemon.shutdown_timeout, parent_pid=parent_pid,
+               curve_keys=daemon.curve_keys)
+    d.install_signal_handlers()
+    if daemon.metrics_port is not None:
+        server, _ = engine.metrics.serve(daemon.metrics_port, daemon.metrics_host)
+        print(f"mlxd engine metrics on http://{daemon.metrics_host}:{server.server_port}/metrics",
+              file=sys.stderr, flush=True)
+    info = d.info
+    print(f"mlxd engine ready: {info.served_model_name} on {d.endpoint} "
+          f"(max_model_len {info.max_model_len}, {info.num_kv_blocks} KV blocks of {info.block_size})",
+          file=sys.stderr, flush=True)
+    if ready_fd is not None:
+        os.write(ready_fd, b"R")
+        os.close(ready_fd)
+    return d.run()
+
+
+def _check_mlx() -> None:
+    """MLX importable, or one line saying what to install (Linux needs MLX's CPU or CUDA build)."""
+    try:
+        import mlx.core  # noqa: F401
+    except ImportError as e:
+        if sys.platform == "darwin":
+            raise MlxdError(f"MLX does not load ({e}); reinstall it: pip install -U mlx") from e
+        raise MlxdError(f"MLX has no backend here ({e}): install its CPU build with "
+                        "pip install 'mlxd[cpu]' (or mlx[cuda] for NVIDIA GPUs)") from e
+
+
+def _exit_with_parent(parent_pid: int, loaded: threading.Event) -> None:
+    while not loaded.wait(0.2):
+        if os.getppid() != parent_pid:
+            print("mlxd engine: its parent process exited during the load; stopping", file=sys.stderr,
+                  flush=True)
+            os._exit(1)
+
+
+@contextlib.contextmanager
+def _progress(what: str):
+    """An elapsed-time bar on a terminal while ``what`` runs (the load reports no fractions)."""
+    if not sys.stderr.isatty():
+        yield
+        return
+    from tqdm import tqdm
+
+    done = threading.Event()
+    bar = tqdm(desc=what, bar_format="{desc}: {elapsed}", file=sys.stderr)
+
+    def tick():
+        while not done.wait(0.2):
+            bar.refresh()
+
+    t = threading.Thread(target=tick, daemon=True)
+    t.start()
+    try:
+        yield
+    finally:
+        done.set()
+        t.join()
+        bar.close()

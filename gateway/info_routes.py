@@ -1,0 +1,109 @@
+"""The routes around generation: /health, /version, /v1/models, /tokenize and /detokenize."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import msgspec
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from gateway import openai_types as t
+from gateway import params as P
+from gateway.request_body import decode_body
+from gateway.state import GatewayState
+from gateway.tokenizer import message_dicts
+from shared.errors import InvalidRequestError
+from shared.protocol import PROTOCOL_VERSION
+
+# /tokenize counts a text longer than the context (clients ask in order to shorten it), up to this many contexts.
+COUNT_SLACK = 4
+
+
+def _version() -> str:
+    try:
+        from importlib.metadata import version
+
+        return version("mlxd")
+    except Exception:
+        return "0"
+
+
+async def health(request: Request) -> Response:
+    """200 with the engine's stats while it serves; 503 while it loads or is gone."""
+    gw: GatewayState = request.app.state.gw
+    client = gw.client
+    if not client.ready or gw.tokenizer is None:
+        return JSONResponse({"status": "unavailable", "reason": client.unavailable_reason},
+                            status_code=503)
+    stats = await client.fresh_stats() if request.query_params.get("fresh") else client.stats
+    body = {"status": "ok", "model": client.info.served_model_name}
+    if stats is not None:
+        body["engine"] = msgspec.structs.asdict(stats)
+    return JSONResponse(body)
+
+
+async def version(request: Request) -> Response:
+    info = request.app.state.gw.client.info
+    return JSONResponse({"version": _version(), "protocol_version": PROTOCOL_VERSION,
+                         "engine_version": info.engine_version if info else None})
+
+
+def _model_card(info) -> dict:
+    return {"id": info.served_model_name, "object": "model", "created": int(time.time()),
+            "owned_by": "mlxd", "root": info.model_id, "max_model_len": info.max_model_len}
+
+
+async def models(request: Request) -> Response:
+    gw: GatewayState = request.app.state.gw
+    gw.check_auth(request)
+    info, _ = gw.require_ready()
+    return JSONResponse({"object": "list", "data": [_model_card(info)]})
+
+
+async def model(request: Request) -> Response:
+    """The openai SDK's ``models.retrieve``: the served model's card, or 404 for any other name."""
+    gw: GatewayState = request.app.state.gw
+    gw.check_auth(request)
+    info, _ = gw.require_ready()
+    gw.check_model(request.path_params["model"])
+    return JSONResponse(_model_card(info))
+
+
+async def tokenize(request: Request) -> Response:
+    gw: GatewayState = request.app.state.gw
+    gw.check_auth(request)
+    req = await decode_body(request, t.TokenizeRequest)
+    info, tok = gw.require_ready()
+    gw.check_model(req.model)
+    if (req.prompt is None) == (req.messages is None):
+        raise InvalidRequestError("give exactly one of prompt and messages", param="prompt")
+    if req.messages is not None:
+        messages = message_dicts(req.messages)
+        P.check_chat(messages, "messages", req.add_generation_prompt, req.continue_final_message, None, False)
+
+        def count():
+            text = tok.render_chat(messages, add_generation_prompt=req.add_generation_prompt,
+                                   continue_final_message=req.continue_final_message,
+                                   chat_template_kwargs=req.chat_template_kwargs)
+            P.check_prompt_bytes(text, info, tok.max_token_bytes, "messages", COUNT_SLACK)
+            return tok.encode(text, add_special_tokens=False)
+    else:
+        def count():
+            P.check_prompt_bytes(req.prompt, info, tok.max_token_bytes, "prompt", COUNT_SLACK)
+            return tok.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+    ids = await asyncio.to_thread(count)
+    return JSONResponse({"tokens": ids, "count": len(ids), "max_model_len": info.max_model_len})
+
+
+async def detokenize(request: Request) -> Response:
+    gw: GatewayState = request.app.state.gw
+    gw.check_auth(request)
+    req = await decode_body(request, t.DetokenizeRequest)
+    info, tok = gw.require_ready()
+    gw.check_model(req.model)
+    if any(not 0 <= i < info.vocab_size for i in req.tokens):
+        raise InvalidRequestError(f"token ids must be in [0, {info.vocab_size})", param="tokens")
+    text = await asyncio.to_thread(tok.decode, req.tokens, skip_special_tokens=False)
+    return JSONResponse({"prompt": text})

@@ -1,0 +1,120 @@
+"""The `mlxd` command: `serve`, `engine`, `gateway`, `service`, `keys`, `bench`.
+
+Flags come from the config Structs (EngineConfig, DaemonConfig, GatewayConfig;
+see mlxd/flags.py). A subcommand's module is imported only when it runs, so
+the gateway never loads MLX, the engine never loads the HTTP stack, and
+nothing below this package imports it back.
+"""
+
+from __future__ import annotations
+
+import argparse
+import faulthandler
+import importlib
+import logging
+import signal
+import sys
+
+from mlxd.flags import HELP, add_struct_flags
+from shared.config import EngineConfig
+from shared.errors import MlxdError
+from shared.serve_config import DaemonConfig, GatewayConfig
+
+# What `serve` and `service install` set on the gateway from the engine's flags of the same name.
+SHARED_WITH_ENGINE = ("engine_endpoint", "curve_keys", "shutdown_timeout")
+
+# command -> "module:function" taking the parsed arguments, imported when the command runs.
+COMMANDS = {
+    "serve": "mlxd.serve:main",
+    "engine": "mlxd.processes:engine",
+    "gateway": "mlxd.processes:gateway",
+    "service": "mlxd.service_command:main",
+    "keys": "mlxd.keys_command:main",
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="mlxd", description=__doc__.splitlines()[0])
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING, ERROR")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    serve = sub.add_parser("serve", parents=[common],
+                           help="run the engine and an OpenAI-compatible gateway")
+    serve.add_argument("model_pos", nargs="?", metavar="MODEL", help=HELP["model"])
+    add_struct_flags(serve, EngineConfig)
+    add_struct_flags(serve, DaemonConfig)
+    add_struct_flags(serve, GatewayConfig, skip=SHARED_WITH_ENGINE)
+
+    engine = sub.add_parser("engine", parents=[common], help="run the engine daemon alone")
+    engine.add_argument("model_pos", nargs="?", metavar="MODEL", help=HELP["model"])
+    add_struct_flags(engine, EngineConfig)
+    add_struct_flags(engine, DaemonConfig)
+    # Set by `serve` for its child: the engine stops when the serve process is gone, and
+    # writes one byte to this pipe once it serves (how serve tells a failed load from a crash).
+    engine.add_argument("--parent-pid", type=int, default=None, help=argparse.SUPPRESS)
+    engine.add_argument("--ready-fd", type=int, default=None, help=argparse.SUPPRESS)
+
+    gateway = sub.add_parser("gateway", parents=[common],
+                             help="run an OpenAI-compatible gateway to a running engine")
+    add_struct_flags(gateway, GatewayConfig)
+
+    service = sub.add_parser("service", help="run the engine and a gateway in the background "
+                                             "(launchd agents on macOS, systemd user units on Linux)")
+    verbs = service.add_subparsers(dest="verb", required=True)
+    manager = argparse.ArgumentParser(add_help=False)
+    manager.add_argument("--manager", choices=("launchd", "systemd"), default=None,
+                         help="default: launchd on macOS, systemd elsewhere")
+    install = verbs.add_parser("install", parents=[common, manager],
+                               help="write and load the services (again: update them in place)")
+    install.add_argument("model_pos", nargs="?", metavar="MODEL", help=HELP["model"])
+    add_struct_flags(install, EngineConfig)
+    add_struct_flags(install, DaemonConfig)
+    add_struct_flags(install, GatewayConfig, skip=SHARED_WITH_ENGINE)
+    install.add_argument("--env", action="append", default=[], metavar="KEY=VALUE",
+                         help="an environment variable of both services (repeatable)")
+    uninstall = verbs.add_parser("uninstall", parents=[manager], help="stop and remove all it installed")
+    uninstall.add_argument("--keep-logs", action="store_true", help="leave the log files (launchd)")
+    for verb in ("start", "stop", "restart", "status"):
+        verbs.add_parser(verb, parents=[manager])
+    logs = verbs.add_parser("logs", parents=[manager], help="the services' recent output")
+    logs.add_argument("-n", "--lines", type=int, default=50)
+    logs.add_argument("-f", "--follow", action="store_true")
+
+    # Listed for --help only: main() hands `bench` and its flags to the benchmark's parser.
+    sub.add_parser("bench", add_help=False, help="load-test mlxd and its peers (see `mlxd bench --help`)")
+    keys = sub.add_parser("keys", help="per-app API keys, and CurveZMQ keys for TCP beyond loopback")
+    kverbs = keys.add_subparsers(dest="verb", required=True)
+    keys_file = argparse.ArgumentParser(add_help=False)
+    keys_file.add_argument("--keys-file", default=None, help=HELP["keys_file"])
+    kverbs.add_parser("add", parents=[keys_file], help="make APP's key (printed once)").add_argument("app")
+    kverbs.add_parser("list", parents=[keys_file], help="the apps that have keys")
+    kverbs.add_parser("revoke", parents=[keys_file], help="remove APP's key").add_argument("app")
+    curve = kverbs.add_parser("curve", help="make CurveZMQ keys for the engine and its gateways")
+    curve.add_argument("--dir", default=None, help="where (default: curve/ in the config dir)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["bench"]:
+        # The benchmark has its own parser (bench/agent/harness.py); imported only here.
+        from bench.agent.harness import run as run_bench
+
+        return run_bench(argv[1:])
+    args = build_parser().parse_args(argv)
+    # `kill -USR1 PID` prints every thread's stack: how to see where a process hangs.
+    try:
+        faulthandler.register(signal.SIGUSR1, file=sys.__stderr__, all_threads=True)
+    except (AttributeError, ValueError, OSError):
+        pass  # no real stderr (embedded); the dump is a convenience
+    logging.basicConfig(level=getattr(args, "log_level", "INFO").upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if getattr(args, "model_pos", None):
+        args.model = args.model_pos
+    module, _, function = COMMANDS[args.command].partition(":")
+    try:
+        return getattr(importlib.import_module(module), function)(args)
+    except MlxdError as e:
+        print(f"mlxd: {e.message}", file=sys.stderr)
+        return 2

@@ -1,0 +1,173 @@
+"""`mlxd serve`: the engine as a supervised child process, and a gateway in this one.
+
+The gateway stays up for the whole run. When the engine dies it answers 503
+(its client notices at once) while the engine is restarted with a growing
+delay, and reconnects by itself when the new engine is up. An engine that
+dies before it ever served (a failed first load) ends serve with its exit
+code; one that keeps dying soon after each start ends it after
+``CRASH_LOOP_LIMIT`` tries, with one line saying so.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import signal
+import subprocess
+import sys
+import time
+
+from mlxd.flags import build_config, to_flags
+from shared.config import EngineConfig
+from shared.errors import InvalidRequestError
+from shared.serve_config import DaemonConfig, GatewayConfig
+
+# Restart delays grow from the first to the last, doubling.
+FIRST_RESTART_DELAY_S = 0.5
+MAX_RESTART_DELAY_S = 8.0
+# An engine that served this long before dying was not crash-looping: the count starts again.
+STABLE_AFTER_S = 60.0
+CRASH_LOOP_LIMIT = 5
+
+
+class EngineSupervisor:
+    """Runs ``argv`` (an `mlxd engine` command line) and restarts it; ``poll()`` from the gateway's loop."""
+
+    def __init__(self, argv: list[str]):
+        self.argv = argv
+        self.process: subprocess.Popen | None = None
+        self.restarts = 0
+        self.ever_ready = False
+        self._ready_r: int | None = None
+        self._ready = False
+        self._started_at = 0.0
+        self._crashes = 0
+        self._restart_at: float | None = None
+        # Set by serve's SIGTERM/SIGINT handler until the gateway's own takes over.
+        self.stop_requested = False
+
+    def start(self) -> None:
+        r, w = os.pipe()
+        try:
+            self.process = subprocess.Popen([*self.argv, "--ready-fd", str(w)], pass_fds=(w,))
+        finally:
+            os.close(w)
+        os.set_blocking(r, False)
+        self._ready_r, self._ready, self._started_at = r, False, time.monotonic()
+
+    def _read_ready(self) -> None:
+        if self._ready or self._ready_r is None:
+            return
+        try:
+            if os.read(self._ready_r, 1):
+                self._ready = self.ever_ready = True
+        except BlockingIOError:
+            pass
+
+    def poll(self) -> int | None:
+        """Check on the engine: None while serve goes on, else serve's exit code (and why, printed)."""
+        if self.stop_requested:
+            return 0
+        now = time.monotonic()
+        if self._restart_at is not None:
+            if now >= self._restart_at:
+                self._restart_at = None
+                self.restarts += 1
+                print(f"mlxd: restarting the engine (restart {self.restarts})", file=sys.stderr, flush=True)
+                self.start()
+            return None
+        self._read_ready()
+        rc = self.process.poll()
+        if rc is None:
+            return None
+        self._read_ready()  # it may have served and died between the two looks
+        os.close(self._ready_r)
+        self._ready_r = None
+        if not self.ever_ready:
+            print(f"mlxd: the engine exited with code {rc} before it served; stopping", file=sys.stderr,
+                  flush=True)
+            return rc or 1
+        self._crashes = 1 if now - self._started_at >= STABLE_AFTER_S else self._crashes + 1
+        if self._crashes >= CRASH_LOOP_LIMIT:
+            print(f"mlxd: the engine died {self._crashes} times in a row, each within {STABLE_AFTER_S:.0f}s "
+                  f"of its start (last exit code {rc}); giving up: see its log above", file=sys.stderr,
+                  flush=True)
+            return 1
+        delay = min(MAX_RESTART_DELAY_S, FIRST_RESTART_DELAY_S * 2 ** (self._crashes - 1))
+        print(f"mlxd: the engine exited with code {rc}; restarting it in {delay:.1f}s (the gateway answers "
+              f"503 meanwhile)", file=sys.stderr, flush=True)
+        self._restart_at = now + delay
+        return None
+
+    def stop(self, timeout: float) -> None:
+        """SIGTERM the engine (it finishes what it runs within its shutdown timeout), then SIGKILL."""
+        p = self.process
+        if p is not None and p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+            try:
+                p.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+        if self._ready_r is not None:
+            os.close(self._ready_r)
+            self._ready_r = None
+
+
+def hold_endpoint(endpoint: str):
+    """A lock on an ipc endpoint's socket path for this process's lifetime (the open file), or None
+    for other transports; InvalidRequestError, in one line, when another serve holds it."""
+    if not endpoint.startswith("ipc://"):
+        return None
+    path = endpoint[len("ipc://"):] + ".lock"
+    f = open(path, "a+")
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.seek(0)
+        holder = f.read().strip() or "?"
+        f.close()
+        raise InvalidRequestError(f"another mlxd serve (pid {holder}) is using {endpoint}; stop it first, "
+                                  "or give this one another --engine-endpoint", param="engine_endpoint") from None
+    f.truncate(0)
+    f.write(str(os.getpid()))
+    f.flush()
+    return f
+
+
+def main(args) -> int:
+    from shared.paths import check_ipc_endpoint, default_engine_endpoint, refuse_live_ipc
+
+    engine_cfg = build_config(EngineConfig, args)
+    daemon_cfg = build_config(DaemonConfig, args)
+    if daemon_cfg.engine_endpoint is None:
+        daemon_cfg.engine_endpoint = default_engine_endpoint()
+    gateway_cfg = build_config(GatewayConfig, args)
+    gateway_cfg.engine_endpoint = daemon_cfg.engine_endpoint
+    gateway_cfg.curve_keys = daemon_cfg.curve_keys
+    gateway_cfg.shutdown_timeout = daemon_cfg.shutdown_timeout
+
+    # Before anything loads: another serve (or engine) on this endpoint is one line, not a traceback.
+    check_ipc_endpoint(daemon_cfg.engine_endpoint)
+    lock = hold_endpoint(daemon_cfg.engine_endpoint)
+    refuse_live_ipc(daemon_cfg.engine_endpoint)
+    supervisor = EngineSupervisor(
+        [sys.executable, "-m", "mlxd", "engine", "--log-level", args.log_level,
+         *to_flags(engine_cfg), *to_flags(daemon_cfg), "--parent-pid", str(os.getpid())])
+
+    def on_signal(_signum, _frame):
+        supervisor.stop_requested = True
+
+    # From now on a SIGTERM stops serve through its `finally` (the engine with it), never by
+    # the signal's default action, which would leave the engine running on its own.
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, on_signal)
+    try:
+        supervisor.start()
+        from gateway.server import run_gateway
+
+        return run_gateway(gateway_cfg, supervisor=supervisor)
+    finally:
+        supervisor.stop(daemon_cfg.shutdown_timeout + 10)
+        if lock is not None:
+            lock.close()
