@@ -209,8 +209,8 @@ def _status(run: ChatRun, last: bool, arguments: str | None = None) -> str:
 
 def _is_json_object(text: str) -> bool:
     try:
-        return isinstance(json.loads(text), dict)
-    except ValueError:
+        return isinstance(msgspec.json.decode(text), dict)
+    except (msgspec.DecodeError, RecursionError):
         return False
 
 
