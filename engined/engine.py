@@ -1,6 +1,6 @@
 """The in-process engine: requests in, token ids out, one packed step at a time.
 
-    schedule -> run the packed forward -> sample -> update requests -> outputs
+    schedule -> run the packed forward -> sample -> postprocess (in the scheduler)
 
 The daemon wraps this object; tests and benchmarks use it directly.
 """
@@ -19,15 +19,17 @@ from mlx.utils import tree_flatten
 
 import kernels
 from engined import memory_guard
-from engined.metrics import EngineMetrics
+from engined.draft_model import DraftProposer
+from engined.kv import KVCacheManager
 from engined.loaders import LoadedModel, load_model
+from engined.metrics import EngineMetrics
+from engined.model_layers import read_layers
 from engined.request import Request
 from engined.runner import ModelRunner
-from engined.model_kinds import make_kv_manager, make_runner
 from engined.sampler import Sampler, logprobs_for
 from engined.scheduler import Scheduler, SchedulerOutput
+from engined.speculative import Speculator
 from engined.structured import GrammarCompiler
-from engined.speculative import DraftProposer, Speculator
 from shared.config import EngineConfig, SpeculativeConfig
 from shared.errors import ContextLengthError, InvalidRequestError, ModelLoadError, OverloadedError
 from shared.protocol import EngineStats, ModelInfo, RequestOutput
@@ -42,33 +44,35 @@ class Engine:
         loaded = loaded or load_model(config.model, config.dtype)
         self.loaded = loaded
         self.max_model_len = config.max_model_len or loaded.context_length
-        dtype = next(
-            (p.dtype for _, p in tree_flatten(loaded.model.parameters()) if mx.issubdtype(p.dtype, mx.floating)),
-            mx.float32,
-        )
-        self.runner = make_runner(loaded.model, config, loaded.num_kv_heads, loaded.head_dim, dtype)
+        dtype = _float_dtype(loaded)
+        backend = kernels.resolve_backend(config.attention_backend)
+        specs = read_layers(loaded.model)
+        kv = KVCacheManager.build(specs, config, dtype)
+        spec = config.speculative
+        if spec is not None and not kv.can_rewind:
+            raise InvalidRequestError(
+                "speculative decoding is not supported for hybrid linear-attention models: a recurrent "
+                "state cannot take rejected draft tokens back", param="speculative_config",
+            )
+        self.runner = ModelRunner(loaded.model, specs, kv, backend)
         self.sampler = Sampler(loaded.vocab_size, loaded.eos_token_ids)
         self.metrics = EngineMetrics(config.served_model_name or loaded.model_id, config.metrics_prefix)
-        spec = config.speculative
-        self.drafter = self._load_drafter(spec, loaded, dtype) if spec and spec.method == "draft_model" else None
-        self.speculator = Speculator(spec, self.sampler, self.drafter, self.metrics) if spec else None
-        runners = [self.runner] + ([self.drafter.runner] if self.drafter else [])
-        self.memory = memory_guard.plan(
-            self.runner, config, self.max_model_len, loaded.vocab_size,
-            sum(r.bytes_per_block for r in runners), progress,
-        )
+        self.drafter = (self._load_drafter(spec, loaded, dtype, backend)
+                        if spec and spec.method == "draft_model" else None)
+        self.speculator = Speculator(spec, self.sampler, self.metrics, self.max_model_len, self.drafter,
+                                     kv.block_ids)
+        stores = [kv] + ([self.drafter] if self.drafter else [])
+        self.memory = memory_guard.plan(self.runner, stores, config, self.max_model_len, loaded.vocab_size,
+                                        progress)
         log.info("%s", self.memory.describe())
-        num_blocks = self.memory.num_blocks
-        attention_backend = kernels.resolve_backend(config.attention_backend)
-        for runner in runners:
-            runner.allocate_kv(num_blocks)
-            runner.ctx.attention_backend = attention_backend
-        self.kv = make_kv_manager(self.runner, num_blocks, config)
-        self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
+        for store in stores:
+            store.create(self.memory.num_blocks)
+        self.scheduler = Scheduler(kv, config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len,
+                                   tuple(loaded.eos_token_ids))
         self.requests: dict[str, Request] = {}
         self._seeds = random.Random(config.seed)
         self._aborted: list[RequestOutput] = []
-        # Requests whose grammar is compiling, and those whose grammar failed (id, error).
+        # Requests whose grammar is compiling, and those that failed after being accepted (id, error).
         self._compiling: list[Request] = []
         self._failed: list[tuple[str, InvalidRequestError]] = []
         self.info = ModelInfo(
@@ -77,22 +81,23 @@ class Engine:
             tokenizer_dir=str(loaded.tokenizer_dir),
             max_model_len=self.max_model_len,
             block_size=config.block_size,
-            num_kv_blocks=num_blocks,
+            num_kv_blocks=self.memory.num_blocks,
             vocab_size=loaded.vocab_size,
             eos_token_ids=list(loaded.eos_token_ids),
         )
         self.grammars = GrammarCompiler(self.info.tokenizer_dir, loaded.vocab_size, loaded.eos_token_ids)
         self.sampler.grammars = self.grammars
 
-    def _load_drafter(self, spec: SpeculativeConfig, target: LoadedModel, dtype: mx.Dtype) -> DraftProposer:
+    def _load_drafter(self, spec: SpeculativeConfig, target: LoadedModel, dtype: mx.Dtype,
+                      backend: str) -> DraftProposer:
         draft = load_model(spec.model, self.config.dtype)
         if draft.vocab_size != target.vocab_size:
             raise ModelLoadError(
                 f"draft model {spec.model!r} has a vocabulary of {draft.vocab_size} tokens; "
                 f"the target's has {target.vocab_size}: they must share a tokenizer"
             )
-        runner = ModelRunner(draft.model, self.config.block_size, draft.num_kv_heads, draft.head_dim, dtype)
-        return DraftProposer(runner, self.sampler)
+        return DraftProposer(draft.model, read_layers(draft.model), self.config.block_size, dtype, self.sampler,
+                             backend)
 
     # -- requests ---------------------------------------------------------------------------
 
@@ -104,26 +109,27 @@ class Engine:
 
         Requests share cached prefix blocks only when their app and
         ``cache_salt`` are both equal. ``app`` names the sender for fair share;
-        a lower ``priority`` is admitted first (vLLM's convention).
+        a lower ``priority`` is admitted first (vLLM's convention). Errors name
+        no request field: the gateway knows which of its fields they concern.
         """
         if request_id in self.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         if not prompt_token_ids:
-            raise InvalidRequestError("the prompt is empty", param="prompt")
+            raise InvalidRequestError("the prompt is empty")
         params.validate(self.info.vocab_size)
         n = len(prompt_token_ids)
         if n >= self.max_model_len:
             raise ContextLengthError(
                 f"this model's maximum context length is {self.max_model_len} tokens; "
-                f"the prompt has {n} tokens", param="messages",
+                f"the prompt has {n} tokens"
             )
         if min(max(prompt_token_ids), min(prompt_token_ids)) < 0 or max(prompt_token_ids) >= self.info.vocab_size:
-            raise InvalidRequestError("prompt token ids out of range", param="prompt")
+            raise InvalidRequestError("prompt token ids out of range")
         longest = min(n + params.max_tokens, self.max_model_len)
-        if self.kv.blocks_for(longest) > self.kv.pool.num_blocks:
+        if not self.scheduler.can_ever_fit(longest):
             raise ContextLengthError(
                 f"the request needs up to {longest} tokens of KV cache but the pool holds "
-                f"{self.kv.pool.num_blocks * self.config.block_size}", param="max_tokens",
+                f"{self.info.num_kv_blocks * self.config.block_size}"
             )
         if len(self.scheduler.waiting) >= self.config.max_waiting_requests:
             raise OverloadedError(
@@ -154,12 +160,16 @@ class Engine:
         return self.scheduler.has_unfinished() or bool(self._aborted) or bool(self._failed)
 
     def take_errors(self) -> list[tuple[str, InvalidRequestError]]:
-        """Requests failed since the last call (their grammar did not compile), as (id, error).
-
-        They produce no RequestOutput; the caller reports the error instead.
+        """Requests failed since the last call, as (id, error): their grammar did not compile, or
+        their sampling setup raised. They produce no RequestOutput; the caller reports the error instead.
         """
         failed, self._failed = self._failed, []
         return failed
+
+    def _fail(self, req: Request, error: InvalidRequestError) -> None:
+        self.scheduler.finish(req, "error")
+        del self.requests[req.request_id]
+        self._failed.append((req.request_id, error))
 
     def _check_grammars(self) -> None:
         """Fail requests whose grammar did not compile; forget those that are ready or gone."""
@@ -170,71 +180,77 @@ class Engine:
             if not req.grammar.ready:
                 still.append(req)
             elif req.grammar.error is not None:
-                self.scheduler.finish(req, "error")
-                del self.requests[req.request_id]
-                self._failed.append((req.request_id, req.grammar.error))
+                self._fail(req, req.grammar.error)
         self._compiling = still
 
     def stats(self) -> EngineStats:
-        return EngineStats(
-            num_running=len(self.scheduler.running),
-            num_waiting=len(self.scheduler.waiting),
-            num_free_blocks=self.kv.num_free_blocks,
-            num_total_blocks=self.kv.pool.num_blocks,
-            num_preemptions=self.scheduler.num_preemptions,
-            prefix_cache_queries=self.kv.queries,
-            prefix_cache_hits=self.kv.hits,
-        )
+        return self.scheduler.stats()
 
     # -- the step -----------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
         start = time.monotonic()
+        outputs = self._take_ended()
+        batch = self.scheduler.schedule(self.speculator.propose(self.scheduler.running))
+        self.speculator.draft(batch)
+        if not batch.scheduled:
+            return outputs + self._idle()
+        logits = self.runner.run(batch)
+        emitted = self._sample(batch, logits)
+        outputs += self._outputs(self.scheduler.postprocess(batch, emitted))
+        self.metrics.on_step(batch.num_tokens, time.monotonic() - start, self.stats())
+        return outputs
+
+    def _idle(self) -> list[RequestOutput]:
+        if self._compiling:
+            # Nothing else to run: wait briefly for a grammar instead of spinning.
+            wait_futures([r.grammar.future for r in self._compiling], timeout=0.005, return_when=FIRST_COMPLETED)
+        self.metrics.on_step(0, 0.0, self.stats())
+        return []
+
+    def _take_ended(self) -> list[RequestOutput]:
+        """Outputs of requests aborted since the last step; requests whose grammar failed are failed now."""
         outputs, self._aborted = self._aborted, []
         if self._compiling:
             self._check_grammars()
-        if self.speculator:
-            self.speculator.propose(self.scheduler.running, self.max_model_len)
-        sched = self.scheduler.schedule()
-        if not sched.scheduled:
-            if self._compiling:
-                # Nothing else to run: wait briefly for a grammar instead of spinning.
-                wait_futures([r.grammar.future for r in self._compiling], timeout=0.005,
-                             return_when=FIRST_COMPLETED)
-            self.metrics.on_step(0, 0.0, self.stats())
-            return outputs
-        # Rows needing logits per request: none for a prefill chunk short of the
-        # end, the last row otherwise, plus one per draft token.
-        num_logits = [
-            len(r.spec_tokens) + 1 if r.num_computed_tokens + n >= r.num_tokens else 0
-            for r, n in sched.scheduled
-        ]
-        tables = [self.kv.block_ids(r.request_id) for r, _ in sched.scheduled]
-        if self.speculator:
-            self.speculator.draft(sched.scheduled, tables)
-        logits = self.runner.execute(sched.scheduled, tables, num_logits)
-        emitted = self._sample(sched, num_logits, logits)
-        outputs += self._update(sched, emitted)
-        self.metrics.on_step(sched.num_tokens, time.monotonic() - start, self.stats())
         return outputs
 
-    def _sample(self, sched: SchedulerOutput, num_logits: list[int], logits: mx.array) -> dict:
+    def _sample(self, batch: SchedulerOutput, logits: mx.array) -> dict:
         """Sample plain rows and verify draft windows in one evaluation.
 
-        Returns {request: (new tokens, their Logprob records or Nones)}.
+        Returns {request: (new tokens, their Logprob records or Nones)}. A
+        request whose own sampling setup raises (a parameter MLX cannot take,
+        a grammar that breaks) fails alone: it leaves the batch, its client gets
+        the error through ``take_errors``, and the others are sampled again.
         """
-        plain, spec, row = [], [], 0
-        for (req, _), k in zip(sched.scheduled, num_logits):
+        rows, row = [], 0
+        for (req, _), k in zip(batch.scheduled, batch.num_logits):
             if k:
-                (spec if req.spec_tokens else plain).append((req, row))
+                rows.append((req, row))
             row += k
-        pending = [self.runner.caches()]
+        try:
+            return self._sample_rows(batch, rows, logits)
+        except Exception as e:
+            culprits = {req for req, _ in rows if not self._can_sample(req)}
+            if not culprits:
+                raise  # not one request's doing: the engine itself is broken
+            log.warning("failing %d request(s) whose sampling setup raised: %s: %s",
+                        len(culprits), type(e).__name__, e)
+            for req in culprits:
+                self._fail(req, InvalidRequestError(f"the request could not be sampled: {type(e).__name__}: {e}"))
+            batch.scheduled = [(r, n) for r, n in batch.scheduled if r not in culprits]
+            return self._sample_rows(batch, [(r, o) for r, o in rows if r not in culprits], logits)
+
+    def _sample_rows(self, batch: SchedulerOutput, rows: list[tuple[Request, int]], logits: mx.array) -> dict:
+        plain = [(r, o) for r, o in rows if r not in batch.drafts]
+        spec = [(r, o) for r, o in rows if r in batch.drafts]
+        pending = [self.runner.kv.arrays()]
         if plain:
             preqs = [r for r, _ in plain]
             tokens, plp = self.sampler(logits[mx.array([o for _, o in plain])], preqs)
             pending += [tokens, plp or []]
         if spec:
-            arrays, spec_results = self.speculator.verify(logits, spec)
+            arrays, spec_results = self.speculator.verify(logits, spec, batch.drafts)
             pending += arrays
         mx.eval(pending)
         emitted = {}
@@ -246,50 +262,25 @@ class Engine:
             emitted.update(spec_results())
         return emitted
 
-    def _update(self, sched: SchedulerOutput, emitted: dict) -> list[RequestOutput]:
-        outputs = []
+    def _can_sample(self, req: Request) -> bool:
+        """Whether one row of this request alone samples without raising (finds a step's culprits)."""
+        try:
+            tokens, lp = self.sampler(mx.zeros((1, self.info.vocab_size)), [req])
+            mx.eval(tokens, lp or [])
+            return True
+        except Exception:
+            return False
+
+    def _outputs(self, produced: list[tuple[Request, int]]) -> list[RequestOutput]:
         now = time.monotonic()
-        for req, n in sched.scheduled:
-            new = emitted.get(req)
-            if new is None:  # a prefill chunk short of the end
-                req.num_computed_tokens += n
-                self.kv.commit(req)
-                continue
-            tokens, lps = new
-            # Known tokens plus the accepted drafts now have their K/V in the cache.
-            req.num_computed_tokens += n - len(req.spec_tokens) + len(tokens) - 1
-            req.draft_computed = min(req.draft_computed, req.num_computed_tokens)
-            req.spec_tokens = []
-            self.metrics.on_token(req, now, len(tokens))
-            reason = None
-            for token, lp in zip(tokens, lps):
-                req.token_ids.append(token)
-                req.pending_tokens.append(token)
-                if lp is not None:
-                    req.pending_logprobs.append(lp)
-                reason = self._stop_reason(req, token)
-                if req.grammar is not None and not reason:
-                    reason = req.grammar.accept(token)
-                if reason:
-                    break
-            if reason:
-                self.scheduler.finish(req, reason)
+        outputs = []
+        for req, count in produced:
+            self.metrics.on_token(req, now, count)
+            if req.finished:
                 self.metrics.on_finish(req, now)
                 del self.requests[req.request_id]
-            else:
-                self.kv.commit(req)
             outputs.append(self._output(req))
         return outputs
-
-    def _stop_reason(self, req: Request, token: int) -> str | None:
-        p = req.params
-        # The sampler masks stop tokens until min_tokens are out, so a stop token here is final.
-        if token in p.stop_token_ids or (not p.ignore_eos and token in self.sampler.eos_token_ids):
-            req.stop_token_id = token
-            return "stop"
-        if req.num_output_tokens >= p.max_tokens or req.num_tokens >= self.max_model_len:
-            return "length"
-        return None
 
     def _output(self, req: Request) -> RequestOutput:
         out = RequestOutput(
@@ -325,3 +316,10 @@ class Engine:
                         pending.discard(out.request_id)
         return [results[rid] for rid in ids]
 
+
+def _float_dtype(loaded: LoadedModel) -> mx.Dtype:
+    """The dtype of the model's floating-point weights (the K/V's dtype)."""
+    return next(
+        (p.dtype for _, p in tree_flatten(loaded.model.parameters()) if mx.issubdtype(p.dtype, mx.floating)),
+        mx.float32,
+    )

@@ -40,19 +40,17 @@ class StatePlan:
 
 
 class SlottedLinearAttention(nn.Module):
-    def __init__(self, inner: nn.Module, index: int, ctx):
+    def __init__(self, inner: nn.Module):
         super().__init__()
         self.inner = inner
-        self._index = index  # which entry of ctx.states holds this layer's slots
-        self._ctx = ctx
 
     def __call__(self, x: mx.array, mask=None, cache=None) -> mx.array:
-        ctx = self._ctx
-        plan: StatePlan = ctx.state_plan
-        if plan is None:
-            raise RuntimeError("a linear-attention layer ran without state slots: build its runner with "
-                               "engined.model_kinds.make_runner")
-        arrays = ctx.states[self._index]
+        """``cache``: this layer's ``engined.kv.recurrent_state.StateLayerStep`` (the plan, its slot arrays)."""
+        if cache is None:
+            raise RuntimeError("a linear-attention layer ran without state slots: run the model through "
+                               "engined.runner.ModelRunner")
+        plan: StatePlan = cache.plan
+        arrays = cache.arrays  # replaced element-wise as the groups write them
         hidden = x.shape[-1]
         outs = []
         for g in plan.groups:

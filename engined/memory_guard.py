@@ -17,6 +17,9 @@ import mlx.core as mx
 import numpy as np
 from tqdm import tqdm
 
+from engined.request import Request
+from engined.sampler import Sampler
+from engined.scheduler import SchedulerOutput
 from shared.config import EngineConfig
 from shared.errors import MemoryBudgetError
 from shared.sampling import SamplingParams
@@ -81,20 +84,24 @@ class MemoryPlan:
 
 
 def warm_up(runner, config: EngineConfig, max_model_len: int, vocab_size: int, progress: bool) -> int:
-    """Run the largest prefill step and the widest sampling step; returns peak scratch bytes."""
-    from engined.request import Request
-    from engined.sampler import Sampler
+    """Run the largest prefill step and the widest sampling step; returns peak scratch bytes.
 
+    ``runner`` is an ``engined.runner.ModelRunner``; its KV manager is created
+    just large enough for the step, and dropped again after.
+    """
     tokens = min(config.max_num_batched_tokens, max_model_len)
-    blocks = -(-tokens // config.block_size)
-    runner.allocate_kv(blocks)
+    kv = runner.kv
+    kv.create(kv.blocks_for(tokens))
     base = mx.get_active_memory()
     mx.reset_peak_memory()
     rng = np.random.default_rng(0)
     bar = tqdm(total=2, desc="warm-up", disable=not progress, leave=False)
     req = Request("warm-up", rng.integers(0, vocab_size, size=tokens).tolist(), SamplingParams(), 0)
-    logits = runner.execute([(req, tokens)], [list(range(blocks))], [1])
-    mx.eval(logits, runner.caches())
+    if not kv.allocate(req, tokens):
+        raise RuntimeError("the warm-up step did not fit a KV cache sized for it")
+    logits = runner.run(SchedulerOutput([(req, tokens)]))
+    mx.eval(logits, kv.arrays())
+    kv.free(req)
     bar.update()
     # The widest sampling step: every running sequence with penalties and top-p.
     rows = config.max_num_seqs
@@ -105,14 +112,19 @@ def warm_up(runner, config: EngineConfig, max_model_len: int, vocab_size: int, p
     bar.update()
     bar.close()
     peak = mx.get_peak_memory() - base
-    runner.allocate_kv(0)
+    kv.create(0)
     mx.clear_cache()
     return max(peak, 0)
 
 
-def plan(runner, config: EngineConfig, max_model_len: int, vocab_size: int, per_block: int,
+def plan(runner, stores: list, config: EngineConfig, max_model_len: int, vocab_size: int,
          progress: bool = False) -> MemoryPlan:
-    """Warm up, then choose the pool size; raises MemoryBudgetError when one full-length request cannot fit."""
+    """Warm up, then choose the pool size; raises MemoryBudgetError when one full-length request cannot fit.
+
+    ``stores`` are what holds KV arrays (the runner's KV manager, a draft
+    model's K/V): each reports its ``bytes_per_block`` (billed per block of the
+    main pool) and ``fixed_bytes`` (pools sized by configuration, set aside first).
+    """
     # Arrays in reference cycles (a model's attention modules and their step context form
     # one) stay allocated until the collector runs: collect them first, so that an engine
     # started in a process that dropped another does not count the old one as its weights.
@@ -121,7 +133,8 @@ def plan(runner, config: EngineConfig, max_model_len: int, vocab_size: int, per_
     activations = warm_up(runner, config, max_model_len, vocab_size, progress)
     mx.set_cache_limit(activations)
     needed = -(-max_model_len // config.block_size)
-    fixed = getattr(runner, "fixed_bytes", 0)  # engined.model_kinds: pools beside the KV blocks
+    per_block = sum(s.bytes_per_block for s in stores)
+    fixed = sum(s.fixed_bytes for s in stores)
     if config.num_kv_blocks is not None:
         return MemoryPlan(0, weights, activations, config.num_kv_blocks * per_block,
                           config.num_kv_blocks, config.block_size, fixed)

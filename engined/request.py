@@ -27,8 +27,7 @@ class Request:
         "request_id", "params", "token_ids", "num_prompt_tokens", "num_computed_tokens",
         "num_cached_tokens", "status", "finish_reason", "stop_token_id", "seed",
         "arrival_time", "pending_tokens", "pending_logprobs", "block_hashes", "cache_salt",
-        "first_scheduled_time", "first_token_time", "last_token_time", "spec_tokens",
-        "draft_computed", "app", "priority", "grammar",
+        "first_scheduled_time", "first_token_time", "last_token_time", "app", "priority", "grammar",
     )
 
     def __init__(
@@ -45,10 +44,6 @@ class Request:
         self.finish_reason: str | None = None
         self.stop_token_id: int | None = None
         self.seed = seed
-        # Draft tokens proposed for the coming step (speculative decoding).
-        self.spec_tokens: list[int] = []
-        # Tokens whose K/V the draft model has written (draft-model speculation).
-        self.draft_computed = 0
         # Monotonic timestamps for the latency metrics.
         self.arrival_time = time.monotonic()
         self.first_scheduled_time: float | None = None

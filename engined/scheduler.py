@@ -6,6 +6,11 @@ takes one token, an unfinished prefill takes its next chunk. Waiting requests
 are admitted only while their blocks can be allocated. When a running request
 cannot grow, the newest running request is preempted: its blocks are freed and
 it is recomputed later from its prompt and the tokens it already generated.
+
+``postprocess`` takes a step's sampled tokens back: it advances each request,
+appends its tokens, decides whether it stops, and commits or frees its KV.
+Draft tokens (speculative decoding) are lookahead the scheduler only budgets:
+``schedule(drafts)`` keeps what fits and ``postprocess`` counts what was accepted.
 """
 
 from __future__ import annotations
@@ -14,29 +19,54 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from engined.kv_manager import KVCacheManager
+from engined.kv import KVCacheManager
 from engined.request import Request, Status
+from shared.protocol import EngineStats, Logprob
 
 
 @dataclass
 class SchedulerOutput:
-    # (request, number of its tokens computed this step), in batch order.
+    # (request, number of its tokens computed this step: known ones, then its drafts), in batch order.
     scheduled: list[tuple[Request, int]] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
+    # Draft tokens a speculating request computes after its known ones (those that fit the budget).
+    drafts: dict[Request, list[int]] = field(default_factory=dict)
 
     @property
     def num_tokens(self) -> int:
         return sum(n for _, n in self.scheduled)
 
+    @property
+    def num_logits(self) -> list[int]:
+        """Rows needing logits per scheduled request: none for a prefill chunk short of the end,
+        the last row otherwise, plus one per draft token."""
+        return [len(self.drafts.get(r, ())) + 1 if r.num_computed_tokens + n >= r.num_tokens else 0
+                for r, n in self.scheduled]
+
 
 class Scheduler:
-    def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int):
+    def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 max_model_len: int | None = None, eos_token_ids: tuple[int, ...] = ()):
         self.kv = kv
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.eos_token_ids = frozenset(eos_token_ids)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
+
+    def stats(self) -> EngineStats:
+        """The queues and the main pool (the daemon adds its step and socket times)."""
+        kv = self.kv
+        return EngineStats(num_running=len(self.running), num_waiting=len(self.waiting),
+                           num_free_blocks=kv.num_free_blocks, num_total_blocks=kv.pool.num_blocks,
+                           num_preemptions=self.num_preemptions, prefix_cache_queries=kv.queries,
+                           prefix_cache_hits=kv.hits)
+
+    def can_ever_fit(self, num_tokens: int) -> bool:
+        """Whether a request of ``num_tokens`` tokens fits the whole main pool (else it could never run)."""
+        return self.kv.blocks_for(num_tokens) <= self.kv.pool.num_blocks
 
     def add(self, req: Request) -> None:
         self.waiting.append(req)
@@ -44,8 +74,10 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, drafts: dict[Request, list[int]] | None = None) -> SchedulerOutput:
+        """This step's batch; ``drafts`` are tokens proposed after running requests' known ones."""
         out = SchedulerOutput()
+        drafts = drafts or {}
         budget = self.max_num_batched_tokens
 
         # Running requests first, best priority and oldest first; preempt from the other end.
@@ -56,9 +88,8 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             known = req.num_tokens - req.num_computed_tokens
-            num_new = min(known + len(req.spec_tokens), budget)
-            # Drafts that don't fit the budget are dropped, never the known tokens.
-            del req.spec_tokens[max(num_new - known, 0) :]
+            draft = drafts.get(req, ())
+            num_new = min(known + len(draft), budget)
             while not self.kv.allocate(req, num_new):
                 victim = self.running.pop()
                 self._preempt(victim)
@@ -67,6 +98,8 @@ class Scheduler:
                     break
             else:
                 out.scheduled.append((req, num_new))
+                if num_new > known:  # drafts that don't fit the budget are dropped, never the known tokens
+                    out.drafts[req] = list(draft[: num_new - known])
                 budget -= num_new
                 i += 1
 
@@ -159,8 +192,6 @@ class Scheduler:
 
     def _preempt(self, req: Request) -> None:
         self.kv.free(req)
-        req.spec_tokens = []
-        req.draft_computed = 0
         req.num_computed_tokens = 0
         req.status = Status.WAITING
         self.waiting.appendleft(req)
@@ -175,3 +206,52 @@ class Scheduler:
         req.status = Status.FINISHED
         req.finish_reason = reason
         self.kv.free(req)
+
+    # -- after the step -----------------------------------------------------------------------
+
+    def postprocess(self, out: SchedulerOutput,
+                    emitted: dict[Request, tuple[list[int], list[Logprob | None]]]) -> list[tuple[Request, int]]:
+        """Take the step's new tokens back: advance, append, stop, then commit or free the KV.
+
+        ``emitted[req]`` holds the tokens (and Logprob records or Nones) a
+        request produced: one sampled token, or its accepted drafts and the
+        next token. Returns the requests that produced tokens with how many.
+        """
+        produced = []
+        for req, n in out.scheduled:
+            new = emitted.get(req)
+            if new is None:  # a prefill chunk short of the end
+                req.num_computed_tokens += n
+                self.kv.commit(req)
+                continue
+            tokens, lps = new
+            # Known tokens plus the accepted drafts now have their K/V in the cache.
+            req.num_computed_tokens += n - len(out.drafts.get(req, ())) + len(tokens) - 1
+            reason = None
+            for token, lp in zip(tokens, lps):
+                req.token_ids.append(token)
+                req.pending_tokens.append(token)
+                if lp is not None:
+                    req.pending_logprobs.append(lp)
+                reason = self._stop_reason(req, token)
+                if req.grammar is not None and not reason:
+                    reason = req.grammar.accept(token)
+                if reason:
+                    break
+            if reason:
+                self.finish(req, reason)
+            else:
+                self.kv.commit(req)
+            produced.append((req, len(tokens)))
+        return produced
+
+    def _stop_reason(self, req: Request, token: int) -> str | None:
+        p = req.params
+        # The sampler masks stop tokens until min_tokens are out, so a stop token here is final.
+        if token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids):
+            req.stop_token_id = token
+            return "stop"
+        if req.num_output_tokens >= p.max_tokens or (
+                self.max_model_len is not None and req.num_tokens >= self.max_model_len):
+            return "length"
+        return None

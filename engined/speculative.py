@@ -1,5 +1,11 @@
 """Speculative decoding: draft proposals and their verification inside the packed step.
 
+The step calls one collaborator, ``Speculator``: ``propose`` (before
+scheduling: n-gram drafts, or room for the draft model of ``draft_model``),
+``draft`` (after scheduling: the draft model fills what fits the budget) and
+``verify`` (after the forward). Drafts travel in the scheduler's output, never
+on the request.
+
 A speculating request contributes ``1 + k`` query rows to the step (its last
 token plus ``k`` draft tokens); the target model scores them all in the same
 forward as everyone else's rows. Verification keeps the target distribution
@@ -25,7 +31,6 @@ from numpy.lib.stride_tricks import sliding_window_view
 
 from engined.request import Request
 from engined.sampler import Sampler, logprobs_for, row_key
-from engined.structured import DraftWalk
 from shared.config import SpeculativeConfig
 
 _NEG = -1e30
@@ -107,138 +112,75 @@ class Verifier:
         return mx.where(g, argmax == d, accept), mx.where(g, argmax, alt)
 
 
-# Keeps the draft's sampling noise independent of the verifier's for the same seed and position.
-_DRAFT_SEED_OFFSET = 0x5DEECE66D
+class Speculator:
+    """The step's one speculation collaborator: propose before scheduling, draft after it, verify after the forward.
 
-
-class DraftProposer:
-    """A smaller model of the same vocabulary drafts ``k`` tokens per request, one pass per token.
-
-    Its paged KV lives in its own per-layer arrays indexed by the target's block
-    ids, so one block allocation covers both models (the memory guard bills a
-    block for both). ``req.draft_computed`` counts the tokens whose draft K/V is
-    written; the first pass of a step catches up from there.
+    With ``config`` None it proposes nothing and the step runs plainly.
     """
 
-    def __init__(self, runner, sampler: Sampler):
-        self.runner = runner
-        self.sampler = sampler
-
-    def propose(self, reqs: list[Request], tables: list[list[int]]) -> tuple[mx.array, dict[Request, np.ndarray]]:
-        """Fill each request's ``spec_tokens`` (already sized) with drafts; returns their distributions and masks.
-
-        The distributions have the verifier's row layout: per request ``k`` rows
-        of the draft's distribution and one zero row for the bonus position.
-        Constrained requests draft under their grammar; the masks (packed,
-        ``[k + 1, words]`` per constrained request) are those of the window rows.
-        """
-        ks = [len(r.spec_tokens) for r in reqs]
-        pieces = [r.token_ids[r.draft_computed :] for r in reqs]
-        offsets = [r.draft_computed for r in reqs]
-        rows: list[list[mx.array]] = [[] for _ in reqs]
-        vocab = self.sampler.vocab_size
-        walks = {i: DraftWalk(r.grammar.matcher, self.sampler.grammars.new_bits(k + 1))
-                 for i, (r, k) in enumerate(zip(reqs, ks)) if r.grammar is not None}
-        try:
-            for j in range(max(ks)):
-                active = [i for i, k in enumerate(ks) if k > j]
-                logits = self.runner.forward(
-                    [pieces[i] for i in active], [offsets[i] for i in active], [tables[i] for i in active],
-                    [1] * len(active),
-                )
-                areqs = [reqs[i] for i in active]
-                processed = self.sampler.process(logits.astype(mx.float32)[:, :vocab], areqs,
-                                                 self._row_masks(j, active, walks))
-                probs = mx.softmax(processed, axis=-1)
-                noise = mx.stack([
-                    mx.random.gumbel((vocab,), key=row_key(r.seed + _DRAFT_SEED_OFFSET, r.num_output_tokens + j))
-                    for r in areqs
-                ])
-                greedy = mx.array([r.params.temperature == 0.0 for r in areqs])
-                tokens = mx.where(greedy, mx.argmax(processed, axis=-1), mx.argmax(processed + noise, axis=-1))
-                mx.eval(tokens, probs, self.runner.caches())
-                for row, (i, tok) in enumerate(zip(active, tokens.tolist())):
-                    reqs[i].spec_tokens[j] = tok
-                    rows[i].append(probs[row])
-                    offsets[i] += len(pieces[i])
-                    pieces[i] = [tok]
-                    if i in walks:
-                        walks[i].push(tok)
-        finally:
-            # The matchers go back to the last accepted token whatever happened.
-            for walk in walks.values():
-                walk.finish()
-        zero = mx.zeros((vocab,), dtype=mx.float32)
-        for req, off in zip(reqs, offsets):
-            req.draft_computed = off
-        probs = mx.stack([row for per_req in rows for row in per_req + [zero]])
-        return probs, {reqs[i]: walk.bits for i, walk in walks.items()}
-
-    def _row_masks(self, j: int, active: list[int], walks: dict[int, DraftWalk]) -> mx.array | None:
-        """Allowed tokens for draft position ``j`` of the active requests; None when none is constrained."""
-        if not any(i in walks for i in active):
-            return None
-        bits = self.sampler.grammars.new_bits(len(active))
-        for row, i in enumerate(active):
-            if i in walks:
-                walks[i].fill()
-                bits[row] = walks[i].bits[j]
-        return self.sampler.grammars.to_mask(bits)
-
-
-class Speculator:
-    """One step's speculation: propose before scheduling, draft after it, verify with the target's logits."""
-
-    def __init__(self, config: SpeculativeConfig, sampler: Sampler, drafter: DraftProposer | None, metrics):
+    def __init__(self, config: SpeculativeConfig | None, sampler: Sampler, metrics, max_model_len: int,
+                 drafter=None, tables=None):
         self.config = config
         self.sampler = sampler
         self.verifier = Verifier(sampler)
-        self.drafter = drafter
         self.metrics = metrics
+        self.max_model_len = max_model_len
+        # engined.draft_model.DraftProposer, and the target's block tables by request id it writes through.
+        self.drafter = drafter
+        self.tables = tables
         self._draft_probs: mx.array | None = None
         # This step's window masks (packed) of constrained requests with drafts.
         self._bits: dict[Request, np.ndarray] = {}
 
-    def propose(self, running: list[Request], max_model_len: int) -> None:
+    def propose(self, running: list[Request]) -> dict[Request, list[int]]:
         """Draft tokens (n-gram) or reserved room (draft model) for requests that are decoding and may speculate."""
         cfg = self.config
         self._bits = {}
+        if cfg is None:
+            return {}
+        if self.drafter:
+            self.drafter.retain(r.request_id for r in running)
+        drafts = {}
         for req in running:
             room = min(cfg.num_speculative_tokens, req.params.max_tokens - req.num_output_tokens - 1,
-                       max_model_len - req.num_tokens - 1)
+                       self.max_model_len - req.num_tokens - 1)
             if room <= 0 or req.num_computed_tokens != req.num_tokens - 1 or not can_speculate(req):
                 continue
             if self.drafter:
                 # Room reserved now; the draft model fills it once the step is scheduled.
-                req.spec_tokens = [0] * room
-            else:
-                req.spec_tokens = ngram_propose(
-                    np.asarray(req.token_ids), room, cfg.prompt_lookup_min, cfg.prompt_lookup_max
-                )
-                if req.grammar is not None and req.spec_tokens:
-                    # Cut before scheduling, so the budget is spent on tokens that can be accepted.
-                    bits = self.sampler.grammars.new_bits(len(req.spec_tokens) + 1)
-                    del req.spec_tokens[req.grammar.check_draft(req.spec_tokens, bits) :]
-                    if req.spec_tokens:
-                        self._bits[req] = bits
+                drafts[req] = [0] * room
+                continue
+            draft = ngram_propose(np.asarray(req.token_ids), room, cfg.prompt_lookup_min, cfg.prompt_lookup_max)
+            if req.grammar is not None and draft:
+                # Cut before scheduling, so the budget is spent on tokens that can be accepted.
+                bits = self.sampler.grammars.new_bits(len(draft) + 1)
+                del draft[req.grammar.check_draft(draft, bits) :]
+                if draft:
+                    self._bits[req] = bits
+            if draft:
+                drafts[req] = draft
+        return drafts
 
-    def draft(self, scheduled: list[tuple[Request, int]], tables: list[list[int]]) -> None:
-        """With a draft model: fill the scheduled requests' reserved drafts (what survived the budget)."""
+    def draft(self, batch) -> None:
+        """After scheduling: the draft model fills the drafts that survived the budget (``batch.drafts``)."""
         self._draft_probs = None
-        if self.drafter:
-            drafting = [(r, t) for (r, _), t in zip(scheduled, tables) if r.spec_tokens]
-            if drafting:
-                self._draft_probs, self._bits = self.drafter.propose(
-                    [r for r, _ in drafting], [t for _, t in drafting])
+        if not self.drafter:
+            return
+        # A preempted request (perhaps readmitted in the same schedule, into other blocks) drafts anew.
+        self.drafter.forget(r.request_id for r in batch.preempted)
+        drafting = [r for r, _ in batch.scheduled if r in batch.drafts]
+        if drafting:
+            self._draft_probs, self._bits = self.drafter.propose(
+                drafting, [batch.drafts[r] for r in drafting], [self.tables(r.request_id) for r in drafting])
 
-    def verify(self, logits: mx.array, spec: list[tuple[Request, int]]):
+    def verify(self, logits: mx.array, spec: list[tuple[Request, int]], batch_drafts: dict[Request, list[int]]):
         """Verification graphs for requests with drafts (``(request, first logits row)``).
 
         Returns (arrays to evaluate with the step, a function that after
         evaluation gives {request: (new tokens, Logprob records or Nones)}).
         """
         reqs = [r for r, _ in spec]
-        drafts = [list(r.spec_tokens) for r in reqs]
+        drafts = [list(batch_drafts[r]) for r in reqs]
         rows_req = [r for r, d in zip(reqs, drafts) for _ in range(len(d) + 1)]
         idx = np.concatenate([np.arange(o, o + len(d) + 1) for (_, o), d in zip(spec, drafts)])
         rows = logits[mx.array(idx.astype(np.int32))]

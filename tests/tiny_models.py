@@ -17,6 +17,18 @@ from pathlib import Path
 import numpy as np
 
 ARCHS = ("llama", "qwen2", "qwen3")
+
+
+def fresh_seed(label: str = "rng") -> int:
+    """A new seed each run, printed (pytest shows it with a failure): pass it back to replay the run."""
+    seed = int(np.random.SeedSequence().entropy % (1 << 63))
+    print(f"{label} seed {seed}")
+    return seed
+
+
+def seeded_rng(seed: int | None = None) -> np.random.Generator:
+    """A numpy generator on ``seed``, or on a fresh printed one (``fresh_seed``)."""
+    return np.random.default_rng(fresh_seed() if seed is None else seed)
 QTYPES = ("F32", "F16", "Q8_0", "Q4_0", "Q4_1")
 
 _BASE = {

@@ -33,7 +33,7 @@ def greedy(max_tokens, **kw):
 def test_smollm2_answers_paris(engine, tokenizer):
     out = engine.generate([chat_ids(tokenizer, "What is the capital of France?")], greedy(24))[0]
     assert "Paris" in tokenizer.decode(out)
-    engine.kv.pool.check_whole()
+    engine.scheduler.kv.pool.check_whole()
 
 
 def test_sixteen_concurrent_greedy_requests_equal_sequential_runs(engine, tokenizer):
@@ -46,7 +46,7 @@ def test_sixteen_concurrent_greedy_requests_equal_sequential_runs(engine, tokeni
     alone = [engine.generate([p], [sp])[0] for p, sp in zip(prompts, params)]
     assert together == alone
     assert [len(o) for o in together] == [p.max_tokens for p in params]
-    engine.kv.pool.check_whole()
+    engine.scheduler.kv.pool.check_whole()
 
 
 def test_seeded_sampling_reproduces_whatever_the_batch(engine, tokenizer):
@@ -113,7 +113,7 @@ def test_abort_frees_blocks_at_once_and_reports_it(engine, tokenizer):
     assert engine.stats().num_running == 0
     outs = engine.step()
     assert [(o.request_id, o.finish_reason) for o in outs] == [("gone", "abort")]
-    engine.kv.pool.check_whole()
+    engine.scheduler.kv.pool.check_whole()
 
 
 def test_requests_that_can_never_fit_are_rejected_at_once(engine):
@@ -134,7 +134,7 @@ def test_preemption_under_a_tight_pool_keeps_greedy_outputs(tokenizer):
     assert small.stats().num_preemptions > 0
     alone = [small.generate([p], params)[0] for p in prompts]
     assert together == alone
-    small.kv.pool.check_whole()
+    small.scheduler.kv.pool.check_whole()
     with pytest.raises(ContextLengthError, match="pool holds 192"):
         small.add_request("huge", [1] * 100, greedy(100))  # 200 tokens of KV > 12 blocks of 16
     del small

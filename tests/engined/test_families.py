@@ -13,14 +13,15 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 
-from engined import attention
+from engined import model_layers
 from engined.engine import Engine
 from engined.loaders import load_model
 from shared.config import EngineConfig
+from shared.errors import ModelLoadError
 from shared.sampling import SamplingParams
 from tests import model_support
 from tests.engined.test_parity import check_parity
-from tests.tiny_models import make_tiny_model
+from tests.tiny_models import make_tiny_model, seeded_rng
 
 FAMILIES = {f.arch: f for f in model_support.FAMILIES}
 
@@ -57,7 +58,7 @@ def test_family_mixed_step_matches_mlx_lm_forward(tiny_dirs, arch, weights):
 
 @pytest.mark.parametrize("arch", [f.arch for f in model_support.FAMILIES if f.prefix_caching])
 def test_family_outputs_equal_with_prefix_caching_on_and_off(tiny_dirs, arch):
-    rng = np.random.default_rng()
+    rng = seeded_rng()
     shared = rng.integers(0, 256, size=29).tolist()
     first = [shared + rng.integers(0, 256, size=5).tolist()]
     second = [shared + rng.integers(0, 256, size=n).tolist() for n in (3, 11)]
@@ -72,7 +73,7 @@ def test_family_outputs_equal_with_prefix_caching_on_and_off(tiny_dirs, arch):
         results[caching] = (engine.generate(first, params), engine.generate(second, params))
         if caching:
             assert engine.stats().prefix_cache_hits >= 2 * 24  # both second-round prompts reuse 3 blocks
-        engine.kv.pool.check_whole()
+        engine.scheduler.kv.pool.check_whole()
     assert results[True] == results[False]
 
 
@@ -109,7 +110,7 @@ def test_layer_settings_read_from_each_layer():
         config = tiny_config(arch)
         model_class, args_class = _get_classes(config)
         model = model_class(args_class.from_dict(config))
-        return [attention.layer_settings(model, i, layer, layer.self_attn) for i, layer in enumerate(model.layers)]
+        return [model_layers.layer_settings(model, i, layer, layer.self_attn) for i, layer in enumerate(model.layers)]
 
     gemma = settings("gemma3_text")
     assert [s.sliding_window for s in gemma] == [12, None]
@@ -118,6 +119,30 @@ def test_layer_settings_read_from_each_layer():
     assert [s.sliding_window for s in oss] == [12, None]
     assert all(s.has_sinks and s.scale == pytest.approx(16 ** -0.5) for s in oss)
     assert [s.sliding_window for s in settings("qwen3_moe")] == [None, None]
+
+
+def _tiny_model(arch):
+    from mlx_lm.utils import _get_classes
+
+    from tests.tiny_models import tiny_config
+
+    config = tiny_config(arch)
+    model_class, args_class = _get_classes(config)
+    return model_class(args_class.from_dict(config))
+
+
+def test_a_layer_whose_attention_kind_cannot_be_read_is_refused():
+    """Never silently full attention: a declared window no layer claims, or an unknown layer type."""
+    gemma = _tiny_model("gemma3_text")
+    for layer in gemma.model.layers:
+        del layer.self_attn.is_sliding  # a family spelling the per-layer flag some other way
+    with pytest.raises(ModelLoadError, match="sliding window of 12 but no layer says whether it slides"):
+        model_layers.read_layers(gemma)
+    oss = _tiny_model("gpt_oss")
+    oss.model.layer_types = ["chunked_attention"] + list(oss.model.layer_types[1:])
+    with pytest.raises(ModelLoadError, match="'chunked_attention' is not supported"):
+        model_layers.read_layers(oss)
+    assert [s.sliding_window for s in model_layers.read_layers(_tiny_model("gpt_oss"))] == [12, None]
 
 
 def test_readme_model_table_is_generated_from_the_matrix():

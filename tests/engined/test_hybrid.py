@@ -13,12 +13,13 @@ import pytest
 
 from engined.engine import Engine
 from engined.loaders import load_model
+from engined.kv.recurrent_state import RecurrentStateGroup
 from engined.request import Request
-from engined.state_slots import HybridModelRunner
+from engined.scheduler import SchedulerOutput
 from shared.config import EngineConfig
 from shared.errors import InvalidRequestError
 from shared.sampling import SamplingParams
-from tests.tiny_models import make_tiny_model
+from tests.tiny_models import make_tiny_model, seeded_rng
 
 REL_TOL = 2e-4
 GREEDY = SamplingParams(temperature=0.0)
@@ -34,17 +35,22 @@ def hybrid(request, tmp_path_factory):
 
 def drive(engine, steps):
     """Run explicit steps through the runner as the engine would; logits of the last step's last rows."""
+    kv = engine.scheduler.kv
     logits = None
     for batch in steps:
         for req, n in batch:
-            assert engine.kv.allocate(req, n)
-        tables = [engine.kv.block_ids(r.request_id) for r, _ in batch]
-        logits = engine.runner.execute(batch, tables, [1] * len(batch))
-        mx.eval(logits, engine.runner.caches())
+            assert kv.allocate(req, n)
+        logits = engine.runner.run(SchedulerOutput(batch), [1] * len(batch))
+        mx.eval(logits, kv.arrays())
         for req, n in batch:
             req.num_computed_tokens += n
-            engine.kv.commit(req)
+            kv.commit(req)
     return logits
+
+
+def state_group(engine) -> RecurrentStateGroup:
+    (group,) = [g for g in engine.scheduler.kv.groups if isinstance(g, RecurrentStateGroup)]
+    return group
 
 
 def assert_close(row, reference, tokens):
@@ -56,7 +62,7 @@ def assert_close(row, reference, tokens):
 def test_chunked_prefill_across_blocks_then_resume_from_cached_prefix(hybrid):
     path, reference = hybrid
     engine = Engine(EngineConfig(num_kv_blocks=64, block_size=8), loaded=load_model(str(path)))
-    rng = np.random.default_rng()
+    rng = seeded_rng()
     prompt = rng.integers(0, 256, size=37).tolist()
     a = Request("a", prompt, GREEDY, 0)
     # Chunks of 10, 10, 10, 7: every chunk crosses a block boundary in its middle; a decode row
@@ -64,15 +70,15 @@ def test_chunked_prefill_across_blocks_then_resume_from_cached_prefix(hybrid):
     d = Request("d", rng.integers(0, 256, size=10).tolist(), GREEDY, 0)
     logits = drive(engine, [[(a, 10), (d, 8)], [(a, 10), (d, 1)], [(a, 10)], [(a, 7)]])
     assert_close(logits[0], reference, prompt)
-    engine.kv.free(a)  # a finishes; its blocks and state snapshots stay cached
+    engine.scheduler.kv.free(a)  # a finishes; its blocks and state snapshots stay cached
 
     # b shares a's first 35 tokens: its cached prefix is cut to the last block with a snapshot
     # (a's longest reusable prefix, 32 tokens), and it resumes from a copy of that state.
     b_tokens = prompt[:35] + rng.integers(0, 256, size=6).tolist()
     b = Request("b", b_tokens, GREEDY, 0)
-    prefix = engine.kv.cached_prefix(b)
+    prefix = engine.scheduler.kv.cached_prefix(b)
     assert len(prefix) * 8 == 32
-    assert engine.kv.allocate(b, len(b_tokens) - 32, prefix)
+    assert engine.scheduler.kv.allocate(b, len(b_tokens) - 32, prefix)
     b.num_computed_tokens = 32
     c = Request("c", rng.integers(0, 256, size=5).tolist(), GREEDY, 0)  # fresh, in the same step
     logits = drive(engine, [[(b, len(b_tokens) - 32), (c, 5), (d, 1)]])
@@ -89,13 +95,13 @@ def test_without_a_snapshot_a_cached_prefix_is_not_used(hybrid):
     drive(engine, [[(a, 40)]])
     # The KV blocks of all 5 blocks are cached, but states were kept only at 32 and 40 (the
     # prompt's reusable end and the step's last boundary).
-    assert engine.kv.cached_prefix(Request("x", prompt[:30] + [1, 2], GREEDY, 0)) == []
-    assert len(engine.kv.cached_prefix(Request("y", prompt[:33] + [1], GREEDY, 0))) == 4
+    assert engine.scheduler.kv.cached_prefix(Request("x", prompt[:30] + [1, 2], GREEDY, 0)) == []
+    assert len(engine.scheduler.kv.cached_prefix(Request("y", prompt[:33] + [1], GREEDY, 0))) == 4
 
 
 def test_outputs_equal_with_prefix_caching_on_and_off_over_multi_turn(hybrid):
     path, _ = hybrid
-    rng = np.random.default_rng()
+    rng = seeded_rng()
     system = rng.integers(0, 256, size=21).tolist()
     follow_ups = [rng.integers(0, 256, size=4).tolist() for _ in range(3)]
     params = SamplingParams(max_tokens=7, temperature=0.0, ignore_eos=True)
@@ -118,12 +124,12 @@ def test_state_pool_bounded_under_64_concurrent_requests_and_freed(hybrid):
     path, _ = hybrid
     config = EngineConfig(num_kv_blocks=512, block_size=8, max_num_seqs=64, max_num_batched_tokens=2048)
     engine = Engine(config, loaded=load_model(str(path)))
-    states = engine.runner.states
+    states = state_group(engine)
     pool_bytes = sum(a.nbytes for a in states.arrays())
     assert pool_bytes == states.nbytes == engine.memory.fixed_bytes
     assert states.nbytes == (64 + 64) * states.bytes_per_slot  # live slots + prefix snapshots
 
-    rng = np.random.default_rng()
+    rng = seeded_rng()
     prompts = [rng.integers(0, 256, size=int(n)).tolist() for n in rng.integers(3, 30, size=80)]
     params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
     for i, p in enumerate(prompts):
@@ -149,14 +155,14 @@ def test_state_pool_bounded_under_64_concurrent_requests_and_freed(hybrid):
 
 def test_preempted_hybrid_request_recomputes_its_state(hybrid):
     path, _ = hybrid
-    rng = np.random.default_rng()
+    rng = seeded_rng()
     prompts = [rng.integers(0, 256, size=20).tolist() for _ in range(4)]
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     roomy = Engine(EngineConfig(num_kv_blocks=64, block_size=8), loaded=load_model(str(path)))
     tight = Engine(EngineConfig(num_kv_blocks=12, block_size=8, max_model_len=64), loaded=load_model(str(path)))
     assert tight.generate(prompts, params) == roomy.generate(prompts, params)
     assert tight.scheduler.num_preemptions > 0
-    assert tight.runner.states.live == {}
+    assert state_group(tight).live == {}
 
 
 def test_speculative_decoding_is_refused_for_hybrids(hybrid):
@@ -170,4 +176,5 @@ def test_speculative_decoding_is_refused_for_hybrids(hybrid):
 def test_dense_models_get_no_state_pool(tmp_path):
     engine = Engine(EngineConfig(num_kv_blocks=16, block_size=8),
                     loaded=load_model(str(make_tiny_model(tmp_path / "llama", "llama"))))
-    assert not isinstance(engine.runner, HybridModelRunner) and engine.memory.fixed_bytes == 0
+    assert not any(isinstance(g, RecurrentStateGroup) for g in engine.scheduler.kv.groups)
+    assert engine.memory.fixed_bytes == 0

@@ -32,8 +32,8 @@ def test_budget_fraction_sets_the_pool_and_the_breakdown_adds_up(tiny_dir):
     # The CPU's RAM counts what is available at start-up, which moves with the host's load.
     assert abs(m.budget - 0.01 * device_memory()) < 0.01 * (512 << 20)
     assert m.weights > 0 and m.activations > 0
-    per_block = e.runner.bytes_per_block
-    assert m.kv_bytes == m.num_blocks * per_block == e.runner.kv_bytes
+    per_block = e.scheduler.kv.bytes_per_block
+    assert m.kv_bytes == m.num_blocks * per_block == e.scheduler.kv.nbytes
     # Either the budget's remainder or the most the running cap can use, whichever is less.
     assert m.num_blocks == min((m.budget - m.weights - m.activations) // per_block, 4 * 4096 // 16)
     assert "weights" in m.describe() and f"{m.num_blocks} blocks" in m.describe()
@@ -61,7 +61,7 @@ def test_cpu_budget_shrinks_when_another_process_holds_ram():
 
 def test_kv_cache_memory_overrides_the_fraction(tiny_dir):
     e = engine(tiny_dir, kv_cache_memory=64 << 20, max_num_seqs=64, max_num_batched_tokens=256)
-    assert e.memory.num_blocks == (64 << 20) // e.runner.bytes_per_block
+    assert e.memory.num_blocks == (64 << 20) // e.scheduler.kv.bytes_per_block
 
 
 def test_a_budget_too_small_for_one_full_request_refuses_to_start(tiny_dir):
@@ -85,7 +85,7 @@ def test_requests_wait_for_blocks_and_memory_stays_flat_under_load(tiny_dir):
         outs = e.generate(prompts, params)
         assert [len(o) for o in outs] == [64] * 12
         peaks.append(mx.get_peak_memory())
-        e.kv.pool.check_whole()
+        e.scheduler.kv.pool.check_whole()
     # The pool never grows: active memory returns to where it was, and the peak
     # stays within weights + KV + the measured activations.
     assert mx.get_active_memory() <= active_before + (1 << 20)

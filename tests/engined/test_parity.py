@@ -8,29 +8,28 @@ scale (observed ~1e-6).
 """
 
 import mlx.core as mx
-import numpy as np
 import pytest
 
 from engined.engine import Engine
 from engined.loaders import load_model
 from engined.request import Request
+from engined.scheduler import SchedulerOutput
 from shared.config import EngineConfig
 from shared.sampling import SamplingParams
-from tests.tiny_models import ARCHS, make_tiny_model
+from tests.tiny_models import ARCHS, fresh_seed, make_tiny_model, seeded_rng
 
 REL_TOL = 2e-4
 
 
 def run_mixed_step(engine: Engine, reqs_and_steps):
     """Drive the runner through explicit steps; returns the logits of the final mixed step."""
-    kv, runner = engine.kv, engine.runner
+    kv, runner = engine.scheduler.kv, engine.runner
     logits = None
     for batch in reqs_and_steps:
         for req, n in batch:
             assert kv.allocate(req, n)
-        tables = [kv.block_ids(r.request_id) for r, _ in batch]
-        logits = runner.execute(batch, tables, [1] * len(batch))
-        mx.eval(logits, runner.caches())
+        logits = runner.run(SchedulerOutput(batch), [1] * len(batch))
+        mx.eval(logits, kv.arrays())
         for req, n in batch:
             req.num_computed_tokens += n
     return logits
@@ -38,7 +37,7 @@ def run_mixed_step(engine: Engine, reqs_and_steps):
 
 def check_parity(loaded, reference_model, vocab, block_size):
     engine = Engine(EngineConfig(num_kv_blocks=64, block_size=block_size), loaded=loaded)
-    rng = np.random.default_rng()
+    rng = seeded_rng()
     params = SamplingParams(temperature=0.0)
     toks = {name: rng.integers(0, vocab, size=n).tolist() for name, n in (("a", 21), ("b", 45), ("c", 11))}
     a = Request("a", toks["a"], params, 0)
@@ -57,7 +56,7 @@ def check_parity(loaded, reference_model, vocab, block_size):
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_parity_tiny_random_models(arch, tmp_path):
-    path = make_tiny_model(tmp_path / arch, arch, seed=np.random.randint(1 << 30))
+    path = make_tiny_model(tmp_path / arch, arch, seed=fresh_seed(f"{arch} model"))
     reference = load_model(str(path)).model
     check_parity(load_model(str(path)), reference, vocab=272, block_size=8)
 

@@ -50,7 +50,7 @@ def test_outputs_identical_with_caching_on_and_off_smollm2():
         eng = Engine(EngineConfig(num_kv_blocks=400, max_num_batched_tokens=256, enable_prefix_caching=caching))
         results[caching] = [run(eng, [system + questions[q] for q in batch]) for batch in batches]
         stats = eng.stats()
-        eng.kv.pool.check_whole()
+        eng.scheduler.kv.pool.check_whole()
         if caching:
             assert stats.prefix_cache_hits > 0
         del eng
@@ -81,7 +81,7 @@ def test_multi_turn_agent_session_computes_only_new_tokens(tiny_dir):
             assert cached >= len(prompt) - new_tokens - bs
         history = prompt + out
         prev_total = len(history)
-    eng.kv.pool.check_whole()
+    eng.scheduler.kv.pool.check_whole()
 
 
 def test_eviction_under_pressure_completes_and_degrades_gracefully(tiny_dir):
@@ -96,7 +96,7 @@ def test_eviction_under_pressure_completes_and_degrades_gracefully(tiny_dir):
             assert all(len(o) == 8 for o in outs)
         s = eng.stats()
         rates[blocks] = s.prefix_cache_hits / s.prefix_cache_queries
-        eng.kv.pool.check_whole()
+        eng.scheduler.kv.pool.check_whole()
     assert rates[512] > rates[48] > 0.0  # the hot shared prefix keeps hitting under pressure
 
 
@@ -113,10 +113,10 @@ def test_salted_requests_never_share_blocks(tiny_dir):
     eng.add_request("a", prompt, GREEDY, cache_salt="app-a")
     eng.add_request("b", prompt, GREEDY, cache_salt="app-b")
     eng.step()
-    assert not set(eng.kv.block_ids("a")) & set(eng.kv.block_ids("b"))
+    assert not set(eng.scheduler.kv.block_ids("a")) & set(eng.scheduler.kv.block_ids("b"))
     eng.abort(["a", "b"])
     eng.step()
-    eng.kv.pool.check_whole()
+    eng.scheduler.kv.pool.check_whole()
 
 
 def test_abort_of_one_sharer_leaves_the_other_intact(tiny_dir):
@@ -135,4 +135,4 @@ def test_abort_of_one_sharer_leaves_the_other_intact(tiny_dir):
         if not eng.has_unfinished():
             break
     assert tokens == alone
-    eng.kv.pool.check_whole()
+    eng.scheduler.kv.pool.check_whole()

@@ -1,18 +1,26 @@
 """Scheduler + block pool invariants under random arrivals, aborts, preemptions and finishes.
 
-No model runs here: a step "computes" what the scheduler scheduled exactly as
-Engine._update does (advance, commit full blocks, append a token when a
-request's known tokens are all computed).
+No model runs here: a step "computes" what the scheduler scheduled and hands
+the scheduler's own ``postprocess`` a sampled token for every request whose
+known tokens are all computed, as the engine does.
 """
 
 import random
 
 from hypothesis import given, settings, strategies as st
 
-from engined.kv_manager import KVCacheManager
+from engined.kv import KVCacheManager
 from engined.request import Request, Status
-from engined.scheduler import Scheduler
+from engined.scheduler import Scheduler, SchedulerOutput
 from shared.sampling import SamplingParams
+from tests.tiny_models import fresh_seed
+
+blocks_only = KVCacheManager.blocks_only
+
+
+def sample_tokens(out: SchedulerOutput, rng: random.Random) -> dict:
+    """What the engine's sampler hands postprocess: one token for each request that yields logits."""
+    return {req: ([rng.randrange(1, 50)], [None]) for (req, _), k in zip(out.scheduled, out.num_logits) if k}
 
 
 def check_invariants(sched: Scheduler, kv: KVCacheManager, out, budget: int, max_seqs: int):
@@ -36,7 +44,7 @@ def check_invariants(sched: Scheduler, kv: KVCacheManager, out, budget: int, max
 
 def simulate(seed, num_blocks, block_size, budget, max_seqs, caching, n_requests, abort_rate):
     rng = random.Random(seed)
-    kv = KVCacheManager(num_blocks, block_size, caching)
+    kv = blocks_only(num_blocks, block_size, caching)
     sched = Scheduler(kv, max_seqs, budget)
     # Shared system prompts make prefix hits (and shared blocks) likely.
     systems = [[rng.randrange(1, 50) for _ in range(rng.randrange(0, 3 * block_size))] for _ in range(3)]
@@ -64,14 +72,10 @@ def simulate(seed, num_blocks, block_size, budget, max_seqs, caching, n_requests
             sched.finish(victim, "abort")
         out = sched.schedule()
         check_invariants(sched, kv, out, budget, max_seqs)
-        for req, n in out.scheduled:
-            req.num_computed_tokens += n
-            kv.commit(req)
-            if req.num_computed_tokens == req.num_tokens:
-                req.token_ids.append(rng.randrange(1, 50))
-                if req.num_output_tokens >= req.params.max_tokens:
-                    sched.finish(req, "length")
-                    del live[req.request_id]
+        for req, _ in sched.postprocess(out, sample_tokens(out, rng)):
+            if req.finished:
+                assert req.finish_reason == "length" and req.num_output_tokens == req.params.max_tokens
+                del live[req.request_id]
         if not out.scheduled:
             # Nothing ran: only possible when nothing is left to run.
             assert not sched.running and not sched.waiting
@@ -99,7 +103,7 @@ def test_scheduler_never_exceeds_budgets_and_never_leaks_blocks(
 
 def test_scheduler_preempts_newest_when_pool_is_tight():
     # Two requests that each grow past half the pool: one must be preempted and recomputed.
-    kv = KVCacheManager(4, 4, False)
+    kv = blocks_only(4, 4, False)
     s = Scheduler(kv, 4, 64)
     a = Request("a", list(range(1, 8)), SamplingParams(max_tokens=8), 0)
     b = Request("b", list(range(1, 8)), SamplingParams(max_tokens=8), 1)
@@ -111,7 +115,7 @@ def test_scheduler_preempts_newest_when_pool_is_tight():
 
 
 def test_chunked_prefill_splits_a_long_prompt_by_the_token_budget():
-    kv = KVCacheManager(64, 16, False)
+    kv = blocks_only(64, 16, False)
     s = Scheduler(kv, 8, 32)
     long = Request("long", list(range(1, 101)), SamplingParams(max_tokens=1), 0)
     s.add(long)
@@ -125,7 +129,7 @@ def test_chunked_prefill_splits_a_long_prompt_by_the_token_budget():
 
 
 def test_abort_frees_blocks_in_the_same_step():
-    kv = KVCacheManager(16, 4, True)
+    kv = blocks_only(16, 4, True)
     s = Scheduler(kv, 8, 64)
     req = Request("x", list(range(1, 30)), SamplingParams(max_tokens=4), 0)
     s.add(req)
@@ -137,7 +141,7 @@ def test_abort_frees_blocks_in_the_same_step():
 
 
 def test_prefix_hit_shares_blocks_and_skips_computed_tokens():
-    kv = KVCacheManager(32, 4, True)
+    kv = blocks_only(32, 4, True)
     s = Scheduler(kv, 8, 64)
     first = Request("a", list(range(1, 18)), SamplingParams(max_tokens=1), 0)
     s.add(first)
@@ -157,17 +161,14 @@ def test_prefix_hit_shares_blocks_and_skips_computed_tokens():
 def drain(sched, kv, max_steps=400):
     """Run the simulated loop to the end; returns (ids in first-admission order, ids preempted)."""
     admitted, preempted = [], []
+    rng = random.Random(0)
     for _ in range(max_steps):
         out = sched.schedule()
         preempted += [r.request_id for r in out.preempted]
-        for req, n in out.scheduled:
+        for req, _ in out.scheduled:
             if req.request_id not in admitted:
                 admitted.append(req.request_id)
-            req.num_computed_tokens += n
-            if req.num_computed_tokens == req.num_tokens:
-                req.token_ids.append(1)
-                if req.num_output_tokens >= req.params.max_tokens:
-                    sched.finish(req, "length")
+        sched.postprocess(out, sample_tokens(out, rng))
         if not sched.has_unfinished():
             break
     kv.pool.check_whole()
@@ -175,7 +176,7 @@ def drain(sched, kv, max_steps=400):
 
 
 def test_an_app_flooding_the_queue_cannot_starve_another():
-    kv = KVCacheManager(256, 4, False)
+    kv = blocks_only(256, 4, False)
     s = Scheduler(kv, max_num_seqs=2, max_num_batched_tokens=64)
     flood = [Request(f"a{i}", [1, 2, 3], SamplingParams(max_tokens=4), i, app="flooder") for i in range(20)]
     late = Request("b0", [1, 2, 3], SamplingParams(max_tokens=4), 99, app="polite")
@@ -189,13 +190,13 @@ def test_an_app_flooding_the_queue_cannot_starve_another():
 
 
 def test_lower_priority_value_is_admitted_first_and_preempted_last():
-    kv = KVCacheManager(256, 4, False)
+    kv = blocks_only(256, 4, False)
     s = Scheduler(kv, max_num_seqs=1, max_num_batched_tokens=64)
     for i, prio in enumerate([5, 5, 0, 1]):
         s.add(Request(f"p{prio}-{i}", [1, 2, 3], SamplingParams(max_tokens=2), i, priority=prio))
     assert drain(s, kv)[0] == ["p0-2", "p1-3", "p5-0", "p5-1"]
     # Under memory pressure the low-priority (high value) request is the one preempted.
-    kv = KVCacheManager(4, 4, False)
+    kv = blocks_only(4, 4, False)
     s = Scheduler(kv, 4, 64)
     important = Request("important", list(range(1, 8)), SamplingParams(max_tokens=8), 0, priority=0)
     casual = Request("casual", list(range(1, 8)), SamplingParams(max_tokens=8), 1, priority=9)
@@ -210,14 +211,12 @@ def test_lower_priority_value_is_admitted_first_and_preempted_last():
 def test_recycled_blocks_let_gpu_prefill_read_the_cache_in_place():
     """A wave of prompts that reuses a finished wave's blocks gets each run back consecutive and
     ascending, evenly spaced in a batch: the GPU route's in-place condition, no gather."""
-    from kernels import gpu
-    from kernels.metadata import AttentionMetadata
-
+    rng = random.Random(fresh_seed())
     bs, n, length = 16, 4, 160
-    kv = KVCacheManager(n * length // bs, bs, True)
+    kv = blocks_only(n * length // bs, bs, True)
 
     def wave(tag):
-        reqs = [Request(f"{tag}{i}", [hash((tag, i, t)) % 1000 + 1 for t in range(length)],
+        reqs = [Request(f"{tag}{i}", [rng.randrange(1, 1001) for _ in range(length)],
                         SamplingParams(max_tokens=1), seed=i) for i in range(n)]
         for req in reqs:
             assert kv.allocate(req, length, kv.cached_prefix(req))
@@ -230,6 +229,6 @@ def test_recycled_blocks_let_gpu_prefill_read_the_cache_in_place():
         kv.free(req)
     second = wave("b")
     tables = [kv.block_ids(r.request_id) for r in second]
-    meta = AttentionMetadata.build([length] * n, [length] * n, tables, bs)
-    plan = gpu._StepPlan(meta, "cuda")
-    assert plan.in_place(kv.pool.num_blocks) == [(0, length // bs)]
+    # Request i holds blocks 10i .. 10i + 9: each run consecutive, the runs evenly spaced from block 0.
+    per = length // bs
+    assert tables == [list(range(i * per, (i + 1) * per)) for i in range(n)]

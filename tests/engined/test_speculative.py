@@ -12,7 +12,7 @@ from engined.sampler import Sampler
 from engined.speculative import Verifier, ngram_propose
 from shared.config import EngineConfig
 from shared.sampling import SamplingParams
-from tests.tiny_models import make_tiny_model
+from tests.tiny_models import make_tiny_model, seeded_rng
 
 NGRAM = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}'
 
@@ -62,7 +62,7 @@ def test_rejection_sampling_emits_the_target_distribution(with_draft_probs):
         # A draft model's distribution, skewed towards a token the target finds unlikely;
         # its drafts are drawn from it, as a draft model's would be.
         q_row = np.array([0.05, 0.05, 0.1, 0.6, 0.1, 0.1])
-        drafts = np.random.default_rng().choice(vocab, size=n, p=q_row)
+        drafts = seeded_rng().choice(vocab, size=n, p=q_row)
         q = mx.concatenate([mx.array(np.stack([q_row, np.zeros(vocab)]), dtype=mx.float32)] * n)
     else:
         drafts = np.full(n, 3)  # an n-gram draft: deterministic, one-hot q
@@ -100,7 +100,7 @@ def test_greedy_outputs_with_ngram_speculation_equal_outputs_without(smol):
     accepted = spec.metrics.spec_accepted._value.get()
     drafted = spec.metrics.spec_draft_tokens._value.get()
     assert drafted > 0 and accepted > 0
-    spec.kv.pool.check_whole()
+    spec.scheduler.kv.pool.check_whole()
 
 
 def test_opted_out_requests_decode_plainly_in_a_mixed_batch(smol):
@@ -179,8 +179,8 @@ def test_greedy_outputs_with_a_draft_model_equal_outputs_without(smol, tmp_path)
         assert eng.generate([texts[0]], params) == expected[:1]  # alone, too
         assert_drafts_were_verified(eng, good)
         # Both models' KV share one block allocation: the pool is billed for both.
-        assert eng.memory.kv_bytes == eng.runner.kv_bytes + eng.drafter.runner.kv_bytes
-        eng.kv.pool.check_whole()
+        assert eng.memory.kv_bytes == eng.scheduler.kv.nbytes + eng.drafter.nbytes
+        eng.scheduler.kv.pool.check_whole()
 
 
 def test_draft_model_sampling_keeps_the_target_distribution(tmp_path):

@@ -17,6 +17,7 @@ from tests.engined.test_speculative import (  # noqa: F401 (smol: the engines fi
     CHI2_999, assert_drafts_were_verified, counts, draft_engines, smol, spec_counters,
 )
 from tests.engined.test_structured import PERSON, chat_ids, text_of
+from tests.tiny_models import seeded_rng
 
 DATE = r"20[0-9]{2}-(0[1-9]|1[0-2])-[0-2][0-9]"
 CHOICES = ["yes", "no", "maybe"]
@@ -90,7 +91,7 @@ def test_masked_rejection_sampling_emits_the_masked_target_distribution(with_dra
     if with_draft_probs:
         q_row = np.where(allowed_row, [0.05, 0.05, 0.1, 0.6, 0.1, 0.1], 0.0)
         q_row /= q_row.sum()
-        drafts = np.random.default_rng().choice(vocab, size=n, p=q_row)
+        drafts = seeded_rng().choice(vocab, size=n, p=q_row)
         q = mx.concatenate([mx.array(np.stack([q_row, np.zeros(vocab)]), dtype=mx.float32)] * n)
     else:
         drafts = np.full(n, 3)
@@ -140,7 +141,7 @@ def test_greedy_constrained_outputs_with_ngram_speculation_equal_outputs_without
     assert drafted2 > drafted and accepted2 > accepted
     assert spec.generate(prompts, params) == expected
     assert spec.generate(prompts[::-1], params[::-1]) == expected[::-1]
-    spec.kv.pool.check_whole()
+    spec.scheduler.kv.pool.check_whole()
 
 
 def test_greedy_constrained_outputs_with_a_draft_model_equal_outputs_without(smol, tokenizer, tmp_path):
@@ -153,5 +154,5 @@ def test_greedy_constrained_outputs_with_a_draft_model_equal_outputs_without(smo
         assert eng.generate(prompts[:3], params[:3]) == expected[:3]
         assert_drafts_were_verified(eng, good)
         assert eng.generate(prompts, params) == expected
-        eng.kv.pool.check_whole()
+        eng.scheduler.kv.pool.check_whole()
         eng.grammars.shutdown()

@@ -120,7 +120,7 @@ def test_invalid_grammar_fails_the_request_with_400_and_others_finish(engine, to
     while engine.has_unfinished():
         engine.step()
     assert not engine.requests
-    engine.kv.pool.check_whole()
+    engine.scheduler.kv.pool.check_whole()
 
 
 def test_compiling_grammar_does_not_hold_back_other_requests(engine, tokenizer):

@@ -2,8 +2,8 @@
 
 A hybrid model (Qwen3-Next, Qwen3.5: gated delta nets mixed with full
 attention) keeps, besides paged K/V for its attention layers, a fixed-size
-state per request for each linear layer. ``StateSlots`` holds those states in
-one preallocated pool per layer (``[num_slots, ...]``), counted by the memory
+state per request for each linear layer. ``RecurrentStateGroup`` holds those
+states in one preallocated pool per layer (``[num_slots, ...]``), counted by the memory
 guard: ``max_num_seqs`` live slots, one per running request, taken the first
 time it is scheduled and given back when it finishes, is aborted or preempted;
 plus, with prefix caching, snapshot slots.
@@ -26,20 +26,62 @@ from collections import OrderedDict
 import mlx.core as mx
 import numpy as np
 
-from engined.kv_manager import KVCacheManager
+from engined.kv.block_pool import extend_hashes
+from engined.kv.group import KVGroup
 from engined.linear_attention import StateGroup, StatePlan, state_shapes
+from engined.model_layers import LayerSpec
 from engined.request import Request
-from engined.runner import ModelRunner
+from shared.config import EngineConfig
 
 
-class StateSlots:
-    def __init__(self, ctx, layer_shapes: list[list[tuple[tuple[int, ...], mx.Dtype]]], block_size: int):
-        self.ctx = ctx
-        self.layer_shapes = layer_shapes
-        self.block_size = block_size
-        self.num_live = 0
-        self.num_snapshots = 0
+class StateLayerStep:
+    """What one linear layer gets as its ``cache`` for one forward: the step's plan and its slot arrays."""
+
+    __slots__ = ("plan", "arrays")
+
+    def __init__(self, plan: StatePlan, arrays: list[mx.array]):
+        self.plan = plan
+        self.arrays = arrays
+
+
+class RecurrentStateGroup(KVGroup):
+    can_rewind = False
+
+    def __init__(self, specs: list[LayerSpec], config: EngineConfig, dtype: mx.Dtype):
+        self.layers = [s.index for s in specs]
+        self.layer_shapes = [state_shapes(s.linear, s.hidden_size, dtype) for s in specs]
+        self.block_size = config.block_size
+        self.num_live = config.max_num_seqs
+        self.num_snapshots = config.max_num_seqs if config.enable_prefix_caching else 0
+        self.states: list[list[mx.array]] = [[] for _ in specs]
         self._reset(0)
+
+    @classmethod
+    def claim(cls, specs: list[LayerSpec], config: EngineConfig, dtype: mx.Dtype) -> "RecurrentStateGroup | None":
+        linear = [s for s in specs if s.linear is not None]
+        return cls(linear, config, dtype) if linear else None
+
+    @property
+    def fixed_bytes(self) -> int:
+        return self.nbytes
+
+    def create(self, num_blocks: int) -> None:
+        """(Re)create the pool, every slot free and zeroed; ``num_blocks == 0`` drops it."""
+        total = self.num_live + self.num_snapshots if num_blocks else 0
+        self.states = [[mx.zeros((total, *shape), dtype=dtype) for shape, dtype in layer]
+                       for layer in self.layer_shapes]
+        mx.eval(self.states)
+        self._reset(total)
+
+    def arrays(self) -> list[mx.array]:
+        return [a for layer in self.states for a in layer]
+
+    def prefix_blocks(self, req: Request, num_blocks: int) -> int:
+        """Back to the last block whose state was saved (a recurrent state is not rebuilt from K/V)."""
+        n = num_blocks
+        while n and req.block_hashes[n - 1] not in self.snapshots:
+            n -= 1
+        return n
 
     def _reset(self, total: int) -> None:
         self.live: dict[str, int] = {}
@@ -57,23 +99,9 @@ class StateSlots:
         """Bytes of the whole pool once allocated (what the memory guard sets aside)."""
         return (self.num_live + self.num_snapshots) * self.bytes_per_slot
 
-    def configure(self, num_live: int, num_snapshots: int) -> None:
-        self.num_live, self.num_snapshots = num_live, num_snapshots
-
-    def allocate(self, on: bool) -> None:
-        """(Re)create the pool, every slot free and zeroed; ``on=False`` drops it."""
-        total = self.num_live + self.num_snapshots if on else 0
-        self.ctx.states = [[mx.zeros((total, *shape), dtype=dtype) for shape, dtype in layer]
-                           for layer in self.layer_shapes]
-        mx.eval(self.ctx.states)
-        self._reset(total)
-
-    def arrays(self) -> list[mx.array]:
-        return [a for layer in self.ctx.states for a in layer]
-
     # -- per step -------------------------------------------------------------------------------
 
-    def begin_step(self, scheduled: list[tuple[Request, int]]) -> None:
+    def step(self, scheduled, query_lens, seq_lens, caches) -> None:
         """Give new requests their slots (zeroed, or a copy of their prefix's snapshot), then plan the groups."""
         bs = self.block_size
         zero, copy_src, copy_dst = [], [], []
@@ -94,13 +122,15 @@ class StateSlots:
                 copy_dst.append(slot)
                 self.snapshots.move_to_end(key)
         if zero or copy_dst:
-            for layer in self.ctx.states:
+            for layer in self.states:
                 for a in layer:
                     if copy_dst:
                         a[mx.array(copy_dst)] = a[mx.array(copy_src)]
                     if zero:
                         a[mx.array(zero)] = mx.zeros((len(zero), *a.shape[1:]), dtype=a.dtype)
-        self.ctx.state_plan = self._plan(scheduled)
+        plan = self._plan(scheduled)
+        for layer, arrays in zip(self.layers, self.states):
+            caches[layer] = StateLayerStep(plan, arrays)
 
     def _snapshot_slot(self) -> int | None:
         if self.free_snapshots:
@@ -168,71 +198,26 @@ class StateSlots:
 
     # -- after the step, and at the end of a request ----------------------------------------------
 
-    def register(self, req: Request) -> None:
+    def _register(self, req: Request) -> None:
         """Key the snapshots ``req`` took by their blocks' hashes (which must be computed by now)."""
         for boundary, slot in self.pending.pop(req.request_id, ()):
+            if boundary // self.block_size > len(req.block_hashes):
+                self.free_snapshots.append(slot)  # its step never completed (the request failed in it)
+                continue
             key = req.block_hashes[boundary // self.block_size - 1]
             old = self.snapshots.pop(key, None)
             if old is not None:
                 self.free_snapshots.append(old)
             self.snapshots[key] = slot
 
-    def release(self, request_id: str) -> None:
-        for _, slot in self.pending.pop(request_id, ()):
-            self.free_snapshots.append(slot)
-        slot = self.live.pop(request_id, None)
-        if slot is not None:
-            self.free_live.append(slot)
-
-
-class HybridModelRunner(ModelRunner):
-    """The model runner plus the state pool of the linear-attention layers."""
-
-    def __init__(self, model, block_size: int, num_kv_heads: int, head_dim: int, dtype: mx.Dtype):
-        super().__init__(model, block_size, num_kv_heads, head_dim, dtype)
-        shapes = [state_shapes(layer.inner, self.ctx.hidden_size, dtype) for layer in self.ctx.linear]
-        self.states = StateSlots(self.ctx, shapes, block_size)
-
-    @property
-    def fixed_bytes(self) -> int:
-        """Bytes of the state pool, set aside from the memory budget beside the KV blocks."""
-        return self.states.nbytes
-
-    def allocate_kv(self, num_blocks: int) -> None:
-        super().allocate_kv(num_blocks)
-        self.states.allocate(num_blocks > 0)
-
-    def execute(self, scheduled, block_tables, num_logits):
-        self.states.begin_step(scheduled)
-        return super().execute(scheduled, block_tables, num_logits)
-
-    def caches(self) -> list[mx.array]:
-        return super().caches() + self.states.arrays()
-
-
-class HybridKVCacheManager(KVCacheManager):
-    """Blocks as usual; prefix hits cut to the last block with a state snapshot; slots freed with the blocks."""
-
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool, states: StateSlots):
-        super().__init__(num_blocks, block_size, enable_caching)
-        self.states = states
-
-    def cached_prefix(self, req: Request):
-        hits = super().cached_prefix(req)
-        while hits and hits[-1].block_hash not in self.states.snapshots:
-            hits.pop()
-        return hits
-
     def commit(self, req: Request) -> None:
-        super().commit(req)
-        self._register_snapshots(req)
+        if req.request_id in self.pending:
+            extend_hashes(req, req.num_computed_tokens // self.block_size, self.block_size)
+            self._register(req)
 
     def free(self, req: Request) -> None:
-        super().free(req)
-        self._register_snapshots(req)
-        self.states.release(req.request_id)
-
-    def _register_snapshots(self, req: Request) -> None:
-        if req.request_id in self.states.pending:
-            self._extend_hashes(req, req.num_computed_tokens // self.block_size)
-            self.states.register(req)
+        """Slots go back with the blocks; snapshots taken on the way stay, keyed by their blocks."""
+        self.commit(req)
+        slot = self.live.pop(req.request_id, None)
+        if slot is not None:
+            self.free_live.append(slot)

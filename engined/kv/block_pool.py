@@ -38,6 +38,15 @@ def hash_block(parent: bytes | None, token_ids: list[int], extra: bytes = b"") -
     return h.digest()
 
 
+def extend_hashes(req, num_blocks: int, block_size: int) -> None:
+    """Grow ``req.block_hashes`` to its first ``num_blocks`` full blocks (hashed once each)."""
+    hashes, bs = req.block_hashes, block_size
+    while len(hashes) < num_blocks:
+        i = len(hashes)
+        parent = hashes[-1] if hashes else None
+        hashes.append(hash_block(parent, req.token_ids[i * bs : (i + 1) * bs], req.cache_salt))
+
+
 class BlockPool:
     def __init__(self, num_blocks: int):
         self.blocks = [Block(i) for i in range(num_blocks)]

@@ -1,0 +1,70 @@
+"""The contract every KV group keeps; ``engined.kv.manager`` composes them.
+
+A group owns one kind of per-layer cache for the layers it claims: its sizes,
+its arrays, its per-request tables, how far a cached prefix can serve it, and
+its part of allocate / commit / free. The defaults here are a group that needs
+nothing per request; a kind overrides what it keeps.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+from engined.kv.block_pool import Block
+from engined.model_layers import LayerSpec
+from engined.request import Request
+from shared.config import EngineConfig
+
+
+class KVGroup:
+    layers: list[int]  # the model layers whose ``cache`` this group provides
+    # A recurrent state cannot take rejected draft tokens back; paged K/V can (it is overwritten).
+    can_rewind = True
+
+    @classmethod
+    def claim(cls, specs: list[LayerSpec], config: EngineConfig, dtype: mx.Dtype) -> "KVGroup | None":
+        """A group over the layers of ``specs`` (those not claimed yet) that are of this kind, or None."""
+        raise NotImplementedError
+
+    # -- memory ------------------------------------------------------------------------------
+
+    @property
+    def bytes_per_block(self) -> int:
+        """Bytes billed per block of the main pool (the pool the memory guard sizes)."""
+        return 0
+
+    @property
+    def fixed_bytes(self) -> int:
+        """Bytes of pools sized by configuration, not by the budget (set aside before the main pool)."""
+        return 0
+
+    def create(self, num_blocks: int) -> None:
+        """(Re)create the arrays for a main pool of ``num_blocks`` blocks, all free; 0 drops them."""
+
+    def arrays(self) -> list[mx.array]:
+        """The arrays a forward writes, to evaluate with its outputs."""
+        return []
+
+    # -- per request ---------------------------------------------------------------------------
+
+    def prefix_blocks(self, req: Request, num_blocks: int) -> int:
+        """How many of the first ``num_blocks`` cached blocks (hashes computed) this group can resume from."""
+        return num_blocks
+
+    def can_allocate(self, req: Request, num_new_tokens: int, prefix: list[Block]) -> bool:
+        return True
+
+    def allocate(self, req: Request, num_new_tokens: int, prefix: list[Block]) -> None:
+        """Hold room for ``num_new_tokens`` after the computed tokens and ``prefix``; ``can_allocate`` said yes."""
+
+    def commit(self, req: Request) -> None:
+        """After a step advanced ``req.num_computed_tokens``: cache what is complete, drop what is out of use."""
+
+    def free(self, req: Request) -> None:
+        """The request finished, was aborted or preempted: give back everything it holds."""
+
+    # -- per step ------------------------------------------------------------------------------
+
+    def step(self, scheduled: list[tuple[Request, int]], query_lens: list[int], seq_lens: list[int],
+             caches: list) -> None:
+        """Put this step's object for each of the group's layers into the model's ``caches`` list."""

@@ -1,0 +1,169 @@
+"""The KV cache manager: an ordered list of KV groups built from each layer's settings, seen as one.
+
+The first group is always the full-attention group (``full_attention``): its
+pool bounds admission and context, and the memory guard sizes it. The others
+(``sliding_window``, ``recurrent_state``; a new kind is one file and a line in
+``KINDS``) claim the layers of their kind and follow it:
+
+- a cached prefix is the longest run of leading full blocks every group can
+  resume from (each group may only cut it shorter);
+- ``allocate`` succeeds for all groups or for none;
+- ``commit`` and ``free`` reach every group;
+- bytes per block and fixed bytes are the groups' sums.
+
+The chained block hashes live on the request and are computed here once for
+every group.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+from engined.kv.block_pool import Block, BlockPool, extend_hashes
+from engined.kv.full_attention import FullAttentionGroup
+from engined.kv.group import KVGroup
+from engined.kv.recurrent_state import RecurrentStateGroup
+from engined.kv.sliding_window import SlidingWindowGroup
+from engined.model_layers import LayerSpec
+from engined.request import Request
+from shared.config import EngineConfig
+from shared.errors import ModelLoadError
+
+# Kinds that claim layers before the full-attention group takes every attention layer left.
+KINDS: tuple[type[KVGroup], ...] = (SlidingWindowGroup, RecurrentStateGroup)
+
+
+class KVCacheManager:
+    def __init__(self, main: FullAttentionGroup, others: list[KVGroup] = (), num_layers: int = 0):
+        self.main = main
+        self.groups: list[KVGroup] = [main, *others]
+        self.block_size = main.block_size
+        self.enable_caching = main.enable_caching
+        self.num_layers = num_layers
+        # Prompt tokens looked up in / found in the prefix cache (vLLM's prefix_cache_queries/hits).
+        self.queries = 0
+        self.hits = 0
+
+    @classmethod
+    def build(cls, specs: list[LayerSpec], config: EngineConfig, dtype: mx.Dtype) -> "KVCacheManager":
+        """Groups for a model's layers (``model_layers.read_layers``); arrays come with ``create``."""
+        others, left = [], list(specs)
+        for kind in KINDS:
+            group = kind.claim(left, config, dtype)
+            if group is not None:
+                others.append(group)
+                left = [s for s in left if s.index not in group.layers]
+        main = FullAttentionGroup.claim(left, config, dtype)
+        if not main.layers:
+            raise ModelLoadError("the model has no attention layer: the paged runner needs at least one")
+        return cls(main, others, len(specs))
+
+    @classmethod
+    def blocks_only(cls, num_blocks: int, block_size: int, enable_caching: bool) -> "KVCacheManager":
+        """A manager of the main pool alone, with no arrays (scheduler tests, no model)."""
+        kv = cls(FullAttentionGroup([], block_size, enable_caching, mx.float32))
+        kv.create(num_blocks)
+        return kv
+
+    # -- memory ------------------------------------------------------------------------------
+
+    @property
+    def bytes_per_block(self) -> int:
+        return sum(g.bytes_per_block for g in self.groups)
+
+    @property
+    def fixed_bytes(self) -> int:
+        return sum(g.fixed_bytes for g in self.groups)
+
+    @property
+    def can_rewind(self) -> bool:
+        """Whether tokens computed past what is kept (rejected drafts) can be taken back."""
+        return all(g.can_rewind for g in self.groups)
+
+    def create(self, num_blocks: int) -> None:
+        """(Re)create every group's pools for a main pool of ``num_blocks`` blocks; 0 drops them."""
+        for g in self.groups:
+            g.create(num_blocks)
+
+    def arrays(self) -> list[mx.array]:
+        return [a for g in self.groups for a in g.arrays()]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of every array the groups hold now (main pool and fixed pools)."""
+        return sum(a.nbytes for a in self.arrays())
+
+    # -- the main pool -------------------------------------------------------------------------
+
+    @property
+    def pool(self) -> BlockPool:
+        return self.main.pool
+
+    @property
+    def req_blocks(self) -> dict[str, list[Block]]:
+        return self.main.tables
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.main.pool.num_free
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return self.main.blocks_for(num_tokens)
+
+    def block_ids(self, request_id: str) -> list[int]:
+        return self.main.block_ids(request_id)
+
+    # -- per request ---------------------------------------------------------------------------
+
+    def cached_prefix(self, req: Request) -> list[Block]:
+        """The longest chain of cached full blocks that prefixes ``req``'s tokens and every group can use.
+
+        Stops one token short of the end: the last token is always recomputed
+        so that the step yields its logits.
+        """
+        if not self.enable_caching:
+            return []
+        n = (req.num_tokens - 1) // self.block_size
+        extend_hashes(req, n, self.block_size)
+        while True:
+            cut = n
+            for g in self.groups:
+                cut = g.prefix_blocks(req, cut)
+            if cut == n:
+                return self.main.prefix(req, n)
+            n = cut
+
+    def record_lookup(self, num_tokens: int, num_hit_tokens: int) -> None:
+        self.queries += num_tokens
+        self.hits += num_hit_tokens
+
+    def allocate(self, req: Request, num_new_tokens: int, prefix: list[Block] = ()) -> bool:
+        """Hold room for ``num_new_tokens`` more tokens (after ``prefix``) in every group; False if one can't."""
+        prefix = list(prefix)
+        if not all(g.can_allocate(req, num_new_tokens, prefix) for g in self.groups):
+            return False
+        for g in self.groups:
+            g.allocate(req, num_new_tokens, prefix)
+        return True
+
+    def commit(self, req: Request) -> None:
+        """After a step advanced the request: register its completed blocks, drop what is out of use."""
+        if self.enable_caching:
+            extend_hashes(req, req.num_computed_tokens // self.block_size, self.block_size)
+        for g in self.groups:
+            g.commit(req)
+
+    def free(self, req: Request) -> None:
+        for g in self.groups:
+            g.free(req)
+
+    # -- per step ------------------------------------------------------------------------------
+
+    def step_caches(self, scheduled: list[tuple[Request, int]]) -> list:
+        """The model's ``cache`` argument for this step: one step object per layer, from its group."""
+        query_lens = [n for _, n in scheduled]
+        seq_lens = [r.num_computed_tokens + n for r, n in scheduled]
+        caches = [None] * self.num_layers
+        for g in self.groups:
+            g.step(scheduled, query_lens, seq_lens, caches)
+        return caches
