@@ -16,7 +16,12 @@ import pytest
 
 from tests.agents import clis
 
-pytestmark = pytest.mark.skipif(clis.installed() is not None, reason=f"needs the CLIs: {clis.installed()}")
+
+@pytest.fixture(scope="module", autouse=True)
+def _clis_installed():
+    # .ci/run installs them; a missing CLI is a failure, never a skip.
+    missing = clis.installed()
+    assert missing is None, f"needs the CLIs ({missing}): run the npm install line of .ci/run"
 
 CAP = clis.CAP
 
