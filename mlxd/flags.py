@@ -16,7 +16,6 @@ import typing
 import msgspec
 
 from shared.config import ATTENTION_BACKENDS, DTYPES
-from shared.serve_config import REASONING_PARSERS, TOOL_CALL_PARSERS
 
 HELP = {
     "model": "GGUF file, mlx_lm/Hugging Face directory or repo id (default: the embedded SmolLM2)",
@@ -72,8 +71,6 @@ CHOICES = {
     "attention_backend": ATTENTION_BACKENDS,
     "dtype": DTYPES,
     "metrics_prefix": ("mlxd", "vllm"),
-    "tool_call_parser": TOOL_CALL_PARSERS,
-    "reasoning_parser": REASONING_PARSERS,
 }
 
 # Sizes vLLM parses with its human_readable_int: 32k is 32000, 32K is 32768.
