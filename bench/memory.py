@@ -72,6 +72,7 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--idle", type=float, default=40.0, help="seconds idle after the burst before reading RSS")
     ap.add_argument("--port", type=int, default=8431)
+    ap.add_argument("--serve-args", default="", help="more `mlxd serve` flags, e.g. '--max-model-len 1024'")
     ap.add_argument("--settle", type=float, default=3.0, help="seconds after start-up before reading RSS")
     args = ap.parse_args()
     # A SIGTERM (``timeout``) still runs the ``finally`` below, which stops the server it started.
@@ -80,7 +81,7 @@ def main() -> None:
     base = f"http://127.0.0.1:{args.port}"
     with tempfile.TemporaryDirectory() as tmp:
         cmd = [sys.executable, "-m", "mlxd", "serve", "--port", str(args.port),
-               "--engine-endpoint", f"ipc://{tmp}/engine.sock"]
+               "--engine-endpoint", f"ipc://{tmp}/engine.sock", *args.serve_args.split()]
         proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         log: list[str] = []
         threading.Thread(target=lambda: log.extend(proc.stderr), daemon=True).start()
@@ -89,6 +90,7 @@ def main() -> None:
             pid = engine_pid(proc.pid)
             time.sleep(args.settle)
             startup = rss_bytes(pid)
+            print(f"engine RSS after start-up: {gb(startup)}", flush=True)
 
             peak, done = [startup], threading.Event()
 
@@ -114,10 +116,13 @@ def main() -> None:
                 tokens = sum(pool.map(one, range(args.requests)))
             burst_s = time.monotonic() - t0
             after_burst = rss_bytes(pid)
+            print(f"burst: {args.requests} concurrent requests of ~{args.prompt_words} words, {tokens} tokens "
+                  f"generated in {burst_s:.1f} s; peak RSS {gb(max(peak))}, right after {gb(after_burst)}", flush=True)
             time.sleep(args.idle)
             done.set()
             sampler.join()
             idle = rss_bytes(pid)
+            print(f"engine RSS after {args.idle:.0f} s idle: {gb(idle)}", flush=True)
         finally:
             proc.terminate()
             try:
@@ -125,15 +130,13 @@ def main() -> None:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
-    memory_lines = [line.strip() for line in log if "memory:" in line or "cut back" in line]
-    gb = lambda b: f"{b / 1e9:.2f} GB"  # noqa: E731
-    print(f"engine RSS after start-up: {gb(startup)}")
-    print(f"burst: {args.requests} concurrent requests of ~{args.prompt_words} words, {tokens} tokens generated "
-          f"in {burst_s:.1f} s; "
-          f"peak RSS {gb(max(peak))}, right after {gb(after_burst)}")
-    print(f"engine RSS after {args.idle:.0f} s idle: {gb(idle)}")
-    for line in memory_lines:
-        print(f"log: {line}")
+    for line in log:
+        if "memory:" in line or "cut back" in line:
+            print(f"log: {line.strip()}")
+
+
+def gb(b: int) -> str:
+    return f"{b / 1e9:.2f} GB"
 
 
 if __name__ == "__main__":
