@@ -161,7 +161,7 @@ class Engine:
 
     def take_errors(self) -> list[tuple[str, InvalidRequestError]]:
         """Requests failed since the last call, as (id, error): their grammar did not compile, or
-        their sampling setup raised. They produce no RequestOutput; the caller reports the error instead.
+        their sampling setup, draft proposal or grammar step raised. They produce no RequestOutput; the caller reports the error instead.
         """
         failed, self._failed = self._failed, []
         return failed
@@ -170,6 +170,12 @@ class Engine:
         self.scheduler.finish(req, "error")
         del self.requests[req.request_id]
         self._failed.append((req.request_id, error))
+
+    def _fail_raised(self, raised: list[tuple[Request, Exception]], what: str) -> None:
+        """Fail requests whose own step work raised; the step goes on for the others."""
+        for req, e in raised:
+            log.warning("failing request %s: %s: %s: %s", req.request_id, what, type(e).__name__, e)
+            self._fail(req, InvalidRequestError(f"the request failed: {what}: {type(e).__name__}: {e}"))
 
     def _check_grammars(self) -> None:
         """Fail requests whose grammar did not compile; forget those that are ready or gone."""
@@ -191,13 +197,17 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         start = time.monotonic()
         outputs = self._take_ended()
-        batch = self.scheduler.schedule(self.speculator.propose(self.scheduler.running))
+        drafts = self.speculator.propose(self.scheduler.running)
+        self._fail_raised(self.speculator.take_failures(), "its draft could not be proposed")
+        batch = self.scheduler.schedule(drafts)
         self.speculator.draft(batch)
         if not batch.scheduled:
             return outputs + self._idle()
         logits = self.runner.run(batch)
         emitted = self._sample(batch, logits)
-        outputs += self._outputs(self.scheduler.postprocess(batch, emitted))
+        produced = self.scheduler.postprocess(batch, emitted)
+        self._fail_raised(batch.failed, "its grammar could not take the sampled token")
+        outputs += self._outputs(produced)
         self.metrics.on_step(batch.num_tokens, time.monotonic() - start, self.stats())
         return outputs
 

@@ -31,6 +31,9 @@ class SchedulerOutput:
     preempted: list[Request] = field(default_factory=list)
     # Draft tokens a speculating request computes after its known ones (those that fit the budget).
     drafts: dict[Request, list[int]] = field(default_factory=dict)
+    # Requests whose grammar raised on a sampled token in ``postprocess``, with the exception:
+    # they are the engine's to fail (alone), neither advanced further nor finished here.
+    failed: list[tuple[Request, Exception]] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -215,7 +218,8 @@ class Scheduler:
 
         ``emitted[req]`` holds the tokens (and Logprob records or Nones) a
         request produced: one sampled token, or its accepted drafts and the
-        next token. Returns the requests that produced tokens with how many.
+        next token. Returns the requests that produced tokens with how many;
+        a request whose grammar raised is left in ``out.failed`` instead.
         """
         produced = []
         for req, n in out.scheduled:
@@ -235,9 +239,15 @@ class Scheduler:
                     req.pending_logprobs.append(lp)
                 reason = self._stop_reason(req, token)
                 if req.grammar is not None and not reason:
-                    reason = req.grammar.accept(token)
+                    try:
+                        reason = req.grammar.accept(token)
+                    except Exception as e:  # this request's matcher broke: it alone fails
+                        out.failed.append((req, e))
+                        break
                 if reason:
                     break
+            if out.failed and out.failed[-1][0] is req:
+                continue
             if reason:
                 self.finish(req, reason)
             else:
