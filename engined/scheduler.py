@@ -3,7 +3,10 @@
 Each step has one token budget (``max_num_batched_tokens``) and a cap on
 running sequences (``max_num_seqs``). Running requests go first: a decode
 takes one token, an unfinished prefill takes its next chunk. Waiting requests
-are admitted only while their blocks can be allocated. When a running request
+are admitted only while their blocks can be allocated. While any request is
+decoding, prefill chunks also share a budget of attended keys (see
+``prefill_attention_budget``), so a long prompt's late chunks, which attend
+its whole prefix, cost the decoding streams no more than its first chunk. When a running request
 cannot grow, the newest running request is preempted: its blocks are freed and
 it is recomputed later from its prompt and the tokens it already generated.
 
@@ -15,6 +18,7 @@ Draft tokens (speculative decoding) are lookahead the scheduler only budgets:
 
 from __future__ import annotations
 
+import math
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -47,6 +51,18 @@ class SchedulerOutput:
                 for r, n in self.scheduled]
 
 
+def attended_keys(context: int, n: int) -> int:
+    """Keys ``n`` new query rows attend after ``context`` computed tokens (causally: each also sees those before it)."""
+    return n * context + n * (n + 1) // 2
+
+
+def chunk_within(context: int, keys: int) -> int:
+    """The largest ``n`` with ``attended_keys(context, n) <= keys``."""
+    b = 2 * context + 1
+    n = (math.isqrt(b * b + 8 * keys) - b) // 2
+    return n + 1 if attended_keys(context, n + 1) <= keys else n
+
+
 class Scheduler:
     def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
                  max_model_len: int | None = None, eos_token_ids: tuple[int, ...] = ()):
@@ -58,6 +74,12 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
+        # Attended keys all prefill chunks of one step may add while a request decodes: those of
+        # a first chunk of a full budget. Attention cost grows with the context a chunk reads, so a
+        # token budget alone let a 7K-token prompt's late chunks stall every stream for seconds.
+        self.prefill_attention_budget = attended_keys(0, max_num_batched_tokens)
+        # The least a prefill advances per step however long its prefix (progress, whatever the budget).
+        self.min_prefill_chunk = kv.block_size
 
     def stats(self) -> EngineStats:
         """The queues and the main pool (the daemon adds its step and socket times)."""
@@ -87,12 +109,21 @@ class Scheduler:
         self.running.sort(key=lambda r: (r.priority, r.arrival_time))
         fair_preempted = self._make_room_for_starved_apps()
         out.preempted += fair_preempted
+        # None: nothing decodes, prefills take the whole token budget.
+        keys = (self.prefill_attention_budget
+                if any(r.num_tokens - r.num_computed_tokens == 1 for r in self.running) else None)
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             known = req.num_tokens - req.num_computed_tokens
             draft = drafts.get(req, ())
             num_new = min(known + len(draft), budget)
+            if known > 1 and keys is not None:
+                num_new = self._prefill_chunk(req.num_computed_tokens, num_new, keys)
+                if num_new == 0:
+                    i += 1
+                    continue
+                keys -= attended_keys(req.num_computed_tokens, num_new)
             while not self.kv.allocate(req, num_new):
                 victim = self.running.pop()
                 self._preempt(victim)
@@ -115,8 +146,15 @@ class Scheduler:
             prefix = self.kv.cached_prefix(req) if req.num_computed_tokens == 0 else []
             cached = len(prefix) * self.kv.block_size
             num_new = min(req.num_tokens - req.num_computed_tokens - cached, budget)
+            context = req.num_computed_tokens + cached
+            if keys is not None and num_new > 1:
+                num_new = self._prefill_chunk(context, num_new, keys)
+                if num_new == 0:
+                    break
             if not self.kv.allocate(req, num_new, prefix):
                 break
+            if keys is not None and num_new > 1:
+                keys -= attended_keys(context, num_new)
             self.waiting.remove(req)
             if req.num_output_tokens == 0:  # first admission, not a resumption after preemption
                 req.num_cached_tokens = cached
@@ -130,6 +168,15 @@ class Scheduler:
             out.scheduled.append((req, num_new))
             budget -= num_new
         return out
+
+    def _prefill_chunk(self, context: int, num_new: int, keys: int) -> int:
+        """A prefill chunk of at most ``num_new`` tokens within ``keys`` attended keys; 0 once the budget is spent.
+
+        A step with budget left still advances the prefill by ``min_prefill_chunk``.
+        """
+        if keys <= 0:
+            return 0
+        return min(num_new, max(chunk_within(context, keys), self.min_prefill_chunk))
 
     def _make_room_for_starved_apps(self) -> list[Request]:
         """Preempt over-share apps' newest requests for waiting apps below their share.
