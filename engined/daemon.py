@@ -243,7 +243,8 @@ class Daemon:
             if rid in self.owner:
                 raise InvalidRequestError(f"request id {rid!r} is already in flight")
             self.engine.add_request(rid, msg.prompt_token_ids, msg.params, cache_salt=msg.cache_salt,
-                                    app=msg.app, priority=msg.priority)
+                                    app=msg.app, priority=msg.priority, group=msg.group,
+                                    group_size=msg.group_size)
         except MlxdError as e:
             self._send_error(identity, rid, e)
             return
