@@ -49,6 +49,15 @@ def time_it(fn) -> float:
     return time.perf_counter() - start
 
 
+def make_engine(loaded, max_seqs: int, max_tokens: int) -> Engine:
+    """An engine whose pool holds ``max_seqs`` prompts of up to 512 tokens plus their outputs, no prefix caching."""
+    return Engine(
+        EngineConfig(max_num_seqs=max_seqs, max_num_batched_tokens=2048,
+                     num_kv_blocks=max_seqs * (600 + max_tokens) // 16 + 16, enable_prefix_caching=False),
+        loaded=loaded,
+    )
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="")
@@ -59,11 +68,7 @@ def main() -> None:
 
     peer_model = load_model(args.model).model
     loaded = load_model(args.model)
-    engine = Engine(
-        EngineConfig(max_num_seqs=max(args.levels), max_num_batched_tokens=2048,
-                     num_kv_blocks=max(args.levels) * (600 + args.max_tokens) // 16 + 16, enable_prefix_caching=False),
-        loaded=loaded,
-    )
+    engine = make_engine(loaded, max(args.levels), args.max_tokens)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
 
     rows = []

@@ -19,10 +19,8 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.offline_throughput import make_prompts, time_it
-from engined.engine import Engine
+from bench.offline_throughput import make_engine, make_prompts, time_it
 from engined.loaders import load_model
-from shared.config import EngineConfig
 from shared.sampling import SamplingParams
 
 
@@ -53,11 +51,7 @@ def main() -> None:
     args = ap.parse_args()
 
     loaded = load_model(args.model)
-    engine = Engine(
-        EngineConfig(max_num_seqs=max(args.levels), max_num_batched_tokens=2048,
-                     num_kv_blocks=max(args.levels) * (600 + args.max_tokens) // 16 + 16, enable_prefix_caching=False),
-        loaded=loaded,
-    )
+    engine = make_engine(loaded, max(args.levels), args.max_tokens)
     greedy = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
     sampled = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                              ignore_eos=True, seed=0)

@@ -21,7 +21,7 @@ from starlette.responses import Response
 from gateway.chat_run import ChatInput, ChatRun, render
 from gateway.errors import anthropic_sse_error_event
 from gateway.request_body import decode_body
-from gateway.sse import SSEResponse, named_event
+from gateway.sse import KEEPALIVE, SSEResponse, named_event
 from gateway.state import GatewayState
 from shared.errors import InvalidRequestError, MlxdError
 
@@ -77,12 +77,21 @@ def _text_of(blocks: str | list, where: str) -> str:
 
 def _messages(req: _Conversation) -> list[dict]:
     out: list[dict] = []
-    if req.system:
-        out.append({"role": "system", "content": _text_of(req.system, "system")})
+    # System turns inside ``messages`` (Claude Code sends them) join the system prompt, in order:
+    # chat templates take one system message, first.
+    system = [_text_of(req.system, "system")] if req.system else []
+    for i, m in enumerate(req.messages):
+        if m.role == "system":
+            system.append(_text_of(m.content, f"messages[{i}].content"))
+    if system:
+        out.append({"role": "system", "content": "\n\n".join(system)})
     for i, m in enumerate(req.messages):
         where = f"messages[{i}].content"
+        if m.role == "system":
+            continue
         if m.role not in ("user", "assistant"):
-            raise InvalidRequestError(f"role must be user or assistant, not {m.role!r}", param=f"messages[{i}].role")
+            raise InvalidRequestError(f"role must be user, assistant or system, not {m.role!r}",
+                                      param=f"messages[{i}].role")
         if isinstance(m.content, str):
             out.append({"role": m.role, "content": m.content})
             continue
@@ -162,8 +171,10 @@ def chat_input(req: _Conversation) -> ChatInput:
     if prefill and msgs[-1].get("tool_calls"):
         raise InvalidRequestError("a final assistant turn (a prefill) cannot hold tool_use blocks",
                                   param=f"messages[{len(req.messages) - 1}]")
+    # max_tokens past the room the prompt leaves is clamped to it: Claude Code asks for 32000
+    # whatever the model's context.
     inp = ChatInput(msgs, tools=_tools(req.tools), tool_choice=choice, parallel_tool_calls=parallel,
-                    continue_final=prefill)
+                    continue_final=prefill, clamp_max_tokens=True)
     if isinstance(req, MessagesRequest):
         inp.max_tokens = req.max_tokens
         inp.temperature, inp.top_p, inp.top_k = req.temperature, req.top_p, req.top_k
@@ -217,6 +228,9 @@ async def messages(request: Request) -> Response:
         blocks.append({"type": "thinking", "thinking": reasoning, "signature": ""})
     if content:
         blocks.append({"type": "text", "text": content})
+    # A call whose arguments are not a JSON object was cut by max_tokens (or is malformed): a
+    # tool_use block would look finished and be run, so it is left out; stop_reason says why.
+    calls = [c for c in calls if _input(c["function"]["arguments"]) is not None]
     for c in calls:
         blocks.append({"type": "tool_use", "id": _tool_use_id(c["id"]), "name": c["function"]["name"],
                        "input": _input(c["function"]["arguments"])})
@@ -230,13 +244,13 @@ def _tool_use_id(call_id: str) -> str:
     return "toolu_" + call_id.removeprefix("call_")
 
 
-def _input(arguments: str) -> dict:
-    """A call's arguments as the tool_use input object; text cut short by max_tokens gives {}."""
+def _input(arguments: str) -> dict | None:
+    """A call's arguments as the tool_use input object; None for text that is not a JSON object."""
     try:
         value = json.loads(arguments)
     except ValueError:
-        return {}
-    return value if isinstance(value, dict) else {}
+        return None
+    return value if isinstance(value, dict) else None
 
 
 def _stop(run: ChatRun, called: bool) -> tuple[str, str | None]:
@@ -276,14 +290,22 @@ async def _stream(run: ChatRun, mid: str, model: str):
         return ev({"type": "content_block_delta", "index": index, "delta": d})
 
     try:
-        prompt_tokens = len(run.prompt.ids)
-        yield ev({"type": "message_start", "message": {
-            "id": mid, "type": "message", "role": "assistant", "model": model, "content": [],
-            "stop_reason": None, "stop_sequence": None,
-            "usage": {"input_tokens": prompt_tokens, "output_tokens": 0}}})
-        yield ev({"type": "ping"})
+        started = False
         called = False
         async for p in run.pieces():
+            if not started:
+                if p is None:
+                    yield KEEPALIVE  # an SSE comment: nothing may precede message_start
+                    continue
+                # Sent with the first output, when the engine has said how much of the prompt was
+                # cached: its usage then agrees with message_delta's.
+                started = True
+                usage = _usage(run)
+                usage["output_tokens"] = 0
+                yield ev({"type": "message_start", "message": {
+                    "id": mid, "type": "message", "role": "assistant", "model": model, "content": [],
+                    "stop_reason": None, "stop_sequence": None, "usage": usage}})
+                yield ev({"type": "ping"})
             if p is None:
                 yield ev({"type": "ping"})
                 continue

@@ -12,6 +12,7 @@ from starlette.middleware.cors import CORSMiddleware
 
 from gateway.browser_guard import BrowserGuard
 from gateway.errors import handle_exception
+from gateway.parsers import check_names
 from gateway.routes import ROUTES
 from gateway.state import GatewayState
 from shared.errors import MlxdError
@@ -19,6 +20,7 @@ from shared.serve_config import GatewayConfig
 
 
 def build_app(config: GatewayConfig) -> Starlette:
+    check_names(config.tool_call_parser, config.reasoning_parser)
     state = GatewayState(config)
 
     @contextlib.asynccontextmanager

@@ -16,12 +16,14 @@ from gateway.errors import sse_error_event
 from gateway.request_body import decode_body
 from gateway.sse import DONE, KEEPALIVE, SSEResponse, event
 from gateway.state import GatewayState
+from gateway.structured import structured_outputs_of
 from gateway.tokenizer import message_dicts
 from shared.errors import MlxdError
 
 
 def chat_input(req: t.ChatCompletionRequest, app: str | None) -> ChatInput:
     P.check_stream_options(req)
+    P.refuse_unsupported(req)
     max_tokens, max_tokens_param = req.max_completion_tokens, "max_completion_tokens"
     if max_tokens is None:
         max_tokens, max_tokens_param = req.max_tokens, "max_tokens"
@@ -37,7 +39,8 @@ def chat_input(req: t.ChatCompletionRequest, app: str | None) -> ChatInput:
         stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos, speculate=req.speculate,
         priority=req.priority, cache_salt=req.cache_salt,
         include_stop_str_in_output=req.include_stop_str_in_output,
-        skip_special_tokens=req.skip_special_tokens, structured_outputs=req.structured_outputs,
+        skip_special_tokens=req.skip_special_tokens, structured_outputs=structured_outputs_of(req),
+        truncate_prompt_tokens=req.truncate_prompt_tokens,
         chat_template=req.chat_template, chat_template_kwargs=req.chat_template_kwargs)
 
 

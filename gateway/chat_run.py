@@ -20,7 +20,7 @@ from gateway import params as P
 from gateway.chat_output import ChatOutput, finish_reason
 from gateway.generation import Generation
 from gateway.state import GatewayState
-from gateway.structured import (ToolPlan, marker_literal, one_spec, response_format_spec,
+from gateway.structured import (ToolPlan, marker_literal, one_spec, reasoning_aware, response_format_spec,
                                 structured_outputs_spec, tool_plan)
 from shared.errors import MlxdError
 from shared.protocol import Logprob
@@ -46,6 +46,10 @@ class ChatInput:
     # The last (assistant) message is the start of the answer, continued rather than closed.
     continue_final: bool = False
     param: str = "messages"
+    # A max_tokens past the room the prompt leaves is cut to it rather than refused (Anthropic's clients).
+    clamp_max_tokens: bool = False
+    # vLLM's: keep only the prompt's last N tokens (-1: as many as the context holds).
+    truncate_prompt_tokens: int | None = None
     # The app of the request's key (per-app accounting in the engine).
     app: str | None = None
     # The field max_tokens came in as (max_completion_tokens, max_output_tokens), for errors.
@@ -113,8 +117,12 @@ async def render(gw: GatewayState, inp: ChatInput, check_length: bool = True) ->
         return text, tok.encode(text, add_special_tokens=False)
 
     text, ids = await asyncio.to_thread(template_and_tokenize)
+    ids = P.truncate_prompt(ids, inp.truncate_prompt_tokens, info)
     if not check_length:
         return Prompt(text, ids, 0, plan)
+    room = info.max_model_len - len(ids)
+    if inp.clamp_max_tokens and max_tokens is not None and room >= 1:
+        max_tokens = min(max_tokens, room)
     return Prompt(text, ids, P.check_prompt(ids, info, max_tokens, inp.param, inp.max_tokens_param), plan)
 
 
@@ -176,7 +184,9 @@ class ChatRun:
         spec = one_spec(("response_format", response_format_spec(inp.response_format)),
                         ("structured_outputs", structured_outputs_spec(inp.structured_outputs)),
                         ("tool_choice", prompt.tools.spec))
-        params = P.sampling_params(inp, prompt.max_tokens, inp.logprobs, info.vocab_size, n, spec)
+        spec = reasoning_aware(spec, gw.config.reasoning_parser, prompt.text, marker_literal(tok))
+        params = P.sampling_params(inp, prompt.max_tokens, inp.logprobs, info.vocab_size, n, spec,
+                                   gw.sampling_defaults)
         parser = prompt.tools.parser
         # Formats whose markers are special tokens need them in the text to be parsed.
         skip_special = inp.skip_special_tokens and not (parser and parser.special_markers)

@@ -16,7 +16,7 @@ from gateway.generation import Generation
 from gateway.request_body import decode_body
 from gateway.sse import DONE, KEEPALIVE, SSEResponse, event
 from gateway.state import GatewayState
-from gateway.structured import structured_outputs_spec
+from gateway.structured import one_spec, response_format_spec, structured_outputs_of, structured_outputs_spec
 from shared.errors import MlxdError
 
 # OpenAI's default for completions.
@@ -28,6 +28,7 @@ async def completions(request: Request) -> Response:
     app = gw.check_auth(request)
     req = await decode_body(request, t.CompletionRequest)
     P.check_stream_options(req)
+    P.refuse_unsupported(req)
     info, tok = gw.require_ready()
     model = gw.check_model(req.model)
     n = P.check_n(req.n)
@@ -35,11 +36,13 @@ async def completions(request: Request) -> Response:
     stops = P.stop_list(req.stop)
     requested = P.requested_max_tokens(req.max_tokens, "max_tokens")
     P.check_choices(P.num_prompts(req.prompt), n)
-    prompts = await asyncio.to_thread(P.completion_prompts, req.prompt, tok, info)
+    prompts = [P.truncate_prompt(p, req.truncate_prompt_tokens, info)
+               for p in await asyncio.to_thread(P.completion_prompts, req.prompt, tok, info)]
     max_tokens = min(P.check_prompt(p, info, DEFAULT_MAX_TOKENS if requested is None else requested, "prompt")
                      for p in prompts)
-    spec = structured_outputs_spec(req.structured_outputs)
-    params = P.sampling_params(req, max_tokens, req.logprobs, info.vocab_size, n, spec)
+    spec = one_spec(("response_format", response_format_spec(req.response_format)),
+                    ("structured_outputs", structured_outputs_spec(structured_outputs_of(req))))
+    params = P.sampling_params(req, max_tokens, req.logprobs, info.vocab_size, n, spec, gw.sampling_defaults)
     gen = Generation(gw.client, tok, prompts, params, n, stops, req.include_stop_str_in_output,
                      req.skip_special_tokens, req.logprobs is not None, req.cache_salt, app, req.priority)
     gen.start()

@@ -14,7 +14,7 @@ import msgspec
 from starlette.exceptions import HTTPException
 from starlette.responses import JSONResponse
 
-from shared.errors import InvalidRequestError, MlxdError
+from shared.errors import ContextLengthError, InvalidRequestError, MlxdError
 
 log = logging.getLogger("mlxd.gateway")
 
@@ -61,10 +61,19 @@ _ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 4
 ANTHROPIC_PREFIX = "/v1/messages"
 
 
+def _anthropic_message(e: MlxdError) -> str:
+    """Anthropic's own wording for a prompt over the context, which its clients match to recover
+    (max_tokens past the room left is clamped on these routes, so that error never arises)."""
+    if isinstance(e, ContextLengthError) and e.prompt_tokens is not None:
+        # The longest prompt that still leaves room for one token.
+        return f"prompt is too long: {e.prompt_tokens} tokens > {e.max_model_len - 1} maximum"
+    return e.message
+
+
 def anthropic_error_body(exc: BaseException) -> tuple[int, dict]:
     e = to_mlxd_error(exc)
     return e.status, {"type": "error", "error": {"type": _ANTHROPIC_TYPES.get(e.status, "api_error"),
-                                                 "message": e.message}}
+                                                 "message": _anthropic_message(e)}}
 
 
 def anthropic_sse_error_event(exc: BaseException) -> bytes:

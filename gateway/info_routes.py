@@ -50,14 +50,25 @@ async def version(request: Request) -> Response:
                          "engine_version": info.engine_version if info else None})
 
 
+def _model_card(info) -> dict:
+    return {"id": info.served_model_name, "object": "model", "created": int(time.time()),
+            "owned_by": "mlxd", "root": info.model_id, "max_model_len": info.max_model_len}
+
+
 async def models(request: Request) -> Response:
     gw: GatewayState = request.app.state.gw
     gw.check_auth(request)
     info, _ = gw.require_ready()
-    return JSONResponse({"object": "list", "data": [{
-        "id": info.served_model_name, "object": "model", "created": int(time.time()),
-        "owned_by": "mlxd", "root": info.model_id, "max_model_len": info.max_model_len,
-    }]})
+    return JSONResponse({"object": "list", "data": [_model_card(info)]})
+
+
+async def model(request: Request) -> Response:
+    """The openai SDK's ``models.retrieve``: the served model's card, or 404 for any other name."""
+    gw: GatewayState = request.app.state.gw
+    gw.check_auth(request)
+    info, _ = gw.require_ready()
+    gw.check_model(request.path_params["model"])
+    return JSONResponse(_model_card(info))
 
 
 async def tokenize(request: Request) -> Response:

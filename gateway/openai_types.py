@@ -49,6 +49,17 @@ class _SamplingFields(msgspec.Struct, kw_only=True):
     speculate: bool = True
     # vLLM's constraint: exactly one of json, regex, choice, grammar, json_object.
     structured_outputs: dict[str, Any] | None = None
+    # vLLM's older names for structured_outputs' json, regex, choice and grammar.
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    # vLLM's: keep only the prompt's last N tokens (-1: as many as the context holds).
+    truncate_prompt_tokens: int | None = None
+    # vLLM's fields this server does not implement: a request that sets one is refused, not ignored.
+    prompt_logprobs: int | None = None
+    bad_words: list[str] | None = None
+    allowed_token_ids: list[int] | None = None
 
 
 class ChatMessage(msgspec.Struct, kw_only=True):
@@ -84,6 +95,8 @@ class CompletionRequest(_SamplingFields, kw_only=True):
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = None
+    # As in chat: text, json_object or json_schema.
+    response_format: dict[str, Any] | None = None
 
 
 class TokenizeRequest(msgspec.Struct, kw_only=True):

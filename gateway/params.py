@@ -10,6 +10,7 @@ the wire.
 
 from __future__ import annotations
 
+from gateway.generation_defaults import SamplingDefaults
 from shared.errors import ContextLengthError, InvalidRequestError, MlxdError
 from shared.protocol import EngineInfo
 from shared.sampling import INT64_MAX, INT64_MIN, SamplingParams, StructuredSpec
@@ -133,7 +134,8 @@ def check_prompt(ids: list[int], info: EngineInfo, max_tokens: int | None, param
     if room < 1:
         raise ContextLengthError(
             f"This model's maximum context length is {info.max_model_len} tokens; "
-            f"the prompt has {len(ids)} tokens.", param=param)
+            f"the prompt has {len(ids)} tokens.", param=param,
+            prompt_tokens=len(ids), max_model_len=info.max_model_len)
     if max_tokens is None:
         return room
     if max_tokens > room:
@@ -159,11 +161,14 @@ def engine_error(err: MlxdError, prompt_param: str, max_tokens_param: str | None
 
 
 def sampling_params(req, max_tokens: int, logprobs: int | None, vocab_size: int, n: int = 1,
-                    structured: StructuredSpec | None = None) -> SamplingParams:
+                    structured: StructuredSpec | None = None,
+                    defaults: SamplingDefaults = SamplingDefaults()) -> SamplingParams:
     """SamplingParams of a request's choices, validated against the model's vocabulary.
 
     ``req`` has the sampling fields of OpenAI's and vLLM's requests (a
-    ChatInput, a CompletionRequest), None where the client gave none.
+    ChatInput, a CompletionRequest), None where the client gave none: those
+    take ``defaults`` (the model's generation config, the operator's override),
+    whose cap also bounds ``max_tokens``.
     """
     bias = None
     if req.logit_bias:
@@ -177,12 +182,13 @@ def sampling_params(req, max_tokens: int, logprobs: int | None, vocab_size: int,
     if req.seed is not None and INT64_MIN <= req.seed <= INT64_MAX < req.seed + n - 1:
         raise InvalidRequestError("seed + n - 1 must fit in a signed 64-bit integer", param="seed")
     p = SamplingParams(
-        max_tokens=max_tokens,
-        temperature=1.0 if req.temperature is None else req.temperature,
-        top_p=1.0 if req.top_p is None else req.top_p,
-        top_k=0 if req.top_k is None else req.top_k,
-        min_p=0.0 if req.min_p is None else req.min_p,
-        repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+        max_tokens=defaults.cap(max_tokens),
+        temperature=defaults.temperature if req.temperature is None else req.temperature,
+        top_p=defaults.top_p if req.top_p is None else req.top_p,
+        top_k=defaults.top_k if req.top_k is None else req.top_k,
+        min_p=defaults.min_p if req.min_p is None else req.min_p,
+        repetition_penalty=(defaults.repetition_penalty if req.repetition_penalty is None
+                            else req.repetition_penalty),
         presence_penalty=req.presence_penalty or 0.0,
         frequency_penalty=req.frequency_penalty or 0.0,
         logit_bias=bias,
@@ -228,3 +234,25 @@ def num_prompts(prompt) -> int:
     if isinstance(prompt, list) and prompt and all(isinstance(x, (str, list)) for x in prompt):
         return len(prompt)
     return 1
+
+
+# vLLM's request fields the engine cannot honour yet: refused rather than silently ignored.
+_UNSUPPORTED = ("prompt_logprobs", "bad_words", "allowed_token_ids")
+
+
+def refuse_unsupported(req) -> None:
+    for name in _UNSUPPORTED:
+        if getattr(req, name) is not None:
+            raise InvalidRequestError(f"{name} is not supported by this server", param=name)
+
+
+def truncate_prompt(ids: list[int], keep: int | None, info: EngineInfo) -> list[int]:
+    """vLLM's ``truncate_prompt_tokens``: the prompt's last ``keep`` tokens (-1: the context's worth)."""
+    if keep is None:
+        return ids
+    if keep == -1:
+        keep = info.max_model_len
+    if keep < 1:
+        raise InvalidRequestError("truncate_prompt_tokens must be -1 or at least 1",
+                                  param="truncate_prompt_tokens")
+    return ids[-keep:]

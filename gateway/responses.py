@@ -20,6 +20,7 @@ from starlette.responses import Response
 from gateway.chat_run import ChatInput, ChatRun
 from gateway.errors import error_body, to_mlxd_error
 from gateway.request_body import decode_body, loads
+from gateway.responses_tools import ResponsesTools, responses_tools
 from gateway.sse import KEEPALIVE, SSEResponse, named_event
 from gateway.state import GatewayState
 from shared.errors import InvalidRequestError, MlxdError
@@ -78,7 +79,7 @@ def _arguments(text: str, where: str) -> dict:
     return value
 
 
-def _messages(req: ResponsesRequest) -> list[dict]:
+def _messages(req: ResponsesRequest, tools: ResponsesTools) -> list[dict]:
     out: list[dict] = []
     if req.instructions:
         out.append({"role": "system", "content": req.instructions})
@@ -99,7 +100,9 @@ def _messages(req: ResponsesRequest) -> list[dict]:
             if not all(isinstance(item.get(k), str) for k in ("call_id", "name", "arguments")):
                 raise InvalidRequestError("a function_call item needs call_id, name and arguments", param=at)
             args = _arguments(item["arguments"], f"{at}.arguments")
-            call = {"id": item["call_id"], "type": "function", "function": {"name": item["name"], "arguments": args}}
+            # The model's own earlier call, under the name it knows the tool by.
+            name = tools.flat_name(item["name"], item.get("namespace"))
+            call = {"id": item["call_id"], "type": "function", "function": {"name": name, "arguments": args}}
             # Calls made in one turn belong to one assistant message.
             if out and out[-1]["role"] == "assistant":
                 out[-1].setdefault("tool_calls", []).append(call)
@@ -120,22 +123,11 @@ def _messages(req: ResponsesRequest) -> list[dict]:
     return out
 
 
-def _tools(tools: list[dict] | None) -> list[dict] | None:
-    out = []
-    for i, tool in enumerate(tools or []):
-        if not isinstance(tool, dict) or tool.get("type") != "function":
-            kind = tool.get("type") if isinstance(tool, dict) else None
-            raise InvalidRequestError(f"only function tools are supported (got {kind!r})", param=f"tools[{i}]")
-        f = {k: tool[k] for k in ("name", "description", "parameters") if tool.get(k) is not None}
-        out.append({"type": "function", "function": f})
-    return out or None
-
-
-def _tool_choice(tc):
+def _tool_choice(tc, tools: ResponsesTools):
     if tc is None or isinstance(tc, str):
         return tc
     if tc.get("type") == "function" and isinstance(tc.get("name"), str):
-        return {"type": "function", "function": {"name": tc["name"]}}
+        return {"type": "function", "function": {"name": tools.flat_name(tc["name"], tc.get("namespace"))}}
     raise InvalidRequestError('tool_choice is "auto", "none", "required" or {"type": "function", "name": ...}',
                               param="tool_choice")
 
@@ -151,8 +143,9 @@ def _response_format(text: dict | None) -> dict | None:
     return fmt  # text and json_object are chat's own
 
 
-def chat_input(req: ResponsesRequest) -> ChatInput:
-    return ChatInput(_messages(req), tools=_tools(req.tools), tool_choice=_tool_choice(req.tool_choice),
+def chat_input(req: ResponsesRequest, tools: ResponsesTools) -> ChatInput:
+    return ChatInput(_messages(req, tools), tools=tools.chat or None,
+                     tool_choice=_tool_choice(req.tool_choice, tools),
                      parallel_tool_calls=req.parallel_tool_calls, max_tokens=req.max_output_tokens,
                      temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
                      response_format=_response_format(req.text), param="input",
@@ -172,25 +165,53 @@ async def responses(request: Request) -> Response:
                                   "does not keep; send the whole conversation as input", param="previous_response_id")
     if req.store:
         raise InvalidRequestError("this server does not store responses; send store=false", param="store")
-    inp = chat_input(req)
+    tools = responses_tools(req.tools)
+    inp = chat_input(req, tools)
     inp.app = app
     run = ChatRun(gw, inp)
     await run.start()
-    shell = _Shell("resp_" + run.id, model, req)
+    shell = _Shell("resp_" + run.id, model, req, tools)
     if req.stream:
         return SSEResponse(_stream(run, shell))
     if not await run.collect(request):
         return Response(status_code=499)  # nobody is listening
     reasoning, content, calls = run.whole()
-    items = []
+    parts: list[tuple[str, object]] = []
     if reasoning:
-        items.append(_reasoning_item(_item_id("rs", run, len(items)), reasoning))
+        parts.append(("rs", reasoning))
     if content:
-        items.append(_message_item(_item_id("msg", run, len(items)), content))
-    for c in calls:
-        f = c["function"]
-        items.append(_call_item(_item_id("fc", run, len(items)), c["id"], f["name"], f["arguments"]))
+        parts.append(("msg", content))
+    parts += [("fc", c) for c in calls]
+    items = []
+    for n, (kind, value) in enumerate(parts):
+        iid = _item_id(kind, run, n)
+        last = n == len(parts) - 1
+        if kind == "rs":
+            items.append(_reasoning_item(iid, value, _status(run, last)))
+        elif kind == "msg":
+            items.append(_message_item(iid, value, _status(run, last)))
+        else:
+            f = value["function"]
+            items.append(shell.call_item(iid, value["id"], f["name"], f["arguments"],
+                                         _status(run, last, f["arguments"])))
     return Response(msgspec.json.encode(shell.body(run, items)), media_type="application/json")
+
+
+def _status(run: ChatRun, last: bool, arguments: str | None = None) -> str:
+    """An item's status: the one the token limit cut is incomplete, and so is a call whose
+    arguments are not a JSON object (a client must not run it)."""
+    if last and run.finish_reason == "length":
+        return "incomplete"
+    if arguments is not None and not _is_json_object(arguments):
+        return "incomplete"
+    return "completed"
+
+
+def _is_json_object(text: str) -> bool:
+    try:
+        return isinstance(msgspec.json.decode(text), dict)
+    except (msgspec.DecodeError, RecursionError):
+        return False
 
 
 def _item_id(prefix: str, run: ChatRun, n: int) -> str:
@@ -211,17 +232,21 @@ def _message_item(iid: str, text: str | None, status: str = "completed") -> dict
     return {"type": "message", "id": iid, "role": "assistant", "status": status, "content": content}
 
 
-def _call_item(iid: str, call_id: str, name: str, arguments: str, status: str = "completed") -> dict:
-    return {"type": "function_call", "id": iid, "call_id": call_id, "name": name, "arguments": arguments,
-            "status": status}
-
-
 class _Shell:
     """The response object around the output: the request's settings echoed, status and usage."""
 
-    def __init__(self, rid: str, model: str, req: ResponsesRequest):
-        self.rid, self.model, self.req = rid, model, req
+    def __init__(self, rid: str, model: str, req: ResponsesRequest, tools: ResponsesTools):
+        self.rid, self.model, self.req, self.tools = rid, model, req, tools
         self.created = int(time.time())
+
+    def call_item(self, iid: str, call_id: str, flat_name: str, arguments: str, status: str) -> dict:
+        """A function_call item under the name (and namespace) the client declared the tool by."""
+        name, namespace = self.tools.client_name(flat_name)
+        item = {"type": "function_call", "id": iid, "call_id": call_id, "name": name, "arguments": arguments,
+                "status": status}
+        if namespace is not None:
+            item["namespace"] = namespace
+        return item
 
     def body(self, run: ChatRun | None, output: list[dict], status: str | None = None) -> dict:
         req = self.req
@@ -261,23 +286,24 @@ async def _stream(run: ChatRun, shell: _Shell):
     cur: dict | None = None  # the open item: {"kind", "id", "text" | call fields}
     calls: dict[int, dict] = {}  # the parser's call index → its open item
 
-    def close() -> list[bytes]:
+    def close(last: bool = False) -> list[bytes]:
         nonlocal cur
         if cur is None:
             return []
         out, i, iid = [], cur["index"], cur["id"]
         if cur["kind"] == "reasoning":
-            item = _reasoning_item(iid, cur["text"])
+            item = _reasoning_item(iid, cur["text"], _status(run, last))
             out.append(ev("response.reasoning_text.done", item_id=iid, output_index=i, content_index=0,
                           text=cur["text"]))
         elif cur["kind"] == "message":
-            item = _message_item(iid, cur["text"])
+            item = _message_item(iid, cur["text"], _status(run, last))
             out.append(ev("response.output_text.done", item_id=iid, output_index=i, content_index=0,
                           text=cur["text"], logprobs=[]))
             out.append(ev("response.content_part.done", item_id=iid, output_index=i, content_index=0,
                           part=_text_part(cur["text"])))
         else:
-            item = _call_item(iid, cur["call_id"], cur["name"], cur["text"])
+            item = shell.call_item(iid, cur["call_id"], cur["name"], cur["text"],
+                                   _status(run, last, cur["text"]))
             out.append(ev("response.function_call_arguments.done", item_id=iid, output_index=i,
                           arguments=cur["text"]))
         out.append(ev("response.output_item.done", output_index=i, item=item))
@@ -300,7 +326,7 @@ async def _stream(run: ChatRun, shell: _Shell):
                           part=_text_part("")))
         else:
             out.append(ev("response.output_item.added", output_index=i,
-                          item=_call_item(cur["id"], extra["call_id"], extra["name"], "", "in_progress")))
+                          item=shell.call_item(cur["id"], extra["call_id"], extra["name"], "", "in_progress")))
         return out
 
     try:
@@ -335,7 +361,7 @@ async def _stream(run: ChatRun, shell: _Shell):
                                   output_index=cur["index"], delta=args))
             for b in out:
                 yield b
-        for b in close():
+        for b in close(last=True):
             yield b
         body = shell.body(run, items)
         yield ev("response." + body["status"], response=body)

@@ -12,6 +12,8 @@ ROUTES = [
     Route("/health", info_routes.health, methods=["GET"]),
     Route("/version", info_routes.version, methods=["GET"]),
     Route("/v1/models", info_routes.models, methods=["GET"]),
+    # Model ids may hold slashes (Hugging Face repo ids).
+    Route("/v1/models/{model:path}", info_routes.model, methods=["GET"]),
     Route("/v1/chat/completions", chat_completions, methods=["POST"]),
     Route("/v1/completions", completions, methods=["POST"]),
     Route("/v1/messages", anthropic.messages, methods=["POST"]),

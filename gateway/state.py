@@ -10,8 +10,9 @@ import logging
 from starlette.requests import Request
 
 from gateway.engine_client import EngineClient
+from gateway.generation_defaults import SamplingDefaults, sampling_defaults
 from gateway.tokenizer import Tokenizer, load_chat_template
-from shared.errors import AuthenticationError, EngineUnavailableError, NotFoundError
+from shared.errors import AuthenticationError, EngineUnavailableError, InvalidRequestError, NotFoundError
 from shared.curve import check_endpoint
 from shared.keys import KeyChecker, default_keys_file
 from shared.paths import check_ipc_endpoint, default_engine_endpoint
@@ -38,6 +39,7 @@ class GatewayState:
         self.config = config
         self.chat_template = load_chat_template(config.chat_template)
         self.tokenizer: Tokenizer | None = None
+        self.sampling_defaults = SamplingDefaults(**config.generation_override)
         self.keys = KeyChecker(config.keys_file or default_keys_file())
         endpoint = config.engine_endpoint or default_engine_endpoint()
         # A socket planted in a directory others can write would receive every prompt.
@@ -54,6 +56,15 @@ class GatewayState:
         if self.tokenizer is None or self.tokenizer.tokenizer_dir != info.tokenizer_dir:
             log.info("loading the tokenizer from %s", info.tokenizer_dir)
             self.tokenizer = await asyncio.to_thread(Tokenizer, info.tokenizer_dir, self.chat_template)
+            cfg = self.config
+            try:
+                self.sampling_defaults = sampling_defaults(cfg.generation_config, info.tokenizer_dir,
+                                                           cfg.generation_override)
+            except InvalidRequestError as e:
+                # A model's broken file must not keep the gateway from serving: say so, use OpenAI's.
+                log.warning("ignoring the model's generation config: %s", e.message)
+                self.sampling_defaults = SamplingDefaults(**cfg.generation_override)
+            log.info("sampling defaults: %s", self.sampling_defaults)
 
     def check_auth(self, request: Request) -> str | None:
         """The app of the request's key (None for --api-key or no auth); 401 for a bad key.

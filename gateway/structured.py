@@ -12,7 +12,8 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from gateway.parsers import TOOL_PARSERS, ToolParser
+from gateway.parsers import REASONING_PARSERS, TOOL_PARSERS, ToolParser
+from gateway.parsers.reasoning import CLOSE as REASONING_CLOSE
 from shared.errors import InvalidRequestError
 from shared.sampling import StructuredSpec
 
@@ -139,6 +140,22 @@ def structured_outputs_spec(so: dict[str, Any] | None) -> StructuredSpec | None:
     raise InvalidRequestError(f"structured_outputs.{key} has the wrong type", param=f"structured_outputs.{key}")
 
 
+_GUIDED = (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"),
+           ("guided_grammar", "grammar"))
+
+
+def structured_outputs_of(req) -> dict[str, Any] | None:
+    """``structured_outputs``, or the same constraint under vLLM's older ``guided_*`` names."""
+    guided = {new: getattr(req, old) for old, new in _GUIDED if getattr(req, old) is not None}
+    if guided and req.structured_outputs:
+        raise InvalidRequestError("structured_outputs and guided_* cannot both constrain the output",
+                                  param="structured_outputs")
+    if len(guided) > 1:
+        raise InvalidRequestError("give at most one of guided_json, guided_regex, guided_choice, guided_grammar",
+                                  param=next(old for old, new in _GUIDED if new in guided))
+    return guided or req.structured_outputs
+
+
 def one_spec(*specs: tuple[str, StructuredSpec | None]) -> StructuredSpec | None:
     """The one constraint of a request; two at once is a 400 naming both."""
     given = [(name, s) for name, s in specs if s is not None]
@@ -164,3 +181,40 @@ def marker_literal(tokenizer):
         return json.dumps(marker)
 
     return literal
+
+
+def reasoning_aware(spec: StructuredSpec | None, reasoning_parser: str | None, prompt_text: str,
+                    literal) -> StructuredSpec | None:
+    """``spec`` held to the answer only, when the prompt leaves a think block open.
+
+    A model whose template opens ``<think>`` reasons first; a grammar from the
+    first token would force the JSON (or the tool call) into the reasoning and
+    leave the answer empty. The reasoning is free text up to ``</think>``, then
+    the constraint applies (vLLM's reasoning-aware structured outputs), for
+    response_format, structured_outputs and tool choice alike.
+    """
+    if spec is None or not reasoning_parser:
+        return spec
+    if not REASONING_PARSERS[reasoning_parser].prompt_opens_reasoning(prompt_text):
+        return spec
+    head = (f"start: reasoning answer\nreasoning[lazy]: /(?s:.*)/ {literal(REASONING_CLOSE)}\n"
+            "answer: /\\n*/ constrained\n")
+    return StructuredSpec("grammar", head + _as_rule(spec))
+
+
+def _as_rule(spec: StructuredSpec) -> str:
+    """Lark rules defining ``constrained`` as what ``spec`` admits."""
+    if spec.kind == "json_schema":
+        return f"constrained: %json {spec.spec}\n"
+    if spec.kind == "json_object":
+        return 'constrained: %json {"type": "object"}\n'
+    if spec.kind == "choice":
+        return "constrained: " + " | ".join(json.dumps(c) for c in json.loads(spec.spec)) + "\n"
+    if spec.kind == "regex":
+        return "constrained: /" + spec.spec.replace("/", "\\/") + "/\n"
+    # A Lark grammar: its start rule becomes the answer's (our tool grammars define it once, first).
+    lines = spec.spec.splitlines()
+    renamed = ["constrained:" + line[len("start:"):] if line.startswith("start:") else line for line in lines]
+    if renamed == lines:
+        raise InvalidRequestError("a grammar needs a start rule", param="structured_outputs.grammar")
+    return "\n".join(renamed) + "\n"

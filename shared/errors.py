@@ -28,9 +28,19 @@ class InvalidRequestError(MlxdError):
 
 
 class ContextLengthError(InvalidRequestError):
-    """The prompt (plus what it asks to generate) can never fit."""
+    """The prompt (plus what it asks to generate) can never fit.
+
+    ``prompt_tokens`` and ``max_model_len`` are set when the prompt alone is
+    too long: each API words that its own way (Anthropic's clients read theirs
+    to shorten the conversation).
+    """
 
     code = "context_length_exceeded"
+
+    def __init__(self, message: str, param: str | None = None, *, prompt_tokens: int | None = None,
+                 max_model_len: int | None = None):
+        super().__init__(message, param)
+        self.prompt_tokens, self.max_model_len = prompt_tokens, max_model_len
 
 
 class RequestTooLargeError(InvalidRequestError):

@@ -5,6 +5,8 @@ CLI flags map 1:1 onto these fields, like EngineConfig's.
 
 from __future__ import annotations
 
+import json
+
 import msgspec
 
 from shared.errors import InvalidRequestError
@@ -33,10 +35,28 @@ class DaemonConfig(msgspec.Struct, kw_only=True):
             raise InvalidRequestError("metrics_port must be in [0, 65536)", param="metrics_port")
 
 
-# Names of the gateway's parsers (gateway/parsers), as vLLM spells them.
-TOOL_CALL_PARSERS = ("hermes", "qwen", "llama3_json", "llama4_json", "mistral", "qwen3_coder", "pythonic",
-                     "llama4_pythonic")
-REASONING_PARSERS = ("think", "qwen3", "deepseek_r1")
+# Hugging Face generation_config keys that set sampling defaults → SamplingParams fields.
+GENERATION_CONFIG_KEYS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
+                          "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
+
+
+def generation_sampling_keys(config: dict, where: str) -> dict:
+    """The sampling keys of a generation config as SamplingParams fields, type-checked; others ignored."""
+    out = {}
+    for key, name in GENERATION_CONFIG_KEYS.items():
+        value = config.get(key)
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise InvalidRequestError(f"{where}: {key} must be a number", param="generation_config")
+        if name in ("top_k", "max_tokens"):
+            if value != int(value):
+                raise InvalidRequestError(f"{where}: {key} must be an integer", param="generation_config")
+            value = int(value)
+        out[name] = value
+    if out.get("max_tokens") is not None and out["max_tokens"] < 1:
+        raise InvalidRequestError(f"{where}: max_new_tokens must be at least 1", param="generation_config")
+    return out
 
 
 class GatewayConfig(msgspec.Struct, kw_only=True):
@@ -55,9 +75,8 @@ class GatewayConfig(msgspec.Struct, kw_only=True):
     # A Jinja template, or the path of a file holding one; None: the model's own.
     chat_template: str | None = None
     # An engine silent this long (no PONG, no output) is declared hung. The engine
-    # answers pings only between steps, and one step of a large model on a CPU can
-    # take many seconds, so this is generous; a killed engine is noticed at once
-    # through the socket's disconnect instead.
+    # answers pings from its wire thread even while a long step runs; a killed
+    # engine is noticed at once through the socket's disconnect instead.
     engine_timeout: float = 60.0
     # A comment line is sent on an SSE stream idle this long (a long prefill) so
     # that proxies and clients keep the connection.
@@ -83,16 +102,36 @@ class GatewayConfig(msgspec.Struct, kw_only=True):
     tool_call_parser: str | None = None
     # Splits <think>…</think> into the message's "reasoning".
     reasoning_parser: str | None = None
+    # Sampling defaults for fields a request omits: "auto" (the model's generation_config.json),
+    # "vllm" (none), or a folder holding a generation_config.json.
+    generation_config: str = "auto"
+    # JSON object laid over those defaults, e.g. '{"max_new_tokens": 512, "temperature": 0.7}'.
+    override_generation_config: str | None = None
+
+    @property
+    def generation_override(self) -> dict:
+        """``override_generation_config`` as SamplingParams fields; unknown keys are refused, not ignored."""
+        text = self.override_generation_config
+        if not text:
+            return {}
+        try:
+            value = json.loads(text)
+        except ValueError as e:
+            raise InvalidRequestError(f"--override-generation-config is not JSON: {e}",
+                                      param="override_generation_config") from None
+        if not isinstance(value, dict):
+            raise InvalidRequestError("--override-generation-config must be a JSON object",
+                                      param="override_generation_config")
+        unknown = sorted(set(value) - set(GENERATION_CONFIG_KEYS))
+        if unknown:
+            raise InvalidRequestError(f"--override-generation-config: unknown keys {unknown}; known: "
+                                      f"{', '.join(GENERATION_CONFIG_KEYS)}", param="override_generation_config")
+        return generation_sampling_keys(value, "--override-generation-config")
 
     def __post_init__(self) -> None:
-        if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_CALL_PARSERS:
-            raise InvalidRequestError(f"tool_call_parser must be one of {', '.join(TOOL_CALL_PARSERS)}",
-                                      param="tool_call_parser")
         if self.enable_auto_tool_choice and self.tool_call_parser is None:
             raise InvalidRequestError("enable_auto_tool_choice needs a tool_call_parser", param="tool_call_parser")
-        if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
-            raise InvalidRequestError(f"reasoning_parser must be one of {', '.join(REASONING_PARSERS)}",
-                                      param="reasoning_parser")
+        self.generation_override  # parse now so a bad JSON object fails at start-up
         if not 0 <= self.port < 65536:
             raise InvalidRequestError("port must be in [0, 65536)", param="port")
         if self.engine_timeout <= 0:

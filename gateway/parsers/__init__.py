@@ -9,6 +9,7 @@ from gateway.parsers.mistral import MistralToolParser
 from gateway.parsers.pythonic import PythonicToolParser
 from gateway.parsers.qwen3_coder import Qwen3CoderToolParser
 from gateway.parsers.reasoning import ReasoningStream, ThinkReasoningParser
+from shared.errors import InvalidRequestError
 
 TOOL_PARSERS: dict[str, type[ToolParser]] = {
     "hermes": HermesToolParser,
@@ -29,5 +30,15 @@ REASONING_PARSERS: dict[str, type[ThinkReasoningParser]] = {
     "deepseek_r1": ThinkReasoningParser,
 }
 
-__all__ = ["REASONING_PARSERS", "TOOL_PARSERS", "ReasoningStream", "ThinkReasoningParser", "ToolParser",
+
+
+def check_names(tool_call_parser: str | None, reasoning_parser: str | None) -> None:
+    """Refuse a ``--tool-call-parser`` or ``--reasoning-parser`` these tables do not hold (the one list of names)."""
+    for flag, name, table in (("tool_call_parser", tool_call_parser, TOOL_PARSERS),
+                              ("reasoning_parser", reasoning_parser, REASONING_PARSERS)):
+        if name is not None and name not in table:
+            raise InvalidRequestError(f"{flag} must be one of {', '.join(table)} (got {name!r})", param=flag)
+
+
+__all__ = ["REASONING_PARSERS", "TOOL_PARSERS", "check_names", "ReasoningStream", "ThinkReasoningParser", "ToolParser",
            "ToolStream", "parse_complete"]

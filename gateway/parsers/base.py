@@ -169,8 +169,44 @@ def function_schema(tool: dict, name_key: str = "name", args_key: str = "argumen
 
 
 def json_term(schema: dict) -> str:
-    """A Lark term matching JSON that satisfies ``schema`` in the compact layout."""
-    return "%json " + json.dumps({**schema, "x-guidance": JSON_LAYOUT})
+    """A Lark term matching JSON that satisfies ``schema`` in the compact layout, objects closed."""
+    return "%json " + json.dumps({**closed_objects(schema), "x-guidance": JSON_LAYOUT})
+
+
+# Keywords whose value is a subschema a value must match, or a list or map of them. allOf
+# parts (one object's properties split over parts) and negations are left as they are.
+_SUB_ONE = ("items", "additionalProperties")
+_SUB_LIST = ("anyOf", "oneOf", "prefixItems")
+_SUB_MAP = ("properties", "$defs", "definitions", "patternProperties")
+
+
+def closed_objects(schema):
+    """``schema`` with every object that declares ``properties`` and says nothing of others closed to them.
+
+    JSON Schema lets an object hold undeclared keys by default; a small model
+    held to such a grammar invents keys until it runs out of tokens. Tool
+    arguments default to the declared properties, as strict function calling
+    does; a schema that sets ``additionalProperties`` (or ``patternProperties``)
+    keeps its own choice.
+    """
+    if isinstance(schema, list):
+        return [closed_objects(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    for k in _SUB_ONE:
+        if isinstance(out.get(k), (dict, list)):
+            out[k] = closed_objects(out[k])
+    for k in _SUB_LIST:
+        if isinstance(out.get(k), list):
+            out[k] = [closed_objects(s) for s in out[k]]
+    for k in _SUB_MAP:
+        if isinstance(out.get(k), dict):
+            out[k] = {name: closed_objects(s) for name, s in out[k].items()}
+    if (isinstance(out.get("properties"), dict) and "additionalProperties" not in out
+            and "patternProperties" not in out and "unevaluatedProperties" not in out):
+        out["additionalProperties"] = False
+    return out
 
 
 class ToolStream:

@@ -238,5 +238,48 @@ def test_count_tokens_counts_a_conversation_longer_than_the_context(ac, model):
     # The e2e engine's context is 512 tokens: counting still answers, generating is a 400.
     msgs = [{"role": "user", "content": "word " * 700}]
     assert ac.messages.count_tokens(model=model, messages=msgs).input_tokens > 700
-    with pytest.raises(anthropic.BadRequestError, match="context length"):
+    n = ac.messages.count_tokens(model=model, messages=msgs).input_tokens
+    # Anthropic's own wording and type, which its clients match to shorten the conversation.
+    with pytest.raises(anthropic.BadRequestError) as err:
         ac.messages.create(model=model, max_tokens=4, messages=msgs)
+    assert err.value.body["error"] == {"type": "invalid_request_error",
+                                       "message": f"prompt is too long: {n} tokens > 511 maximum"}
+
+
+def test_max_tokens_past_the_context_is_clamped(ac, model):
+    # Claude Code asks for 32000 whatever the model's context (512 here).
+    m = ac.messages.create(model=model, max_tokens=32000, messages=HI, stop_sequences=["."], **GREEDY)
+    assert m.content and m.usage.output_tokens <= 512
+
+
+def test_system_turns_inside_messages_join_the_system_prompt(ac, model):
+    system = "You are terse."
+    inner = [{"role": "user", "content": "Hi"}, {"role": "system", "content": "Answer in English."},
+             {"role": "user", "content": "Bye"}]
+    folded = ac.messages.count_tokens(model=model, messages=inner, system=system).input_tokens
+    plain = ac.messages.count_tokens(model=model, messages=[inner[0], inner[2]],
+                                     system=system + "\n\nAnswer in English.").input_tokens
+    assert folded == plain
+    m = ac.messages.create(model=model, max_tokens=4, system=system, messages=inner)
+    assert m.content
+
+
+def test_stream_start_usage_agrees_with_the_end_on_cached_tokens(gateway, model):
+    body = {"model": model, "max_tokens": 4, "stream": True, "temperature": 0.0,
+            "system": "You are a helpful assistant who answers every question briefly and politely.",
+            "messages": [{"role": "user", "content": "Name a colour that the sky can have at dusk."}]}
+    for _ in range(2):  # the second finds the prompt in the prefix cache
+        r = httpx.post(gateway.url + "/v1/messages", json=body, timeout=60)
+        events = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: ")]
+        start = events[0]["message"]["usage"]
+        end = next(e for e in events if e["type"] == "message_delta")["usage"]
+        for k in ("input_tokens", "cache_read_input_tokens"):
+            assert start[k] == end[k], (start, end)
+    assert end["cache_read_input_tokens"] > 0
+
+
+def test_a_tool_call_cut_by_max_tokens_is_not_a_finished_tool_use(ac, model):
+    m = ac.messages.create(model=model, max_tokens=8, tools=[ADD], tool_choice={"type": "any"},
+                           messages=[{"role": "user", "content": "Add 4 and 5."}])
+    assert m.stop_reason == "max_tokens"
+    assert [b for b in m.content if b.type == "tool_use"] == []

@@ -10,6 +10,7 @@ import pytest
 from gateway import anthropic as A
 from gateway import responses as R
 from gateway.errors import anthropic_error_body, error_body
+from gateway.responses_tools import responses_tools
 from shared.errors import AuthenticationError, EngineUnavailableError, InvalidRequestError, OverloadedError
 
 # Renders tools and calls the way Qwen-style templates do: arguments through tojson.
@@ -68,7 +69,7 @@ def test_anthropic_tool_choice_kinds():
 @pytest.mark.parametrize("body", [
     {"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]},
     {"messages": [{"role": "user", "content": [{"type": "tool_use", "id": "x", "name": "y", "input": {}}]}]},
-    {"messages": [{"role": "system", "content": "no"}]},
+    {"messages": [{"role": "tool", "content": "no"}]},
     {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "web_search_20250305", "name": "w"}]},
     {"messages": [{"role": "user", "content": "x"}], "tools": [{"name": "no_schema"}]},
     {"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": [
@@ -95,10 +96,14 @@ def test_calls_reach_the_template_as_objects(tokenizer):
         {"role": "user", "content": "Add."},
         {"type": "function_call", "call_id": "c1", "name": "add", "arguments": '{"a": 1}'},
         {"type": "function_call_output", "call_id": "c1", "output": "1"}]}), type=R.ResponsesRequest)
-    rinp = R.chat_input(resp)
+    rinp = r_input(resp)
     assert tokenizer.render_chat(rinp.messages, chat_template=TOOL_TEMPLATE, add_generation_prompt=False) == \
         tokenizer.render_chat(inp.messages, chat_template=TOOL_TEMPLATE, add_generation_prompt=False).replace(
             "t1", "c1")
+
+
+def r_input(req: R.ResponsesRequest):
+    return R.chat_input(req, responses_tools(req.tools))
 
 
 def responses_request(**body) -> R.ResponsesRequest:
@@ -118,7 +123,7 @@ def test_responses_items_become_chat_messages():
         tools=[{"type": "function", "name": "w", "parameters": {"type": "object"}, "strict": True}],
         tool_choice={"type": "function", "name": "w"},
         text={"format": {"type": "json_schema", "name": "f", "schema": {"type": "object"}}})
-    inp = R.chat_input(req)
+    inp = r_input(req)
     assert inp.messages == [
         {"role": "system", "content": "Be brief."},
         {"role": "system", "content": "Prefer tools."},
@@ -131,9 +136,9 @@ def test_responses_items_become_chat_messages():
     assert inp.tool_choice == {"type": "function", "function": {"name": "w"}}
     assert inp.response_format == {"type": "json_schema", "json_schema": {"name": "f", "schema": {"type": "object"}}}
     assert inp.max_tokens == 9 and inp.param == "input"
-    assert R.chat_input(responses_request(input="hi")).messages == [{"role": "user", "content": "hi"}]
+    assert r_input(responses_request(input="hi")).messages == [{"role": "user", "content": "hi"}]
     with pytest.raises(InvalidRequestError) as err:
-        R.chat_input(responses_request(input=[
+        r_input(responses_request(input=[
             {"type": "function_call", "call_id": "c", "name": "w", "arguments": "not json"}]))
     assert err.value.param == "input[0].arguments"
 
@@ -150,3 +155,21 @@ def test_error_shapes_side_by_side():
         assert set(body["error"]) == {"type", "message"}
         s2, openai_body = error_body(exc)
         assert s2 == status and set(openai_body["error"]) == {"message", "type", "param", "code"}
+
+
+def test_responses_tools_flatten_namespaces_and_qualify_only_clashing_names():
+    fn = {"type": "function", "name": "read", "parameters": {"type": "object"}}
+    t = responses_tools([fn, {"type": "namespace", "name": "fs", "description": "Files", "tools": [
+        {"type": "function", "name": "read"}, {"type": "function", "name": "write"}]},
+        {"type": "web_search"}, {"type": "file_search", "vector_store_ids": []}])
+    assert [c["function"]["name"] for c in t.chat] == ["read", "fs__read", "write"]
+    assert t.client_name("fs__read") == ("read", "fs") and t.client_name("write") == ("write", "fs")
+    assert t.client_name("read") == ("read", None) and t.flat_name("read", "fs") == "fs__read"
+    for bad, param in (([{"type": "custom", "name": "x"}], "tools[0]"),
+                       ([{"type": "namespace", "name": "n"}], "tools[0]"),
+                       ([{"type": "namespace", "name": "n", "tools": [{"type": "web_search"}]}], "tools[0].tools[0]"),
+                       ([{"type": "function"}], "tools[0].name"),
+                       ([fn, fn], "tools")):
+        with pytest.raises(InvalidRequestError) as err:
+            responses_tools(bad)
+        assert err.value.param == param

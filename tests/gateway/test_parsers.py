@@ -217,9 +217,12 @@ def test_required_grammar_admits_the_format_and_parses_back(name, ll_tokenizer, 
     assert [(n, json.loads(a)) for n, a in calls] == [W, N]
 
 
-def test_registry_matches_the_config_names():
-    from shared.serve_config import REASONING_PARSERS as CONFIG_REASONING
-    from shared.serve_config import TOOL_CALL_PARSERS
+def test_an_unknown_parser_name_stops_the_gateway_before_it_serves():
+    from gateway.app import build_app
+    from shared.errors import InvalidRequestError
+    from shared.serve_config import GatewayConfig
 
-    assert set(TOOL_PARSERS) == set(TOOL_CALL_PARSERS)
-    assert set(REASONING_PARSERS) == set(CONFIG_REASONING)
+    for field in ("tool_call_parser", "reasoning_parser"):
+        with pytest.raises(InvalidRequestError, match=field) as err:
+            build_app(GatewayConfig(**{field: "nope"}))
+        assert err.value.param == field
