@@ -120,9 +120,6 @@ class Scheduler:
             num_new = min(known + len(draft), budget)
             if known > 1 and keys is not None:
                 num_new = self._prefill_chunk(req.num_computed_tokens, num_new, keys)
-                if num_new == 0:
-                    i += 1
-                    continue
                 keys -= attended_keys(req.num_computed_tokens, num_new)
             while not self.kv.allocate(req, num_new):
                 victim = self.running.pop()
@@ -149,8 +146,6 @@ class Scheduler:
             context = req.num_computed_tokens + cached
             if keys is not None and num_new > 1:
                 num_new = self._prefill_chunk(context, num_new, keys)
-                if num_new == 0:
-                    break
             if not self.kv.allocate(req, num_new, prefix):
                 break
             if keys is not None and num_new > 1:
@@ -170,13 +165,14 @@ class Scheduler:
         return out
 
     def _prefill_chunk(self, context: int, num_new: int, keys: int) -> int:
-        """A prefill chunk of at most ``num_new`` tokens within ``keys`` attended keys; 0 once the budget is spent.
+        """A prefill chunk of at most ``num_new`` tokens within ``keys`` attended keys.
 
-        A step with budget left still advances the prefill by ``min_prefill_chunk``.
+        Every prefill still advances by ``min_prefill_chunk`` however little is
+        left, so a long prompt that spends the budget step after step cannot hold
+        new requests back: a step attends at most the budget plus a minimal chunk
+        per prefill.
         """
-        if keys <= 0:
-            return 0
-        return min(num_new, max(chunk_within(context, keys), self.min_prefill_chunk))
+        return min(num_new, max(chunk_within(context, max(keys, 0)), self.min_prefill_chunk))
 
     def _make_room_for_starved_apps(self) -> list[Request]:
         """Preempt over-share apps' newest requests for waiting apps below their share.

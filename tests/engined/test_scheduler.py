@@ -278,3 +278,21 @@ def test_a_prefill_alone_takes_full_chunks():
         chunks.append(dict(out.scheduled)[long])
         sched.postprocess(out, sample_tokens(out, random.Random(0)))
     assert chunks == [1024] * 6 + [7000 - 6 * 1024]
+
+
+def test_a_long_prefill_spending_the_attention_budget_does_not_hold_new_requests_back():
+    kv = blocks_only(1024, 16, False)
+    sched = Scheduler(kv, 8, 1024, 8192)
+    rng = random.Random(0)
+    stream = Request("stream", [1, 2, 3], SamplingParams(max_tokens=500, ignore_eos=True), seed=0)
+    sched.add(stream)
+    sched.postprocess(out := sched.schedule(), sample_tokens(out, rng))
+    long = Request("long", list(range(1, 7001)), SamplingParams(max_tokens=1), seed=1)
+    sched.add(long)
+    for _ in range(5):  # its prefix grows past the point where one chunk spends the whole budget
+        sched.postprocess(out := sched.schedule(), sample_tokens(out, rng))
+    shorts = [Request(f"short{i}", [5 + i] * 300, SamplingParams(max_tokens=1), seed=2 + i) for i in range(2)]
+    for short in shorts:
+        sched.add(short)
+    rows = dict(sched.schedule().scheduled)
+    assert rows[stream] == 1 and rows[long] >= 16 and all(rows.get(s, 0) >= 16 for s in shorts)
