@@ -6,10 +6,10 @@ streams start; once each has its first tokens, one non-streamed completion of
 a ``--long``-token prompt is sent. The report gives, over the window from that
 request's send to its answer, each stream's largest gap between two SSE token
 events, the long request's own latency, and the engine's steps over the
-window (count and mean duration, from ``/health?fresh=1``). ``--engine-code DIR`` runs the
-engine from another source tree (an older commit, for a before/after).
+window (count and mean duration, from ``/health?fresh=1``). ``--code DIR`` runs
+engine and gateway from another source tree (an older commit, for a before/after).
 
-    python -m bench.long_prefill [--long 6500] [--streams 3] [--engine-code DIR]
+    python -m bench.long_prefill [--long 6500] [--streams 3] [--code DIR]
 """
 
 from __future__ import annotations
@@ -79,22 +79,24 @@ def main() -> None:
     ap.add_argument("--streams", type=int, default=3)
     ap.add_argument("--port", type=int, default=18437)
     ap.add_argument("--model", default="")
-    ap.add_argument("--engine-code", default=None, help="source tree the engine runs from")
+    ap.add_argument("--code", default=None, help="source tree the engine and gateway run from")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
     print(f"seed {args.seed}")
     rng = np.random.default_rng(args.seed)
     env = dict(os.environ)
-    if args.engine_code:
-        env["PYTHONPATH"] = args.engine_code
+    if args.code:
+        env["PYTHONPATH"] = args.code
     model = ["--model", args.model] if args.model else []
     with tempfile.TemporaryDirectory() as tmp:
         endpoint = f"ipc://{tmp}/engine.sock"
         engine = subprocess.Popen([sys.executable, "-m", "mlxd", "engine", "--engine-endpoint", endpoint,
                                    "--log-level", "WARNING", "--max-model-len", "8192",
-                                   "--kv-cache-memory", "400000000", "--max-num-seqs", "8", *model], env=env)
+                                   "--kv-cache-memory", "400000000", "--max-num-seqs", "8", *model], env=env,
+                                  # ``-m`` puts the working directory first on the path, ahead of PYTHONPATH.
+                                  cwd=args.code)
         gateway = subprocess.Popen([sys.executable, "-m", "mlxd", "gateway", "--log-level", "WARNING",
-                                    "--engine-endpoint", endpoint, "--port", str(args.port)])
+                                    "--engine-endpoint", endpoint, "--port", str(args.port)], env=env, cwd=args.code)
         url = f"http://127.0.0.1:{args.port}"
         try:
             deadline = time.monotonic() + 300
@@ -112,7 +114,7 @@ def main() -> None:
             streams = [_prompt(url, rng, 40) for _ in range(args.streams)]
             long = _prompt(url, rng, args.long)
             result = asyncio.run(_measure(url, streams, long))
-            result.update(long_tokens=len(long), streams=args.streams, engine_code=args.engine_code or "this tree")
+            result.update(long_tokens=len(long), streams=args.streams, code=args.code or "this tree")
             print(json.dumps(result))
         finally:
             for proc in (gateway, engine):
