@@ -27,6 +27,7 @@ from collections import defaultdict
 import msgspec
 import zmq
 
+from engined.metrics import StatsLog
 from shared import protocol as p
 from shared.curve import secure_server
 from shared.errors import EngineUnavailableError, InvalidRequestError, MlxdError
@@ -52,6 +53,8 @@ _SEND_HWM = 1000
 _MAX_DROPPED_PONGS = 100
 # What the wire thread hands the engine thread for a gateway whose queue stayed full.
 _STALLED = "stalled"
+# Seconds between the periodic stats lines (vLLM's line, at INFO while there is work).
+_STATS_LOG_S = 5.0
 
 
 def _version() -> str:
@@ -68,7 +71,7 @@ class Daemon:
 
     def __init__(self, engine, endpoint: str, *, gateway_timeout: float = 10.0,
                  shutdown_timeout: float = 3.0, parent_pid: int | None = None,
-                 curve_keys: str | None = None):
+                 curve_keys: str | None = None, log_stats: bool = True):
         self.engine = engine
         self.endpoint = endpoint
         self.gateway_timeout = gateway_timeout
@@ -80,7 +83,14 @@ class Daemon:
         self.owner: dict[str, bytes] = {}
         # gateway identity -> monotonic time it was last heard from (written by the wire thread)
         self.last_seen: dict[bytes, float] = {}
+        # Gateways whose connection was logged: a gateway repeats HELLO until it hears READY (a
+        # queue of them when it waited for the engine to load), and one line says it.
+        self._greeted: set[bytes] = set()
         self._seen_lock = threading.Lock()
+        self._stats_log = StatsLog(engine.metrics) if log_stats else None
+        # The KV gauges and cache_config_info read right from the first scrape (the Engine
+        # should make this call itself; it is idempotent).
+        engine.metrics.attach(engine)
         self.stop_reason: str | None = None
         # When the engine thread last looked for messages: silence is measured up to then, so the
         # step that just ran does not count against a gateway that sends nothing while it waits.
@@ -137,15 +147,21 @@ class Daemon:
     def install_signal_handlers(self) -> None:
         def on_signal(signum, _frame):
             if self.stop_reason is None:
-                self.request_stop(f"engine stopped by {signal.Signals(signum).name}")
+                self.request_stop(f"{signal.Signals(signum).name} received")
         signal.signal(signal.SIGTERM, on_signal)
         signal.signal(signal.SIGINT, on_signal)
 
     def request_stop(self, reason: str) -> None:
-        """Stop taking requests; running ones get ``shutdown_timeout`` to finish."""
+        """Stop taking requests; running ones get ``shutdown_timeout`` to finish.
+
+        ``reason`` is the cause alone ("SIGTERM received"): gateways put it after "the engine
+        stopped: ", clients after "the engine is shutting down: ".
+        """
         self.stop_reason = reason
         self._stop_deadline = time.monotonic() + self.shutdown_timeout
-        log.info("%s; finishing in-flight requests", reason)
+        n = len(self.owner)
+        log.info("stopping (%s): %s", reason, f"{n} request(s) in flight get {self.shutdown_timeout:g}s to finish"
+                 if n else "no request in flight")
 
     # -- the engine thread ---------------------------------------------------
 
@@ -181,9 +197,11 @@ class Daemon:
                     next_housekeeping = now + _HOUSEKEEPING_S
                     self._housekeeping()
                     self._publish_stats()
+                    if self._stats_log is not None:
+                        self._stats_log.maybe_log(now, self.engine.stats(), _STATS_LOG_S)
                 if self.stop_reason is not None:
                     if not self.engine.has_unfinished() or now >= self._stop_deadline:
-                        self._abort_all(EngineUnavailableError(self.stop_reason))
+                        self._abort_all(EngineUnavailableError(f"the engine is shutting down: {self.stop_reason}"))
                         self._broadcast_dead(self.stop_reason)
                         return 0
         except Exception as e:  # the engine itself failed: tell every gateway, then exit
@@ -239,7 +257,7 @@ class Daemon:
         rid = msg.request_id
         try:
             if self.stop_reason is not None:
-                raise EngineUnavailableError(self.stop_reason)
+                raise EngineUnavailableError(f"the engine is shutting down: {self.stop_reason}")
             if rid in self.owner:
                 raise InvalidRequestError(f"request id {rid!r} is already in flight")
             self.engine.add_request(rid, msg.prompt_token_ids, msg.params, cache_salt=msg.cache_salt,
@@ -301,11 +319,12 @@ class Daemon:
         for identity, quiet in silent:
             self._forget_gateway(identity, f"silent for {quiet:.1f}s")
         if self.parent_pid is not None and self.stop_reason is None and os.getppid() != self.parent_pid:
-            self.request_stop("engine stopped: its parent process exited")
+            self.request_stop("its parent process exited")
 
     def _forget_gateway(self, identity: bytes, why: str) -> None:
         with self._seen_lock:
             self.last_seen.pop(identity, None)
+            self._greeted.discard(identity)
         ids = [r for r, g in self.owner.items() if g == identity]
         for r in ids:
             del self.owner[r]
@@ -429,5 +448,9 @@ class Daemon:
             with self._seen_lock:
                 self.last_seen.pop(identity, None)
             return
-        log.info("gateway %s connected (pid %d)", identity.hex(), msg.pid)
+        with self._seen_lock:
+            first = identity not in self._greeted
+            self._greeted.add(identity)
+        if first:
+            log.info("gateway %s connected (pid %d)", identity.hex(), msg.pid)
         self._reply(identity, Kind.READY, self.info)

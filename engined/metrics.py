@@ -1,21 +1,27 @@
-"""Engine metrics, defined in one place, with vLLM's names, types, buckets and ``model_name`` label.
+"""Engine metrics, defined in one place, with vLLM's names, types, buckets and labels.
 
 Served under the ``mlxd:`` prefix by default, or ``vllm:`` so that dashboards
-and autoscalers written for vLLM work unchanged. Each Engine has its own
-registry (several engines may live in one test process).
+and autoscalers written for vLLM work unchanged; under ``vllm:`` the deprecated
+names vLLM's example dashboard still reads are served too. Each Engine has its
+own registry (several engines may live in one test process). Every series
+carries vLLM's ``model_name`` and ``engine`` labels (one engine: "0").
+tests/engined/vllm_metrics.json is vLLM's table these are checked against.
 """
 
 from __future__ import annotations
 
-import mlx.core as mx
+import logging
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
+import mlx.core as mx
 from prometheus_client import (
     CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, generate_latest,
 )
 
 from engined.request import Request
+
+log = logging.getLogger("mlxd.engine")
 
 # vLLM's buckets.
 TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
@@ -29,68 +35,186 @@ STEP_BUCKETS = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 3
 FINISH_REASONS = ("stop", "length", "abort", "error")
 # Per-app series stay bounded: apps past this many share the label "other".
 MAX_APP_LABELS = 16
+# The engine label's value: one engine per process (vLLM numbers its data-parallel engines).
+ENGINE_INDEX = "0"
+
+
+def build_1_2_5_buckets(max_value: int) -> list[int]:
+    """1, 2, 5, 10, 20, 50, ... up to ``max_value``: vLLM's buckets of per-request token counts."""
+    buckets, scale = [], 1
+    while True:
+        for m in (1, 2, 5):
+            if m * scale > max_value:
+                return buckets
+            buckets.append(m * scale)
+        scale *= 10
+
+
+# vLLM's buckets of the n parameter.
+N_BUCKETS = [1, 2, 5, 10, 20]
+# Bucket lists of the per-request token histograms before the engine says its max_model_len.
+DEFAULT_MAX_MODEL_LEN = 2048
 
 
 class EngineMetrics:
-    def __init__(self, model_name: str, prefix: str = "mlxd"):
+    def __init__(self, model_name: str, prefix: str = "mlxd", max_model_len: int | None = None):
         if prefix not in ("mlxd", "vllm"):
             raise ValueError("metrics prefix must be 'mlxd' or 'vllm'")
         self.registry = CollectorRegistry()
         ProcessCollector(registry=self.registry)  # process_resident_memory_bytes and friends
         self.model_name = model_name
-        labels = ["model_name"]
+        self.prefix = prefix
+        labels = ["model_name", "engine"]
+        self._labels = labels
+        values = (model_name, ENGINE_INDEX)
+        self._values = values
+        # vLLM's deprecated names (its example dashboard reads them), only where vLLM's names are served.
+        deprecated = prefix == "vllm"
 
         def name(n):
             return f"{prefix}:{n}"
 
         def gauge(n, doc):
-            return Gauge(name(n), doc, labels, registry=self.registry).labels(model_name)
+            return Gauge(name(n), doc, labels, registry=self.registry).labels(*values)
 
         def counter(n, doc):
-            return Counter(name(n), doc, labels, registry=self.registry).labels(model_name)
+            return Counter(name(n), doc, labels, registry=self.registry).labels(*values)
 
         def histogram(n, doc, buckets):
-            return Histogram(name(n), doc, labels, buckets=buckets, registry=self.registry).labels(model_name)
+            return Histogram(name(n), doc, labels, buckets=buckets, registry=self.registry).labels(*values)
 
-        self.running = gauge("num_requests_running", "Number of requests in the running batch.")
-        self.waiting = gauge("num_requests_waiting", "Number of requests waiting to be scheduled.")
-        self.kv_usage = gauge("kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0 to 1).")
+        self._name, self._counter = name, counter
+        self.running = gauge("num_requests_running", "Number of requests in model execution batches.")
+        self.waiting = gauge("num_requests_waiting", "Number of requests waiting to be processed.")
+        self.kv_usage = gauge("kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.")
+        self.gpu_cache_usage = gauge("gpu_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage. "
+                                     "DEPRECATED: use vllm:kv_cache_usage_perc.") if deprecated else None
         self.kv_blocks_total = gauge("kv_cache_blocks_total", "KV-cache blocks in the fixed pool.")
         self.kv_blocks_free = gauge("kv_cache_blocks_free", "KV-cache blocks free (cached prefixes included).")
         self.mlx_active = gauge("mlx_active_memory_bytes", "Memory held by live MLX arrays.")
         self.mlx_cache = gauge("mlx_cache_memory_bytes", "Memory in MLX's buffer cache.")
         self.mlx_peak = gauge("mlx_peak_memory_bytes", "Peak MLX memory since start.")
-        self.prefix_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
-        self.prefix_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.")
-        self.preemptions = counter("num_preemptions", "Requests preempted (to be recomputed).")
-        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of finished requests.")
-        self.generation_tokens = counter("generation_tokens", "Generated tokens.")
-        success = Counter(name("request_success"), "Finished requests by finish reason.",
+        self.prefix_queries = counter("prefix_cache_queries", "Prefix cache queries, in terms of number of "
+                                                              "queried tokens.")
+        self.prefix_hits = counter("prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.")
+        self.gpu_prefix = (counter("gpu_prefix_cache_queries", "DEPRECATED: use vllm:prefix_cache_queries."),
+                           counter("gpu_prefix_cache_hits", "DEPRECATED: use vllm:prefix_cache_hits.")) \
+            if deprecated else None
+        self.preemptions = counter("num_preemptions", "Cumulative number of preemption from the engine.")
+        self.prompt_tokens = counter("prompt_tokens", "Number of prefill tokens processed.")
+        self.generation_tokens = counter("generation_tokens", "Number of generation tokens processed.")
+        success = Counter(name("request_success"), "Count of successfully processed requests.",
                           labels + ["finished_reason"], registry=self.registry)
-        self.success = {r: success.labels(model_name, r) for r in FINISH_REASONS}
-        self.ttft = histogram("time_to_first_token_seconds", "Time to first token.", TTFT_BUCKETS)
-        self.itl = histogram("inter_token_latency_seconds", "Time between generated tokens.", ITL_BUCKETS)
-        self.e2e = histogram("e2e_request_latency_seconds", "Arrival to finish.", REQUEST_BUCKETS)
-        self.queue = histogram("request_queue_time_seconds", "Time waiting before first scheduled.", REQUEST_BUCKETS)
-        self.prefill = histogram("request_prefill_time_seconds", "First scheduled to first token.", REQUEST_BUCKETS)
-        self.decode = histogram("request_decode_time_seconds", "First token to finish.", REQUEST_BUCKETS)
-        self.iteration_tokens = histogram("iteration_tokens_total", "Tokens computed per engine step.", TOKEN_BUCKETS)
+        self.success = {r: success.labels(*values, r) for r in FINISH_REASONS}
+        self.ttft = histogram("time_to_first_token_seconds", "Histogram of time to first token in seconds.",
+                              TTFT_BUCKETS)
+        self.itl = histogram("inter_token_latency_seconds", "Histogram of inter-token latency in seconds.",
+                             ITL_BUCKETS)
+        self.tpot_deprecated = histogram("time_per_output_token_seconds", "Histogram of time per output token "
+                                         "in seconds. DEPRECATED: use vllm:inter_token_latency_seconds.",
+                                         ITL_BUCKETS) if deprecated else None
+        self.request_tpot = histogram("request_time_per_output_token_seconds",
+                                      "Histogram of time_per_output_token_seconds per request.", ITL_BUCKETS)
+        self.e2e = histogram("e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.",
+                             REQUEST_BUCKETS)
+        self.queue = histogram("request_queue_time_seconds", "Histogram of time spent in WAITING phase for "
+                                                             "request.", REQUEST_BUCKETS)
+        self.inference = histogram("request_inference_time_seconds", "Histogram of time spent in RUNNING phase "
+                                                                     "for request.", REQUEST_BUCKETS)
+        self.prefill = histogram("request_prefill_time_seconds", "Histogram of time spent in PREFILL phase for "
+                                                                 "request.", REQUEST_BUCKETS)
+        self.decode = histogram("request_decode_time_seconds", "Histogram of time spent in DECODE phase for "
+                                                               "request.", REQUEST_BUCKETS)
+        self.iteration_tokens = histogram("iteration_tokens_total", "Histogram of number of tokens per "
+                                                                    "engine_step.", TOKEN_BUCKETS)
         self.step_time = histogram("step_duration_seconds", "Wall time of one engine step.", STEP_BUCKETS)
-        self.spec_drafts = counter("spec_decode_num_drafts", "Draft windows verified.")
-        self.spec_draft_tokens = counter("spec_decode_num_draft_tokens", "Draft tokens proposed.")
-        self.spec_accepted = counter("spec_decode_num_accepted_tokens", "Draft tokens accepted.")
-        per_pos = Counter(name("spec_decode_num_accepted_tokens_per_pos"), "Accepted draft tokens by position.",
-                          labels + ["position"], registry=self.registry)
-        self.spec_accepted_per_pos = lambda pos: per_pos.labels(model_name, str(pos))  # noqa: E731
+        self.params_n = histogram("request_params_n", "Histogram of the n request parameter.", N_BUCKETS)
+        self._sized: list = []
+        self._size_histograms(max_model_len or DEFAULT_MAX_MODEL_LEN)
         app_tokens = Counter(name("app_generation_tokens"), "Generated tokens by app.",
                              labels + ["app"], registry=self.registry)
         app_requests = Counter(name("app_requests"), "Finished requests by app.",
                                labels + ["app"], registry=self.registry)
-        self._app_tokens = lambda app: app_tokens.labels(model_name, app)  # noqa: E731
-        self._app_requests = lambda app: app_requests.labels(model_name, app)  # noqa: E731
+        self._app_tokens = lambda app: app_tokens.labels(*values, app)  # noqa: E731
+        self._app_requests = lambda app: app_requests.labels(*values, app)  # noqa: E731
         self._apps: set[str] = set()
         self._prefix_seen = (0, 0)
         self._preemptions_seen = 0
+        self._spec = None
+        self._attached = False
+        # Running totals for the periodic stats line (StatsLog): prompt tokens prefilled (of
+        # which found in the prefix cache) and tokens generated.
+        self.total_prompt_tokens = 0
+        self.total_cached_tokens = 0
+        self.total_generation_tokens = 0
+
+    def attach(self, engine) -> None:
+        """Once the engine is built: KV gauges and cache_config_info set now (not at the first
+        request), and the spec-decode series declared when the engine speculates.
+
+        Idempotent. The Engine itself should call this at the end of its __init__; until it
+        does, the daemon calls it before it serves.
+        """
+        if self._attached:
+            return
+        self._attached = True
+        if engine.max_model_len != self._max_model_len:
+            # Nothing was observed yet: the daemon attaches before it serves.
+            self._size_histograms(engine.max_model_len)
+        config = engine.config
+        stats = engine.stats()
+        info = Gauge(self._name("cache_config_info"), "Information of the LLMEngine CacheConfig",
+                     ["block_size", "cache_dtype", "enable_prefix_caching", "gpu_memory_utilization",
+                      "num_gpu_blocks", "engine"], registry=self.registry)
+        info.labels(str(config.block_size), "auto", str(config.enable_prefix_caching),
+                    str(config.gpu_memory_utilization), str(stats.num_total_blocks), ENGINE_INDEX).set(1)
+        if engine.config.speculative_config is not None:
+            self._spec_series()
+        self.on_step(0, 0.0, stats)
+
+    def _size_histograms(self, max_model_len: int) -> None:
+        """The per-request token histograms, whose buckets follow max_model_len as vLLM's do."""
+        for family in self._sized:
+            self.registry.unregister(family)
+        sizes = build_1_2_5_buckets(max_model_len)
+        self._sized = []
+
+        def make(n, doc):
+            family = Histogram(self._name(n), doc, self._labels, buckets=sizes, registry=self.registry)
+            self._sized.append(family)
+            return family.labels(*self._values)
+
+        self.request_prompt_tokens = make("request_prompt_tokens", "Number of prefill tokens processed.")
+        self.request_generation_tokens = make("request_generation_tokens", "Number of generation tokens processed.")
+        self.request_max_generation_tokens = make("request_max_num_generation_tokens",
+                                                  "Histogram of maximum number of requested generation tokens.")
+        self.params_max_tokens = make("request_params_max_tokens", "Histogram of the max_tokens request parameter.")
+        self._max_model_len = max_model_len
+
+    def _spec_series(self):
+        """The spec-decode counters, declared at the first use: vLLM serves them only when it speculates."""
+        if self._spec is None:
+            counter = self._counter
+            per_pos = Counter(self._name("spec_decode_num_accepted_tokens_per_pos"),
+                              "Accepted draft tokens by position.", self._labels + ["position"],
+                              registry=self.registry)
+            self._spec = (counter("spec_decode_num_drafts", "Number of spec decoding drafts."),
+                          counter("spec_decode_num_draft_tokens", "Number of draft tokens."),
+                          counter("spec_decode_num_accepted_tokens", "Number of accepted tokens."),
+                          lambda pos: per_pos.labels(*self._values, str(pos)))
+        return self._spec
+
+    @property
+    def spec_drafts(self):
+        return self._spec_series()[0]
+
+    @property
+    def spec_draft_tokens(self):
+        return self._spec_series()[1]
+
+    @property
+    def spec_accepted(self):
+        return self._spec_series()[2]
 
     def serve(self, port: int, host: str = "127.0.0.1"):
         """Serve /metrics over HTTP in a background thread; returns (server, thread).
@@ -136,13 +260,18 @@ class EngineMetrics:
         self.waiting.set(stats.num_waiting)
         self.kv_blocks_total.set(stats.num_total_blocks)
         self.kv_blocks_free.set(stats.num_free_blocks)
-        self.kv_usage.set(1.0 - stats.num_free_blocks / max(stats.num_total_blocks, 1))
+        usage = 1.0 - stats.num_free_blocks / max(stats.num_total_blocks, 1)
+        self.kv_usage.set(usage)
         self.mlx_active.set(mx.get_active_memory())
         self.mlx_cache.set(mx.get_cache_memory())
         self.mlx_peak.set(mx.get_peak_memory())
         queries, hits = stats.prefix_cache_queries, stats.prefix_cache_hits
         self.prefix_queries.inc(queries - self._prefix_seen[0])
         self.prefix_hits.inc(hits - self._prefix_seen[1])
+        if self.gpu_prefix is not None:
+            self.gpu_cache_usage.set(usage)
+            self.gpu_prefix[0].inc(queries - self._prefix_seen[0])
+            self.gpu_prefix[1].inc(hits - self._prefix_seen[1])
         self._prefix_seen = (queries, hits)
         self.preemptions.inc(stats.num_preemptions - self._preemptions_seen)
         self._preemptions_seen = stats.num_preemptions
@@ -151,32 +280,92 @@ class EngineMetrics:
             self.step_time.observe(duration)
 
     def on_token(self, req: Request, now: float, count: int = 1) -> None:
-        """After a step appended ``count`` tokens to ``req`` (more than one when drafts were accepted)."""
+        """After a step appended ``count`` tokens to ``req`` (more than one when drafts were accepted).
+
+        The first is the end of the prefill: the prompt's tokens count then, as in vLLM (a
+        request aborted before it is prefilled adds none).
+        """
         self.generation_tokens.inc(count)
+        self.total_generation_tokens += count
         self._app_tokens(self._app_label(req.app)).inc(count)
         if req.first_token_time is None:
             req.first_token_time = now
             self.ttft.observe(now - req.arrival_time)
+            self.prompt_tokens.inc(req.num_prompt_tokens)
+            self.total_prompt_tokens += req.num_prompt_tokens
+            self.total_cached_tokens += req.num_cached_tokens
         else:
             self.itl.observe(now - req.last_token_time)
+            if self.tpot_deprecated is not None:
+                self.tpot_deprecated.observe(now - req.last_token_time)
         req.last_token_time = now
 
     def on_spec(self, drafted: list[int], accepted: list[int]) -> None:
         """After verification: draft lengths and accepted counts, one per speculating request."""
-        self.spec_drafts.inc(len(drafted))
-        self.spec_draft_tokens.inc(sum(drafted))
-        self.spec_accepted.inc(sum(accepted))
+        drafts, draft_tokens, accepted_tokens, per_pos = self._spec_series()
+        drafts.inc(len(drafted))
+        draft_tokens.inc(sum(drafted))
+        accepted_tokens.inc(sum(accepted))
         for n in accepted:
             for pos in range(n):
-                self.spec_accepted_per_pos(pos).inc()
+                per_pos(pos).inc()
 
     def on_finish(self, req: Request, now: float) -> None:
         self.success[req.finish_reason].inc()
         self._app_requests(self._app_label(req.app)).inc()
-        self.prompt_tokens.inc(req.num_prompt_tokens)
         self.e2e.observe(now - req.arrival_time)
+        generated = req.num_output_tokens
+        self.request_prompt_tokens.observe(req.num_prompt_tokens)
+        self.request_generation_tokens.observe(generated)
+        self.params_max_tokens.observe(req.params.max_tokens)
+        self.request_max_generation_tokens.observe(req.params.max_tokens)
+        # The gateway sends each of n choices as its own request: the engine sees n = 1 each.
+        self.params_n.observe(1)
         if req.first_scheduled_time is not None:
             self.queue.observe(req.first_scheduled_time - req.arrival_time)
+            self.inference.observe(now - req.first_scheduled_time)
             if req.first_token_time is not None:
                 self.prefill.observe(req.first_token_time - req.first_scheduled_time)
                 self.decode.observe(now - req.first_token_time)
+        if req.first_token_time is not None:
+            # vLLM's mean time per output token: the decode's time over the tokens after the first.
+            self.request_tpot.observe((req.last_token_time - req.first_token_time) / (generated - 1)
+                                      if generated > 1 else 0.0)
+
+
+class StatsLog:
+    """vLLM's periodic stats line: throughput since the last line, the batch, KV usage, prefix hits.
+
+    INFO while there is work (this interval or the one before it), DEBUG when idle, as in vLLM.
+    """
+
+    def __init__(self, metrics: EngineMetrics):
+        self.metrics = metrics
+        self._last_at: float | None = None
+        self._last_totals = (0, 0, 0)
+        self._was_busy = False
+
+    def maybe_log(self, now: float, stats, interval: float) -> str | None:
+        """Write the line if ``interval`` seconds passed since the last; returns it (None if not due)."""
+        if self._last_at is None:
+            self._last_at = now
+            return None
+        elapsed = now - self._last_at
+        if elapsed < interval:
+            return None
+        m = self.metrics
+        totals = (m.total_prompt_tokens, m.total_cached_tokens, m.total_generation_tokens)
+        prompt, cached, generated = (a - b for a, b in zip(totals, self._last_totals))
+        self._last_at, self._last_totals = now, totals
+        # Prompt throughput counts what was computed: tokens found in the prefix cache were not.
+        prompt_tps, gen_tps = (prompt - cached) / elapsed, generated / elapsed
+        busy = bool(prompt or generated)
+        level = logging.INFO if busy or self._was_busy else logging.DEBUG
+        self._was_busy = busy
+        usage = 1.0 - stats.num_free_blocks / max(stats.num_total_blocks, 1)
+        hit_rate = stats.prefix_cache_hits / stats.prefix_cache_queries if stats.prefix_cache_queries else 0.0
+        line = (f"Engine 000: Avg prompt throughput: {prompt_tps:.1f} tokens/s, Avg generation throughput: "
+                f"{gen_tps:.1f} tokens/s, Running: {stats.num_running} reqs, Waiting: {stats.num_waiting} reqs, "
+                f"GPU KV cache usage: {usage * 100:.1f}%, Prefix cache hit rate: {hit_rate * 100:.1f}%")
+        log.log(level, "%s", line)
+        return line

@@ -7,6 +7,7 @@ import logging
 import os
 import sys
 import threading
+import time
 
 from shared.config import EngineConfig
 from shared.errors import MlxdError
@@ -53,7 +54,7 @@ def run_engine(config: EngineConfig, daemon: DaemonConfig, parent_pid: int | Non
         loading.set()  # the daemon loop watches the parent from here on
     d = Daemon(engine, endpoint, gateway_timeout=daemon.gateway_timeout,
                shutdown_timeout=daemon.shutdown_timeout, parent_pid=parent_pid,
-               curve_keys=daemon.curve_keys)
+               curve_keys=daemon.curve_keys, log_stats=not daemon.disable_log_stats)
     d.install_signal_handlers()
     if daemon.metrics_port is not None:
         server, _ = engine.metrics.serve(daemon.metrics_port, daemon.metrics_host)
@@ -88,11 +89,29 @@ def _exit_with_parent(parent_pid: int, loaded: threading.Event) -> None:
             os._exit(1)
 
 
+# Seconds between "still loading" lines when stderr is a log file, not a terminal.
+_LOAD_LOG_EVERY_S = 15.0
+
+
 @contextlib.contextmanager
 def _progress(what: str):
-    """An elapsed-time bar on a terminal while ``what`` runs (the load reports no fractions)."""
+    """An elapsed-time bar on a terminal while ``what`` runs (the load reports no fractions); in a
+    log file, a line every ``_LOAD_LOG_EVERY_S`` seconds and one when it is done."""
     if not sys.stderr.isatty():
-        yield
+        done, start = threading.Event(), time.monotonic()
+
+        def note():
+            while not done.wait(_LOAD_LOG_EVERY_S):
+                log.info("%s: %.0fs so far", what, time.monotonic() - start)
+
+        t = threading.Thread(target=note, daemon=True, name="load-progress")
+        t.start()
+        try:
+            yield
+        finally:
+            done.set()
+            t.join()
+        log.info("%s took %.1fs", what, time.monotonic() - start)
         return
     from tqdm import tqdm
 

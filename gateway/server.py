@@ -39,7 +39,14 @@ def run_gateway(config: GatewayConfig, supervisor=None) -> int:
     if config.api_key_file is not None:
         config.api_key = _read_key_file(config.api_key_file)
     app = build_app(config)
-    server = uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.port,
+    if config.enable_log_requests:
+        from gateway.access_log import AccessLog
+
+        asgi = AccessLog(app)
+    else:
+        asgi = app
+    # uvicorn's own access log stays off: it knows no tokens, apps or time to first token.
+    server = uvicorn.Server(uvicorn.Config(asgi, host=config.host, port=config.port,
                                            log_level="warning", access_log=False,
                                            timeout_graceful_shutdown=config.shutdown_timeout + _FLUSH_GRACE_S,
                                            http=protocol_with_deadline(config.request_timeout)))

@@ -9,6 +9,7 @@ import logging
 
 from starlette.requests import Request
 
+from gateway.access_log import AccessLoggedClient
 from gateway.engine_client import EngineClient
 from gateway.generation_defaults import SamplingDefaults, sampling_defaults
 from gateway.tokenizer import Tokenizer, load_chat_template
@@ -45,7 +46,8 @@ class GatewayState:
         # A socket planted in a directory others can write would receive every prompt.
         check_ipc_endpoint(endpoint, create=False)
         check_endpoint(endpoint, config.curve_keys)
-        self.client = EngineClient(endpoint, engine_timeout=config.engine_timeout,
+        client_class = AccessLoggedClient if config.enable_log_requests else EngineClient
+        self.client = client_class(endpoint, engine_timeout=config.engine_timeout,
                                    on_ready=self._on_engine_ready, curve_keys=config.curve_keys)
         warning = exposure_warning(config.host, config.api_key is not None or self.keys.active)
         if warning:

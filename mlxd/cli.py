@@ -15,6 +15,7 @@ import logging
 import signal
 import sys
 
+from mlxd import vllm_compat
 from mlxd.flags import HELP, add_struct_flags
 from shared.config import EngineConfig
 from shared.errors import MlxdError
@@ -33,20 +34,36 @@ COMMANDS = {
 }
 
 
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse, but a bad flag is one line: the usage of `serve` alone is a screenful."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def _described(sub, name: str, help: str, **kw):
+    """A subcommand whose --help says what it does (argparse shows ``help`` only in the parent's)."""
+    return sub.add_parser(name, help=help, description=help, **kw)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="mlxd", description=__doc__.splitlines()[0])
+    parser = Parser(prog="mlxd", description=__doc__.splitlines()[0])
     common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING, ERROR")
+    common.add_argument("--log-level", default="INFO", type=str.upper, choices=LOG_LEVELS,
+                        help="the least severe messages logged (default: INFO)")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    serve = sub.add_parser("serve", parents=[common],
-                           help="run the engine and an OpenAI-compatible gateway")
+    serve = _described(sub, "serve", "run the engine and an OpenAI-compatible gateway", parents=[common])
     serve.add_argument("model_pos", nargs="?", metavar="MODEL", help=HELP["model"])
     add_struct_flags(serve, EngineConfig)
     add_struct_flags(serve, DaemonConfig)
     add_struct_flags(serve, GatewayConfig, skip=SHARED_WITH_ENGINE)
+    vllm_compat.add_flags(serve)
 
-    engine = sub.add_parser("engine", parents=[common], help="run the engine daemon alone")
+    engine = _described(sub, "engine", "run the engine daemon alone", parents=[common])
     engine.add_argument("model_pos", nargs="?", metavar="MODEL", help=HELP["model"])
     add_struct_flags(engine, EngineConfig)
     add_struct_flags(engine, DaemonConfig)
@@ -55,31 +72,37 @@ def build_parser() -> argparse.ArgumentParser:
     engine.add_argument("--parent-pid", type=int, default=None, help=argparse.SUPPRESS)
     engine.add_argument("--ready-fd", type=int, default=None, help=argparse.SUPPRESS)
 
-    gateway = sub.add_parser("gateway", parents=[common],
-                             help="run an OpenAI-compatible gateway to a running engine")
+    vllm_compat.add_flags(engine)
+    gateway = _described(sub, "gateway", "run an OpenAI-compatible gateway to a running engine",
+                         parents=[common])
     add_struct_flags(gateway, GatewayConfig)
+    vllm_compat.add_flags(gateway)
 
-    service = sub.add_parser("service", help="run the engine and a gateway in the background "
-                                             "(launchd agents on macOS, systemd user units on Linux)")
+    service = _described(sub, "service", "run the engine and a gateway in the background "
+                                         "(launchd agents on macOS, systemd user units on Linux)")
     verbs = service.add_subparsers(dest="verb", required=True)
     manager = argparse.ArgumentParser(add_help=False)
     manager.add_argument("--manager", choices=("launchd", "systemd"), default=None,
                          help="default: launchd on macOS, systemd elsewhere")
-    install = verbs.add_parser("install", parents=[common, manager],
-                               help="write and load the services (again: update them in place)")
+    install = _described(verbs, "install", "write and load the services (again: update them in place)",
+                         parents=[common, manager])
     install.add_argument("model_pos", nargs="?", metavar="MODEL", help=HELP["model"])
     add_struct_flags(install, EngineConfig)
     add_struct_flags(install, DaemonConfig)
     add_struct_flags(install, GatewayConfig, skip=SHARED_WITH_ENGINE)
     install.add_argument("--env", action="append", default=[], metavar="KEY=VALUE",
                          help="an environment variable of both services (repeatable)")
-    uninstall = verbs.add_parser("uninstall", parents=[manager], help="stop and remove all it installed")
+    vllm_compat.add_flags(install)
+    uninstall = _described(verbs, "uninstall", "stop and remove all it installed", parents=[manager])
     uninstall.add_argument("--keep-logs", action="store_true", help="leave the log files (launchd)")
-    for verb in ("start", "stop", "restart", "status"):
-        verbs.add_parser(verb, parents=[manager])
-    logs = verbs.add_parser("logs", parents=[manager], help="the services' recent output")
-    logs.add_argument("-n", "--lines", type=int, default=50)
-    logs.add_argument("-f", "--follow", action="store_true")
+    for verb, what in (("start", "start the installed engine and gateway"),
+                       ("stop", "stop them (they stay installed, and start again at the next login)"),
+                       ("restart", "stop and start them, e.g. to load a new model file"),
+                       ("status", "whether each service runs, and its process id")):
+        _described(verbs, verb, what, parents=[manager])
+    logs = _described(verbs, "logs", "the services' recent output", parents=[manager])
+    logs.add_argument("-n", "--lines", type=int, default=50, help="how many lines (default: 50)")
+    logs.add_argument("-f", "--follow", action="store_true", help="keep printing new lines")
 
     # Listed for --help only: main() hands `bench` and its flags to the benchmark's parser.
     sub.add_parser("bench", add_help=False, help="load-test mlxd and its peers (see `mlxd bench --help`)")
@@ -108,12 +131,14 @@ def main(argv: list[str] | None = None) -> int:
         faulthandler.register(signal.SIGUSR1, file=sys.__stderr__, all_threads=True)
     except (AttributeError, ValueError, OSError):
         pass  # no real stderr (embedded); the dump is a convenience
-    logging.basicConfig(level=getattr(args, "log_level", "INFO").upper(),
+    logging.basicConfig(level=getattr(args, "log_level", "INFO"),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if getattr(args, "model_pos", None):
         args.model = args.model_pos
     module, _, function = COMMANDS[args.command].partition(":")
     try:
+        for line in vllm_compat.check(args):
+            logging.getLogger("mlxd").warning("%s", line)
         return getattr(importlib.import_module(module), function)(args)
     except MlxdError as e:
         print(f"mlxd: {e.message}", file=sys.stderr)

@@ -9,26 +9,45 @@ processes they run).
 from __future__ import annotations
 
 import argparse
+import re
 import types
 import typing
 
 import msgspec
 
+from shared.config import ATTENTION_BACKENDS, DTYPES
+
 HELP = {
     "model": "GGUF file, mlx_lm/Hugging Face directory or repo id (default: the embedded SmolLM2)",
     "served_model_name": "the model name clients use (default: derived from the model)",
-    "max_model_len": "context length (default: the model's)",
+    "max_model_len": "context length; takes 32k (32000) or 32K (32768) as vLLM does (default: the model's)",
+    "max_num_seqs": "most requests in the running batch",
+    "max_num_batched_tokens": "most tokens computed in one engine step (long prompts are prefilled in chunks of it)",
+    "max_waiting_requests": "requests queued beyond the running ones; past this new ones get HTTP 429",
+    "block_size": "tokens per KV-cache block",
+    "enable_prefix_caching": "reuse the KV cache of prompt prefixes seen before",
+    "dtype": "weights' dtype: auto is float32 on MLX's CPU backend, the checkpoint's own on a GPU",
+    "seed": "seed of the sampling of requests that give none",
+    "speculative_config": "JSON, e.g. '{\"method\": \"ngram\", \"num_speculative_tokens\": 4}' "
+                          "(default: no speculation)",
+    "metrics_prefix": "metric name prefix: vllm makes dashboards written for vLLM work unchanged",
+    "metrics_host": "address of the engine's /metrics",
+    "host": "address the HTTP server listens on",
+    "port": "HTTP port of the OpenAI/Anthropic-compatible API",
+    "disable_log_stats": "no periodic stats line (throughput, running/waiting, KV usage) in the engine's log",
+    "enable_log_requests": "one access line per request in the gateway's log (id, app, route, status, tokens, "
+                           "TTFT, duration)",
     "gpu_memory_utilization": "fraction of device memory the engine may use",
     "kv_cache_memory": "KV pool size in bytes (overrides the fraction)",
     "num_kv_blocks": "KV pool size in blocks (overrides both)",
     "attention_backend": "paged attention implementation: auto, reference, host (numpy, CPU), metal, cuda",
-    "engine_endpoint": "ZeroMQ endpoint of the engine (default: ipc socket in the runtime dir)",
-    "api_key": "require 'Authorization: Bearer KEY' on /v1/*",
+    "engine_endpoint": "ZeroMQ endpoint of the engine (default: an ipc socket in the runtime dir)",
+    "api_key": "require 'Authorization: Bearer KEY' on /v1/* (default: none, or the keys of `mlxd keys`)",
     "api_key_file": "like --api-key, the key read from this file (kept off command lines)",
     "chat_template": "Jinja chat template, or a file holding one (default: the model's)",
     "gateway_timeout": "seconds of silence after which a gateway's requests are aborted",
     "shutdown_timeout": "seconds in-flight requests get to finish on SIGTERM",
-    "metrics_port": "serve the engine's Prometheus /metrics on this port (0: any free port)",
+    "metrics_port": "serve the engine's Prometheus /metrics on this port (0: any free port; default: not served)",
     "engine_timeout": "seconds of silence after which the engine is declared dead",
     "sse_keepalive": "seconds between keep-alive comments on an idle stream",
     "allowed_origins": "browser origins allowed to call the API, or '*' (default: none; requests with Origin refused)",
@@ -40,11 +59,64 @@ HELP = {
     "override_generation_config": "JSON object over those defaults, e.g. '{\"max_new_tokens\": 512}' "
                                   "(caps every request's max_tokens)",
     "enable_auto_tool_choice": "let the model call tools by itself (tool_choice auto); needs --tool-call-parser",
-    "tool_call_parser": "the model's tool-call format, for reading calls and for required/named tool choice",
+    "tool_call_parser": "the model's tool-call format, for reading calls and for required/named tool choice "
+                        "(default: hermes)",
     "reasoning_parser": "split <think>...</think> into the message's reasoning field",
     "keys_file": "per-app API keys made by `mlxd keys add` (default: keys.json in the config dir)",
     "curve_keys": "directory of CurveZMQ keys (`mlxd keys curve`); needed for TCP beyond loopback",
 }
+
+# Fields whose values are a closed set: argparse refuses others and --help lists them.
+CHOICES = {
+    "attention_backend": ATTENTION_BACKENDS,
+    "dtype": DTYPES,
+    "metrics_prefix": ("mlxd", "vllm"),
+}
+
+# Sizes vLLM parses with its human_readable_int: 32k is 32000, 32K is 32768.
+HUMAN_INTS = ("max_model_len", "max_num_batched_tokens", "max_num_seqs", "max_waiting_requests",
+              "kv_cache_memory", "num_kv_blocks")
+
+_DECIMAL = {"k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
+_BINARY = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+
+
+def human_readable_int(value: str) -> int:
+    """An int, or a number with a suffix as vLLM reads it: k/m/g/t are powers of 1000 and take
+    decimals (25.6k is 25600), K/M/G/T powers of 1024 and do not."""
+    value = value.strip()
+    match = re.fullmatch(r"(\d+(?:\.\d+)?)([kKmMgGtT])", value)
+    if match is None:
+        try:
+            return int(value)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"invalid int value: {value!r}") from None
+    number, suffix = match.groups()
+    if suffix in _DECIMAL:
+        return int(float(number) * _DECIMAL[suffix])
+    if "." in number:
+        raise argparse.ArgumentTypeError(f"decimals are not allowed with binary suffixes like {suffix}; "
+                                         f"did you mean {number}{suffix.lower()}?")
+    return int(number) * _BINARY[suffix]
+
+
+def _default_of(f):
+    return f.default_factory() if f.default_factory is not msgspec.NODEFAULT else f.default
+
+
+def _help(f) -> str | None:
+    text = HELP.get(f.name)
+    if text is None or "default" in text:
+        return text
+    default = _default_of(f)
+    if isinstance(default, bool):
+        shown = "on" if default else "off"
+    elif default in (None, []):
+        shown = "none"
+    else:
+        shown = str(default)
+    # argparse formats help with %: a literal percent sign must be doubled.
+    return f"{text} (default: {shown})".replace("%", "%%")
 
 
 def _base_type(tp):
@@ -64,13 +136,15 @@ def add_struct_flags(parser: argparse.ArgumentParser, struct: type, skip=()) -> 
             continue
         flag = "--" + f.name.replace("_", "-")
         tp, is_list = _base_type(hints[f.name])
-        kw = dict(dest=f.name, default=argparse.SUPPRESS, help=HELP.get(f.name))
+        kw = dict(dest=f.name, default=argparse.SUPPRESS, help=_help(f))
+        if f.name in CHOICES:
+            kw["choices"] = CHOICES[f.name]
         if tp is bool:
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, **kw)
         elif is_list:
             parser.add_argument(flag, type=tp, nargs="*", **kw)
         else:
-            parser.add_argument(flag, type=tp, **kw)
+            parser.add_argument(flag, type=human_readable_int if f.name in HUMAN_INTS else tp, **kw)
 
 
 def build_config(struct: type, ns: argparse.Namespace):
@@ -84,7 +158,8 @@ def to_flags(obj, skip=()) -> list[str]:
     out = []
     for f in msgspec.structs.fields(type(obj)):
         v = getattr(obj, f.name)
-        if f.name in skip or v == f.default or v is None:
+        # An empty list equals its default_factory's: left out, not written as a bare `--flag`.
+        if f.name in skip or v == _default_of(f) or v is None:
             continue
         flag = "--" + f.name.replace("_", "-")
         if isinstance(v, bool):

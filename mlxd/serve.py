@@ -18,6 +18,7 @@ import sys
 import time
 
 from mlxd.flags import build_config, to_flags
+from mlxd.ports import check_free
 from shared.config import EngineConfig
 from shared.errors import InvalidRequestError
 from shared.serve_config import DaemonConfig, GatewayConfig
@@ -147,7 +148,10 @@ def main(args) -> int:
     gateway_cfg.curve_keys = daemon_cfg.curve_keys
     gateway_cfg.shutdown_timeout = daemon_cfg.shutdown_timeout
 
-    # Before anything loads: another serve (or engine) on this endpoint is one line, not a traceback.
+    # Before anything loads: another serve (or engine) on this endpoint, or on either port, is one
+    # line, not a traceback after the load.
+    check_free(gateway_cfg.host, gateway_cfg.port, "--port")
+    check_free(daemon_cfg.metrics_host, daemon_cfg.metrics_port, "--metrics-port")
     check_ipc_endpoint(daemon_cfg.engine_endpoint)
     lock = hold_endpoint(daemon_cfg.engine_endpoint)
     refuse_live_ipc(daemon_cfg.engine_endpoint)

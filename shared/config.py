@@ -8,6 +8,7 @@ from shared.errors import InvalidRequestError
 
 # kernels.BACKENDS, spelled out here because shared/ does not import the kernels (nor MLX).
 ATTENTION_BACKENDS = ("auto", "reference", "host", "metal", "cuda")
+DTYPES = ("auto", "float32", "float16", "bfloat16", "quantized")
 
 
 class SpeculativeConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -90,7 +91,7 @@ class EngineConfig(msgspec.Struct, kw_only=True):
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise InvalidRequestError(f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}",
                                       param="attention_backend")
-        if self.dtype not in ("auto", "float32", "float16", "bfloat16", "quantized"):
+        if self.dtype not in DTYPES:
             raise InvalidRequestError(f"unknown dtype {self.dtype!r}", param="dtype")
 
     @property

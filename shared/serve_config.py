@@ -25,6 +25,8 @@ class DaemonConfig(msgspec.Struct, kw_only=True):
     # Directory of CurveZMQ keys (`mlxd keys curve`): encrypts the engine's socket and lets in only
     # known gateways; required for TCP beyond loopback (shared/curve.py).
     curve_keys: str | None = None
+    # vLLM's flag: no periodic stats line (throughput, running/waiting, KV usage) in the log.
+    disable_log_stats: bool = False
 
     def __post_init__(self) -> None:
         if self.gateway_timeout <= 0:
@@ -107,6 +109,9 @@ class GatewayConfig(msgspec.Struct, kw_only=True):
     generation_config: str = "auto"
     # JSON object laid over those defaults, e.g. '{"max_new_tokens": 512, "temperature": 0.7}'.
     override_generation_config: str | None = None
+
+    # vLLM's flag (off by default there too): one access line per request in the log.
+    enable_log_requests: bool = False
 
     @property
     def generation_override(self) -> dict:
