@@ -46,6 +46,13 @@ _HOUSEKEEPING_S = 0.5
 _WIRE_POLL_MS = 100
 # A step running this long (s) gets its PINGs answered by the wire thread, from the last stats.
 _LONG_STEP_S = 1.0
+# Messages queued for one gateway before sends to it fail: a gateway that stops reading
+# (while it still writes, so it never looks silent) must not grow the engine without bound.
+_SEND_HWM = 1000
+# PONGs dropped in a row (its queue full) after which a gateway counts as gone.
+_MAX_DROPPED_PONGS = 100
+# What the wire thread hands the engine thread for a gateway whose queue stayed full.
+_STALLED = "stalled"
 # Seconds between the periodic stats lines (vLLM's line, at INFO while there is work).
 _STATS_LOG_S = 5.0
 
@@ -100,8 +107,10 @@ class Daemon:
         self._inbox: queue.Queue = queue.Queue()
         self.ctx = zmq.Context.instance()
         self.sock = self.ctx.socket(zmq.ROUTER)
-        # A full send queue for a slow gateway drops frames instead of blocking the step.
-        self.sock.setsockopt(zmq.SNDHWM, 0)
+        # A gateway's send queue is bounded; a send past it fails at once (mandatory routing) and the
+        # wire thread decides: a PONG is dropped, anything else (or many PONGs) ends the gateway.
+        self.sock.setsockopt(zmq.SNDHWM, _SEND_HWM)
+        self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self.sock.setsockopt(zmq.RCVHWM, 0)
         self.sock.setsockopt(zmq.LINGER, 1000)
         # A socket directory others can write, or TCP beyond loopback without keys, is refused.
@@ -120,6 +129,9 @@ class Daemon:
         self._outbox.setsockopt(zmq.SNDHWM, 0)
         self._outbox.connect(outbox)
         self._wire = threading.Thread(target=self._wire_loop, name="engine-wire", daemon=True)
+        # Wire thread only: PONGs dropped in a row per gateway, and gateways reported stalled.
+        self._dropped: dict[bytes, int] = {}
+        self._stalled: set[bytes] = set()
 
     def _engine_info(self) -> p.EngineInfo:
         return p.EngineInfo(
@@ -238,6 +250,8 @@ class Daemon:
             self._send(identity, Kind.PONG, p.Pong(self.instance_id, msg.sent_at, self._stats_snapshot))
         elif kind is Kind.BYE:
             self._forget_gateway(identity, "said goodbye")
+        elif kind == _STALLED:
+            self._forget_gateway(identity, f"stopped reading (over {_SEND_HWM} messages queued for it)")
 
     def _add(self, identity: bytes, msg: p.AddRequest) -> None:
         rid = msg.request_id
@@ -247,7 +261,8 @@ class Daemon:
             if rid in self.owner:
                 raise InvalidRequestError(f"request id {rid!r} is already in flight")
             self.engine.add_request(rid, msg.prompt_token_ids, msg.params, cache_salt=msg.cache_salt,
-                                    app=msg.app, priority=msg.priority)
+                                    app=msg.app, priority=msg.priority, group=msg.group,
+                                    group_size=msg.group_size)
         except MlxdError as e:
             self._send_error(identity, rid, e)
             return
@@ -363,11 +378,37 @@ class Daemon:
                 return True
             if frames == [b""]:
                 return False
-            try:
-                self.sock.send_multipart(frames, zmq.NOBLOCK)
-            except zmq.Again:
-                log.warning("dropped a frame to slow gateway %s", frames[0].hex())
+            self._put(frames)
         return True
+
+    def _put(self, frames: list[bytes]) -> None:
+        """Send ``[identity, kind, payload]`` without blocking; a gateway whose queue is full loses it.
+
+        A lost PONG only delays liveness, so PONGs are dropped up to a bound;
+        a lost OUTPUTS or ERROR would leave a stream with a hole, so its
+        gateway is reported stalled at once and the engine thread aborts its
+        requests. The gateway's next successful send clears the count.
+        """
+        identity = frames[0]
+        try:
+            self.sock.send_multipart(frames, zmq.NOBLOCK)
+        except zmq.Again:
+            dropped = self._dropped.get(identity, 0) + 1
+            self._dropped[identity] = dropped
+            if frames[1] != Kind.PONG.value or dropped >= _MAX_DROPPED_PONGS:
+                if identity not in self._stalled:
+                    self._stalled.add(identity)
+                    log.warning("gateway %s does not read: dropped %d frame(s), the last a %s", identity.hex(),
+                                dropped, Kind(frames[1]).name)
+                    self._inbox.put((identity, _STALLED, None))
+            return
+        except zmq.ZMQError as e:
+            if e.errno != zmq.EHOSTUNREACH:
+                raise
+            return  # that gateway has disconnected: nobody to tell
+        if identity in self._dropped:
+            del self._dropped[identity]
+            self._stalled.discard(identity)
 
     def _read_gateways(self) -> None:
         for _ in range(_MAX_DRAIN):
@@ -397,10 +438,7 @@ class Daemon:
                 log.warning("dropped a %s frame: not a gateway's message", kind.name)
 
     def _reply(self, identity: bytes, kind: Kind, payload) -> None:
-        try:
-            self.sock.send_multipart([identity, *p.encode(kind, payload)], zmq.NOBLOCK)
-        except zmq.Again:
-            log.warning("dropped a %s frame to slow gateway %s", kind.name, identity.hex())
+        self._put([identity, *p.encode(kind, payload)])
 
     def _hello(self, identity: bytes, msg: p.Hello) -> None:
         if msg.protocol_version != p.PROTOCOL_VERSION:

@@ -72,6 +72,10 @@ class Engine:
                                    tuple(loaded.eos_token_ids))
         self.requests: dict[str, Request] = {}
         self._seeds = random.Random(config.seed)
+        # Client requests whose later members are still to arrive: group -> (members left, refused),
+        # and the waiting places reserved for them.
+        self._groups: dict[str, tuple[int, bool]] = {}
+        self._reserved = 0
         self._aborted: list[RequestOutput] = []
         # Requests whose grammar is compiling, and those that failed after being accepted (id, error).
         self._compiling: list[Request] = []
@@ -105,6 +109,7 @@ class Engine:
     def add_request(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
         cache_salt: str | None = None, app: str | None = None, priority: int = 0,
+        group: str | None = None, group_size: int = 1,
     ) -> None:
         """Queue a request; raises at once if it is malformed or can never fit.
 
@@ -112,7 +117,9 @@ class Engine:
         ``cache_salt`` are both equal. ``app`` names the sender for fair share;
         a lower ``priority`` is admitted first (vLLM's convention). Errors name
         no request field: the gateway knows which of its fields they concern.
+        ``group``: see ``_take_queue_place``.
         """
+        self._take_queue_place(group, group_size)
         if request_id in self.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         if not prompt_token_ids:
@@ -132,11 +139,6 @@ class Engine:
                 f"the request needs up to {longest} tokens of KV cache but the pool holds "
                 f"{self.info.num_kv_blocks * self.config.block_size}"
             )
-        if len(self.scheduler.waiting) >= self.config.max_waiting_requests:
-            raise OverloadedError(
-                f"{len(self.scheduler.waiting)} requests are already waiting "
-                f"(--max-waiting-requests {self.config.max_waiting_requests}); retry later"
-            )
         seed = params.seed if params.seed is not None else self._seeds.getrandbits(63)
         # The app enters the salt: one app can never hit, or time, another's cache.
         salt = f"{app or ''}\x00{cache_salt or ''}".encode() if app or cache_salt else b""
@@ -146,6 +148,42 @@ class Engine:
             self._compiling.append(req)
         self.requests[request_id] = req
         self.scheduler.add(req)
+
+    def _take_queue_place(self, group: str | None, group_size: int) -> None:
+        """Count a request against the waiting queue; raises OverloadedError past it.
+
+        Every prompt (and choice) of a client request is a request, sent one
+        after another as one ``group``. Its first member decides for all: it
+        reserves places for the rest, or is refused and so are they. One
+        request asking for more than the queue holds thus never holds places
+        that requests beside it needed, only to be refused on a later member.
+        """
+        cap = self.config.max_waiting_requests
+        entry = self._groups.get(group) if group is not None else None
+        if entry is not None:  # a later member: its fate was decided by the first
+            left, refused = entry
+            if left > 1:
+                self._groups[group] = (left - 1, refused)
+            else:
+                del self._groups[group]
+            if refused:
+                raise OverloadedError(f"this request's {group_size} prompts x choices do not fit the waiting "
+                                      f"queue (--max-waiting-requests {cap}); retry later")
+            self._reserved -= 1
+            return
+        need = max(1, group_size)
+        waiting = len(self.scheduler.waiting) + self._reserved
+        refused = waiting + need > cap
+        if group is not None and need > 1:
+            self._groups[group] = (need - 1, refused)
+            if not refused:
+                self._reserved += need - 1
+        if refused:
+            raise OverloadedError(
+                f"{waiting} requests are already waiting and this one needs {need} places "
+                f"(--max-waiting-requests {cap}); retry later" if need > 1 else
+                f"{waiting} requests are already waiting (--max-waiting-requests {cap}); retry later"
+            )
 
     def abort(self, request_ids) -> None:
         """Stop requests now and free their blocks; unknown or finished ids are ignored."""
@@ -162,7 +200,7 @@ class Engine:
 
     def take_errors(self) -> list[tuple[str, InvalidRequestError]]:
         """Requests failed since the last call, as (id, error): their grammar did not compile, or
-        their sampling setup raised. They produce no RequestOutput; the caller reports the error instead.
+        their sampling setup, draft proposal or grammar step raised. They produce no RequestOutput; the caller reports the error instead.
         """
         failed, self._failed = self._failed, []
         return failed
@@ -171,6 +209,12 @@ class Engine:
         self.scheduler.finish(req, "error")
         del self.requests[req.request_id]
         self._failed.append((req.request_id, error))
+
+    def _fail_raised(self, raised: list[tuple[Request, Exception]], what: str) -> None:
+        """Fail requests whose own step work raised; the step goes on for the others."""
+        for req, e in raised:
+            log.warning("failing request %s: %s: %s: %s", req.request_id, what, type(e).__name__, e)
+            self._fail(req, InvalidRequestError(f"the request failed: {what}: {type(e).__name__}: {e}"))
 
     def _check_grammars(self) -> None:
         """Fail requests whose grammar did not compile; forget those that are ready or gone."""
@@ -192,13 +236,17 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         start = time.monotonic()
         outputs = self._take_ended()
-        batch = self.scheduler.schedule(self.speculator.propose(self.scheduler.running))
+        drafts = self.speculator.propose(self.scheduler.running)
+        self._fail_raised(self.speculator.take_failures(), "its draft could not be proposed")
+        batch = self.scheduler.schedule(drafts)
         self.speculator.draft(batch)
         if not batch.scheduled:
             return outputs + self._idle()
         logits = self.runner.run(batch)
         emitted = self._sample(batch, logits)
-        outputs += self._outputs(self.scheduler.postprocess(batch, emitted))
+        produced = self.scheduler.postprocess(batch, emitted)
+        self._fail_raised(batch.failed, "its grammar could not take the sampled token")
+        outputs += self._outputs(produced)
         self.metrics.on_step(batch.num_tokens, time.monotonic() - start, self.stats())
         return outputs
 

@@ -3,7 +3,10 @@
 Each step has one token budget (``max_num_batched_tokens``) and a cap on
 running sequences (``max_num_seqs``). Running requests go first: a decode
 takes one token, an unfinished prefill takes its next chunk. Waiting requests
-are admitted only while their blocks can be allocated. When a running request
+are admitted only while their blocks can be allocated. While any request is
+decoding, prefill chunks also share a budget of attended keys (see
+``prefill_attention_budget``), so a long prompt's late chunks, which attend
+its whole prefix, cost the decoding streams no more than its first chunk. When a running request
 cannot grow, the newest running request is preempted: its blocks are freed and
 it is recomputed later from its prompt and the tokens it already generated.
 
@@ -15,6 +18,7 @@ Draft tokens (speculative decoding) are lookahead the scheduler only budgets:
 
 from __future__ import annotations
 
+import math
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -31,6 +35,9 @@ class SchedulerOutput:
     preempted: list[Request] = field(default_factory=list)
     # Draft tokens a speculating request computes after its known ones (those that fit the budget).
     drafts: dict[Request, list[int]] = field(default_factory=dict)
+    # Requests whose grammar raised on a sampled token in ``postprocess``, with the exception:
+    # they are the engine's to fail (alone), neither advanced further nor finished here.
+    failed: list[tuple[Request, Exception]] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -44,6 +51,18 @@ class SchedulerOutput:
                 for r, n in self.scheduled]
 
 
+def attended_keys(context: int, n: int) -> int:
+    """Keys ``n`` new query rows attend after ``context`` computed tokens (causally: each also sees those before it)."""
+    return n * context + n * (n + 1) // 2
+
+
+def chunk_within(context: int, keys: int) -> int:
+    """The largest ``n`` with ``attended_keys(context, n) <= keys``."""
+    b = 2 * context + 1
+    n = (math.isqrt(b * b + 8 * keys) - b) // 2
+    return n + 1 if attended_keys(context, n + 1) <= keys else n
+
+
 class Scheduler:
     def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
                  max_model_len: int | None = None, eos_token_ids: tuple[int, ...] = ()):
@@ -55,6 +74,12 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
+        # Attended keys all prefill chunks of one step may add while a request decodes: those of
+        # a first chunk of a full budget. Attention cost grows with the context a chunk reads, so a
+        # token budget alone let a 7K-token prompt's late chunks stall every stream for seconds.
+        self.prefill_attention_budget = attended_keys(0, max_num_batched_tokens)
+        # The least a prefill advances per step however long its prefix (progress, whatever the budget).
+        self.min_prefill_chunk = kv.block_size
 
     def stats(self) -> EngineStats:
         """The queues and the main pool (the daemon adds its step and socket times)."""
@@ -84,12 +109,18 @@ class Scheduler:
         self.running.sort(key=lambda r: (r.priority, r.arrival_time))
         fair_preempted = self._make_room_for_starved_apps()
         out.preempted += fair_preempted
+        # None: nothing decodes, prefills take the whole token budget.
+        keys = (self.prefill_attention_budget
+                if any(r.num_tokens - r.num_computed_tokens == 1 for r in self.running) else None)
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             known = req.num_tokens - req.num_computed_tokens
             draft = drafts.get(req, ())
             num_new = min(known + len(draft), budget)
+            if known > 1 and keys is not None:
+                num_new = self._prefill_chunk(req.num_computed_tokens, num_new, keys)
+                keys -= attended_keys(req.num_computed_tokens, num_new)
             while not self.kv.allocate(req, num_new):
                 victim = self.running.pop()
                 self._preempt(victim)
@@ -112,8 +143,13 @@ class Scheduler:
             prefix = self.kv.cached_prefix(req) if req.num_computed_tokens == 0 else []
             cached = len(prefix) * self.kv.block_size
             num_new = min(req.num_tokens - req.num_computed_tokens - cached, budget)
+            context = req.num_computed_tokens + cached
+            if keys is not None and num_new > 1:
+                num_new = self._prefill_chunk(context, num_new, keys)
             if not self.kv.allocate(req, num_new, prefix):
                 break
+            if keys is not None and num_new > 1:
+                keys -= attended_keys(context, num_new)
             self.waiting.remove(req)
             if req.num_output_tokens == 0:  # first admission, not a resumption after preemption
                 req.num_cached_tokens = cached
@@ -127,6 +163,16 @@ class Scheduler:
             out.scheduled.append((req, num_new))
             budget -= num_new
         return out
+
+    def _prefill_chunk(self, context: int, num_new: int, keys: int) -> int:
+        """A prefill chunk of at most ``num_new`` tokens within ``keys`` attended keys.
+
+        Every prefill still advances by ``min_prefill_chunk`` however little is
+        left, so a long prompt that spends the budget step after step cannot hold
+        new requests back: a step attends at most the budget plus a minimal chunk
+        per prefill.
+        """
+        return min(num_new, max(chunk_within(context, max(keys, 0)), self.min_prefill_chunk))
 
     def _make_room_for_starved_apps(self) -> list[Request]:
         """Preempt over-share apps' newest requests for waiting apps below their share.
@@ -215,7 +261,8 @@ class Scheduler:
 
         ``emitted[req]`` holds the tokens (and Logprob records or Nones) a
         request produced: one sampled token, or its accepted drafts and the
-        next token. Returns the requests that produced tokens with how many.
+        next token. Returns the requests that produced tokens with how many;
+        a request whose grammar raised is left in ``out.failed`` instead.
         """
         produced = []
         for req, n in out.scheduled:
@@ -235,9 +282,15 @@ class Scheduler:
                     req.pending_logprobs.append(lp)
                 reason = self._stop_reason(req, token)
                 if req.grammar is not None and not reason:
-                    reason = req.grammar.accept(token)
+                    try:
+                        reason = req.grammar.accept(token)
+                    except Exception as e:  # this request's matcher broke: it alone fails
+                        out.failed.append((req, e))
+                        break
                 if reason:
                     break
+            if out.failed and out.failed[-1][0] is req:
+                continue
             if reason:
                 self.finish(req, reason)
             else:

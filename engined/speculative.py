@@ -131,9 +131,18 @@ class Speculator:
         self._draft_probs: mx.array | None = None
         # This step's window masks (packed) of constrained requests with drafts.
         self._bits: dict[Request, np.ndarray] = {}
+        # Requests whose proposal raised since the last ``take_failures``, with the exception.
+        self._failures: list[tuple[Request, Exception]] = []
+
+    def take_failures(self) -> list[tuple[Request, Exception]]:
+        failures, self._failures = self._failures, []
+        return failures
 
     def propose(self, running: list[Request]) -> dict[Request, list[int]]:
-        """Draft tokens (n-gram) or reserved room (draft model) for requests that are decoding and may speculate."""
+        """Draft tokens (n-gram) or reserved room (draft model) for requests that are decoding and may speculate.
+
+        A request whose proposal raises gets no draft and waits in ``take_failures`` for the engine to fail it.
+        """
         cfg = self.config
         self._bits = {}
         if cfg is None:
@@ -150,16 +159,26 @@ class Speculator:
                 # Room reserved now; the draft model fills it once the step is scheduled.
                 drafts[req] = [0] * room
                 continue
-            draft = ngram_propose(np.asarray(req.token_ids), room, cfg.prompt_lookup_min, cfg.prompt_lookup_max)
-            if req.grammar is not None and draft:
-                # Cut before scheduling, so the budget is spent on tokens that can be accepted.
-                bits = self.sampler.grammars.new_bits(len(draft) + 1)
-                del draft[req.grammar.check_draft(draft, bits) :]
-                if draft:
-                    self._bits[req] = bits
+            try:
+                draft = self._ngram_draft(req, room)
+            except Exception as e:  # this request's history or matcher broke: it alone fails
+                self._bits.pop(req, None)
+                self._failures.append((req, e))
+                continue
             if draft:
                 drafts[req] = draft
         return drafts
+
+    def _ngram_draft(self, req: Request, room: int) -> list[int]:
+        cfg = self.config
+        draft = ngram_propose(np.asarray(req.token_ids), room, cfg.prompt_lookup_min, cfg.prompt_lookup_max)
+        if req.grammar is not None and draft:
+            # Cut before scheduling, so the budget is spent on tokens that can be accepted.
+            bits = self.sampler.grammars.new_bits(len(draft) + 1)
+            del draft[req.grammar.check_draft(draft, bits) :]
+            if draft:
+                self._bits[req] = bits
+        return draft
 
     def draft(self, batch) -> None:
         """After scheduling: the draft model fills the drafts that survived the budget (``batch.drafts``)."""

@@ -19,7 +19,8 @@ import msgspec
 from shared.sampling import SamplingParams
 
 # 2: AddRequest gained app and priority.
-PROTOCOL_VERSION = 2
+# 3: AddRequest gained group and group_size.
+PROTOCOL_VERSION = 3
 
 
 class Kind(bytes, enum.Enum):
@@ -119,6 +120,10 @@ class AddRequest(msgspec.Struct, array_like=True, gc=False):
     app: str | None = None
     # vLLM's convention: lower is admitted earlier.
     priority: int = 0
+    # The client request this one belongs to (its prompts x n), sent one after another: the
+    # engine admits or refuses all ``group_size`` of them against its waiting queue at once.
+    group: str | None = None
+    group_size: int = 1
 
 
 class Abort(msgspec.Struct, array_like=True, gc=False):

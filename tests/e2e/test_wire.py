@@ -138,3 +138,49 @@ def test_a_long_step_does_not_make_a_pinging_gateway_look_gone(tmp_path):
     finally:
         s.close()
         engine.stop()
+
+
+def _rss_mb(pid: int) -> float:
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:")) / 1024
+
+
+def test_a_gateway_that_never_reads_is_cut_off_and_its_requests_aborted(tmp_path):
+    """It writes (so it never looks silent) but reads nothing: its queue stays bounded, its PONGs are
+    dropped, then it is treated as gone; a reading gateway beside it is served throughout."""
+    from tests.e2e.servers import Engine, free_port
+
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    log_path = tmp_path / "engine.log"
+    engine = Engine(endpoint, str(log_path)).start()
+    ctx = zmq.Context.instance()
+    mute, healthy = ctx.socket(zmq.DEALER), ctx.socket(zmq.DEALER)
+    for s in (mute, healthy):
+        s.setsockopt(zmq.LINGER, 0)
+    # Its own buffers small, so the engine's side fills after a few thousand frames.
+    mute.setsockopt(zmq.RCVHWM, 1)
+    mute.setsockopt(zmq.RCVBUF, 4096)
+    mute.connect(endpoint)
+    healthy.connect(endpoint)
+    try:
+        healthy.send_multipart(p.encode(Kind.HELLO, p.Hello(protocol_version=p.PROTOCOL_VERSION)))
+        assert _recv(healthy, timeout=180)[0] is Kind.READY
+        rss_before = _rss_mb(engine.proc.pid)
+        mute.send_multipart(p.encode(Kind.HELLO, p.Hello(protocol_version=p.PROTOCOL_VERSION)))
+        _add(mute, "mute-long", [1, 2, 3, 4], max_tokens=500, ignore_eos=True, temperature=0.0)
+        sent = 0
+        while "stopped reading" not in log_path.read_text():
+            for _ in range(1000):
+                mute.send_multipart(p.encode(Kind.PING, p.Ping(time.time())))
+            sent += 1000
+            assert sent <= 300_000, "300k unread PINGs and the gateway still counts as reading"
+            assert _ping(healthy).stats.num_total_blocks > 0  # the reading gateway is answered meanwhile
+        stats = _ping(healthy).stats
+        assert stats.num_running == 0 and stats.num_free_blocks == stats.num_total_blocks
+        text = log_path.read_text()
+        assert "does not read" in text and "aborted 1 request(s)" in text.split("stopped reading", 1)[1]
+        print(f"cut off after {sent} unread PINGs; engine RSS {rss_before:.1f} -> {_rss_mb(engine.proc.pid):.1f} MB")
+    finally:
+        mute.close()
+        healthy.close()
+        engine.stop()

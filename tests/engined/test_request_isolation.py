@@ -10,6 +10,7 @@ import pytest
 
 from engined.engine import Engine
 from engined.loaders import load_model
+from engined.structured import Grammar
 from shared.config import EngineConfig
 from shared.errors import InvalidRequestError
 from shared.sampling import SamplingParams, StructuredSpec
@@ -93,3 +94,55 @@ def test_a_grammar_that_fails_fails_only_its_request(tiny_dir):
     tokens, errors = run(engine, batch)
     assert set(errors) == {"bad"} and isinstance(errors["bad"], InvalidRequestError)
     assert tokens["bad"] == [] and {rid: tokens[rid] for rid in ids} == alone
+
+
+class BrokenGrammar(Grammar):
+    """A real compiled grammar whose ``accept`` or ``check_draft`` raises: a fault injector.
+
+    Nothing a client sends reaches these raises (the gateway and ``add_request``
+    validate, the sampler masks); what is proven is that a raise there, whatever
+    its cause, costs only its own request.
+    """
+
+    def __init__(self, real: Grammar, broken: str):
+        super().__init__(real.kind, real.future)
+        self.broken = broken
+
+    def accept(self, token):
+        if self.broken == "accept":
+            raise RuntimeError("matcher state lost")
+        return super().accept(token)
+
+    def check_draft(self, draft, bits):
+        if self.broken == "check_draft":
+            raise RuntimeError("matcher state lost")
+        return super().check_draft(draft, bits)
+
+
+@pytest.mark.parametrize("speculative,broken,what", [
+    (None, "accept", "its grammar could not take the sampled token"),
+    (NGRAM, "accept", "its grammar could not take the sampled token"),
+    (NGRAM, "check_draft", "its draft could not be proposed"),
+], ids=["plain-accept", "ngram-accept", "ngram-propose"])
+def test_a_request_whose_grammar_step_raises_fails_alone(tiny_dir, speculative, broken, what):
+    engine = Engine(EngineConfig(num_kv_blocks=128, block_size=8, max_num_seqs=8, speculative_config=speculative),
+                    loaded=load_model(str(tiny_dir)))
+    healthy = healthy_requests(seeded_rng())
+    alone = {rid: run(engine, {rid: req})[0][rid] for rid, req in healthy.items()}
+    ids = list(healthy)
+    # Its grammar makes it repeat itself, so the n-gram proposer soon drafts for it.
+    prompt = healthy[ids[1]][0] * 2
+    constrained = SamplingParams(max_tokens=12, temperature=0.0, structured=StructuredSpec("regex", "(ab){12,40}"))
+    batch = {ids[0]: healthy[ids[0]], "bad": (prompt, constrained), **{r: healthy[r] for r in ids[1:]}}
+    add(engine, batch)
+    req = engine.requests["bad"]
+    req.grammar = BrokenGrammar(req.grammar, broken)
+    tokens, errors = drain(engine, batch)
+
+    assert set(errors) == {"bad"} and isinstance(errors["bad"], InvalidRequestError)
+    assert what in errors["bad"].message and "matcher state lost" in errors["bad"].message
+    # (What it emitted before its grammar broke did reach its client.)
+    assert {rid: tokens[rid] for rid in ids} == alone
+    stats = engine.stats()
+    assert stats.num_running == stats.num_waiting == 0 and stats.num_free_blocks == stats.num_total_blocks
+    assert run(engine, {"bad": healthy[ids[0]]})[0]["bad"] == alone[ids[0]]

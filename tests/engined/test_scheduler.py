@@ -11,7 +11,7 @@ from hypothesis import given, settings, strategies as st
 
 from engined.kv import KVCacheManager
 from engined.request import Request, Status
-from engined.scheduler import Scheduler, SchedulerOutput
+from engined.scheduler import Scheduler, SchedulerOutput, attended_keys
 from shared.sampling import SamplingParams
 from tests.tiny_models import fresh_seed
 
@@ -120,7 +120,7 @@ def test_chunked_prefill_splits_a_long_prompt_by_the_token_budget():
     long = Request("long", list(range(1, 101)), SamplingParams(max_tokens=1), 0)
     s.add(long)
     chunks = []
-    while long.num_computed_tokens < long.num_tokens:
+    while long.num_computed_tokens < long.num_prompt_tokens:
         out = s.schedule()
         (req, n), = out.scheduled
         chunks.append(n)
@@ -232,3 +232,67 @@ def test_recycled_blocks_let_gpu_prefill_read_the_cache_in_place():
     # Request i holds blocks 10i .. 10i + 9: each run consecutive, the runs evenly spaced from block 0.
     per = length // bs
     assert tables == [list(range(i * per, (i + 1) * per)) for i in range(n)]
+
+
+def test_a_long_prefill_beside_decoding_streams_attends_a_bounded_number_of_keys_per_step():
+    """A 7K-token prompt joins three decoding streams: every step still decodes each stream, and the
+    keys its prefill chunks attend stay within a full first chunk's, however long the prefix grows."""
+    rng = random.Random(fresh_seed("long-prefill"))
+    budget, block = 1024, 16
+    kv = blocks_only(1024, block, False)
+    sched = Scheduler(kv, 8, budget, 8192)
+    streams = [Request(f"s{i}", [rng.randrange(1, 50) for _ in range(30)], SamplingParams(max_tokens=2000,
+                                                                                         ignore_eos=True), seed=i)
+               for i in range(3)]
+    for req in streams:
+        sched.add(req)
+    sched.postprocess(out := sched.schedule(), sample_tokens(out, rng))  # their prefills: all now decode
+    long = Request("long", [rng.randrange(1, 50) for _ in range(7000)], SamplingParams(max_tokens=4), seed=9)
+    sched.add(long)
+    steps, largest = 0, 0
+    while long.num_computed_tokens < long.num_prompt_tokens:
+        steps += 1
+        out = sched.schedule()
+        check_invariants(sched, kv, out, budget, 8)
+        rows = dict(out.scheduled)
+        assert all(rows.get(s) == 1 for s in streams), f"a decoding stream missed step {steps}"
+        keys = attended_keys(long.num_computed_tokens, rows[long]) if long in rows else 0
+        largest = max(largest, keys)
+        assert keys <= sched.prefill_attention_budget
+        sched.postprocess(out, sample_tokens(out, rng))
+    # Total work is the prompt's own causal attention; the step count follows from it (no stalling).
+    total = attended_keys(0, 7000)
+    assert steps <= total // sched.prefill_attention_budget + 7000 // budget + 2
+    print(f"7000-token prefill beside 3 streams: {steps} steps, largest step {largest} keys "
+          f"(budget {sched.prefill_attention_budget}; an unbounded last chunk attends {attended_keys(5976, 1024)})")
+
+
+def test_a_prefill_alone_takes_full_chunks():
+    kv = blocks_only(1024, 16, False)
+    sched = Scheduler(kv, 8, 1024, 8192)
+    long = Request("long", list(range(1, 7001)), SamplingParams(max_tokens=1), seed=0)
+    sched.add(long)
+    chunks = []
+    while long.num_computed_tokens < long.num_prompt_tokens:
+        out = sched.schedule()
+        chunks.append(dict(out.scheduled)[long])
+        sched.postprocess(out, sample_tokens(out, random.Random(0)))
+    assert chunks == [1024] * 6 + [7000 - 6 * 1024]
+
+
+def test_a_long_prefill_spending_the_attention_budget_does_not_hold_new_requests_back():
+    kv = blocks_only(1024, 16, False)
+    sched = Scheduler(kv, 8, 1024, 8192)
+    rng = random.Random(0)
+    stream = Request("stream", [1, 2, 3], SamplingParams(max_tokens=500, ignore_eos=True), seed=0)
+    sched.add(stream)
+    sched.postprocess(out := sched.schedule(), sample_tokens(out, rng))
+    long = Request("long", list(range(1, 7001)), SamplingParams(max_tokens=1), seed=1)
+    sched.add(long)
+    for _ in range(5):  # its prefix grows past the point where one chunk spends the whole budget
+        sched.postprocess(out := sched.schedule(), sample_tokens(out, rng))
+    shorts = [Request(f"short{i}", [5 + i] * 300, SamplingParams(max_tokens=1), seed=2 + i) for i in range(2)]
+    for short in shorts:
+        sched.add(short)
+    rows = dict(sched.schedule().scheduled)
+    assert rows[stream] == 1 and rows[long] >= 16 and all(rows.get(s, 0) >= 16 for s in shorts)
