@@ -49,6 +49,8 @@ def prometheus(engine, gateway, metrics_port, tmp_path_factory):
 
 def query(url: str, expr: str) -> list[float]:
     r = httpx.get(f"{url}/api/v1/query", params={"query": expr}, timeout=10)
+    # Prometheus answers a plain-text 503 until its storage is open.
+    assert r.status_code == 200, (expr, r.status_code, r.text[:200])
     body = r.json()
     assert body["status"] == "success", (expr, body)
     return [float(s["value"][1]) for s in body["data"]["result"]]
