@@ -26,6 +26,8 @@ import time
 import httpx
 import numpy as np
 
+from bench.serving import wait_healthy
+
 _WORDS = ("river stone lamp orbit quiet violet harbor maple signal copper meadow lantern falcon "
           "ember tide glass thunder willow cobalt saffron").split()
 
@@ -99,18 +101,7 @@ def main() -> None:
                                     "--engine-endpoint", endpoint, "--port", str(args.port)], env=env, cwd=args.code)
         url = f"http://127.0.0.1:{args.port}"
         try:
-            deadline = time.monotonic() + 300
-            while True:
-                try:
-                    if httpx.get(url + "/health").status_code == 200:
-                        break
-                except httpx.HTTPError:
-                    pass
-                if engine.poll() is not None or gateway.poll() is not None:
-                    raise RuntimeError("the engine or gateway exited during start-up")
-                if time.monotonic() > deadline:
-                    raise TimeoutError("the engine did not come up")
-                time.sleep(0.5)
+            wait_healthy(url, engine, gateway)
             streams = [_prompt(url, rng, 40) for _ in range(args.streams)]
             long = _prompt(url, rng, args.long)
             result = asyncio.run(_measure(url, streams, long))

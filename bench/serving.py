@@ -141,6 +141,22 @@ async def _served_run(url: str, prompts, max_tokens: int, gateway_pid: int):
             after["step_seconds"] - before["step_seconds"], after["io_seconds"] - before["io_seconds"], cpu)
 
 
+def wait_healthy(url: str, *procs: subprocess.Popen, timeout: float = 300) -> None:
+    """Until the gateway at ``url`` answers /health 200; raises if one of ``procs`` exits first or time runs out."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            if httpx.get(url + "/health").status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        if any(p.poll() is not None for p in procs):
+            raise RuntimeError("the engine or gateway exited during start-up")
+        if time.monotonic() > deadline:
+            raise TimeoutError("the engine did not come up")
+        time.sleep(0.5)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--streams", type=int, default=16)
@@ -169,18 +185,7 @@ def main() -> None:
                                     "--engine-endpoint", endpoint, "--port", str(args.port)])
         url = f"http://127.0.0.1:{args.port}"
         try:
-            deadline = time.monotonic() + 300
-            while True:
-                try:
-                    if httpx.get(url + "/health").status_code == 200:
-                        break
-                except httpx.HTTPError:
-                    pass
-                if engine.poll() is not None or gateway.poll() is not None:
-                    raise RuntimeError("the served engine or gateway exited during start-up")
-                if time.monotonic() > deadline:
-                    raise TimeoutError("the served engine did not come up")
-                time.sleep(0.5)
+            wait_healthy(url, engine, gateway)
             prompts = make_prompts(url, args.streams, seed=0)
             # The in-process engine lives in a child of its own; runs alternate between
             # the two so that a noisy machine hurts both alike. Run 0 of each is untimed.
