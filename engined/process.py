@@ -98,35 +98,34 @@ def _progress(what: str):
     """An elapsed-time bar on a terminal while ``what`` runs (the load reports no fractions); in a
     log file, a line every ``_LOAD_LOG_EVERY_S`` seconds and one when it is done."""
     if not sys.stderr.isatty():
-        done, start = threading.Event(), time.monotonic()
-
-        def note():
-            while not done.wait(_LOAD_LOG_EVERY_S):
-                log.info("%s: %.0fs so far", what, time.monotonic() - start)
-
-        t = threading.Thread(target=note, daemon=True, name="load-progress")
-        t.start()
-        try:
+        start = time.monotonic()
+        with _every(_LOAD_LOG_EVERY_S, lambda: log.info("%s: %.0fs so far", what, time.monotonic() - start)):
             yield
-        finally:
-            done.set()
-            t.join()
         log.info("%s took %.1fs", what, time.monotonic() - start)
         return
     from tqdm import tqdm
 
-    done = threading.Event()
     bar = tqdm(desc=what, bar_format="{desc}: {elapsed}", file=sys.stderr)
+    try:
+        with _every(0.2, bar.refresh):
+            yield
+    finally:
+        bar.close()
 
-    def tick():
-        while not done.wait(0.2):
-            bar.refresh()
 
-    t = threading.Thread(target=tick, daemon=True)
+@contextlib.contextmanager
+def _every(period: float, fn):
+    """Call ``fn`` every ``period`` seconds on a daemon thread while the block runs."""
+    done = threading.Event()
+
+    def loop():
+        while not done.wait(period):
+            fn()
+
+    t = threading.Thread(target=loop, daemon=True, name="load-progress")
     t.start()
     try:
         yield
     finally:
         done.set()
         t.join()
-        bar.close()
