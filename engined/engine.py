@@ -15,15 +15,14 @@ from concurrent.futures import FIRST_COMPLETED
 from concurrent.futures import wait as wait_futures
 
 import mlx.core as mx
-from mlx.utils import tree_flatten
 
 import kernels
-from engined import memory_guard
+from engined import memory_guard, pipeline
 from engined.draft_model import DraftProposer
 from engined.kv import KVCacheManager
 from engined.loaders import LoadedModel, load_model
 from engined.metrics import EngineMetrics
-from engined.model_layers import read_layers
+from engined.model_layers import float_dtype, read_layers
 from engined.request import Request
 from engined.runner import ModelRunner
 from engined.sampler import Sampler, logprobs_for
@@ -44,8 +43,11 @@ class Engine:
         loaded = loaded or load_model(config.model, config.dtype)
         self.loaded = loaded
         self.max_model_len = config.max_model_len or loaded.context_length
-        dtype = _float_dtype(loaded)
+        dtype = float_dtype(loaded.model)
         backend = kernels.resolve_backend(config.attention_backend)
+        pipelined = config.pipeline_parallel_size > 1
+        if pipelined:
+            pipeline.split(loaded.model, pipeline.join(config.pipeline_parallel_size), config.pipeline_split)
         specs = read_layers(loaded.model)
         kv = KVCacheManager.build(specs, config, dtype)
         spec = config.speculative
@@ -54,7 +56,9 @@ class Engine:
                 "speculative decoding is not supported for hybrid linear-attention models: a recurrent "
                 "state cannot take rejected draft tokens back", param="speculative_config",
             )
-        self.runner = ModelRunner(loaded.model, specs, kv, backend)
+        self.runner = (pipeline.PipelineRunner(loaded.model, specs, kv, backend, config) if pipelined
+                       else ModelRunner(loaded.model, specs, kv, backend))
+        kv = self.runner.kv  # on a pipeline, the journal the other ranks replay
         self.sampler = Sampler(loaded.vocab_size, loaded.eos_token_ids)
         self.metrics = EngineMetrics(config.served_model_name or loaded.model_id, config.metrics_prefix)
         self.drafter = (self._load_drafter(spec, loaded, dtype, backend)
@@ -64,6 +68,8 @@ class Engine:
         stores = [kv] + ([self.drafter] if self.drafter else [])
         self.memory = memory_guard.plan(self.runner, stores, config, self.max_model_len, loaded.vocab_size,
                                         progress)
+        if pipelined:
+            self.memory = self.runner.agree(self.memory)
         log.info("%s", self.memory.describe())
         if self.drafter:
             kv.follow(self.drafter.kv)
@@ -373,11 +379,3 @@ class Engine:
                     if out.finish_reason:
                         pending.discard(out.request_id)
         return [results[rid] for rid in ids]
-
-
-def _float_dtype(loaded: LoadedModel) -> mx.Dtype:
-    """The dtype of the model's floating-point weights (the K/V's dtype)."""
-    return next(
-        (p.dtype for _, p in tree_flatten(loaded.model.parameters()) if mx.issubdtype(p.dtype, mx.floating)),
-        mx.float32,
-    )

@@ -145,6 +145,12 @@ def plan(runner, stores: list, config: EngineConfig, max_model_len: int, vocab_s
     weights = mx.get_active_memory()
     activations = warm_up(runner, config, max_model_len, vocab_size, progress)
     mx.set_cache_limit(activations)
+    return size_pool(weights, activations, stores, config, max_model_len)
+
+
+def size_pool(weights: int, activations: int, stores: list, config: EngineConfig, max_model_len: int) -> MemoryPlan:
+    """The pool that fits the budget beside ``weights`` and ``activations`` (bytes measured on this
+    device); raises MemoryBudgetError when one full-length request cannot fit."""
     needed = -(-max_model_len // config.block_size)
     per_block = sum(s.bytes_per_block for s in stores)
     fixed = sum(s.fixed_bytes for s in stores)

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx.utils import tree_flatten
 
 from shared.errors import ModelLoadError
 
@@ -121,8 +122,10 @@ def layer_settings(model: nn.Module, i: int, layer: nn.Module, attn: nn.Module) 
 
 
 def transformer_layers(model: nn.Module) -> list[nn.Module]:
+    """The layers this process runs: all of them, or one pipeline rank's run (``engined.pipeline``)."""
     inner = getattr(model, "model", None)
-    layers = getattr(inner, "layers", None) or getattr(model, "layers", None)
+    layers = (getattr(inner, "pipeline_layers", None) or getattr(inner, "layers", None)
+              or getattr(model, "layers", None))
     if not layers:
         raise ModelLoadError(f"{type(model).__module__}: no transformer layers found")
     return layers
@@ -131,6 +134,9 @@ def transformer_layers(model: nn.Module) -> list[nn.Module]:
 def read_layers(model: nn.Module) -> list[LayerSpec]:
     """Every layer's spec, in layer order; ModelLoadError for a layer mlxd cannot run."""
     specs, hidden = [], None
+    # A pipeline rank's first layer is the model's layer ``first``: settings read per layer
+    # (layer_types) are indexed by the model's numbering, caches by this process's.
+    first = getattr(getattr(model, "model", None), "start_idx", 0)
     for i, layer in enumerate(transformer_layers(model)):
         if "linear_attn" in layer:
             if hidden is None:
@@ -138,5 +144,12 @@ def read_layers(model: nn.Module) -> list[LayerSpec]:
                 hidden = int(model.model.embed_tokens(mx.array([[0]])).shape[-1])
             specs.append(LayerSpec(i, linear=layer.linear_attn, hidden_size=hidden))
         else:
-            specs.append(LayerSpec(i, settings=layer_settings(model, i, layer, getattr(layer, "self_attn", None))))
+            specs.append(LayerSpec(i, settings=layer_settings(model, first + i, layer,
+                                                              getattr(layer, "self_attn", None))))
     return specs
+
+
+def float_dtype(model: nn.Module) -> mx.Dtype:
+    """The dtype of the model's floating-point weights (the K/V's dtype)."""
+    return next((p.dtype for _, p in tree_flatten(model.parameters()) if mx.issubdtype(p.dtype, mx.floating)),
+                mx.float32)

@@ -46,9 +46,15 @@ class ModelRunner:
         (``batch.drafts``). ``num_logits`` (default: the rows the batch samples,
         ``batch.num_logits``) says how many of each request's last rows to return.
         """
+        pieces = self.pieces(batch)
+        caches = self.kv.step_caches(batch.scheduled)
+        return forward(self.model, self.head, pieces, caches, batch.num_logits if num_logits is None else num_logits)
+
+    @staticmethod
+    def pieces(batch: SchedulerOutput) -> list[list[int]]:
+        """Each scheduled request's tokens of this step: its known tokens, then its drafts."""
         pieces = []
         for r, n in batch.scheduled:
             known = r.token_ids[r.num_computed_tokens : r.num_computed_tokens + n]
             pieces.append(known if len(known) == n else known + batch.drafts[r][: n - len(known)])
-        caches = self.kv.step_caches(batch.scheduled)
-        return forward(self.model, self.head, pieces, caches, batch.num_logits if num_logits is None else num_logits)
+        return pieces

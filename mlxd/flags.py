@@ -41,6 +41,10 @@ HELP = {
     "kv_cache_memory": "KV pool size in bytes (overrides the fraction)",
     "num_kv_blocks": "KV pool size in blocks (overrides both)",
     "attention_backend": "paged attention implementation: auto, reference, host (numpy, CPU), metal, cuda",
+    "pipeline_parallel_size": "ranks the model's layers are split over, each holding only its layers' weights "
+                              "and KV (started on this machine, or by mlx.launch across machines)",
+    "pipeline_split": "layers per rank, rank 0 first (rank 0 runs the last layers; default: an even split)",
+    "pipeline_timeout": "seconds a step may wait on the other pipeline ranks before the engine stops",
     "engine_endpoint": "ZeroMQ endpoint of the engine (default: an ipc socket in the runtime dir)",
     "api_key": "require 'Authorization: Bearer KEY' on /v1/* (default: none, or the keys of `mlxd keys`)",
     "api_key_file": "like --api-key, the key read from this file (kept off command lines)",
@@ -72,6 +76,9 @@ CHOICES = {
     "dtype": DTYPES,
     "metrics_prefix": ("mlxd", "vllm"),
 }
+
+# vLLM's short spellings.
+ALIASES = {"pipeline_parallel_size": "-pp"}
 
 # Sizes vLLM parses with its human_readable_int: 32k is 32000, 32K is 32768.
 HUMAN_INTS = ("max_model_len", "max_num_batched_tokens", "max_num_seqs", "max_waiting_requests",
@@ -134,17 +141,17 @@ def add_struct_flags(parser: argparse.ArgumentParser, struct: type, skip=()) -> 
     for f in msgspec.structs.fields(struct):
         if f.name in skip:
             continue
-        flag = "--" + f.name.replace("_", "-")
+        flags = ["--" + f.name.replace("_", "-"), *([ALIASES[f.name]] if f.name in ALIASES else [])]
         tp, is_list = _base_type(hints[f.name])
         kw = dict(dest=f.name, default=argparse.SUPPRESS, help=_help(f))
         if f.name in CHOICES:
             kw["choices"] = CHOICES[f.name]
         if tp is bool:
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, **kw)
+            parser.add_argument(*flags, action=argparse.BooleanOptionalAction, **kw)
         elif is_list:
-            parser.add_argument(flag, type=tp, nargs="*", **kw)
+            parser.add_argument(*flags, type=tp, nargs="*", **kw)
         else:
-            parser.add_argument(flag, type=human_readable_int if f.name in HUMAN_INTS else tp, **kw)
+            parser.add_argument(*flags, type=human_readable_int if f.name in HUMAN_INTS else tp, **kw)
 
 
 def build_config(struct: type, ns: argparse.Namespace):

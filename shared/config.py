@@ -70,6 +70,13 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     # The paged attention implementation (kernels.BACKENDS): "auto" picks by device (Metal or
     # CUDA kernel on a GPU, numpy "host" path on the CPU); "reference" is the pure-MLX oracle.
     attention_backend: str = "auto"
+    # Ranks the model's layers are split over (engined/pipeline.py); each rank is a process, on
+    # this machine or on others (mlx.launch), and holds only its layers' weights and KV.
+    pipeline_parallel_size: int = 1
+    # Layers per rank, rank 0 first (rank 0 runs the last layers); empty: an even split.
+    pipeline_split: list[int] = []
+    # Seconds a forward may wait on the other ranks before the engine gives up on them.
+    pipeline_timeout: float = 120.0
 
     def __post_init__(self) -> None:
         positive = ("max_num_seqs", "max_num_batched_tokens", "block_size", "max_waiting_requests")
@@ -91,6 +98,14 @@ class EngineConfig(msgspec.Struct, kw_only=True):
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise InvalidRequestError(f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}",
                                       param="attention_backend")
+        if self.pipeline_parallel_size < 1:
+            raise InvalidRequestError("pipeline_parallel_size must be positive", param="pipeline_parallel_size")
+        if self.pipeline_split and len(self.pipeline_split) != self.pipeline_parallel_size:
+            raise InvalidRequestError(f"pipeline_split names {len(self.pipeline_split)} ranks; "
+                                      f"pipeline_parallel_size is {self.pipeline_parallel_size}",
+                                      param="pipeline_split")
+        if self.pipeline_timeout <= 0:
+            raise InvalidRequestError("pipeline_timeout must be positive", param="pipeline_timeout")
         if self.dtype not in DTYPES:
             raise InvalidRequestError(f"unknown dtype {self.dtype!r}", param="dtype")
 

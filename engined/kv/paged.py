@@ -20,6 +20,16 @@ class PagedLayerStep:
         self._kv = kv
         self._i = i
 
+    # mlx_lm's pipelined models tie a rank's send of its hidden states to its last layer's cache
+    # (``cache[-1].keys = mx.depends(cache[-1].keys, h)``), so that evaluating the cache sends.
+    @property
+    def keys(self) -> mx.array:
+        return self._kv.k[self._i]
+
+    @keys.setter
+    def keys(self, value: mx.array) -> None:
+        self._kv.k[self._i] = value
+
     def write(self, k: mx.array, v: mx.array) -> tuple[mx.array, mx.array]:
         """Write this step's ``k, v [T, H_kv, D]`` at the metadata's slots; returns the layer's new pools."""
         kv, i = self._kv, self._i

@@ -1,0 +1,350 @@
+"""Pipeline parallelism over ``mx.distributed``: rank 0 runs the engine, the other ranks mirror it.
+
+Each rank holds a contiguous run of the model's layers (mlx_lm's own
+``model.model.pipeline(group, split)``: the last rank holds the first layers,
+rank 0 the last ones) and the paged KV pool of those layers only. Rank 0 owns
+the scheduler, the block tables and the gateways' socket. Every call it makes
+that changes its KV manager (create, allocate, commit, free, a step's slots)
+is journaled, and once per forward the journal and the step's tokens go to
+every other rank in one message. A worker replays the journal on its own KV
+manager, which, fed the same calls over a pool of the same size, holds the same
+block tables, and runs the same forward: the pipelined model passes hidden
+states rank to rank with ``send``/``recv`` and gathers the last rank's, so the
+step ends with the logits everywhere; rank 0 samples.
+
+The pool size is the smallest any rank affords (each sizes its own from its own
+memory, for its own layers). A rank that dies makes the next step raise on rank
+0 ("connection to a peer was lost"), which ends the engine; a rank that stops
+answering is caught by ``Watchdog``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import logging
+import os
+import threading
+import time
+
+import mlx.core as mx
+import msgspec
+import numpy as np
+
+from engined import memory_guard
+from engined.kv import KVCacheManager
+from engined.memory_guard import MemoryPlan
+from engined.request import Request
+from engined.runner import ModelRunner, forward
+from engined.scheduler import SchedulerOutput
+from shared.config import EngineConfig
+from shared.errors import ModelLoadError
+from shared.sampling import SamplingParams
+
+log = logging.getLogger("mlxd.engine")
+
+
+class Op(msgspec.Struct, array_like=True):
+    """One journaled KV call, with the request's progress at the time it was made."""
+
+    kind: str  # create | prefix | allocate | commit | free | sched | step | shrink
+    rid: str = ""
+    computed: int = 0  # the request's num_computed_tokens
+    num_tokens: int = 0  # its len(token_ids)
+    count: int = 0  # allocate: new tokens; sched: tokens this step; create: blocks
+    blocks: list[int] = []  # allocate: the cached prefix's block ids; create: [resident] or []
+
+
+class Message(msgspec.Struct, array_like=True):
+    """What rank 0 sends the other ranks: the journal since the last message, then a forward or a query."""
+
+    ops: list[Op]
+    tokens: dict[str, list[int]] = {}  # per request, its token ids not sent before
+    salts: dict[str, bytes] = {}  # the cache salt of requests seen for the first time
+    pieces: list[list[int]] | None = None  # the forward's token pieces (ModelRunner.run)
+    num_logits: list[int] = []
+    query: str = ""  # "blocks": every rank answers the pool it affords; "stop": workers exit
+
+
+_encode = msgspec.msgpack.Encoder().encode
+_decode = msgspec.msgpack.Decoder(Message).decode
+
+
+def join(size: int) -> mx.distributed.Group:
+    """This process's group of ``size`` ranks (the launcher set MLX_RANK and MLX_HOSTFILE)."""
+    try:
+        group = mx.distributed.init(strict=True)
+    except RuntimeError as e:
+        raise ModelLoadError(f"--pipeline-parallel-size {size}: no distributed backend came up ({e}); start "
+                             "the ranks with mlx.launch or let `mlxd engine` start them on this machine") from e
+    if group.size() != size:
+        raise ModelLoadError(f"--pipeline-parallel-size {size}, but {group.size()} ranks were launched")
+    return group
+
+
+def split(model, group: mx.distributed.Group, layers: list[int] | None) -> None:
+    """Keep only this rank's layers of ``model`` (mlx_lm's PipelineMixin); refuse families without it."""
+    inner = getattr(model, "model", None)
+    if not hasattr(inner, "pipeline"):
+        raise ModelLoadError(
+            f"{type(model).__module__.rsplit('.', 1)[-1]}: mlx_lm's model has no pipeline support "
+            "(PipelineMixin); pipeline parallelism needs a family that has it (qwen2, qwen3_moe, qwen3_next, "
+            "qwen3_5, deepseek_v3, glm4_moe, ministral3, ...)"
+        )
+    try:
+        inner.pipeline(group, split=layers or None)
+    except ValueError as e:
+        raise ModelLoadError(f"--pipeline-split: {e}") from e
+    log.info("pipeline rank %d of %d: layers %d..%d", group.rank(), group.size(), inner.start_idx,
+             inner.end_idx - 1)
+
+
+class Link:
+    """Rank 0's messages to the other ranks, over the group's own send/recv."""
+
+    def __init__(self, group: mx.distributed.Group):
+        self.group = group
+
+    def send(self, message: Message) -> None:
+        data = np.frombuffer(_encode(message), dtype=np.uint8)
+        head, body = mx.array([data.size], dtype=mx.int64), mx.array(data)
+        # One evaluation per array: sends evaluated together may reach a rank in either order.
+        for a in (head, body):
+            mx.eval([mx.distributed.send(a, r, group=self.group) for r in range(1, self.group.size())])
+
+    def receive(self) -> Message:
+        head = mx.distributed.recv((1,), mx.int64, 0, group=self.group)
+        mx.eval(head)
+        body = mx.distributed.recv((int(head.item()),), mx.uint8, 0, group=self.group)
+        mx.eval(body)
+        return _decode(np.array(body).tobytes())
+
+    def smallest(self, value: int) -> int:
+        """The least of every rank's ``value`` (every rank calls this at the same point)."""
+        values = mx.distributed.all_gather(mx.array([value], dtype=mx.int64), group=self.group)
+        return int(mx.min(values).item())
+
+
+class JournaledKV:
+    """Rank 0's KV manager: every call that changes it is recorded for the other ranks to replay."""
+
+    def __init__(self, kv: KVCacheManager, link: Link):
+        self._kv = kv
+        self._link = link
+        self._ops: list[Op] = []
+        self._tokens: dict[str, list[int]] = {}
+        self._salts: dict[str, bytes] = {}
+        self._sent: dict[str, int] = {}  # per request, how many of its token ids the workers have
+
+    def __getattr__(self, name):
+        return getattr(self._kv, name)
+
+    def _note(self, kind: str, req: Request | None = None, count: int = 0, blocks: list[int] = ()) -> None:
+        if req is None:
+            self._ops.append(Op(kind, count=count, blocks=list(blocks)))
+            return
+        rid = req.request_id
+        sent = self._sent.get(rid)
+        if sent is None:
+            sent = 0
+            self._salts[rid] = req.cache_salt
+        if req.num_tokens > sent:
+            self._tokens.setdefault(rid, []).extend(req.token_ids[sent:])
+            self._sent[rid] = req.num_tokens
+        self._ops.append(Op(kind, rid, req.num_computed_tokens, req.num_tokens, count, list(blocks)))
+
+    def take(self, **fields) -> Message:
+        """The journal so far as a message (with ``fields``), and a fresh journal."""
+        message = Message(self._ops, self._tokens, self._salts, **fields)
+        self._ops, self._tokens, self._salts = [], {}, {}
+        return message
+
+    def flush(self) -> None:
+        """Send what is journaled now (a shrink while idle must not wait for the next request)."""
+        self._link.send(self.take())
+
+    # -- the calls that change the manager -----------------------------------------------------
+
+    def create(self, num_blocks: int, resident: int | None = None) -> None:
+        self._note("create", count=num_blocks, blocks=[] if resident is None else [resident])
+        self._kv.create(num_blocks, resident)
+
+    def cached_prefix(self, req: Request):
+        self._note("prefix", req)  # it grows the request's block hashes, which later calls read
+        return self._kv.cached_prefix(req)
+
+    def allocate(self, req: Request, num_new_tokens: int, prefix=()) -> bool:
+        prefix = list(prefix)
+        if not self._kv.allocate(req, num_new_tokens, prefix):
+            return False  # a refused allocation changes nothing
+        self._note("allocate", req, num_new_tokens, [b.block_id for b in prefix])
+        return True
+
+    def commit(self, req: Request) -> None:
+        self._note("commit", req)
+        self._kv.commit(req)
+
+    def free(self, req: Request) -> None:
+        self._note("free", req)
+        self._sent.pop(req.request_id, None)  # a preempted request is sent whole again when it returns
+        self._kv.free(req)
+
+    def step_caches(self, scheduled: list[tuple[Request, int]]) -> list:
+        for req, n in scheduled:
+            self._note("sched", req, n)
+        self._note("step")
+        return self._kv.step_caches(scheduled)
+
+    def release_idle(self, now: float) -> bool:
+        if not self._kv.release_idle(now):
+            return False
+        self._note("shrink")
+        self.flush()
+        return True
+
+    def follow(self, arrays) -> None:
+        raise ModelLoadError("a draft model cannot be used with pipeline parallelism yet; use ngram speculation")
+
+
+class Mirror:
+    """A worker rank's copy of rank 0's KV manager, kept equal by replaying its journal."""
+
+    def __init__(self, kv: KVCacheManager):
+        self.kv = kv
+        self.requests: dict[str, Request] = {}
+        self._tokens: dict[str, list[int]] = {}
+        self._salts: dict[str, bytes] = {}
+        self._scheduled: list[tuple[Request, int]] = []
+        self.caches: list | None = None  # the last step's per-layer objects
+
+    def _request(self, op: Op) -> Request:
+        req = self.requests.get(op.rid)
+        if req is None:
+            req = self.requests[op.rid] = Request(op.rid, [], SamplingParams(), 0, self._salts.get(op.rid, b""))
+        # Token ids as they were when rank 0 made the call: calls read the request's length.
+        req.token_ids = self._tokens[op.rid][: op.num_tokens]
+        req.num_computed_tokens = op.computed
+        return req
+
+    def apply(self, message: Message) -> None:
+        self._salts.update(message.salts)
+        for rid, tokens in message.tokens.items():
+            self._tokens.setdefault(rid, []).extend(tokens)
+        for op in message.ops:
+            self._replay(op)
+
+    def _replay(self, op: Op) -> None:
+        kv, kind = self.kv, op.kind
+        if kind == "create":
+            kv.create(op.count, op.blocks[0] if op.blocks else None)
+        elif kind == "shrink":
+            kv.main.shrink()
+            mx.clear_cache()
+        elif kind == "step":
+            self.caches, self._scheduled = kv.step_caches(self._scheduled), []
+        else:
+            req = self._request(op)
+            if kind == "prefix":
+                kv.cached_prefix(req)
+            elif kind == "allocate":
+                if not kv.allocate(req, op.count, [kv.pool.blocks[i] for i in op.blocks]):
+                    raise RuntimeError(f"pipeline rank out of step with rank 0: allocation for {op.rid} refused")
+            elif kind == "commit":
+                kv.commit(req)
+            elif kind == "sched":
+                self._scheduled.append((req, op.count))
+            elif kind == "free":
+                kv.free(req)
+                del self.requests[op.rid]
+                self._tokens.pop(op.rid, None)
+                self._salts.pop(op.rid, None)
+
+
+class PipelineRunner(ModelRunner):
+    """Rank 0's runner: each forward first sends the journal and the step's tokens to the other ranks."""
+
+    def __init__(self, model, specs, kv: KVCacheManager, attention_backend: str, config: EngineConfig):
+        super().__init__(model, specs, kv, attention_backend)
+        self.link = Link(join(config.pipeline_parallel_size))
+        self.kv = JournaledKV(kv, self.link)
+        self.watchdog = Watchdog(config.pipeline_timeout)
+
+    def run(self, batch: SchedulerOutput, num_logits: list[int] | None = None) -> mx.array:
+        """As ``ModelRunner.run``, but evaluated here: a rank that stops answering hangs the evaluation."""
+        pieces = self.pieces(batch)
+        caches = self.kv.step_caches(batch.scheduled)
+        num_logits = batch.num_logits if num_logits is None else num_logits
+        self.link.send(self.kv.take(pieces=pieces, num_logits=num_logits))
+        logits = forward(self.model, self.head, pieces, caches, num_logits)
+        self.watchdog.since = time.monotonic()
+        try:
+            mx.eval(logits, self.kv.arrays())
+        finally:
+            self.watchdog.since = None
+        return logits
+
+    def agree(self, plan: MemoryPlan) -> MemoryPlan:
+        """``plan`` with the smallest pool any rank affords (each sizes its own, for its own layers)."""
+        self.link.send(self.kv.take(query="blocks"))
+        smallest = self.link.smallest(plan.num_blocks)
+        if smallest == plan.num_blocks:
+            return plan
+        log.info("pipeline: the KV pool is %d blocks, the most every rank affords (this one: %d)",
+                 smallest, plan.num_blocks)
+        return dataclasses.replace(plan, num_blocks=smallest, kv_bytes=plan.kv_bytes * smallest // plan.num_blocks,
+                                   initial_blocks=min(plan.initial_blocks, smallest))
+
+
+def serve_worker(config: EngineConfig, group: mx.distributed.Group) -> int:
+    """A rank other than 0: load this rank's layers, then replay rank 0's messages until it is gone."""
+    from engined.loaders import load_model
+    from engined.model_layers import float_dtype, read_layers
+    import kernels
+
+    loaded = load_model(config.model, config.dtype)
+    split(loaded.model, group, config.pipeline_split)
+    specs = read_layers(loaded.model)
+    kv = KVCacheManager.build(specs, config, float_dtype(loaded.model))
+    runner = ModelRunner(loaded.model, specs, kv, kernels.resolve_backend(config.attention_backend))
+    mirror, link = Mirror(kv), Link(group)
+    max_model_len = config.max_model_len or loaded.context_length
+    gc.collect()
+    weights = mx.get_active_memory()
+    mx.reset_peak_memory()
+    while True:
+        try:
+            message = link.receive()
+        except RuntimeError as e:  # rank 0 stopped, or a link broke: the group is over
+            log.info("pipeline rank %d: rank 0 is gone (%s); stopping", group.rank(), e)
+            return 0
+        mirror.apply(message)
+        if message.pieces is not None:
+            mx.eval(forward(runner.model, runner.head, message.pieces, mirror.caches, message.num_logits),
+                    kv.arrays())
+        if message.query == "blocks":
+            # The warm-up forward rank 0 ran has passed through here: its peak is this rank's scratch.
+            activations = max(mx.get_peak_memory() - weights, 0)
+            mx.set_cache_limit(activations)
+            plan = memory_guard.size_pool(weights, activations, [kv], config, max_model_len)
+            log.info("pipeline rank %d: %s", group.rank(), plan.describe())
+            link.smallest(plan.num_blocks)
+
+
+class Watchdog:
+    """Ends rank 0's process when a forward has waited past ``timeout`` seconds on the other ranks:
+    a rank that stops answering (a stopped process, a cut link) would otherwise hang the engine."""
+
+    def __init__(self, timeout: float):
+        self.timeout = timeout
+        self.since: float | None = None
+        threading.Thread(target=self._watch, daemon=True, name="pipeline-watchdog").start()
+
+    def _watch(self) -> None:
+        while True:
+            time.sleep(min(1.0, self.timeout / 4))
+            since = self.since
+            if since is not None and time.monotonic() - since > self.timeout:
+                log.error("a pipeline rank has not answered for %.0fs: stopping the engine so that its "
+                          "supervisor restarts every rank", self.timeout)
+                logging.shutdown()
+                os._exit(1)
