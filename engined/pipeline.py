@@ -28,8 +28,10 @@ import threading
 import time
 
 import mlx.core as mx
+import mlx.nn as nn
 import msgspec
 import numpy as np
+from mlx_lm.models.pipeline import PipelineMixin
 
 from engined import memory_guard
 from engined.kv import KVCacheManager
@@ -63,7 +65,7 @@ class Message(msgspec.Struct, array_like=True):
     salts: dict[str, bytes] = {}  # the cache salt of requests seen for the first time
     pieces: list[list[int]] | None = None  # the forward's token pieces (ModelRunner.run)
     num_logits: list[int] = []
-    query: str = ""  # "blocks": every rank answers the pool it affords; "stop": workers exit
+    query: str = ""  # "blocks": every rank says the pool it affords (``Link.smallest``)
 
 
 _encode = msgspec.msgpack.Encoder().encode
@@ -83,20 +85,68 @@ def join(size: int) -> mx.distributed.Group:
 
 
 def split(model, group: mx.distributed.Group, layers: list[int] | None) -> None:
-    """Keep only this rank's layers of ``model`` (mlx_lm's PipelineMixin); refuse families without it."""
+    """Keep only this rank's layers of ``model``, split by mlx_lm's PipelineMixin.
+
+    Families whose mlx_lm model has the mixin pass hidden states on themselves.
+    For the others (llama, qwen3, ...) the split is the mixin's too, and the
+    hand-offs the mixin's models make in their bodies are added around the
+    body: the embedding of a rank past 0 is replaced by what the next rank sends
+    (``_Received``), and after its last layer a rank sends to the one before it
+    and every rank gathers rank 0's output (``hand_off``, once attention is installed).
+    """
     inner = getattr(model, "model", None)
-    if not hasattr(inner, "pipeline"):
-        raise ModelLoadError(
-            f"{type(model).__module__.rsplit('.', 1)[-1]}: mlx_lm's model has no pipeline support "
-            "(PipelineMixin); pipeline parallelism needs a family that has it (qwen2, qwen3_moe, qwen3_next, "
-            "qwen3_5, deepseek_v3, glm4_moe, ministral3, ...)"
-        )
+    if inner is None or not isinstance(getattr(inner, "layers", None), list):
+        raise ModelLoadError(f"{type(model).__module__.rsplit('.', 1)[-1]}: no layer list to split over ranks")
     try:
-        inner.pipeline(group, split=layers or None)
+        if hasattr(inner, "pipeline"):
+            inner.pipeline(group, split=layers or None)
+        else:
+            PipelineMixin.pipeline(inner, group, split=layers or None)
+            inner.layers = inner.layers[inner.start_idx:]
+            if group.rank() < group.size() - 1:
+                inner.embed_tokens = _Received(inner.embed_tokens, group.rank() + 1)
+            inner.mlxd_hands_off = True
     except ValueError as e:
-        raise ModelLoadError(f"--pipeline-split: {e}") from e
+        raise ModelLoadError(f"--pipeline-split: {e}" if layers else
+                             f"{len(inner.layers)} layers cannot be split over {group.size()} pipeline ranks") from e
     log.info("pipeline rank %d of %d: layers %d..%d", group.rank(), group.size(), inner.start_idx,
              inner.end_idx - 1)
+
+
+def hand_off(model, group: mx.distributed.Group) -> None:
+    """Add the send and gather after a rank's last layer where ``split`` said the model needs them."""
+    inner = model.model
+    if getattr(inner, "mlxd_hands_off", False):
+        inner.norm = _Handoff(inner.norm, group.rank())
+
+
+class _Received(nn.Module):
+    """A rank's input: the hidden states the next rank sends, in place of the token embedding."""
+
+    def __init__(self, embedding: nn.Module, source: int):
+        super().__init__()
+        self.embedding = embedding
+        self.source = source
+
+    def __call__(self, tokens: mx.array) -> mx.array:
+        return mx.distributed.recv_like(self.embedding(tokens), self.source)
+
+    def as_linear(self, x: mx.array) -> mx.array:  # a tied output head still reads the embedding
+        return self.embedding.as_linear(x)
+
+
+class _Handoff(nn.Module):
+    """Around the final norm: send this rank's output down the pipeline, take rank 0's (the model's)."""
+
+    def __init__(self, norm: nn.Module, rank: int):
+        super().__init__()
+        self.norm = norm
+        self.rank = rank
+
+    def __call__(self, h: mx.array) -> mx.array:
+        if self.rank != 0:
+            h = mx.distributed.send(h, self.rank - 1)
+        return self.norm(mx.distributed.all_gather(h)[: h.shape[0]])
 
 
 class Link:
@@ -265,7 +315,9 @@ class PipelineRunner(ModelRunner):
 
     def __init__(self, model, specs, kv: KVCacheManager, attention_backend: str, config: EngineConfig):
         super().__init__(model, specs, kv, attention_backend)
-        self.link = Link(join(config.pipeline_parallel_size))
+        group = join(config.pipeline_parallel_size)
+        hand_off(model, group)
+        self.link = Link(group)
         self.kv = JournaledKV(kv, self.link)
         self.watchdog = Watchdog(config.pipeline_timeout)
 
@@ -306,6 +358,7 @@ def serve_worker(config: EngineConfig, group: mx.distributed.Group) -> int:
     specs = read_layers(loaded.model)
     kv = KVCacheManager.build(specs, config, float_dtype(loaded.model))
     runner = ModelRunner(loaded.model, specs, kv, kernels.resolve_backend(config.attention_backend))
+    hand_off(loaded.model, group)
     mirror, link = Mirror(kv), Link(group)
     max_model_len = config.max_model_len or loaded.context_length
     gc.collect()
