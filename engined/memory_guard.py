@@ -157,6 +157,9 @@ def size_pool(weights: int, activations: int, stores: list, config: EngineConfig
     if config.num_kv_blocks is not None:
         return MemoryPlan(0, weights, activations, config.num_kv_blocks * per_block,
                           config.num_kv_blocks, config.block_size, fixed, min(needed, config.num_kv_blocks))
+    if per_block == 0:  # a pipeline rank of linear layers only: any pool fits beside its fixed ones
+        return MemoryPlan(0, weights, activations, 0, config.max_num_seqs * needed, config.block_size, fixed,
+                          needed)
     memory = device_memory()
     budget = int(config.gpu_memory_utilization * memory)
     if config.kv_cache_memory is not None:

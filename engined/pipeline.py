@@ -55,14 +55,14 @@ class Op(msgspec.Struct, array_like=True):
     num_tokens: int = 0  # its len(token_ids)
     count: int = 0  # allocate: new tokens; sched: tokens this step; create: blocks
     blocks: list[int] = []  # allocate: the cached prefix's block ids; create: [resident] or []
+    tokens: list[int] = []  # the request's token ids the other ranks do not have yet
+    salt: bytes | None = None  # its cache salt, on its first call (and its first after a free)
 
 
 class Message(msgspec.Struct, array_like=True):
     """What rank 0 sends the other ranks: the journal since the last message, then a forward or a query."""
 
     ops: list[Op]
-    tokens: dict[str, list[int]] = {}  # per request, its token ids not sent before
-    salts: dict[str, bytes] = {}  # the cache salt of requests seen for the first time
     pieces: list[list[int]] | None = None  # the forward's token pieces (ModelRunner.run)
     num_logits: list[int] = []
     query: str = ""  # "blocks": every rank says the pool it affords (``Link.smallest``)
@@ -182,8 +182,6 @@ class JournaledKV:
         self._kv = kv
         self._link = link
         self._ops: list[Op] = []
-        self._tokens: dict[str, list[int]] = {}
-        self._salts: dict[str, bytes] = {}
         self._sent: dict[str, int] = {}  # per request, how many of its token ids the workers have
 
     def __getattr__(self, name):
@@ -195,18 +193,14 @@ class JournaledKV:
             return
         rid = req.request_id
         sent = self._sent.get(rid)
-        if sent is None:
-            sent = 0
-            self._salts[rid] = req.cache_salt
-        if req.num_tokens > sent:
-            self._tokens.setdefault(rid, []).extend(req.token_ids[sent:])
-            self._sent[rid] = req.num_tokens
-        self._ops.append(Op(kind, rid, req.num_computed_tokens, req.num_tokens, count, list(blocks)))
+        self._sent[rid] = req.num_tokens
+        self._ops.append(Op(kind, rid, req.num_computed_tokens, req.num_tokens, count, list(blocks),
+                            req.token_ids[sent or 0:], req.cache_salt if sent is None else None))
 
     def take(self, **fields) -> Message:
         """The journal so far as a message (with ``fields``), and a fresh journal."""
-        message = Message(self._ops, self._tokens, self._salts, **fields)
-        self._ops, self._tokens, self._salts = [], {}, {}
+        message = Message(self._ops, **fields)
+        self._ops = []
         return message
 
     def flush(self) -> None:
@@ -262,24 +256,22 @@ class Mirror:
     def __init__(self, kv: KVCacheManager):
         self.kv = kv
         self.requests: dict[str, Request] = {}
-        self._tokens: dict[str, list[int]] = {}
-        self._salts: dict[str, bytes] = {}
+        self._tokens: dict[str, list[int]] = {}  # per request, every token id rank 0 sent
         self._scheduled: list[tuple[Request, int]] = []
         self.caches: list | None = None  # the last step's per-layer objects
 
     def _request(self, op: Op) -> Request:
-        req = self.requests.get(op.rid)
-        if req is None:
-            req = self.requests[op.rid] = Request(op.rid, [], SamplingParams(), 0, self._salts.get(op.rid, b""))
+        if op.salt is not None:  # rank 0 has not told of this request before (or since its free)
+            self.requests[op.rid] = Request(op.rid, [], SamplingParams(), 0, op.salt)
+            self._tokens[op.rid] = []
+        req = self.requests[op.rid]
+        self._tokens[op.rid] += op.tokens
         # Token ids as they were when rank 0 made the call: calls read the request's length.
         req.token_ids = self._tokens[op.rid][: op.num_tokens]
         req.num_computed_tokens = op.computed
         return req
 
     def apply(self, message: Message) -> None:
-        self._salts.update(message.salts)
-        for rid, tokens in message.tokens.items():
-            self._tokens.setdefault(rid, []).extend(tokens)
         for op in message.ops:
             self._replay(op)
 
@@ -305,9 +297,7 @@ class Mirror:
                 self._scheduled.append((req, op.count))
             elif kind == "free":
                 kv.free(req)
-                del self.requests[op.rid]
-                self._tokens.pop(op.rid, None)
-                self._salts.pop(op.rid, None)
+                del self.requests[op.rid], self._tokens[op.rid]
 
 
 class PipelineRunner(ModelRunner):
@@ -320,6 +310,7 @@ class PipelineRunner(ModelRunner):
         self.link = Link(group)
         self.kv = JournaledKV(kv, self.link)
         self.watchdog = Watchdog(config.pipeline_timeout)
+        self.own_blocks = 0  # the pool this rank alone affords (``agree``)
 
     def run(self, batch: SchedulerOutput, num_logits: list[int] | None = None) -> mx.array:
         """As ``ModelRunner.run``, but evaluated here: a rank that stops answering hangs the evaluation."""
@@ -338,6 +329,7 @@ class PipelineRunner(ModelRunner):
     def agree(self, plan: MemoryPlan) -> MemoryPlan:
         """``plan`` with the smallest pool any rank affords (each sizes its own, for its own layers)."""
         self.link.send(self.kv.take(query="blocks"))
+        self.own_blocks = plan.num_blocks
         smallest = self.link.smallest(plan.num_blocks)
         if smallest == plan.num_blocks:
             return plan

@@ -32,6 +32,7 @@ def main() -> int:
         first = engine.generate(prompts, params)
         again = engine.generate(prompts[:2], params)  # their prefixes are cached now
         print(json.dumps({"tokens": first, "again": again, "num_blocks": engine.memory.num_blocks,
+                          "own_blocks": engine.runner.own_blocks,
                           "hits": engine.runner.kv.hits}), flush=True)
     finally:
         for child in children:
