@@ -21,11 +21,9 @@ answering is caught by ``Watchdog``.
 from __future__ import annotations
 
 import dataclasses
+import faulthandler
 import gc
 import logging
-import os
-import threading
-import time
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -310,6 +308,8 @@ class PipelineRunner(ModelRunner):
         self.link = Link(group)
         self.kv = JournaledKV(kv, self.link)
         self.watchdog = Watchdog(config.pipeline_timeout)
+        log.info("pipeline of %d ranks: a step that waits over %gs on them stops the engine "
+                 "(--pipeline-timeout)", config.pipeline_parallel_size, config.pipeline_timeout)
         self.own_blocks = 0  # the pool this rank alone affords (``agree``)
 
     def run(self, batch: SchedulerOutput, num_logits: list[int] | None = None) -> mx.array:
@@ -317,13 +317,11 @@ class PipelineRunner(ModelRunner):
         pieces = self.pieces(batch)
         caches = self.kv.step_caches(batch.scheduled)
         num_logits = batch.num_logits if num_logits is None else num_logits
-        self.link.send(self.kv.take(pieces=pieces, num_logits=num_logits))
-        logits = forward(self.model, self.head, pieces, caches, num_logits)
-        self.watchdog.since = time.monotonic()
-        try:
+        # Watched from the send on: building the forward may evaluate already (the host attention).
+        with self.watchdog:
+            self.link.send(self.kv.take(pieces=pieces, num_logits=num_logits))
+            logits = forward(self.model, self.head, pieces, caches, num_logits)
             mx.eval(logits, self.kv.arrays())
-        finally:
-            self.watchdog.since = None
         return logits
 
     def agree(self, plan: MemoryPlan) -> MemoryPlan:
@@ -376,20 +374,18 @@ def serve_worker(config: EngineConfig, group: mx.distributed.Group) -> int:
 
 
 class Watchdog:
-    """Ends rank 0's process when a forward has waited past ``timeout`` seconds on the other ranks:
-    a rank that stops answering (a stopped process, a cut link) would otherwise hang the engine."""
+    """Ends rank 0's process when a forward has waited past ``timeout`` seconds on the other ranks.
+
+    A rank that stops answering (a stopped process, a cut link) would otherwise hang the engine in
+    an evaluation that holds the interpreter, so no Python thread could notice: faulthandler's
+    timer runs in C, prints every thread's stack and exits, and the supervisor restarts all ranks.
+    """
 
     def __init__(self, timeout: float):
         self.timeout = timeout
-        self.since: float | None = None
-        threading.Thread(target=self._watch, daemon=True, name="pipeline-watchdog").start()
 
-    def _watch(self) -> None:
-        while True:
-            time.sleep(min(1.0, self.timeout / 4))
-            since = self.since
-            if since is not None and time.monotonic() - since > self.timeout:
-                log.error("a pipeline rank has not answered for %.0fs: stopping the engine so that its "
-                          "supervisor restarts every rank", self.timeout)
-                logging.shutdown()
-                os._exit(1)
+    def __enter__(self) -> None:
+        faulthandler.dump_traceback_later(self.timeout, exit=True)
+
+    def __exit__(self, *exc) -> None:
+        faulthandler.cancel_dump_traceback_later()

@@ -21,6 +21,9 @@ from tests.e2e.serve_harness import Serve, gone
 FLAGS = ["--pipeline-parallel-size", "2", "--pipeline-timeout", "6", "--num-kv-blocks", "96",
          "--max-num-seqs", "4", "--max-num-batched-tokens", "128", "--max-model-len", "1024"]
 PROMPT = "The three primary colors are"
+# Past two KV blocks of 16 tokens: a second request finds them cached.
+LONG_PROMPT = ("A pipeline splits a model's layers over several machines; each holds only its own layers "
+               "and their cache. " * 2 + PROMPT)
 
 
 def _ranks(serve: Serve) -> tuple[int, int]:
@@ -54,7 +57,7 @@ def test_two_ranks_answer_as_the_single_process_engine_does(serve):
     model = client.models.list().data[0].id
     engine = Engine(EngineConfig(num_kv_blocks=64, max_model_len=1024, max_num_seqs=4))
     tokenizer = AutoTokenizer.from_pretrained(engine.info.tokenizer_dir)
-    prompt = tokenizer.encode(PROMPT)
+    prompt = tokenizer.encode(LONG_PROMPT)
     expected = engine.generate([prompt], SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True))[0]
     r = client.completions.create(model=model, prompt=prompt, max_tokens=24, temperature=0.0,
                                   extra_body={"ignore_eos": True})
