@@ -46,6 +46,8 @@ def check_model_type(config: dict) -> None:
     """
     model_type = config.get("model_type")
     supported = ", ".join(sorted(SUPPORTED))
+    if model_type is None:
+        raise ModelLoadError(f"config.json names no model_type; mlxd supports: {supported}")
     if model_type not in SUPPORTED:
         raise ModelLoadError(f"model_type {model_type!r} is not supported by mlxd; supported: {supported}")
     inner = (config.get("text_config") or {}).get("model_type")

@@ -10,6 +10,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.utils import load_model as mlx_lm_load_model
 
+from engined.model_layers import check_model_type
 from shared.errors import ModelLoadError
 from shared.hub import cached_snapshot
 
@@ -69,7 +70,11 @@ def _special_token_ids(path: Path) -> tuple[list[int], int | None]:
 
 
 def load_dir(path: Path) -> DirModel:
-    """Load an mlx_lm/HF safetensors directory through mlx_lm's own loader (weights evaluated)."""
+    """Load an mlx_lm/HF safetensors directory through mlx_lm's own loader (weights evaluated).
+
+    A ``model_type`` mlxd does not run is refused from config.json before any weight is read.
+    """
+    check_model_type(_read_json(path / "config.json"))
     try:
         model, config = mlx_lm_load_model(path, lazy=False)
     except FileNotFoundError as e:

@@ -6,8 +6,12 @@ prefill chunk, fresh prefill) must give mlx_lm's own forward logits, with
 float32 and with 4-bit weights; greedy outputs must be the same with prefix
 caching on and off while the cache hits, and with n-gram speculation on and
 off while drafts are made. The README table is rendered from the
-same matrix and must be current.
+same matrix and must be current, and every mlx_lm model type outside it is
+refused from its config.json alone, in one line.
 """
+
+import json
+from pathlib import Path
 
 import mlx.nn as nn
 import numpy as np
@@ -21,7 +25,7 @@ from shared.errors import ModelLoadError
 from shared.sampling import SamplingParams
 from tests import model_support
 from tests.engined.test_parity import check_parity
-from tests.tiny_models import make_tiny_model, seeded_rng
+from tests.tiny_models import make_tiny_model, seeded_rng, tiny_config
 
 FAMILIES = {f.arch: f for f in model_support.FAMILIES}
 
@@ -149,4 +153,48 @@ def test_readme_model_table_is_generated_from_the_matrix():
     text = model_support.README.read_text()
     assert model_support.section() in text, "README model table is stale: run `python -m tests.model_support`"
     for f in model_support.FAMILIES:
-        assert f"`{f.arch}`" in model_support.render()
+        assert f"`{f.config_type}`" in model_support.render()
+
+
+def _mlx_lm_model_types() -> list[str]:
+    """Every model_type mlx_lm can build: its model modules (those defining ``Model``) and its aliases.
+
+    Read from the sources, not imported: importing 130 modules would dominate the test.
+    """
+    import mlx_lm.models
+    from mlx_lm.utils import MODEL_REMAPPING
+
+    folder = Path(mlx_lm.models.__file__).parent
+    modules = [f.stem for f in folder.glob("*.py") if "\nclass Model(" in f.read_text()]
+    return sorted(set(modules) | set(MODEL_REMAPPING))
+
+
+def test_every_mlx_lm_model_type_outside_the_matrix_is_refused_in_one_line(tmp_path):
+    """From config.json alone (no weights in the directory): one line naming the type and the supported list."""
+    tested = {f.config_type for f in model_support.FAMILIES}
+    refused = [t for t in _mlx_lm_model_types() if t not in tested]
+    assert len(refused) > 80 and "deepseek_v3" in refused and "llama" not in refused
+    (tmp_path / "config.json").write_text("{}")
+    for model_type in refused:
+        (tmp_path / "config.json").write_text(json.dumps({"model_type": model_type, "hidden_size": 64}))
+        with pytest.raises(ModelLoadError) as e:
+            load_model(str(tmp_path))
+        message = str(e.value)
+        assert "\n" not in message and f"model_type {model_type!r} is not supported" in message, message
+        assert "supported: gemma2, gemma3, " in message, message
+
+
+def test_a_wrapper_around_an_untested_text_model_is_refused(tmp_path):
+    config = {"model_type": "mistral3", "text_config": {"model_type": "mistral4", "hidden_size": 64}}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ModelLoadError, match="'mistral3' wrapping text model_type 'mistral4' is not supported"):
+        load_model(str(tmp_path))
+
+
+def test_the_allow_list_is_the_tested_matrix():
+    """A model type loads only if a row of the matrix proves it, and each row's wrapping is allowed."""
+    assert set(model_layers.SUPPORTED) == {f.config_type for f in model_support.FAMILIES}
+    for f in model_support.FAMILIES:
+        if f.text_model_type:
+            assert f.text_model_type in model_layers.SUPPORTED[f.config_type], f
+        model_layers.check_model_type(tiny_config(f.arch))
