@@ -198,3 +198,26 @@ def test_the_allow_list_is_the_tested_matrix():
         if f.text_model_type:
             assert f.text_model_type in model_layers.SUPPORTED[f.config_type], f
         model_layers.check_model_type(tiny_config(f.arch))
+
+
+@pytest.mark.parametrize("arch", ["gemma4_text", "gemma4"])
+def test_gemma4_shared_layers_read_their_source_layers_pool_entry(tiny_dirs, arch):
+    """Layers 2 and 3 read layers 0 and 1's K/V: one pool entry each (billed once), not a copy."""
+    loaded = load_model(str(tiny_dirs(arch)))
+    specs = model_layers.read_layers(loaded.model)
+    assert [s.kv_source for s in specs] == [None, None, 0, 1]
+    assert [s.sliding_window for s in specs] == [12, None, 12, None]
+    assert [s.settings.head_dim for s in specs] == [16, 32, 16, 32]  # global layers have their own head size
+    engine = Engine(EngineConfig(num_kv_blocks=16, block_size=8), loaded=loaded)
+    kv = engine.scheduler.kv
+    window, full = kv.groups[1], kv.main
+    assert (window.layers, full.layers) == ([0, 2], [1, 3])
+    assert (window.kv.layers, full.kv.layers) == ([0], [1])  # arrays for the sources alone
+    assert len(kv.arrays()) == 4
+    k_heads = 1 if arch == "gemma4_text" else 2  # 26B/31B global layers: fewer K/V heads (K = V)
+    assert full.bytes_per_block == 2 * 8 * k_heads * 32 * 4
+    params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+    req = engine.generate([list(range(20))], params)
+    caches = kv.step_caches([])
+    assert caches[2] is caches[0] and caches[3] is caches[1] and caches[0] is not caches[1]
+    assert len(req[0]) == 3
