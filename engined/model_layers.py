@@ -33,7 +33,7 @@ _LAYER_TYPES = {"full_attention": False, "sliding_attention": True}
 SUPPORTED: dict[str, tuple[str, ...]] = {
     "llama": (), "mistral": (), "smollm3": (), "qwen2": (), "qwen3": (), "qwen3_moe": (), "gpt_oss": (),
     "gemma2": (), "gemma3_text": (), "gemma3": ("gemma3_text",), "gemma4_text": (), "gemma4": ("gemma4_text",),
-    "ministral3": (), "mistral3": ("mistral", "llama", "ministral3"), "mixtral": (), "phi3": (), "glm4": (),
+    "ministral3": (), "mistral3": ("mistral", "ministral3"), "mixtral": (), "phi3": (), "glm4": (),
     "glm4_moe": (), "olmo2": (), "qwen3_next": (), "qwen3_5": ("qwen3_5_text",),
     "qwen3_5_moe": ("qwen3_5_moe_text",),
 }

@@ -44,6 +44,11 @@ _BASE = {
     "bos_token_id": 256 + 8,
     "eos_token_id": 256 + 8 + 2,
 }
+_ARCH_QWEN3_5_TEXT = {
+    "num_hidden_layers": 4, "full_attention_interval": 2, "linear_num_value_heads": 4, "linear_num_key_heads": 2,
+    "linear_key_head_dim": 16, "linear_value_head_dim": 16, "linear_conv_kernel_dim": 4, "tie_word_embeddings": False,
+    "rope_parameters": {"type": "default", "rope_theta": 1000000.0, "partial_rotary_factor": 0.5},
+}
 _ARCH = {
     "llama": {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "rope_theta": 10000.0, "tie_word_embeddings": False},
     "qwen2": {"model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"], "rope_theta": 1000000.0, "tie_word_embeddings": True},
@@ -91,6 +96,14 @@ _ARCH = {
         "tie_word_embeddings": False, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
         "shared_expert_intermediate_size": 32,
         "rope_parameters": {"type": "default", "rope_theta": 1000000.0, "partial_rotary_factor": 0.5},
+    },
+    # Qwen3.5 as its vision-language checkpoints store it: the same text model under text_config.
+    "qwen3_5_vl": {"model_type": "qwen3_5", "architectures": ["Qwen3_5ForConditionalGeneration"],
+                   "text_config": {"model_type": "qwen3_5_text", **_ARCH_QWEN3_5_TEXT}},
+    "qwen3_5_moe_vl": {
+        "model_type": "qwen3_5_moe", "architectures": ["Qwen3_5MoeForConditionalGeneration"],
+        "text_config": {"model_type": "qwen3_5_moe_text", **_ARCH_QWEN3_5_TEXT, "num_experts": 4,
+                        "num_experts_per_tok": 2, "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32},
     },
     # Mistral spells Llama's config (mlx_lm maps it to llama); a sliding window no layer uses in mlx_lm.
     "mistral": {"model_type": "mistral", "architectures": ["MistralForCausalLM"], "rope_theta": 1000000.0,

@@ -194,10 +194,13 @@ def test_a_wrapper_around_an_untested_text_model_is_refused(tmp_path):
 def test_the_allow_list_is_the_tested_matrix():
     """A model type loads only if a row of the matrix proves it, and each row's wrapping is allowed."""
     assert set(model_layers.SUPPORTED) == {f.config_type for f in model_support.FAMILIES}
+    wrappings = {(f.config_type, f.text_model_type) for f in model_support.FAMILIES if f.text_model_type}
+    assert wrappings == {(outer, inner) for outer, inners in model_layers.SUPPORTED.items() for inner in inners}
     for f in model_support.FAMILIES:
-        if f.text_model_type:
-            assert f.text_model_type in model_layers.SUPPORTED[f.config_type], f
-        model_layers.check_model_type(tiny_config(f.arch))
+        config = tiny_config(f.arch)
+        assert (config["model_type"], config.get("text_config", {}).get("model_type", "")) == (
+            f.config_type, f.text_model_type)
+        model_layers.check_model_type(config)
 
 
 @pytest.mark.parametrize("arch", ["gemma4_text", "gemma4"])
