@@ -164,6 +164,31 @@ def _projections(model: nn.Module, i: int, attn: nn.Module, n_heads: int, n_kv_h
     return attn.q_proj.weight.shape[0], int(head_dim), False
 
 
+# Positions a RoPE is probed at: one packed call must rotate each row as a call at its own offset would.
+_PROBE_POSITIONS = (0, 7, 4099)
+
+
+def _check_rope(model: nn.Module, i: int, rope: nn.Module, head_dim: int) -> None:
+    """Refuse a RoPE that cannot rotate packed tokens each by its own position.
+
+    The paged step calls RoPE once for all tokens with per-token offsets; a RoPE
+    whose rotation depends on the sequence as a whole (dynamic NTK scaling: its
+    base follows the sequence length) either fails or would differ from mlx_lm.
+    """
+    n = len(_PROBE_POSITIONS)
+    x = mx.sin(mx.arange(n * head_dim, dtype=mx.float32)).reshape(n, 1, 1, head_dim)
+    try:
+        packed = rope(x, offset=mx.array(_PROBE_POSITIONS))
+        alone = mx.concatenate([rope(x[j : j + 1], offset=p) for j, p in enumerate(_PROBE_POSITIONS)])
+        same = mx.allclose(packed, alone, rtol=1e-4, atol=1e-5).item()
+    except (ValueError, TypeError, RuntimeError):
+        same = False
+    if not same:
+        raise ModelLoadError(f"{_where(model, i)}: its RoPE ({type(rope).__name__}) cannot rotate each token of a "
+                             "packed batch by its own position; this architecture is not supported by the "
+                             "paged runner yet")
+
+
 def layer_settings(model: nn.Module, i: int, layer: nn.Module, attn: nn.Module) -> LayerSettings:
     """Read layer ``i``'s attention settings under the names mlx_lm's families use for them.
 
@@ -185,6 +210,7 @@ def layer_settings(model: nn.Module, i: int, layer: nn.Module, attn: nn.Module) 
     n_heads, n_kv_heads = int(n_heads), int(n_kv_heads)
     window = _window(model, i, layer, attn)
     q_width, head_dim, fused = _projections(model, i, attn, n_heads, n_kv_heads)
+    _check_rope(model, i, attn.rope, head_dim)
     beta = getattr(attn, "scaling_beta", None)
     return LayerSettings(
         n_heads=n_heads, n_kv_heads=n_kv_heads, scale=float(scale), head_dim=head_dim,

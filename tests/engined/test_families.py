@@ -149,6 +149,18 @@ def test_a_layer_whose_attention_kind_cannot_be_read_is_refused():
     assert [s.sliding_window for s in model_layers.read_layers(_tiny_model("gpt_oss"))] == [12, None]
 
 
+def test_a_rope_that_cannot_take_per_token_positions_is_refused():
+    """Dynamic NTK scaling changes RoPE's base with the sequence length: no packed step can match it."""
+    from mlx_lm.utils import _get_classes
+
+    from tests.tiny_models import tiny_config
+
+    config = tiny_config("llama", rope_scaling={"type": "dynamic", "factor": 2.0})
+    model_class, args_class = _get_classes(config)
+    with pytest.raises(ModelLoadError, match="layer 0: its RoPE .DynamicNTKScalingRoPE. cannot rotate"):
+        model_layers.read_layers(model_class(args_class.from_dict(config)))
+
+
 def test_readme_model_table_is_generated_from_the_matrix():
     text = model_support.README.read_text()
     assert model_support.section() in text, "README model table is stale: run `python -m tests.model_support`"
