@@ -61,13 +61,14 @@ class PagedAttention(nn.Module):
             v = self.v_norm(v)
         return self._rope(k, positions), v
 
-    def __call__(self, x: mx.array, *args, cache=None, **_family_inputs):
+    def __call__(self, x: mx.array, *args, mask=None, cache=None, shared_kv=None, offset=None):
         """``cache``: this layer's ``engined.kv.paged.PagedLayerStep`` (metadata, K/V arrays).
 
-        mlx_lm's families call their attention as ``(x, mask, cache)``, with extra leading
-        inputs (Ministral 3's query scale) or trailing ones (Gemma 4's shared K/V and offset):
-        the cache is the keyword or the last positional argument; the rest is recomputed per
-        token from the step's positions or, for shared K/V, read from the pool.
+        mlx_lm's families call their attention as ``(x, mask, cache)``, with an extra leading
+        input (Ministral 3's query scale) or trailing ones (Gemma 4's ``shared_kv`` and
+        ``offset``): the cache is the keyword or the last positional argument. The mask and
+        those inputs are not used: the kernel masks by the step's metadata, the query scale is
+        recomputed from each token's position, and shared K/V are read from the pool.
         """
         if cache is None and args:
             cache = args[-1]
