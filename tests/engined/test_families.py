@@ -236,3 +236,14 @@ def test_gemma4_shared_layers_read_their_source_layers_pool_entry(tiny_dirs, arc
     caches = kv.step_caches([])
     assert caches[2] is caches[0] and caches[3] is caches[1] and caches[0] is not caches[1]
     assert len(req[0]) == 3
+
+
+def test_a_supported_type_whose_config_lacks_a_field_is_refused_in_one_line(tmp_path):
+    path = make_tiny_model(tmp_path / "m", "ministral3")
+    config = json.loads((path / "config.json").read_text())
+    del config["rope_parameters"]["llama_4_scaling_beta"]
+    (path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ModelLoadError) as e:
+        load_model(str(path))
+    assert "does not describe an mlx_lm 'ministral3' model (KeyError: 'llama_4_scaling_beta')" in str(e.value)
+    assert "\n" not in str(e.value)
