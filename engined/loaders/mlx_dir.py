@@ -74,8 +74,8 @@ def load_dir(path: Path) -> DirModel:
 
     A ``model_type`` mlxd does not run is refused from config.json before any weight is read.
     """
-    config = _read_json(path / "config.json")
-    check_model_type(config)
+    declared = _read_json(path / "config.json")
+    check_model_type(declared)
     try:
         model, config = mlx_lm_load_model(path, lazy=False)
     except FileNotFoundError as e:
@@ -83,7 +83,7 @@ def load_dir(path: Path) -> DirModel:
     except ValueError as e:  # mlx_lm's message for an unknown model_type or mismatched weights
         raise ModelLoadError(f"{path}: {e}") from e
     except (KeyError, TypeError) as e:  # a field the family's ModelArgs or layers need is missing or mistyped
-        raise ModelLoadError(f"{path}: config.json does not describe an mlx_lm {config['model_type']!r} model "
+        raise ModelLoadError(f"{path}: config.json does not describe an mlx_lm {declared['model_type']!r} model "
                              f"({type(e).__name__}: {e})") from e
     eos, bos = _special_token_ids(path)
     return DirModel(model=model, config=config, eos_token_ids=eos, bos_token_id=bos)
