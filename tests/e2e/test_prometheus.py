@@ -131,6 +131,8 @@ def test_every_panel_of_both_dashboards_returns_data_after_real_load(served):
             empty.append(f"{title}: {expr} -> {values}")
     assert not empty, "panels without data:\n" + "\n".join(empty)
     # The numbers mean what they say.
-    assert query(url, f'vllm:request_params_n_sum{{model_name="{model}"}}')[0] >= 3 + 2 + 2 * 2 - 2
+    # Each load: three requests of n=1 and one of n=2, recorded once each as vLLM does per parent.
+    assert query(url, f'vllm:request_params_n_count{{model_name="{model}"}}') == [8.0]
+    assert query(url, f'vllm:request_params_n_sum{{model_name="{model}"}}') == [10.0]
     assert query(url, f'process_resident_memory_bytes{{job="mlxd-engine"}}')[0] > 50e6
     assert query(url, f'count(vllm:num_requests_running{{model_name="{model}"}})') == [1.0]
