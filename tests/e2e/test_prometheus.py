@@ -19,6 +19,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+import yaml  # mlx-lm's dependency
 
 from tests.e2e.servers import Engine, Gateway, free_port
 
@@ -135,4 +136,18 @@ def test_every_panel_of_both_dashboards_returns_data_after_real_load(served):
     assert query(url, f'vllm:request_params_n_count{{model_name="{model}"}}') == [8.0]
     assert query(url, f'vllm:request_params_n_sum{{model_name="{model}"}}') == [10.0]
     assert query(url, f'process_resident_memory_bytes{{job="mlxd-engine"}}')[0] > 50e6
+    # The gateway's own series: six streamed chat requests answered 200, and no stream left open.
+    chat = 'handler="/v1/chat/completions",job="mlxd-gateway"'
+    assert query(url, f'sum(http_requests_total{{{chat},status="200"}})') == [6.0]
+    assert query(url, f'mlxd_gateway_streams_in_flight{{{chat}}}') == [0.0]
     assert query(url, f'count(vllm:num_requests_running{{model_name="{model}"}})') == [1.0]
+
+
+def test_the_datasource_sets_the_scrape_interval_its_prometheus_config_uses():
+    source = yaml.safe_load((ROOT / "grafana" / "provisioning" / "datasources" / "prometheus.yml").read_text())
+    scrape = yaml.safe_load((ROOT / "grafana" / "prometheus.yml").read_text())
+    assert source["datasources"][0]["jsonData"]["timeInterval"] == scrape["global"]["scrape_interval"]
+    jobs = {c["job_name"] for c in scrape["scrape_configs"]}
+    assert jobs == {"mlxd-engine", "mlxd-gateway"}
+    # The dashboard names no job: panels follow its model variable, and any job names work.
+    assert "job=" not in MLXD_DASHBOARD.read_text()
