@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import shutil
 import subprocess
 import time
@@ -76,6 +77,16 @@ def query(url: str, expr: str) -> list[float]:
     return [float(s["value"][1]) for s in body["data"]["result"]]
 
 
+def label_values(url: str, definition: str) -> list[str]:
+    """A Grafana variable's ``label_values(SELECTOR, LABEL)``, asked of Prometheus as Grafana asks it."""
+    match = re.fullmatch(r"label_values\((.+),\s*(\w+)\)", definition)
+    assert match, definition
+    selector, label = match.groups()
+    r = httpx.get(f"{url}/api/v1/label/{label}/values", params={"match[]": selector}, timeout=10)
+    assert r.status_code == 200, (match, r.text[:200])
+    return r.json()["data"]
+
+
 def wait_for(check, timeout: float, what: str):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -131,6 +142,12 @@ def test_every_panel_of_both_dashboards_returns_data_after_real_load(served):
         elif not any(math.isfinite(v) for v in values):
             empty.append(f"{title}: {expr} -> {values}")
     assert not empty, "panels without data:\n" + "\n".join(empty)
+    # Both dashboards' model variables list the served model.
+    vllm_variable = json.loads(VLLM_QUERIES.read_text())["variables"]["model_name"]
+    mlxd_variable = next(v for v in json.loads(MLXD_DASHBOARD.read_text())["templating"]["list"]
+                         if v["name"] == "model")["query"]["query"].replace("${prefix}", "vllm")
+    for definition in (vllm_variable, mlxd_variable):
+        assert label_values(url, definition) == [model], definition
     # The numbers mean what they say.
     # Each load: three requests of n=1 and one of n=2, recorded once each as vLLM does per parent.
     assert query(url, f'vllm:request_params_n_count{{model_name="{model}"}}') == [8.0]
