@@ -1,9 +1,10 @@
 """The gateway's HTTP metrics, served on its own ``/metrics``: requests by route and status, their
 duration, those in progress and the event streams still open.
 
-The names are those of prometheus-fastapi-instrumentator, which vLLM's API server serves
-(``http_requests_total{handler,method,status}``, ``http_request_duration_seconds``), so a
-dashboard written for vLLM's HTTP series reads these. ``handler`` is the route's template
+The names and labels are those of prometheus-fastapi-instrumentator, which vLLM's API server
+serves (``http_requests_total{handler,method,status}``, ``http_request_duration_seconds``,
+``http_requests_inprogress``), so a query written for vLLM's HTTP series reads these; ``status``
+is the exact code ("429", not its grouped "4xx"). ``handler`` is the route's template
 (``/v1/models/{model:path}``), or ``none`` for a path no route matches: a scanner's stream of
 made-up paths cannot grow the series without bound. Each app builds its own registry (several
 gateways may live in one test process).
@@ -18,8 +19,8 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Match
 
-# prometheus-fastapi-instrumentator's default buckets, which vLLM's API server serves.
-DURATION_BUCKETS = (0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 30.0, 60.0)
+# Seconds: metadata routes answer in milliseconds, a long generation streams for minutes.
+DURATION_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 UNMATCHED = "none"
 
 
