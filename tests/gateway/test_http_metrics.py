@@ -56,3 +56,18 @@ def test_each_app_has_its_own_registry():
     with TestClient(a, base_url="http://127.0.0.1") as client:
         client.get("/health")
     assert _samples(b.state.metrics.exposition().decode(), "http_requests_total") == {}
+
+
+def test_scrapes_of_metrics_stay_out_of_the_access_log_at_info(caplog):
+    import logging
+
+    from gateway.access_log import AccessLog
+
+    app = build_app(GatewayConfig(engine_endpoint=_unused_endpoint()))
+    with caplog.at_level(logging.DEBUG, logger="mlxd.access"), \
+            TestClient(AccessLog(app), base_url="http://127.0.0.1") as client:
+        client.get("/metrics")
+        client.get("/health")
+    lines = [(r.levelno, r.getMessage()) for r in caplog.records if r.name == "mlxd.access"]
+    assert [level for level, m in lines if " GET /metrics " in m] == [logging.DEBUG]
+    assert [level for level, m in lines if " GET /health " in m] == [logging.INFO]
