@@ -1,0 +1,38 @@
+"""Raw parameter text of the XML-style formats (qwen3_coder, glm45) as JSON, typed by the tool's schema."""
+
+from __future__ import annotations
+
+import ast
+import json
+
+from gateway.parsers.base import json_term
+
+
+def typed_value(raw: str, schema: dict):
+    """Strings stay the raw text; other types are read as JSON, then as Python literals, else kept as text."""
+    kind = schema.get("type")
+    if kind == "string" or (kind is None and "enum" in schema and all(isinstance(e, str) for e in schema["enum"])):
+        return raw
+    try:
+        return json.loads(raw)
+    except ValueError:
+        pass
+    try:  # Python-style literals (True, 'x', [1, 2]) that models write for objects and lists
+        return ast.literal_eval(raw.strip())
+    except (ValueError, SyntaxError):
+        return raw
+
+
+def json_member(key: str, raw: str, schema: dict) -> str:
+    """``"key": value`` of one parameter."""
+    return f"{json.dumps(key)}: {json.dumps(typed_value(raw, schema), ensure_ascii=False)}"
+
+
+def value_term(schema: dict) -> str:
+    """The grammar term of one raw parameter value: free text for strings, JSON otherwise."""
+    kind = schema.get("type")
+    if kind == "string" and "enum" not in schema:
+        return "TEXT"
+    if kind == "string":
+        return "(" + " | ".join(json.dumps(e) for e in schema["enum"]) + ")"
+    return json_term(schema or {})
