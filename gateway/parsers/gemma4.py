@@ -157,7 +157,8 @@ class Gemma4ToolParser(ToolParser):
             f = t["function"]
             params = f.get("parameters") or {}
             props = params.get("properties", {})
-            required = [k for k in props if k in set(params.get("required", []))]
+            # The chat template writes a call's keys sorted; the model learned them so.
+            required = sorted(k for k in props if k in set(params.get("required", [])))
             args = ' "," '.join(f'"{k}:" {_value_term(props[k], literal)}' for k in required)
             rules.append(f'f{i}: "call:{f["name"]}{{" {args} "}}"')
             names.append(f"f{i}")

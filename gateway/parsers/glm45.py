@@ -1,13 +1,13 @@
-"""GLM-4.5 / 4.6 / 4.7 tool calls::
+"""GLM-4.5 / 4.6 / 4.7 tool calls, as the chat template writes them::
 
     <tool_call>get_weather
     <arg_key>city</arg_key>
-    <arg_value>Paris</arg_value>
-    </tool_call>
+    <arg_value>Paris</arg_value></tool_call>
 
-(GLM-4.7 drops the newlines.) Values are raw text, typed by the tool's schema
-as in qwen3_coder; arguments stream one whole parameter at a time. Reasoning
-is ``<think>…</think>`` (the ``think`` reasoning parser).
+(GLM-4.7 drops the newlines; blanks between the parts are allowed). Values are
+raw text, typed by the tool's schema as in qwen3_coder; arguments stream one
+whole parameter at a time. Reasoning is ``<think>…</think>`` (the ``glm45``
+reasoning parser, the same as ``think``).
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ def _drop(text: str) -> None:
 
 class Glm45ToolParser(ToolParser):
     name = "glm45"
+    special_markers = (OPEN, CLOSE, KEY, KEY_END, VALUE, VALUE_END)
 
     def __init__(self, tools=None):
         super().__init__(tools)
@@ -96,10 +97,10 @@ class Glm45ToolParser(ToolParser):
             parts = []
             for j, (k, schema) in enumerate(props.items()):
                 rule = f"p{i}_{j}"
-                rules.append(f'{rule}: {literal(KEY)} "{k}" {literal(KEY_END)} "\\n" {literal(VALUE)} '
-                             f'{value_term(schema)} {literal(VALUE_END)} "\\n"')
+                rules.append(f'{rule}: "\\n" {literal(KEY)} "{k}" {literal(KEY_END)} "\\n" {literal(VALUE)} '
+                             f'{value_term(schema)} {literal(VALUE_END)}')
                 parts.append(rule if k in required else f"{rule}?")
-            rules.append(f'f{i}: "{f["name"]}\\n" {" ".join(parts)}')
+            rules.append(f'f{i}: "{f["name"]}" {" ".join(parts)}')
             names.append(f"f{i}")
         more = ' ("\\n" call)*' if parallel else ""
         head = [f"start: call{more}", f'call: {literal(OPEN)} ({" | ".join(names)}) {literal(CLOSE)}']
