@@ -13,6 +13,7 @@ import json
 import re
 
 from gateway.parsers.base import ToolParser, json_term
+from gateway.parsers.param_values import is_text
 from gateway.parsers.scanning import Markers, Meter, partial_suffix
 
 OPEN, CLOSE, QUOTE = "<|tool_call>", "<tool_call|>", '<|"|>'
@@ -168,8 +169,8 @@ class Gemma4ToolParser(ToolParser):
 
 
 def _value_term(schema: dict, literal) -> str:
-    if schema.get("type") == "string" and "enum" not in schema:
+    if is_text(schema) and "enum" not in schema:
         return f"{literal(QUOTE)} TEXT {literal(QUOTE)}"
-    if schema.get("type") == "string":
+    if is_text(schema):
         return "(" + " | ".join(f"{literal(QUOTE)} {json.dumps(e)} {literal(QUOTE)}" for e in schema["enum"]) + ")"
     return json_term(schema)

@@ -8,10 +8,15 @@ import json
 from gateway.parsers.base import json_term
 
 
+def is_text(schema: dict) -> bool:
+    """A string parameter: typed so, or an enum of strings with no type."""
+    kind = schema.get("type")
+    return kind == "string" or (kind is None and "enum" in schema and all(isinstance(e, str) for e in schema["enum"]))
+
+
 def typed_value(raw: str, schema: dict):
     """Strings stay the raw text; other types are read as JSON, then as Python literals, else kept as text."""
-    kind = schema.get("type")
-    if kind == "string" or (kind is None and "enum" in schema and all(isinstance(e, str) for e in schema["enum"])):
+    if is_text(schema):
         return raw
     try:
         return json.loads(raw)
@@ -30,9 +35,8 @@ def json_member(key: str, raw: str, schema: dict) -> str:
 
 def value_term(schema: dict) -> str:
     """The grammar term of one raw parameter value: free text for strings, JSON otherwise."""
-    kind = schema.get("type")
-    if kind == "string" and "enum" not in schema:
+    if is_text(schema) and "enum" not in schema:
         return "TEXT"
-    if kind == "string":
+    if is_text(schema):
         return "(" + " | ".join(json.dumps(e) for e in schema["enum"]) + ")"
     return json_term(schema or {})
