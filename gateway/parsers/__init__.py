@@ -11,7 +11,7 @@ from gateway.parsers.llama3_json import Llama3JsonToolParser
 from gateway.parsers.mistral import Mistral3ToolParser, MistralToolParser
 from gateway.parsers.pythonic import PythonicToolParser
 from gateway.parsers.qwen3_coder import Qwen3CoderToolParser
-from gateway.parsers.reasoning import Gemma4ReasoningParser, ReasoningStream, ThinkReasoningParser
+from gateway.parsers.reasoning import Gemma4ReasoningParser, ReasoningParser, ReasoningStream, ThinkReasoningParser
 from gateway.parsers.template_detect import AUTO, ParserChoice, choose_parsers
 from shared.errors import InvalidRequestError
 
@@ -34,7 +34,7 @@ TOOL_PARSERS: dict[str, type[ToolParser]] = {
 
 # think, qwen3, deepseek_r1 and glm45 spell reasoning as <think>…</think>; whether
 # the model starts inside the block is read from the prompt, not from the name.
-REASONING_PARSERS: dict[str, type[ThinkReasoningParser] | type[HarmonyReasoningParser]] = {
+REASONING_PARSERS: dict[str, type[ReasoningParser]] = {
     "think": ThinkReasoningParser,
     "qwen3": ThinkReasoningParser,
     "deepseek_r1": ThinkReasoningParser,

@@ -6,9 +6,8 @@ a call's arguments). Text that might still become markup, such as a
 trailing ``<tool_c``, is held back until it is known; what was given is never
 taken back. Each parser is a small state machine over ``buf``, the text not
 yet settled (``scanning.Reader``), so a request costs time linear in its
-output however finely it is streamed.
-Non-streaming is one feed of the whole text, so the streamed result is the
-non-streamed one by construction.
+output however finely it is streamed. Non-streaming is one feed of the whole
+text, so the streamed result is the non-streamed one by construction.
 """
 
 from __future__ import annotations

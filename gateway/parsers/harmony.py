@@ -23,6 +23,7 @@ import json
 import re
 
 from gateway.parsers.base import ToolParser, json_term
+from gateway.parsers.reasoning import ReasoningParser
 from gateway.parsers.scanning import Markers, Reader
 
 START, CHANNEL, MESSAGE, CONSTRAIN = "<|start|>", "<|channel|>", "<|message|>", "<|constrain|>"
@@ -86,7 +87,7 @@ class HarmonyMessages(Reader):
                     return
 
 
-class HarmonyReasoningParser(HarmonyMessages):
+class HarmonyReasoningParser(HarmonyMessages, ReasoningParser):
     """Analysis to reasoning; final and preamble bodies to content as plain text; calls passed on whole."""
 
     name = "harmony"
@@ -102,17 +103,6 @@ class HarmonyReasoningParser(HarmonyMessages):
     @classmethod
     def prompt_opens_reasoning(cls, prompt: str) -> bool:
         return False  # the model picks its channel itself
-
-    def feed(self, text: str, final: bool = False) -> tuple[str, str]:
-        self.buf += text
-        self._reasoning: list[str] = []
-        self._content: list[str] = []
-        self.parse(final)
-        return "".join(self._reasoning), "".join(self._content)
-
-    def split(self, text: str) -> tuple[str | None, str]:
-        reasoning, content = self.fresh().feed(text, True)
-        return (reasoning or None), content
 
     def outside(self, text):
         self._content.append(text)

@@ -13,37 +13,61 @@ from typing import ClassVar
 from gateway.parsers.scanning import Markers, Reader
 
 
-class ThinkReasoningParser(Reader):
-    """``OPEN`` reasoning ``CLOSE`` answer; a reply that does not open with ``OPEN`` is all answer."""
+class ReasoningParser(Reader):
+    """Reads one generation into reasoning and content; ``fresh()`` gives another for the next."""
 
-    name: ClassVar[str] = "think"
-    OPEN: ClassVar[str] = "<think>"
-    CLOSE: ClassVar[str] = "</think>"
+    name: ClassVar[str]
     # Markers the tokenizer may hold as special tokens: kept in the decoded text while this parser is in use.
     special_markers: ClassVar[tuple[str, ...]] = ()
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._reasoning: list[str] = []  # what the current feed settled
+        self._content: list[str] = []
+
+    def fresh(self) -> "ReasoningParser":
+        raise NotImplementedError
+
+    @classmethod
+    def prompt_opens_reasoning(cls, prompt: str) -> bool:
+        """True when the rendered prompt leaves a reasoning block open (the model starts inside it)."""
+        raise NotImplementedError
+
+    def feed(self, text: str, final: bool = False) -> tuple[str, str]:
+        """(reasoning delta, content delta) that the new text settled."""
+        self.buf += text
+        self._reasoning, self._content = [], []
+        self.parse(final)
+        return "".join(self._reasoning), "".join(self._content)
+
+    def parse(self, final: bool) -> None:
+        raise NotImplementedError
+
+    def split(self, text: str) -> tuple[str | None, str]:
+        """Non-streaming: (reasoning or None, content)."""
+        reasoning, content = self.fresh().feed(text, True)
+        return (reasoning or None), content
+
+
+class ThinkReasoningParser(ReasoningParser):
+    """``OPEN`` reasoning ``CLOSE`` answer; a reply that does not open with ``OPEN`` is all answer."""
+
+    name = "think"
+    OPEN: ClassVar[str] = "<think>"
+    CLOSE: ClassVar[str] = "</think>"
 
     def __init__(self, starts_inside: bool = False):
         super().__init__()
         self.starts_inside = starts_inside
         self._state = "reasoning" if starts_inside else "start"  # start | reasoning | after | content
         self._close = Markers(self.CLOSE)
-        self._out = ("", "")
 
     def fresh(self) -> "ThinkReasoningParser":
         return type(self)(self.starts_inside)
 
     @classmethod
     def prompt_opens_reasoning(cls, prompt: str) -> bool:
-        """True when the rendered prompt leaves a reasoning block open (the model starts inside it)."""
         return prompt.rstrip().endswith(cls.OPEN.rstrip())
-
-    def feed(self, text: str, final: bool = False) -> tuple[str, str]:
-        """(reasoning delta, content delta) that the new text settled."""
-        self.buf += text
-        self._reasoning: list[str] = []
-        self._content: list[str] = []
-        self.parse(final)
-        return "".join(self._reasoning), "".join(self._content)
 
     def parse(self, final: bool) -> None:
         while True:
@@ -74,11 +98,6 @@ class ThinkReasoningParser(Reader):
                 self._content.append(self._take(len(self.buf)))
                 return
 
-    def split(self, text: str) -> tuple[str | None, str]:
-        """Non-streaming: (reasoning or None, content)."""
-        reasoning, content = self.fresh().feed(text, True)
-        return (reasoning or None), content
-
 
 class Gemma4ReasoningParser(ThinkReasoningParser):
     """Gemma 4's thinking: ``<|channel>thought\\n…<channel|>`` before the answer."""
@@ -92,7 +111,7 @@ class Gemma4ReasoningParser(ThinkReasoningParser):
 class ReasoningStream:
     """Streams (reasoning delta, content delta) pairs."""
 
-    def __init__(self, parser: ThinkReasoningParser):
+    def __init__(self, parser: ReasoningParser):
         self.parser = parser.fresh()
 
     def feed(self, delta: str, final: bool = False) -> tuple[str, str]:
