@@ -14,7 +14,7 @@ import re
 
 from gateway.parsers.base import ToolParser, json_term
 from gateway.parsers.param_values import is_text
-from gateway.parsers.scanning import Markers, Meter, partial_suffix
+from gateway.parsers.scanning import Markers, Meter, drop, partial_suffix
 
 OPEN, CLOSE, QUOTE = "<|tool_call>", "<tool_call|>", '<|"|>'
 _OPEN = Markers(OPEN)
@@ -22,10 +22,6 @@ _HEAD = Markers("{", CLOSE)
 _WORD = re.compile(r"[A-Za-z_][\w-]*")
 _PLAIN = re.compile(r'[^{}\[\],"<A-Za-z_]+')
 _JSON_STRING_END = re.compile(r'["\\]')
-
-
-def _drop(text: str) -> None:
-    pass
 
 
 class GemmaArguments:
@@ -126,7 +122,7 @@ class Gemma4ToolParser(ToolParser):
         while True:
             state = self._state
             if state in ("content", "between"):
-                if not self._stream_until(_OPEN, final, self._content if state == "content" else _drop):
+                if not self._stream_until(_OPEN, final, self._content if state == "content" else drop):
                     return
                 self._state = "head"
             elif state == "head":

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from gateway.parsers.base import ToolParser
 from gateway.parsers.param_values import json_member, value_term
-from gateway.parsers.scanning import Markers
+from gateway.parsers.scanning import Markers, drop
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 KEY, KEY_END, VALUE, VALUE_END = "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>"
@@ -27,10 +27,6 @@ _AFTER = {
     "value_open": Markers(VALUE, KEY, CLOSE),
     "value": Markers(VALUE_END, CLOSE),
 }
-
-
-def _drop(text: str) -> None:
-    pass
 
 
 class Glm45ToolParser(ToolParser):
@@ -48,7 +44,7 @@ class Glm45ToolParser(ToolParser):
         while True:
             state = self._state
             if state in ("content", "between"):
-                if not self._stream_until(_OPEN, final, self._content if state == "content" else _drop):
+                if not self._stream_until(_OPEN, final, self._content if state == "content" else drop):
                     return
                 self._state = "name"
                 continue

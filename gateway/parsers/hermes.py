@@ -8,14 +8,10 @@ from __future__ import annotations
 
 from gateway.parsers.base import ToolParser, function_schema, json_term
 from gateway.parsers.json_calls import JsonCallObject
-from gateway.parsers.scanning import Markers
+from gateway.parsers.scanning import Markers, drop
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 _OPEN, _CLOSE = Markers(OPEN), Markers(CLOSE)
-
-
-def _drop(text: str) -> None:
-    pass
 
 
 class HermesToolParser(ToolParser):
@@ -29,7 +25,7 @@ class HermesToolParser(ToolParser):
     def parse(self, final: bool) -> None:
         while True:
             if self._state != "call":
-                sink = self._content if self._state == "content" else _drop
+                sink = self._content if self._state == "content" else drop
                 if not self._stream_until(_OPEN, final, sink):
                     return
                 self._state, self._obj = "call", JsonCallObject(self)

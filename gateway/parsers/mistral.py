@@ -10,15 +10,11 @@ from __future__ import annotations
 
 from gateway.parsers.base import ToolParser, function_schema, json_term
 from gateway.parsers.json_calls import JsonCallObject
-from gateway.parsers.scanning import JsonEnd, Markers
+from gateway.parsers.scanning import JsonEnd, Markers, drop
 
 TOOL_CALLS, ARGS = "[TOOL_CALLS]", "[ARGS]"
 _TOOL_CALLS, _ARGS = Markers(TOOL_CALLS), Markers(ARGS)
 _LIST_SEPARATORS = ", \t\r\n"
-
-
-def _drop(text: str) -> None:
-    pass
 
 
 class MistralToolParser(ToolParser):
@@ -36,7 +32,7 @@ class MistralToolParser(ToolParser):
         while True:
             state = self._state
             if state in ("content", "between"):
-                if not self._stream_until(_TOOL_CALLS, final, self._content if state == "content" else _drop):
+                if not self._stream_until(_TOOL_CALLS, final, self._content if state == "content" else drop):
                     return
                 self._state = "after"
             elif state == "after":

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from gateway.parsers.base import ToolParser
 from gateway.parsers.param_values import json_member, value_term
-from gateway.parsers.scanning import Markers
+from gateway.parsers.scanning import Markers, drop
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 FUNCTION, FUNCTION_END, PARAM, PARAM_END = "<function=", "</function>", "<parameter=", "</parameter>"
@@ -31,10 +31,6 @@ _AFTER = {
     "value": Markers(PARAM_END, FUNCTION_END, CLOSE),
     "tail": Markers(CLOSE),
 }
-
-
-def _drop(text: str) -> None:
-    pass
 
 
 class Qwen3CoderToolParser(ToolParser):
@@ -51,7 +47,7 @@ class Qwen3CoderToolParser(ToolParser):
         while True:
             state = self._state
             if state in ("content", "between"):
-                if not self._stream_until(_OPEN, final, self._content if state == "content" else _drop):
+                if not self._stream_until(_OPEN, final, self._content if state == "content" else drop):
                     return
                 self._state = "block"
                 continue

@@ -29,6 +29,10 @@ def partial_suffix(text: str, tag: str) -> int:
     return 0
 
 
+def drop(text: str) -> None:
+    """A sink for text a format leaves out (filler between calls)."""
+
+
 class Reader:
     """Text received and not yet settled (``buf``), read by a parser's states.
 

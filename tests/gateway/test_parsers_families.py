@@ -212,3 +212,12 @@ def test_auto_is_a_parser_name_the_gateway_starts_with():
 
     app = build_app(GatewayConfig(enable_auto_tool_choice=True, tool_call_parser="auto", reasoning_parser="auto"))
     assert app.state.gw.parsers.tool == "hermes"  # until the model's template is known
+
+
+def test_formats_spelled_in_special_tokens_keep_them_in_the_decoded_text():
+    from gateway.parsers import keeps_special_tokens
+
+    assert keeps_special_tokens(None, "harmony") and keeps_special_tokens(None, "gemma4")
+    assert keeps_special_tokens(TOOL_PARSERS["gemma4"](TOOLS), None)
+    assert not keeps_special_tokens(TOOL_PARSERS["hermes"](TOOLS), "qwen3")
+    assert not keeps_special_tokens(None, None)
