@@ -157,3 +157,38 @@ def test_every_reasoning_parser_streamed_on_seeded_random_splits_equals_one_shot
             s = ReasoningStream(parser)
             got = [s.feed(p) for p in random_cuts(rng, text)] + [s.finish()]
             assert ("".join(r for r, _ in got) or None, "".join(c for _, c in got)) == (reasoning, content)
+
+
+# Pieces of every format's markup, and text that looks like it, for random texts.
+FRAGMENTS = ["<tool_call>", "</tool_call>", "\n", " ", '{"name": "write", "arguments": ', '{"text": "x"}', "}", "{",
+             "[", "]", '"', "\\", ",", ":", "[TOOL_CALLS]", "[ARGS]", "write", "<function=write>", "</function>",
+             "<parameter=text>", "</parameter>", "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>",
+             "<|tool_call>", "<tool_call|>", "call:write", '<|"|>', "text:", "<|channel|>", "analysis", "final",
+             "commentary to=functions.write ", "<|constrain|>json", "<|message|>", "<|end|>", "<|start|>assistant",
+             "<|call|>", "<|python_tag|>", "write(", ")", "text='a'", "<think>", "</think>", "<|channel>thought\n",
+             "<channel|>", "é", "ß", "7", "true", "<", "<|", "[[[[", "((((", "x" * 30]
+
+
+def test_random_markup_never_raises_and_streams_as_one_shot():
+    seed = 31337
+    print(f"seed {seed}")
+    rng = random.Random(seed)
+    texts = ["".join(rng.choice(FRAGMENTS) for _ in range(rng.randint(1, 40))) for _ in range(120)]
+    for name in FORMATS:
+        for text in texts:
+            whole = parse_complete(TOOL_PARSERS[name]([WRITE]), text)
+            expect = (whole[0], [[c["function"]["name"], c["function"]["arguments"]] for c in whole[1]])
+            s = ToolStream(TOOL_PARSERS[name]([WRITE]))
+            content, calls = "", {}
+            for piece in random_cuts(rng, text) + [None]:
+                c, deltas = s.feed(piece) if piece is not None else s.finish()
+                content += c
+                test_parsers.absorb(calls, deltas)
+            assert (content, [calls[i] for i in sorted(calls)]) == expect, (name, text)
+    for name in sorted({cls.name for cls in REASONING_PARSERS.values()}):
+        for text in texts:
+            parser = REASONING_PARSERS[name]()
+            reasoning, content = parser.split(text)
+            s = ReasoningStream(parser)
+            got = [s.feed(p) for p in random_cuts(rng, text)] + [s.finish()]
+            assert ("".join(r for r, _ in got) or None, "".join(c for _, c in got)) == (reasoning, content)
