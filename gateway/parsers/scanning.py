@@ -79,7 +79,6 @@ class Reader:
         return marker
 
 
-
 class Markers:
     """The first of several markers in a text, and how much of its end might still begin one."""
 
