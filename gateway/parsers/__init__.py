@@ -29,7 +29,7 @@ TOOL_PARSERS: dict[str, type[ToolParser]] = {
     "openai": HarmonyToolParser,  # vLLM's name for gpt-oss's
     "gemma4": Gemma4ToolParser,
     "glm45": Glm45ToolParser,
-    "glm4_moe": Glm45ToolParser,  # vLLM's name for GLM-4.5's
+    "glm47": Glm45ToolParser,  # GLM-4.7 writes the same without the newlines
 }
 
 # think, qwen3, deepseek_r1 and glm45 spell reasoning as <think>…</think>; whether
