@@ -63,7 +63,8 @@ HELP = {
                         "auto: the one its chat template writes (default: none; tool choice then follows "
                         "the template, else hermes)",
     "reasoning_parser": "split the model's reasoning (<think>...</think>, Gemma 4's thought channel, harmony's "
-                        "analysis) into the message's reasoning field; auto: as its chat template writes it",
+                        "analysis, split by default) into the message's reasoning field; auto: as its chat "
+                        "template writes it",
     "keys_file": "per-app API keys made by `mlxd keys add` (default: keys.json in the config dir)",
     "curve_keys": "directory of CurveZMQ keys (`mlxd keys curve`); needed for TCP beyond loopback",
 }

@@ -3,8 +3,10 @@
 Only formats the template spells unambiguously are named (the checks run
 from the most specific markers to the least); any other template names none.
 ``--tool-call-parser auto`` and ``--reasoning-parser auto`` use what this
-finds; unset, the flags keep vLLM's meaning (no parsing), and only the format
-that required and named tool choice are held to follows the template.
+finds. Unset, the flags keep vLLM's meaning (no parsing) with two exceptions:
+the format that required and named tool choice are held to follows the
+template, and harmony's channels are always read, since every gpt-oss reply
+is framed in them (vLLM reads them for gpt-oss without a flag too).
 """
 
 from __future__ import annotations
@@ -53,4 +55,6 @@ def choose_parsers(tool_call_parser: str | None, reasoning_parser: str | None,
     found_tool, found_reasoning = template_parsers(template)
     tool = (found_tool or DEFAULT_TOOL_FORMAT) if tool_call_parser == AUTO else tool_call_parser
     reasoning = found_reasoning if reasoning_parser == AUTO else reasoning_parser
+    if reasoning_parser is None and found_reasoning == "harmony":
+        reasoning = "harmony"
     return ParserChoice(tool, tool or found_tool or DEFAULT_TOOL_FORMAT, reasoning)

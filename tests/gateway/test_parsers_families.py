@@ -195,11 +195,14 @@ def test_parsers_are_picked_from_the_markers_a_template_writes(template, expecte
     assert template_parsers(template) == expected
 
 
-def test_auto_flags_resolve_from_the_template_and_unset_flags_keep_their_meaning():
+def test_auto_flags_resolve_from_the_template_and_unset_flags_keep_their_meaning_but_for_harmony():
     harmony = TEMPLATES[0][0]
     assert choose_parsers("auto", "auto", harmony) == choose_parsers("harmony", "harmony", harmony)
     unset = choose_parsers(None, None, harmony)
-    assert (unset.tool, unset.reasoning, unset.tool_format) == (None, None, "harmony")
+    # Every gpt-oss reply is framed in channels: they are read without a flag.
+    assert (unset.tool, unset.reasoning, unset.tool_format) == (None, "harmony", "harmony")
+    qwen = choose_parsers(None, None, TEMPLATES[6][0])
+    assert (qwen.tool, qwen.reasoning, qwen.tool_format) == (None, None, "hermes")
     plain = choose_parsers("auto", "auto", TEMPLATES[-1][0])
     assert (plain.tool, plain.reasoning, plain.tool_format) == ("hermes", None, "hermes")
     named = choose_parsers("pythonic", None, harmony)
