@@ -112,6 +112,7 @@ class PythonicToolParser(ToolParser):
 
 
 _PY_OUTSIDE = re.compile(r"[\"'()\[\]{}]")
+_IN_QUOTE = {'"': re.compile(r'["\\]'), "'": re.compile(r"['\\]")}
 
 
 class CallEnd:
@@ -128,14 +129,14 @@ class CallEnd:
             if self.esc:
                 self.esc, i = False, i + 1
             elif self.quote:
-                j = min((k for k in (piece.find(self.quote, i), piece.find("\\", i)) if k >= 0), default=-1)
-                if j < 0:
+                m = _IN_QUOTE[self.quote].search(piece, i)
+                if m is None:
                     break
-                if piece[j] == "\\":
+                if m.group() == "\\":
                     self.esc = True
                 else:
                     self.quote = ""
-                i = j + 1
+                i = m.end()
             else:
                 m = _PY_OUTSIDE.search(piece, i)
                 if m is None:
