@@ -11,7 +11,8 @@ from gateway.parsers.llama3_json import Llama3JsonToolParser
 from gateway.parsers.mistral import Mistral3ToolParser, MistralToolParser
 from gateway.parsers.pythonic import PythonicToolParser
 from gateway.parsers.qwen3_coder import Qwen3CoderToolParser
-from gateway.parsers.reasoning import Gemma4ReasoningParser, ReasoningParser, ReasoningStream, ThinkReasoningParser
+from gateway.parsers.reasoning import (Gemma4ReasoningParser, MistralReasoningParser, ReasoningParser, ReasoningStream,
+                                       ThinkReasoningParser)
 from gateway.parsers.template_detect import AUTO, ParserChoice, choose_parsers
 from shared.errors import InvalidRequestError
 
@@ -40,6 +41,7 @@ REASONING_PARSERS: dict[str, type[ReasoningParser]] = {
     "deepseek_r1": ThinkReasoningParser,
     "glm45": ThinkReasoningParser,
     "gemma4": Gemma4ReasoningParser,
+    "mistral": MistralReasoningParser,
     "harmony": HarmonyReasoningParser,
     "openai_gptoss": HarmonyReasoningParser,  # vLLM's name
 }

@@ -1,4 +1,5 @@
-"""Reasoning split from the answer, streaming and not: ``<think>…</think>`` and Gemma 4's thought channel.
+"""Reasoning split from the answer, streaming and not: ``<think>…</think>``, Gemma 4's thought channel and
+Mistral's ``[THINK]…[/THINK]``.
 
 Models whose chat template opens the reasoning block in the prompt (Qwen3,
 DeepSeek-R1) start generating inside it: ``starts_inside`` is decided from
@@ -106,6 +107,15 @@ class Gemma4ReasoningParser(ThinkReasoningParser):
     OPEN = "<|channel>thought\n"
     CLOSE = "<channel|>"
     special_markers = ("<|channel>", "<channel|>")
+
+
+class MistralReasoningParser(ThinkReasoningParser):
+    """Magistral and the Mistral 3 reasoning models: ``[THINK]…[/THINK]`` (special tokens) before the answer."""
+
+    name = "mistral"
+    OPEN = "[THINK]"
+    CLOSE = "[/THINK]"
+    special_markers = (OPEN, CLOSE)
 
 
 class ReasoningStream:

@@ -32,7 +32,7 @@ def template_parsers(template: str | None) -> tuple[str | None, str | None]:
     if "<function=" in template and "<parameter=" in template:
         return "qwen3_coder", think
     if "[TOOL_CALLS]" in template:
-        return ("mistral3" if "[ARGS]" in template else "mistral"), None
+        return ("mistral3" if "[ARGS]" in template else "mistral"), "mistral" if "[THINK]" in template else None
     if "<tool_call>" in template:
         return "hermes", think
     if "<|python_tag|>" in template:

@@ -82,6 +82,7 @@ REASONING = [
     ("gemma4", "<|channel>thought\nThe user wants 2+2.<channel|>It is 4.", "The user wants 2+2.", "It is 4."),
     ("gemma4", "It is 4, thinking was off.", "", "It is 4, thinking was off."),
     ("glm45", "\n<think>Sum it.</think>\nIt is 4.", "Sum it.", "It is 4."),
+    ("mistral", "[THINK]Sum it.[/THINK]It is 4.", "Sum it.", "It is 4."),
     ("harmony", "<|channel|>analysis<|message|>Sum it.<|end|><|start|>assistant<|channel|>final<|message|>It is 4.",
      "Sum it.", "It is 4."),
     ("harmony", "<|channel|>analysis<|message|>Cut off while thin", "Cut off while thin", ""),
@@ -183,6 +184,7 @@ TEMPLATES = [
     ("{{ '\\n<tool_call>' + tc.name }}<arg_key>{{ k }}</arg_key>\\n<arg_value>{{ v }}</arg_value>"
      "{{ '\\n<think></think>' }}", ("glm45", "think")),
     ("{{ '[TOOL_CALLS]' + tc.name + '[ARGS]' + tc.arguments }}", ("mistral3", None)),
+    ("{{ '[THINK]' + thought + '[/THINK]' }}{{ '[TOOL_CALLS]' + tc.name + '[ARGS]' }}", ("mistral3", "mistral")),
     ("{{ '[TOOL_CALLS][' + calls | tojson + ']' }}", ("mistral", None)),
     ("<tool_call>\\n<function={{ name }}>\\n<parameter={{ k }}>", ("qwen3_coder", None)),
     ("<|im_start|>assistant\\n<think>\\n<tool_call>\\n{{ tool_call | tojson }}\\n</tool_call>", ("hermes", "think")),
@@ -196,14 +198,15 @@ def test_parsers_are_picked_from_the_markers_a_template_writes(template, expecte
 
 
 def test_auto_flags_resolve_from_the_template_and_unset_flags_keep_their_meaning_but_for_harmony():
-    harmony = TEMPLATES[0][0]
+    harmony, qwen3, plain_template = (next(t for t, found in TEMPLATES if found == want)
+                                      for want in (("harmony", "harmony"), ("hermes", "think"), (None, None)))
     assert choose_parsers("auto", "auto", harmony) == choose_parsers("harmony", "harmony", harmony)
     unset = choose_parsers(None, None, harmony)
     # Every gpt-oss reply is framed in channels: they are read without a flag.
     assert (unset.tool, unset.reasoning, unset.tool_format) == (None, "harmony", "harmony")
-    qwen = choose_parsers(None, None, TEMPLATES[6][0])
+    qwen = choose_parsers(None, None, qwen3)
     assert (qwen.tool, qwen.reasoning, qwen.tool_format) == (None, None, "hermes")
-    plain = choose_parsers("auto", "auto", TEMPLATES[-1][0])
+    plain = choose_parsers("auto", "auto", plain_template)
     assert (plain.tool, plain.reasoning, plain.tool_format) == ("hermes", None, "hermes")
     named = choose_parsers("pythonic", None, harmony)
     assert (named.tool, named.tool_format) == ("pythonic", "pythonic")
