@@ -1,11 +1,13 @@
 """OpenAI's harmony format (gpt-oss): messages on channels, reasoning and tool calls among them::
 
     <|channel|>analysis<|message|>The user wants the weather.<|end|>
-    <|start|>assistant<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{"city": "Paris"}<|call|>
+    <|start|>assistant<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{"city": "Oslo"}
+    <|call|>
     <|start|>assistant<|channel|>final<|message|>It is sunny.<|return|>
 
-The prompt ends with ``<|start|>assistant``, so the first message opens at its
-channel. ``analysis`` is reasoning, ``final`` (and ``commentary`` without a
+(shown on several lines; the text has no line breaks between the parts).
+The prompt ends with ``<|start|>assistant``, so the first message opens at
+its channel. ``analysis`` is reasoning, ``final`` (and ``commentary`` without a
 recipient, the preamble a model may show) is content, and a message with a
 recipient ``to=functions.NAME`` is a call whose body is the JSON arguments.
 ``<|call|>`` and ``<|return|>`` are end-of-generation tokens, so a message

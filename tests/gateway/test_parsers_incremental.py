@@ -99,8 +99,10 @@ def test_long_reasoning_fed_one_character_at_a_time_costs_linear_work(name):
     thought = payload(random.Random(seed), 20_000)
     parser = REASONING_PARSERS[name]()
     cls = type(parser)
-    text = {"harmony": f"<|channel|>analysis<|message|>{thought}<|end|><|start|>assistant<|channel|>final"
-                       "<|message|>Done."}.get(name, f"{getattr(cls, 'OPEN', '')}{thought}{getattr(cls, 'CLOSE', '')}Done.")
+    if name == "harmony":
+        text = f"<|channel|>analysis<|message|>{thought}<|end|><|start|>assistant<|channel|>final<|message|>Done."
+    else:
+        text = f"{cls.OPEN}{thought}{cls.CLOSE}Done."
     reasoning, content = "", ""
     for ch in text:
         r, c = parser.feed(ch)
