@@ -227,3 +227,13 @@ def test_formats_spelled_in_special_tokens_keep_them_in_the_decoded_text():
     assert keeps_special_tokens(TOOL_PARSERS["gemma4"](TOOLS), None)
     assert not keeps_special_tokens(TOOL_PARSERS["hermes"](TOOLS), "qwen3")
     assert not keeps_special_tokens(None, None)
+
+
+def test_a_constraint_waits_for_the_end_of_the_reasoning_the_parser_names():
+    from gateway.structured import reasoning_aware
+    from shared.sampling import StructuredSpec
+
+    spec = StructuredSpec("json_object")
+    gemma = reasoning_aware(spec, "gemma4", "<|turn>model\n<|channel>thought\n", json.dumps)
+    assert '/(?s:.*)/ "<channel|>"' in gemma.spec
+    assert reasoning_aware(spec, "harmony", "<|start|>assistant", json.dumps) is spec  # the model picks its channel
