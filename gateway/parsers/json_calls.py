@@ -41,12 +41,13 @@ class JsonCallObject:
             self.head += part
             self.parser.meter.scanned += len(self.head)
             m = _NAME_FIRST.match(self.head)
-            if m:
-                self.parser._call(json.loads(f'"{m.group(1)}"'))
+            name = _string(m.group(1)) if m else None
+            if name is not None:
+                self.parser._call(name)
                 self.args = JsonEnd(self.parser.meter)
                 rest, self.head = self.head[m.end():], ""
                 self._stream(rest)
-            elif len(self.head) > HEAD_LIMIT:
+            elif m or len(self.head) > HEAD_LIMIT:
                 self.whole, self.head = [self.head], ""
         if end is not None:
             self.close()
@@ -69,10 +70,18 @@ class JsonCallObject:
         self.parser.meter.scanned += len(body)
         try:
             obj = json.loads(body)
-        except ValueError:
+        except (ValueError, RecursionError):
             return
         if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
             return
         args = obj.get("arguments", obj.get("parameters", {}))
         self.parser._call(obj["name"])
         self.parser._args(args if isinstance(args, str) else json.dumps(args, ensure_ascii=False))
+
+
+def _string(body: str) -> str | None:
+    """The JSON string literal ``"body"``; None when its escapes are invalid."""
+    try:
+        return json.loads(f'"{body}"')
+    except ValueError:
+        return None

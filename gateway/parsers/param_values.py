@@ -20,11 +20,11 @@ def typed_value(raw: str, schema: dict):
         return raw
     try:
         return json.loads(raw)
-    except ValueError:
+    except (ValueError, RecursionError):
         pass
     try:  # Python-style literals (True, 'x', [1, 2]) that models write for objects and lists
         return ast.literal_eval(raw.strip())
-    except (ValueError, SyntaxError):
+    except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
         return raw
 
 

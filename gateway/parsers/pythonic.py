@@ -161,5 +161,5 @@ def _arguments(src: str) -> str | None:
         if not isinstance(node, ast.Call):
             return None
         return json.dumps({kw.arg: _literal(kw.value) for kw in node.keywords}, ensure_ascii=False)
-    except (SyntaxError, ValueError, TypeError):
+    except (SyntaxError, ValueError, TypeError, MemoryError, RecursionError):
         return None

@@ -194,3 +194,15 @@ def test_random_markup_never_raises_and_streams_as_one_shot():
             s = ReasoningStream(parser)
             got = [s.feed(p) for p in random_cuts(rng, text)] + [s.finish()]
             assert ("".join(r for r, _ in got) or None, "".join(c for _, c in got)) == (reasoning, content)
+
+
+@pytest.mark.parametrize("name,text", [
+    ("hermes", '<tool_call>{"name": "a\\x", "arguments": {}}</tool_call>'),
+    ("hermes", '<tool_call>{"arguments": ' + "[" * 50_000 + "]" * 50_000 + ', "name": "x"}</tool_call>'),
+    ("pythonic", "[write(text=" + "[" * 50_000 + "]" * 50_000 + ")]"),
+    ("qwen3_coder", "<tool_call>\n<function=f>\n<parameter=a>\n" + "[" * 50_000 + "]" * 50_000 +
+     "\n</parameter>\n</function>\n</tool_call>"),
+])
+def test_pathological_calls_are_read_or_refused_never_raised(name, text):
+    content, calls = parse_complete(TOOL_PARSERS[name]([WRITE]), text)
+    assert content == text or calls
