@@ -34,8 +34,11 @@ with open(os.environ["FAKE_LOG"], "a") as f:
 state = os.environ["FAKE_STATE"]
 if os.path.basename(sys.argv[0]) == "launchctl":
     verb = argv[0]
-    if verb == "print" and argv[1].count("/") == 1:
-        sys.exit(0)  # the gui/<uid> domain: a GUI login session
+    if verb == "print" and argv[1].count("/") == 1:  # the gui/<uid> domain: a GUI login session
+        if os.environ.get("FAKE_NO_GUI"):
+            sys.stderr.write("Could not find domain for port identifier: 0x0\\n")
+            sys.exit(113)
+        sys.exit(0)
     if verb == "print":
         sys.exit(0 if os.path.exists(os.path.join(state, argv[1].rsplit("/", 1)[1])) else 113)
     if verb == "bootstrap":
@@ -214,6 +217,19 @@ def test_launchd_agents_install_idempotently_and_uninstall_leaves_nothing(home, 
     assert os.listdir(state) == []
     # Uninstalling what is not there is not an error.
     assert cli.main(["service", "uninstall", "--manager", "launchd"]) == 0
+
+
+def test_launchd_without_a_gui_session_says_so_in_one_line_and_writes_nothing(home, capsys, monkeypatch):
+    home, calls, _ = home
+    monkeypatch.setenv("FAKE_NO_GUI", "1")
+    for argv in ([*INSTALL, "--manager", "launchd"], ["service", "start", "--manager", "launchd"]):
+        capsys.readouterr()
+        assert cli.main(argv) == 1
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith(f"mlxd service {argv[1]}: no GUI login session"), err
+        assert "Could not find domain" in err[0] and "log in" in err[0]
+    assert _files(home) == []
+    assert {c[1] for c in calls()} == {"print"}  # nothing bootstrapped
 
 
 def test_launchd_start_before_install_says_so(home, capsys):
