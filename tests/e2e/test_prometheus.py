@@ -168,3 +168,11 @@ def test_the_datasource_sets_the_scrape_interval_its_prometheus_config_uses():
     assert jobs == {"mlxd-engine", "mlxd-gateway"}
     # The dashboard names no job: panels follow its model variable, and any job names work.
     assert "job=" not in MLXD_DASHBOARD.read_text()
+
+
+def test_mlxd_dashboard_reads_no_name_served_only_under_the_vllm_prefix():
+    # The live test runs it under vllm:; under the default mlxd: prefix the same names exist,
+    # except vLLM's deprecated ones, which only `--metrics-prefix vllm` serves.
+    deprecated = json.loads((ROOT / "tests" / "engined" / "vllm_metrics.json").read_text())["deprecated"]
+    exprs = " ".join(expr for _, expr in mlxd_panel_queries(".*"))
+    assert deprecated and not [name for name in deprecated if f":{name}" in exprs]
