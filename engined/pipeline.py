@@ -34,6 +34,7 @@ from mlx_lm.models.pipeline import PipelineMixin
 from engined import memory_guard
 from engined.kv import KVCacheManager
 from engined.memory_guard import MemoryPlan
+from engined.model_layers import text_model
 from engined.request import Request
 from engined.runner import ModelRunner, forward
 from engined.scheduler import SchedulerOutput
@@ -92,9 +93,13 @@ def split(model, group: mx.distributed.Group, layers: list[int] | None) -> None:
     (``_Received``), and after its last layer a rank sends to the one before it
     and every rank gathers rank 0's output (``hand_off``, once attention is installed).
     """
-    inner = getattr(model, "model", None)
+    inner = getattr(text_model(model), "model", None)
+    family = type(model).__module__.rsplit(".", 1)[-1]
     if inner is None or not isinstance(getattr(inner, "layers", None), list):
-        raise ModelLoadError(f"{type(model).__module__.rsplit('.', 1)[-1]}: no layer list to split over ranks")
+        raise ModelLoadError(f"{family}: no layer list to split over pipeline ranks")
+    if getattr(inner, "previous_kvs", None) is not None:
+        raise ModelLoadError(f"{family}: layers that read earlier layers' K/V (Gemma 4) cannot be split over "
+                             "pipeline ranks yet")
     try:
         if hasattr(inner, "pipeline"):
             inner.pipeline(group, split=layers or None)
@@ -113,7 +118,7 @@ def split(model, group: mx.distributed.Group, layers: list[int] | None) -> None:
 
 def hand_off(model, group: mx.distributed.Group) -> None:
     """Add the send and gather after a rank's last layer where ``split`` said the model needs them."""
-    inner = model.model
+    inner = text_model(model).model
     if getattr(inner, "mlxd_hands_off", False):
         inner.norm = _Handoff(inner.norm, group.rank())
 
