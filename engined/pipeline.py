@@ -97,7 +97,7 @@ def split(model, group: mx.distributed.Group, layers: list[int] | None) -> None:
     family = type(model).__module__.rsplit(".", 1)[-1]
     if inner is None or not isinstance(getattr(inner, "layers", None), list):
         raise ModelLoadError(f"{family}: no layer list to split over pipeline ranks")
-    if getattr(inner, "previous_kvs", None) is not None:
+    if any(j != i for i, j in enumerate(getattr(inner, "previous_kvs", None) or ())):
         raise ModelLoadError(f"{family}: layers that read earlier layers' K/V (Gemma 4) cannot be split over "
                              "pipeline ranks yet")
     try:
