@@ -45,9 +45,9 @@ class Engine:
         self.max_model_len = config.max_model_len or loaded.context_length
         dtype = float_dtype(loaded.model)
         backend = kernels.resolve_backend(config.attention_backend)
-        pipelined = config.pipeline_parallel_size > 1
+        pipelined = config.num_ranks > 1
         if pipelined:
-            pipeline.split(loaded.model, pipeline.join(config.pipeline_parallel_size), config.pipeline_split)
+            pipeline.prepare(loaded.model, pipeline.join(config.num_ranks), config)
         specs = read_layers(loaded.model)
         kv = KVCacheManager.build(specs, config, dtype)
         spec = config.speculative
@@ -56,7 +56,7 @@ class Engine:
                 "speculative decoding is not supported for hybrid linear-attention models: a recurrent "
                 "state cannot take rejected draft tokens back", param="speculative_config",
             )
-        self.runner = (pipeline.PipelineRunner(loaded.model, specs, kv, backend, config) if pipelined
+        self.runner = (pipeline.MirroredRunner(loaded.model, specs, kv, backend, config) if pipelined
                        else ModelRunner(loaded.model, specs, kv, backend))
         kv = self.runner.kv  # on a pipeline, the journal the other ranks replay
         self.sampler = Sampler(loaded.vocab_size, loaded.eos_token_ids)

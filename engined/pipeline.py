@@ -34,7 +34,7 @@ from mlx_lm.models.pipeline import PipelineMixin
 from engined import memory_guard
 from engined.kv import KVCacheManager
 from engined.memory_guard import MemoryPlan
-from engined.model_layers import text_model
+from engined.model_layers import text_model, transformer_layers
 from engined.request import Request
 from engined.runner import ModelRunner, forward
 from engined.scheduler import SchedulerOutput
@@ -81,6 +81,34 @@ def join(size: int) -> mx.distributed.Group:
     if group.size() != size:
         raise ModelLoadError(f"--pipeline-parallel-size {size}, but {group.size()} ranks were launched")
     return group
+
+
+def prepare(model, group: mx.distributed.Group, config: EngineConfig) -> None:
+    """Keep this rank's part of ``model``: its layers (a pipeline) or its shard of every layer."""
+    if config.pipeline_parallel_size > 1:
+        split(model, group, config.pipeline_split)
+    else:
+        shard(model, group)
+
+
+def shard(model, group: mx.distributed.Group) -> None:
+    """mlx_lm's own ``shard``: each rank computes its share of every layer's heads and MLP, summed
+    across ranks; refused where the family has none or the heads do not divide evenly."""
+    family = type(model).__module__.rsplit(".", 1)[-1]
+    if not hasattr(model, "shard"):
+        raise ModelLoadError(f"{family}: mlx_lm's model cannot shard; tensor parallelism needs a family that "
+                             "can (llama, qwen2, qwen3, qwen3_moe, qwen3_5, deepseek_v3, glm4_moe, gpt_oss, ...)")
+    n = group.size()
+    for i, layer in enumerate(transformer_layers(model)):
+        attn = getattr(layer, "self_attn", None)
+        heads = [getattr(attn, name, None) for name in ("n_heads", "n_kv_heads", "num_attention_heads",
+                                                        "num_key_value_heads")]
+        uneven = [h for h in heads if isinstance(h, int) and h % n]
+        if uneven:
+            raise ModelLoadError(f"{family} layer {i}: {uneven[0]} heads cannot be split over {n} tensor-parallel "
+                                 "ranks; pick a --tensor-parallel-size that divides the KV heads")
+    model.shard(group)
+    log.info("tensor-parallel rank %d of %d", group.rank(), n)
 
 
 def split(model, group: mx.distributed.Group, layers: list[int] | None) -> None:
@@ -303,18 +331,18 @@ class Mirror:
                 del self.requests[op.rid], self._tokens[op.rid]
 
 
-class PipelineRunner(ModelRunner):
+class MirroredRunner(ModelRunner):
     """Rank 0's runner: each forward first sends the journal and the step's tokens to the other ranks."""
 
     def __init__(self, model, specs, kv: KVCacheManager, attention_backend: str, config: EngineConfig):
         super().__init__(model, specs, kv, attention_backend)
-        group = join(config.pipeline_parallel_size)
+        group = join(config.num_ranks)
         hand_off(model, group)
         self.link = Link(group)
         self.kv = JournaledKV(kv, self.link)
         self.watchdog = Watchdog(config.pipeline_timeout)
-        log.info("pipeline of %d ranks: a step that waits over %gs on them stops the engine "
-                 "(--pipeline-timeout)", config.pipeline_parallel_size, config.pipeline_timeout)
+        log.info("%d ranks: a step that waits over %gs on them stops the engine (--pipeline-timeout)",
+                 config.num_ranks, config.pipeline_timeout)
         self.own_blocks = 0  # the pool this rank alone affords (``agree``)
 
     def run(self, batch: SchedulerOutput, num_logits: list[int] | None = None) -> mx.array:
@@ -349,7 +377,7 @@ def serve_worker(config: EngineConfig, group: mx.distributed.Group) -> int:
     import kernels
 
     loaded = load_model(config.model, config.dtype)
-    split(loaded.model, group, config.pipeline_split)
+    prepare(loaded.model, group, config)
     specs = read_layers(loaded.model)
     kv = KVCacheManager.build(specs, config, float_dtype(loaded.model))
     runner = ModelRunner(loaded.model, specs, kv, kernels.resolve_backend(config.attention_backend))

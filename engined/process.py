@@ -34,10 +34,10 @@ def run_engine(config: EngineConfig, daemon: DaemonConfig, parent_pid: int | Non
     # Before anything imports mlx.core (engined/device.py says why).
     load_fast_blas()
     _check_mlx()
-    if config.pipeline_parallel_size > 1:
+    if config.num_ranks > 1:
         from engined import pipeline
 
-        group = pipeline.join(config.pipeline_parallel_size)
+        group = pipeline.join(config.num_ranks)
         if group.rank() > 0:  # a worker: no socket, no gateways; it mirrors rank 0 until rank 0 is gone
             return pipeline.serve_worker(config, group)
     from engined.daemon import Daemon

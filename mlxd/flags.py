@@ -44,6 +44,8 @@ HELP = {
     "pipeline_parallel_size": "ranks the model's layers are split over, each holding only its layers' weights "
                               "and KV (started on this machine, or by mlx.launch across machines)",
     "pipeline_split": "layers per rank, rank 0 first (rank 0 runs the last layers; default: an even split)",
+    "tensor_parallel_size": "ranks each layer's heads and MLP are split over (families whose mlx_lm model can "
+                            "shard; the KV heads must divide evenly)",
     "pipeline_timeout": "seconds a step may wait on the other pipeline ranks before the engine stops",
     "engine_endpoint": "ZeroMQ endpoint of the engine (default: an ipc socket in the runtime dir)",
     "api_key": "require 'Authorization: Bearer KEY' on /v1/* (default: none, or the keys of `mlxd keys`)",
@@ -81,7 +83,7 @@ CHOICES = {
 }
 
 # vLLM's short spellings.
-ALIASES = {"pipeline_parallel_size": "-pp"}
+ALIASES = {"pipeline_parallel_size": "-pp", "tensor_parallel_size": "-tp"}
 
 # Sizes vLLM parses with its human_readable_int: 32k is 32000, 32K is 32768.
 HUMAN_INTS = ("max_model_len", "max_num_batched_tokens", "max_num_seqs", "max_waiting_requests",

@@ -33,7 +33,7 @@ def engine(args) -> int:
     # Found now, not after a load that can take minutes.
     check_free(daemon.metrics_host, daemon.metrics_port, "--metrics-port")
     ranks = []
-    if config.pipeline_parallel_size > 1 and not mlxd_ranks.launched():
+    if config.num_ranks > 1 and not mlxd_ranks.launched():
         ranks = mlxd_ranks.start_local(config)
     try:
         return run_engine(config, daemon, parent_pid=args.parent_pid, ready_fd=args.ready_fd)

@@ -1,4 +1,4 @@
-"""A pipeline's ranks on this machine: `mlxd engine -pp N` starts ranks 1..N-1 itself.
+"""A pipeline's (or tensor-parallel group's) ranks on this machine: `mlxd engine -pp N` starts ranks 1..N-1.
 
 Across machines, mlx.launch starts one `mlxd engine` per host and sets each one's
 MLX_RANK and MLX_HOSTFILE; on one machine (tests, a Mac with a GPU to share) this
@@ -35,7 +35,7 @@ def _free_port() -> int:
 
 def start_local(config: EngineConfig) -> list[subprocess.Popen]:
     """Start ranks 1..N-1 of ``config``'s pipeline here; this process becomes rank 0."""
-    size = config.pipeline_parallel_size
+    size = config.num_ranks
     hosts = [[f"127.0.0.1:{_free_port()}"] for _ in range(size)]
     fd, hostfile = tempfile.mkstemp(prefix="mlxd-ring-", suffix=".json")
     with os.fdopen(fd, "w") as f:

@@ -75,6 +75,9 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     pipeline_parallel_size: int = 1
     # Layers per rank, rank 0 first (rank 0 runs the last layers); empty: an even split.
     pipeline_split: list[int] = []
+    # Ranks each layer's heads and MLP are split over (mlx_lm's ``shard``), each with its share of
+    # the weights and of the KV heads; not combined with a pipeline yet.
+    tensor_parallel_size: int = 1
     # Seconds a forward may wait on the other ranks before the engine gives up on them.
     pipeline_timeout: float = 120.0
 
@@ -98,8 +101,12 @@ class EngineConfig(msgspec.Struct, kw_only=True):
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise InvalidRequestError(f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}",
                                       param="attention_backend")
-        if self.pipeline_parallel_size < 1:
-            raise InvalidRequestError("pipeline_parallel_size must be positive", param="pipeline_parallel_size")
+        for name in ("pipeline_parallel_size", "tensor_parallel_size"):
+            if getattr(self, name) < 1:
+                raise InvalidRequestError(f"{name} must be positive", param=name)
+        if self.pipeline_parallel_size > 1 and self.tensor_parallel_size > 1:
+            raise InvalidRequestError("pipeline and tensor parallelism cannot be combined yet; pick one",
+                                      param="tensor_parallel_size")
         if self.pipeline_split and len(self.pipeline_split) != self.pipeline_parallel_size:
             raise InvalidRequestError(f"pipeline_split names {len(self.pipeline_split)} ranks; "
                                       f"pipeline_parallel_size is {self.pipeline_parallel_size}",
@@ -108,6 +115,11 @@ class EngineConfig(msgspec.Struct, kw_only=True):
             raise InvalidRequestError("pipeline_timeout must be positive", param="pipeline_timeout")
         if self.dtype not in DTYPES:
             raise InvalidRequestError(f"unknown dtype {self.dtype!r}", param="dtype")
+
+    @property
+    def num_ranks(self) -> int:
+        """Processes the model runs over (``engined/pipeline.py``); 1: this one alone."""
+        return self.pipeline_parallel_size * self.tensor_parallel_size
 
     @property
     def speculative(self) -> SpeculativeConfig | None:

@@ -1,4 +1,4 @@
-"""Pipeline parallelism (engined/pipeline.py) with real ranks on loopback over MLX's ring backend.
+"""Pipeline and tensor parallelism (engined/pipeline.py) with real ranks on loopback over MLX's ring backend.
 
 Each case runs ``tests/engined/pipeline_driver.py`` as rank 0 (the in-process
 Engine) with the other ranks started by ``mlxd.ranks`` as `mlxd engine`
@@ -46,18 +46,20 @@ def _run_single(config: EngineConfig, prompts) -> tuple[list, list]:
     return engine.generate(prompts, params), engine.generate(prompts[:2], params)
 
 
-@pytest.mark.parametrize("arch,ranks,layers", [
-    ("llama", 2, 4),  # mlx_lm's llama has no pipeline body: mlxd's hand-offs
-    ("qwen3_moe", 2, 2),  # MoE, mlx_lm's PipelineMixin
-    ("qwen3_next", 3, 4),  # hybrid: gated delta nets and gated attention, 2 + 1 + 1 layers
-])
-def test_pipeline_greedy_outputs_equal_the_single_process_engine(tmp_path, arch, ranks, layers):
+@pytest.mark.parametrize("arch,parallel,layers", [
+    ("llama", dict(pipeline_parallel_size=2), 4),  # mlx_lm's llama has no pipeline body: mlxd's hand-offs
+    ("qwen3_moe", dict(pipeline_parallel_size=2), 2),  # MoE, mlx_lm's PipelineMixin
+    ("qwen3_next", dict(pipeline_parallel_size=3), 4),  # hybrid: delta nets and gated attention, 2 + 1 + 1 layers
+    ("llama", dict(tensor_parallel_size=2), 2),  # mlx_lm's shard: half the heads and KV heads per rank
+    ("qwen3_moe", dict(tensor_parallel_size=2), 2),
+], ids=["llama-pp2", "qwen3_moe-pp2", "qwen3_next-pp3", "llama-tp2", "qwen3_moe-tp2"])
+def test_parallel_greedy_outputs_equal_the_single_process_engine(tmp_path, arch, parallel, layers):
     seed = fresh_seed(f"{arch} weights")
     path = make_tiny_model(tmp_path / arch, arch, seed=seed, num_hidden_layers=layers)
     prompts = _prompts(seeded_rng())
     single = EngineConfig(model=str(path), **BASE)
     first, again = _run_single(single, prompts)
-    result = _run_pipeline(EngineConfig(model=str(path), pipeline_parallel_size=ranks, **BASE), prompts)
+    result = _run_pipeline(EngineConfig(model=str(path), **parallel, **BASE), prompts)
     assert result["tokens"] == first
     assert result["again"] == again
     assert result["hits"] > 0  # the second pass was served from the prefix cache on every rank
@@ -85,11 +87,15 @@ def test_each_rank_sizes_its_pool_for_its_own_layers_and_the_smallest_wins(tmp_p
     assert max(three_on_rank0["num_blocks"], three_on_rank1["num_blocks"]) < even["num_blocks"]
 
 
-def test_a_split_that_does_not_fit_the_layers_is_refused_in_one_line(tmp_path):
+@pytest.mark.parametrize("parallel,message", [
+    (dict(pipeline_parallel_size=3), "2 layers cannot be split over 3 pipeline ranks"),
+    (dict(tensor_parallel_size=3), "4 heads cannot be split over 3 tensor-parallel ranks"),
+])
+def test_a_split_that_does_not_fit_the_model_is_refused_in_one_line(tmp_path, parallel, message):
     path = make_tiny_model(tmp_path / "llama", "llama", seed=0, num_hidden_layers=2)
-    config = EngineConfig(model=str(path), pipeline_parallel_size=3, **BASE)
+    config = EngineConfig(model=str(path), **parallel, **BASE)
     out = subprocess.run(
         [sys.executable, "-m", "tests.engined.pipeline_driver", msgspec.json.encode(config).decode(), "[[1, 2]]"],
         capture_output=True, text=True, timeout=240)
     assert out.returncode != 0
-    assert "2 layers cannot be split over 3 pipeline ranks" in out.stderr
+    assert message in out.stderr
