@@ -1,0 +1,174 @@
+"""GGUF tensors as MLX arrays: dense float32, or MLX quantized weights of the nearest format.
+
+A GGUF quantized row is a run of blocks; every type listed here splits a
+block into groups of 32 values with one scale and one offset each, which is
+exactly MLX's affine quantization with ``group_size=32``:
+
+=======  ===========================  ===================================
+GGUF     MLX                          values
+=======  ===========================  ===================================
+Q4_0     4-bit, scale d, bias -8d     exact
+Q4_1     4-bit, scale d, bias m       exact
+Q5_0     5-bit, scale d, bias -16d    exact
+Q5_1     5-bit, scale d, bias m       exact
+Q8_0     8-bit, scale d, bias -128d   exact
+Q4_K     4-bit, scale d*sc, bias      exact codes; d*sc and dmin*m are
+         -dmin*m                      rounded once to the scales' dtype
+Q5_K     5-bit, likewise              likewise
+Q6_K     8-bit (re-quantized)         its 16-wide sub-blocks have no MLX
+                                      group size; per 32 at 8 bits the
+                                      added error is <= range/510
+MXFP4    mxfp4                        exact (same e8m0 scale and e2m1 code)
+=======  ===========================  ===================================
+
+F32/F16/BF16 stay dense. Other types (Q2_K, Q3_K, IQ*) are dequantized to
+dense float16. Scales and biases are returned in float32 so that the caller
+decides their precision (the model's float dtype).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+from gguf import GGMLQuantizationType as T
+from gguf import quants
+
+_FLOAT = {T.F32, T.F16, T.BF16}
+_QK = 256  # K-quant super-block
+
+
+@dataclass
+class Packed:
+    """One tensor in MLX's quantized layout (numpy; rows on the leading axes, groups along the last)."""
+
+    weight: np.ndarray  # uint32, (..., in * bits / 32)
+    scales: np.ndarray  # float32 (affine) or uint8 (mxfp4), (..., in / 32)
+    biases: np.ndarray | None  # float32, (..., in / 32); None for mxfp4
+    bits: int
+    mode: str = "affine"
+    group_size: int = 32
+
+
+def dense(data: np.ndarray, kind: T, shape: tuple[int, ...]) -> np.ndarray:
+    """The tensor's values as float32, in numpy order ``shape``."""
+    return np.asarray(quants.dequantize(data, kind), dtype=np.float32).reshape(shape)
+
+
+def pack_codes(codes: np.ndarray, bits: int) -> np.ndarray:
+    """uint8 codes (..., n) -> MLX's packing: a little-endian bit stream per row, read as uint32."""
+    lead, n = codes.shape[:-1], codes.shape[-1]
+    eight = codes.reshape(-1, 8).astype(np.uint64) << (np.arange(8, dtype=np.uint64) * np.uint64(bits))
+    stream = np.bitwise_or.reduce(eight, axis=-1)  # 8 codes = `bits` bytes
+    out = stream.view(np.uint8).reshape(-1, 8)[:, :bits]
+    return np.ascontiguousarray(out).reshape(*lead, n * bits // 8).view(np.uint32)
+
+
+def _blocks(data: np.ndarray, kind: T, shape: tuple[int, ...]) -> np.ndarray:
+    width, size = quants.GGML_QUANT_SIZES[kind]
+    return data.reshape(-1, size), int(np.prod(shape[:-1])), shape[-1] // width
+
+
+def _f16(raw: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(raw).view(np.float16).astype(np.float32)
+
+
+def _nibbles(qs: np.ndarray) -> np.ndarray:
+    """Bytes of 16 -> 32 codes: low nibbles first, then high (the ggml order of Q4_0/Q4_1/Q5_x)."""
+    return np.concatenate([qs & 0x0F, qs >> 4], axis=-1)
+
+
+def _high_bits(qh: np.ndarray, count: int) -> np.ndarray:
+    """``count`` single bits per block, little-endian over the bytes of ``qh``."""
+    return np.unpackbits(qh, axis=-1, bitorder="little")[..., :count]
+
+
+def _k_scales(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The 8 six-bit scales and mins of a Q4_K/Q5_K super-block, from their 12 packed bytes."""
+    d, m, md = raw[:, 0:4], raw[:, 4:8], raw[:, 8:12]
+    sc = np.concatenate([d & 0x3F, (md & 0x0F) | ((d >> 2) & 0x30)], axis=-1)
+    mn = np.concatenate([m & 0x3F, (md >> 4) | ((m >> 2) & 0x30)], axis=-1)
+    return sc.astype(np.float32), mn.astype(np.float32)
+
+
+def _affine(kind: T, b: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
+    """(codes per value, scale per 32, bias per 32, bits) of n blocks ``b`` (n, block bytes)."""
+    n = b.shape[0]
+    if kind == T.Q8_0:
+        d = _f16(b[:, :2])
+        return (b[:, 2:].view(np.int8).astype(np.int16) + 128).astype(np.uint8), d, -128 * d, 8
+    if kind in (T.Q4_0, T.Q4_1):
+        d = _f16(b[:, :2])
+        bias = -8 * d if kind == T.Q4_0 else _f16(b[:, 2:4])
+        return _nibbles(b[:, 2 if kind == T.Q4_0 else 4 :]), d, bias, 4
+    if kind in (T.Q5_0, T.Q5_1):
+        d = _f16(b[:, :2])
+        at = 2 if kind == T.Q5_0 else 4
+        bias = -16 * d if kind == T.Q5_0 else _f16(b[:, 2:4])
+        codes = _nibbles(b[:, at + 4 :]) | (_high_bits(b[:, at : at + 4], 32) << 4)
+        return codes, d, bias, 5
+    if kind in (T.Q4_K, T.Q5_K):
+        d, dmin = _f16(b[:, 0:2]), _f16(b[:, 2:4])
+        sc, mn = _k_scales(b[:, 4:16])
+        if kind == T.Q4_K:
+            qs, bits = b[:, 16:], 4
+            high = 0
+        else:
+            qh, qs, bits = b[:, 16:48], b[:, 48:], 5
+            # bit j of byte i is the fifth bit of value i of sub-block j
+            high = np.unpackbits(qh[:, :, None], axis=-1, bitorder="little").transpose(0, 2, 1)
+        # 32 bytes hold sub-blocks 2c (low nibbles) and 2c+1 (high nibbles)
+        chunks = qs.reshape(n, 4, 32)
+        codes = np.stack([chunks & 0x0F, chunks >> 4], axis=2).reshape(n, 8, 32) | (high << 4 if bits == 5 else 0)
+        return codes.reshape(n, _QK), (d * sc).reshape(n, 8), (-dmin * mn).reshape(n, 8), bits
+    raise KeyError(kind)
+
+
+_AFFINE = {T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q4_K, T.Q5_K}
+_REQUANTIZED = {T.Q6_K: 8}
+# Scales rounded to the model's float dtype: not bit-exact then, but every code is the file's.
+EXACT = {T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.MXFP4}
+
+
+def _mxfp4(b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    # ggml's kvalues table lists e2m1 in code order, doubled with a halved scale: the
+    # same byte is MLX's e8m0 scale and the same nibble its code, only reordered.
+    return _nibbles(b[:, 1:]), np.ascontiguousarray(b[:, 0])
+
+
+def quantized(data: np.ndarray, kind: T, shape: tuple[int, ...]) -> Packed | None:
+    """The tensor in MLX's quantized layout, or None when it is not kept quantized (floats, other types)."""
+    if kind in _FLOAT or len(shape) < 2:
+        return None
+    if kind in _AFFINE:
+        b, rows, _ = _blocks(data, kind, shape)
+        codes, scales, biases, bits = _affine(kind, b)
+        lead = shape[:-1]
+        return Packed(
+            weight=pack_codes(codes.reshape(rows, shape[-1]), bits).reshape(*lead, -1),
+            scales=scales.reshape(*lead, -1),
+            biases=biases.reshape(*lead, -1),
+            bits=bits,
+        )
+    if kind == T.MXFP4:
+        b, rows, _ = _blocks(data, kind, shape)
+        codes, scales = _mxfp4(b)
+        lead = shape[:-1]
+        return Packed(pack_codes(codes.reshape(rows, shape[-1]), 4).reshape(*lead, -1), scales.reshape(*lead, -1), None, 4, "mxfp4")
+    if kind in _REQUANTIZED and shape[-1] % 32 == 0:
+        import mlx.core as mx
+
+        w, s, bias = mx.quantize(mx.array(dense(data, kind, shape)), group_size=32, bits=_REQUANTIZED[kind])
+        return Packed(np.array(w), np.array(s), np.array(bias), _REQUANTIZED[kind])
+    return None
+
+
+def unpack(p: Packed) -> np.ndarray:
+    """float32 values of a Packed tensor (for layout changes that cut across quantization groups)."""
+    import mlx.core as mx
+
+    biases = None if p.biases is None else mx.array(p.biases)
+    return np.array(
+        mx.dequantize(mx.array(p.weight), mx.array(p.scales), biases, group_size=p.group_size, bits=p.bits, mode=p.mode)
+        .astype(mx.float32)
+    )
