@@ -101,7 +101,7 @@ def load_model(spec: str, dtype: str = "auto") -> LoadedModel:
     spec = spec or default_model_path()
     path = Path(spec).expanduser()
     if path.is_file() and path.suffix.lower() == ".gguf":
-        loaded = load_gguf(path)
+        loaded = load_gguf(path, keep_quantized=weight_dtype(dtype) is None)
         model, config, tok_dir = loaded.model, loaded.config, loaded.tokenizer_dir
         eos, bos, model_id = loaded.eos_token_ids, loaded.bos_token_id, path.stem
     else:

@@ -49,6 +49,14 @@ class Packed:
     mode: str = "affine"
     group_size: int = 32
 
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The logical (unpacked) shape."""
+        return (*self.weight.shape[:-1], self.weight.shape[-1] * 32 // self.bits)
+
+
+Value = np.ndarray | Packed
+
 
 def dense(data: np.ndarray, kind: T, shape: tuple[int, ...]) -> np.ndarray:
     """The tensor's values as float32, in numpy order ``shape``."""
@@ -172,3 +180,59 @@ def unpack(p: Packed) -> np.ndarray:
         mx.dequantize(mx.array(p.weight), mx.array(p.scales), biases, group_size=p.group_size, bits=p.bits, mode=p.mode)
         .astype(mx.float32)
     )
+
+
+def _codes(p: Packed) -> np.ndarray:
+    """The uint8 codes of an affine Packed tensor (inverse of pack_codes)."""
+    raw = np.ascontiguousarray(p.weight).view(np.uint8).reshape(-1, p.bits)
+    eight = np.zeros((raw.shape[0], 8), np.uint8)
+    eight[:, : p.bits] = raw
+    stream = eight.view(np.uint64)[:, 0]
+    shifts = np.arange(8, dtype=np.uint64) * np.uint64(p.bits)
+    codes = (stream[:, None] >> shifts) & np.uint64((1 << p.bits) - 1)
+    return codes.astype(np.uint8).reshape(p.shape)
+
+
+def _widen(p: Packed, bits: int) -> Packed:
+    # A b-bit affine group is exactly a wider one with the same scale, bias and codes.
+    if p.bits == bits:
+        return p
+    return Packed(pack_codes(_codes(p), bits), p.scales, p.biases, bits)
+
+
+def _each(p: Packed, fn) -> Packed:
+    return Packed(fn(p.weight), fn(p.scales), None if p.biases is None else fn(p.biases), p.bits, p.mode)
+
+
+def take_rows(v: Value, idx: np.ndarray) -> Value:
+    """Rows ``idx`` of a weight (its output axis, -2) or of a 1-D tensor; quantized rows move whole."""
+    if isinstance(v, Packed):
+        return _each(v, lambda a: np.take(a, idx, axis=-2))
+    return v[idx] if v.ndim == 1 else np.take(v, idx, axis=-2)
+
+
+def cat_rows(vs: list[Value]) -> Value:
+    """Stack weights along their output axis; quantized parts of different widths meet at the widest."""
+    if all(isinstance(v, Packed) and v.mode == "affine" for v in vs):
+        bits = max(v.bits for v in vs)
+        wide = [_widen(v, bits) for v in vs]
+        return Packed(*(np.concatenate([getattr(w, f) for w in wide], axis=-2) for f in ("weight", "scales", "biases")), bits)
+    dense_parts = [unpack(v) if isinstance(v, Packed) else v for v in vs]
+    return np.concatenate(dense_parts, axis=-2)
+
+
+def permute_cols(v: Value, order: np.ndarray, width: int) -> Value:
+    """Reorder the input axis in units of ``width`` columns (unit ``order[i]`` goes to place i).
+
+    Quantized weights move whole groups when ``width`` is a multiple of the
+    group size; otherwise the tensor is returned dense (float32).
+    """
+    if isinstance(v, Packed) and width % v.group_size == 0:
+        units = len(order)
+
+        def move(a: np.ndarray) -> np.ndarray:
+            return a.reshape(*a.shape[:-1], units, -1)[..., order, :].reshape(a.shape)
+
+        return _each(v, move)
+    d = unpack(v) if isinstance(v, Packed) else v
+    return d.reshape(*d.shape[:-1], len(order), width)[..., order, :].reshape(d.shape)
