@@ -74,7 +74,8 @@ _GEMMA3 = {
     "ffn_norm": "pre_feedforward_layernorm",
     "post_ffw_norm": "post_feedforward_layernorm",
 }
-_LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)$")
+# ssm_a is stored without a suffix (as Mamba's is); it is read as a weight.
+_LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+?)(?:\.(weight|bias))?$")
 
 
 @dataclass(frozen=True)
@@ -263,6 +264,8 @@ def _linear_attn_layer(family: Family, config: dict, parts: dict[str, Value]) ->
     conv = parts.pop("ssm_conv1d.weight", None)
     if conv is not None:
         out["linear_attn.conv1d.weight"] = np.asarray(conv, np.float32)[..., None]
+    if "attn_qkv.weight" not in parts:
+        return out  # a full-attention layer
     if family.model_type == "qwen3_next":
         qkv, z = parts.pop("attn_qkv.weight"), parts.pop("attn_gate.weight")
         # llama.cpp: [q | k | v] with all heads each, and z; mlx_lm: per key head [q k v z].
@@ -313,7 +316,7 @@ def mlx_weights(family: Family, config: dict, tensors: dict[str, Value]) -> dict
     layers: dict[int, dict[str, Value]] = {}
     for name, value in tensors.items():
         if m := _LAYER_RE.match(name):
-            layers.setdefault(int(m.group(1)), {})[f"{m.group(2)}.{m.group(3)}"] = value
+            layers.setdefault(int(m.group(1)), {})[f"{m.group(2)}.{m.group(3) or 'weight'}"] = value
         elif name == "token_embd.weight":
             out[f"{family.prefix}.embed_tokens.weight"] = value
         elif name == "output_norm.weight":

@@ -1,0 +1,247 @@
+"""Tiny mlx_lm models written as GGUF files the way llama.cpp's converter writes each family.
+
+Independent of mlxd's loader: tensor names come from the `gguf` package's own
+``TensorNameMap`` (llama.cpp's table), and the layout changes are those
+convert_hf_to_gguf.py makes (norms stored as 1 + w for Gemma 3, ``A_log`` as
+``-exp(A_log)``, the Qwen3-Next qkvz split, Qwen3.5's tiled value heads,
+squeezed conv kernels). Every change is a permutation/reshape of elements
+after an elementwise map, so the weights that a file holds, seen back in
+mlx_lm's layout (``roundtrip``), are found by converting an index array the
+same way and scattering the dequantized values back.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from tests.gguf_kquants import ENCODERS
+from tests.tiny_models import CHAT_TEMPLATE, load_tiny_weights, make_tiny_model, tiny_vocab
+
+QTYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
+# llama.cpp's choice when a row is not a whole number of 256-wide K-quant blocks.
+_FALLBACK = {"Q4_K": "Q5_0", "Q5_K": "Q5_1", "Q6_K": "Q8_0"}
+
+# mlx_lm model_type -> (GGUF architecture, gguf MODEL_ARCH name)
+ARCH = {
+    "qwen3": "qwen3",
+    "qwen3_moe": "qwen3moe",
+    "qwen3_next": "qwen3next",
+    "qwen3_5": "qwen35",
+    "qwen3_5_moe": "qwen35moe",
+    "gemma3_text": "gemma3",
+    "gpt_oss": "gpt-oss",
+}
+FAMILIES = tuple(ARCH)
+
+# Every weight row a whole number of K-quant blocks (256) where the family allows it.
+_WIDE = {"hidden_size": 256, "intermediate_size": 256, "head_dim": 64, "num_attention_heads": 4, "num_key_value_heads": 2}
+_HYBRID = {"num_hidden_layers": 2, "linear_key_head_dim": 64, "linear_value_head_dim": 64}
+OVERRIDES = {
+    "qwen3": {},
+    # llama.cpp's qwen3moe has no dense-FFN layers
+    "qwen3_moe": {"moe_intermediate_size": 256, "mlp_only_layers": []},
+    "qwen3_next": {**_HYBRID, "moe_intermediate_size": 256, "shared_expert_intermediate_size": 256},
+    "qwen3_5": _HYBRID,
+    "qwen3_5_moe": {**_HYBRID, "moe_intermediate_size": 256, "shared_expert_intermediate_size": 256},
+    # llama.cpp's gemma3: every 6th layer global, queries scaled by head_dim ** -0.5.
+    "gemma3_text": {"num_hidden_layers": 6, "sliding_window_pattern": 6, "query_pre_attn_scalar": 64},
+    "gpt_oss": {},
+}
+
+
+def make_family_model(directory, family: str, seed: int) -> Path:
+    return make_tiny_model(directory, family, seed=seed, **_WIDE, **OVERRIDES[family])
+
+
+def _text(config: dict) -> dict:
+    return {**config, **config.get("text_config", {})}
+
+
+def _elementwise(family: str, name: str):
+    """(forward, inverse) of the converter's value change for this tensor, or None."""
+    if name.endswith(".A_log"):
+        return (lambda x: -np.exp(x)), (lambda y: np.log(-y))
+    if family == "gemma3_text" and name.endswith("norm.weight"):
+        return (lambda x: x + np.float32(1)), (lambda y: y - np.float32(1))
+    return None
+
+
+def _tile_v(a: np.ndarray, axis: int, nk: int, per: int, width: int) -> np.ndarray:
+    """HF's value heads grouped by key head -> llama.cpp's tiled order, along ``axis``."""
+    a = np.moveaxis(a, axis, 0)
+    shape = a.shape
+    a = a.reshape(nk, per, width, *shape[1:]).swapaxes(0, 1).reshape(shape)
+    return np.moveaxis(a, 0, axis)
+
+
+def _structure(family: str, c: dict, name: str, w: np.ndarray) -> list[tuple[str, np.ndarray]]:
+    """mlx_lm tensor -> [(HF-style name, array)] as llama.cpp lays it out (permutations and reshapes only)."""
+    name = name.removeprefix("language_model.")
+    name = name.replace(".mlp.switch_mlp.", ".mlp.experts.")
+    if name.endswith("linear_attn.dt_bias"):
+        name = name.replace("linear_attn.dt_bias", "linear_attn.dt_proj.bias")
+    if name.endswith("conv1d.weight"):
+        w = w[..., 0]
+    if family in ("qwen3_5", "qwen3_5_moe") and "linear_attn." in name and c["linear_num_value_heads"] != c["linear_num_key_heads"]:
+        nk, nv = c["linear_num_key_heads"], c["linear_num_value_heads"]
+        dk, dv, per = c["linear_key_head_dim"], c["linear_value_head_dim"], nv // nk
+        qk = 2 * nk * dk
+        if "in_proj_qkv" in name or "conv1d" in name:
+            w = np.concatenate([w[:qk], _tile_v(w[qk:], 0, nk, per, dv)])
+        elif "in_proj_z" in name:
+            w = _tile_v(w, 0, nk, per, dv)
+        elif any(k in name for k in ("in_proj_a", "in_proj_b", "A_log", "dt_proj")):
+            w = _tile_v(w, 0, nk, per, 1)
+        elif "out_proj" in name:
+            w = _tile_v(w, 1, nk, per, dv)
+    if family == "qwen3_next" and name.endswith("in_proj_qkvz.weight"):
+        nk, nv = c["linear_num_key_heads"], c["linear_num_value_heads"]
+        dk, dv = c["linear_key_head_dim"], c["linear_value_head_dim"]
+        g = w.reshape(nk, -1, w.shape[-1])
+        q, k, v, z = np.split(g, [dk, 2 * dk, 2 * dk + nv // nk * dv], axis=1)
+        flat = [x.reshape(-1, w.shape[-1]) for x in (q, k, v, z)]
+        base = name.replace("in_proj_qkvz.weight", "")
+        return [(f"{base}in_proj_qkv.weight", np.concatenate(flat[:3])), (f"{base}in_proj_z.weight", flat[3])]
+    return [(name, w)]
+
+
+def _gguf_names(family: str, layers: int):
+    import gguf
+
+    arch = {v: k for k, v in gguf.MODEL_ARCH_NAMES.items()}[ARCH[family]]
+    names = gguf.get_tensor_name_map(arch, layers)
+    qwen3_next_parts = {"in_proj_qkv": "attn_qkv", "in_proj_z": "attn_gate"}
+
+    def name_of(hf: str) -> str:
+        if hf.endswith(("sinks", "A_log")):
+            # bare parameters: llama.cpp's gpt-oss converter adds ".weight" to the sinks;
+            # ssm_a keeps no suffix at all (as Mamba's does)
+            return names.get_name(hf) + (".weight" if hf.endswith("sinks") else "")
+        base, suffix = hf.rsplit(".", 1)
+        if family == "qwen3_next" and base.rsplit(".", 1)[-1] in qwen3_next_parts:
+            # the converter names these two itself (ATTN_QKV, ATTN_GATE)
+            layer = base.split(".")[2]
+            return f"blk.{layer}.{qwen3_next_parts[base.rsplit('.', 1)[-1]]}.{suffix}"
+        mapped = names.get_name(base)
+        if mapped is None:
+            raise KeyError(f"gguf's tensor map has no name for {hf}")
+        return f"{mapped}.{suffix}"
+
+    return name_of
+
+
+def _qtype_for(gguf_name: str, shape: tuple, qtype: str) -> str:
+    if len(shape) == 1 or shape[-1] % 32:
+        return "F32"
+    if qtype in _FALLBACK and shape[-1] % 256:
+        return _FALLBACK[qtype]
+    return qtype
+
+
+def _encode(w: np.ndarray, qtype: str):
+    from gguf import GGMLQuantizationType, quants
+
+    if qtype in ENCODERS:
+        return ENCODERS[qtype](w)
+    return quants.quantize(w, GGMLQuantizationType[qtype])
+
+
+def converted_tensors(model_dir, qtype: str) -> tuple[dict, dict, list[tuple[str, np.ndarray, str]]]:
+    """(config, weights, [(GGUF name, converted float32 array, its ggml type)])."""
+    config, weights = load_tiny_weights(model_dir)
+    family, c = config["model_type"], _text(config)
+    name_of = _gguf_names(family, c["num_hidden_layers"])
+    out = []
+    for name, w in weights.items():
+        ew = _elementwise(family, name)
+        for hf, part in _structure(family, c, name, ew[0](w) if ew else w):
+            gname = name_of(hf)
+            out.append((gname, np.ascontiguousarray(part, np.float32), _qtype_for(gname, part.shape, qtype)))
+    return config, weights, out
+
+
+def roundtrip(model_dir, qtype: str) -> dict[str, np.ndarray]:
+    """The model's weights as a GGUF file of ``qtype`` holds them, in mlx_lm's names and layout (float32)."""
+    from gguf import GGMLQuantizationType, quants
+
+    config, weights = load_tiny_weights(model_dir)
+    family, c = config["model_type"], _text(config)
+    out = {}
+    for name, w in weights.items():
+        ew = _elementwise(family, name)
+        x = ew[0](w) if ew else w
+        back = np.empty(w.size, np.float32)
+        index = np.arange(w.size).reshape(w.shape)
+        for (hf, part), (_, idx) in zip(_structure(family, c, name, x), _structure(family, c, name, index)):
+            t = _qtype_for("", part.shape, qtype)
+            held = quants.dequantize(_encode(np.ascontiguousarray(part, np.float32), t), GGMLQuantizationType[t])
+            back[idx.reshape(-1)] = np.asarray(held, np.float32).reshape(-1)
+        back = back.reshape(w.shape)
+        out[name] = ew[1](back) if ew else back
+    return out
+
+
+def write_family_gguf(model_dir, path, qtype: str) -> Path:
+    """Write the tiny model in ``model_dir`` as llama.cpp's converter would, every weight matrix in ``qtype``."""
+    from gguf import GGMLQuantizationType, GGUFWriter, TokenType
+
+    config, _, tensors = converted_tensors(model_dir, qtype)
+    family, c = config["model_type"], _text(config)
+    path = Path(path)
+    w = GGUFWriter(str(path), ARCH[family])
+    w.add_name(f"tiny-{family}")
+    w.add_context_length(c["max_position_embeddings"])
+    w.add_embedding_length(c["hidden_size"])
+    w.add_block_count(c["num_hidden_layers"])
+    w.add_feed_forward_length(c["intermediate_size"])
+    w.add_head_count(c["num_attention_heads"])
+    w.add_head_count_kv(c["num_key_value_heads"])
+    w.add_key_length(c["head_dim"])
+    w.add_value_length(c["head_dim"])
+    w.add_layer_norm_rms_eps(c["rms_norm_eps"])
+    rope = c.get("rope_parameters") or {}
+    w.add_rope_freq_base(float(rope.get("rope_theta", c.get("rope_theta", 10000.0))))
+    experts = c.get("num_experts") or c.get("num_local_experts")
+    if experts:
+        w.add_expert_count(experts)
+        w.add_expert_used_count(c["num_experts_per_tok"])
+        w.add_expert_feed_forward_length(c.get("moe_intermediate_size") or c["intermediate_size"])
+    if c.get("shared_expert_intermediate_size"):
+        w.add_expert_shared_feed_forward_length(c["shared_expert_intermediate_size"])
+    if "linear_num_key_heads" in c:
+        w.add_ssm_conv_kernel(c["linear_conv_kernel_dim"])
+        w.add_ssm_state_size(c["linear_key_head_dim"])
+        w.add_ssm_group_count(c["linear_num_key_heads"])
+        w.add_ssm_time_step_rank(c["linear_num_value_heads"])
+        w.add_ssm_inner_size(c["linear_value_head_dim"] * c["linear_num_value_heads"])
+        w.add_full_attention_interval(c["full_attention_interval"])
+        factor = rope.get("partial_rotary_factor", c.get("partial_rotary_factor", 0.25))
+        w.add_rope_dimension_count(int(c["head_dim"] * factor))
+    if "sliding_window" in c:
+        w.add_sliding_window(c["sliding_window"])
+
+    tokens, merges, special = tiny_vocab(c["vocab_size"])
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("qwen2")
+    w.add_token_list(tokens)
+    w.add_token_merges([f"{a} {b}" for a, b in merges])
+    w.add_token_types([TokenType.CONTROL if s else TokenType.NORMAL for s in special])
+    w.add_bos_token_id(c["bos_token_id"])
+    w.add_eos_token_id(c["eos_token_id"])
+    w.add_add_bos_token(False)
+    w.add_chat_template(CHAT_TEMPLATE)
+
+    for name, array, t in tensors:
+        if t in ("F32", "F16"):
+            data = array.astype(np.float32 if t == "F32" else np.float16)
+        else:
+            data = _encode(array, t)
+        raw = None if t in ("F32", "F16") else GGMLQuantizationType[t]
+        w.add_tensor(name, data, raw_dtype=raw)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
