@@ -7,7 +7,7 @@ convert_hf_to_gguf.py makes (norms stored as 1 + w for Gemma 3, ``A_log`` as
 squeezed conv kernels). Every change is a permutation/reshape of elements
 after an elementwise map, so the weights that a file holds, seen back in
 mlx_lm's layout (``roundtrip``), are found by converting an index array the
-same way and scattering the dequantized values back.
+same way and scattering the file's dequantized values back.
 """
 
 from __future__ import annotations
@@ -132,9 +132,13 @@ def _gguf_names(family: str, layers: int):
     return name_of
 
 
-def _qtype_for(gguf_name: str, shape: tuple, qtype: str) -> str:
-    if len(shape) == 1 or shape[-1] % 32:
+def _qtype_for(name: str, shape: tuple, qtype: str | dict) -> str:
+    """The ggml type of one tensor; ``qtype`` a type, or {substring of the HF name: type, "": default}."""
+    # llama-quantize quantizes only weight matrices; biases (gpt-oss's are 2-D) stay float32
+    if len(shape) == 1 or shape[-1] % 32 or name.endswith(".bias"):
         return "F32"
+    if isinstance(qtype, dict):
+        qtype = next((t for key, t in qtype.items() if key and key in name), qtype[""])
     if qtype in _FALLBACK and shape[-1] % 256:
         return _FALLBACK[qtype]
     return qtype
@@ -148,7 +152,7 @@ def _encode(w: np.ndarray, qtype: str):
     return quants.quantize(w, GGMLQuantizationType[qtype])
 
 
-def converted_tensors(model_dir, qtype: str) -> tuple[dict, dict, list[tuple[str, np.ndarray, str]]]:
+def converted_tensors(model_dir, qtype: str | dict) -> tuple[dict, dict, list[tuple[str, np.ndarray, str]]]:
     """(config, weights, [(GGUF name, converted float32 array, its ggml type)])."""
     config, weights = load_tiny_weights(model_dir)
     family, c = config["model_type"], _text(config)
@@ -157,34 +161,37 @@ def converted_tensors(model_dir, qtype: str) -> tuple[dict, dict, list[tuple[str
     for name, w in weights.items():
         ew = _elementwise(family, name)
         for hf, part in _structure(family, c, name, ew[0](w) if ew else w):
-            gname = name_of(hf)
-            out.append((gname, np.ascontiguousarray(part, np.float32), _qtype_for(gname, part.shape, qtype)))
+            out.append((name_of(hf), np.ascontiguousarray(part, np.float32), _qtype_for(hf, part.shape, qtype)))
     return config, weights, out
 
 
-def roundtrip(model_dir, qtype: str) -> dict[str, np.ndarray]:
-    """The model's weights as a GGUF file of ``qtype`` holds them, in mlx_lm's names and layout (float32)."""
-    from gguf import GGMLQuantizationType, quants
+def roundtrip(model_dir, gguf_path) -> dict[str, np.ndarray]:
+    """The weights the GGUF file holds, read and dequantized by the gguf package, in mlx_lm's names and layout."""
+    from gguf import GGUFReader, quants
 
     config, weights = load_tiny_weights(model_dir)
     family, c = config["model_type"], _text(config)
+    name_of = _gguf_names(family, c["num_hidden_layers"])
+    held = {t.name: t for t in GGUFReader(str(gguf_path)).tensors}
     out = {}
     for name, w in weights.items():
         ew = _elementwise(family, name)
-        x = ew[0](w) if ew else w
         back = np.empty(w.size, np.float32)
-        index = np.arange(w.size).reshape(w.shape)
-        for (hf, part), (_, idx) in zip(_structure(family, c, name, x), _structure(family, c, name, index)):
-            t = _qtype_for("", part.shape, qtype)
-            held = quants.dequantize(_encode(np.ascontiguousarray(part, np.float32), t), GGMLQuantizationType[t])
-            back[idx.reshape(-1)] = np.asarray(held, np.float32).reshape(-1)
+        for hf, idx in _structure(family, c, name, np.arange(w.size).reshape(w.shape)):
+            t = held[name_of(hf)]
+            back[idx.reshape(-1)] = np.asarray(quants.dequantize(t.data, t.tensor_type), np.float32).reshape(-1)
         back = back.reshape(w.shape)
         out[name] = ew[1](back) if ew else back
     return out
 
 
-def write_family_gguf(model_dir, path, qtype: str) -> Path:
-    """Write the tiny model in ``model_dir`` as llama.cpp's converter would, every weight matrix in ``qtype``."""
+def write_family_gguf(model_dir, path, qtype: str | dict) -> Path:
+    """Write the tiny model in ``model_dir`` as llama.cpp's converter would.
+
+    ``qtype``: the ggml type of every weight matrix, or a dict {substring of
+    the HF tensor name: type, "": default} for mixed files like real ones.
+    Rows that are not whole K-quant blocks fall back as llama.cpp does.
+    """
     from gguf import GGMLQuantizationType, GGUFWriter, TokenType
 
     config, _, tensors = converted_tensors(model_dir, qtype)

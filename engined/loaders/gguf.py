@@ -35,6 +35,7 @@ class GGUFModel:
     tokenizer_dir: Path
     eos_token_ids: list[int]
     bos_token_id: int | None
+    float_dtype: mx.Dtype  # the precision the file's weight matrices were stored at
 
 
 def _apply_rope_freqs(model: nn.Module, factors: np.ndarray, config: dict) -> None:
@@ -154,7 +155,7 @@ def _file_float(kinds: set) -> mx.Dtype:
     return mx.float32 if kinds <= {_F32} else mx.float16
 
 
-def _to_mlx(name: str, value, float_dtype: mx.Dtype) -> dict[str, mx.array]:
+def _to_mlx(name: str, value) -> dict[str, mx.array]:
     if isinstance(value, Packed):
         prefix = name[: -len(".weight")]
         low = mx.uint8 if value.mode == "mxfp4" else mx.float16  # the GGUF's scales are float16
@@ -162,15 +163,17 @@ def _to_mlx(name: str, value, float_dtype: mx.Dtype) -> dict[str, mx.array]:
         if value.biases is not None:
             out[f"{prefix}.biases"] = mx.array(value.biases).astype(mx.float16)
         return out
-    return {name: mx.array(np.ascontiguousarray(value, dtype=np.float32)).astype(float_dtype)}
+    return {name: mx.array(np.ascontiguousarray(value, dtype=np.float32))}
 
 
 def load_gguf(path: str | Path, keep_quantized: bool = False) -> GGUFModel:
     """Build the mlx_lm model of a GGUF file, weights evaluated.
 
     ``keep_quantized``: quantized tensors become MLX quantized layers (see
-    ``gguf_quant`` for which types are exact); otherwise every tensor is
-    dense float32, exactly the values ``gguf.quants.dequantize`` gives.
+    ``gguf_quant`` for which types are exact; scales and biases float16, the
+    GGUF blocks' own precision); otherwise they are dense. Dense tensors are
+    float32, exactly the values ``gguf.quants.dequantize`` gives; the caller
+    casts them by its dtype policy (``float_dtype`` is the file's own).
     """
     path = str(path)
     check_gguf_structure(path)
@@ -186,7 +189,8 @@ def load_gguf(path: str | Path, keep_quantized: bool = False) -> GGUFModel:
     values, kinds = {}, set()
     for name, t in tensors.items():
         kind = GGMLQuantizationType(int(t.tensor_type))
-        packed = quantized(t.data, kind, shapes[name]) if keep_quantized else None
+        # only weight matrices become quantized layers; a quantized bias is read dense
+        packed = quantized(t.data, kind, shapes[name]) if keep_quantized and name.endswith(".weight") else None
         try:
             values[name] = packed if packed is not None else dense(t.data, kind, shapes[name])
         except (NotImplementedError, ValueError) as e:
@@ -194,10 +198,9 @@ def load_gguf(path: str | Path, keep_quantized: bool = False) -> GGUFModel:
         if len(shapes[name]) > 1:
             kinds.add(kind)
     mapped = mlx_weights(family, config, values)
-    float_dtype = _file_float(kinds) if keep_quantized else mx.float32
     weights = {}
     for name, value in mapped.items():
-        weights.update(_to_mlx(name, value, float_dtype))
+        weights.update(_to_mlx(name, value))
 
     model_class, args_class = _get_classes(config)
     model = model_class(args_class.from_dict(config))
@@ -236,4 +239,5 @@ def load_gguf(path: str | Path, keep_quantized: bool = False) -> GGUFModel:
         tokenizer_dir=build_tokenizer_dir(meta, path),
         eos_token_ids=eos,
         bos_token_id=None if bos is None else int(bos),
+        float_dtype=_file_float(kinds),
     )

@@ -17,7 +17,8 @@ Q4_K     4-bit, scale d*sc, bias      exact codes; d*sc and dmin*m are
 Q5_K     5-bit, likewise              likewise
 Q6_K     8-bit (re-quantized)         its 16-wide sub-blocks have no MLX
                                       group size; per 32 at 8 bits the
-                                      added error is <= range/510
+                                      added error is <= half a step
+                                      (the group's range / 510)
 MXFP4    mxfp4                        exact (same e8m0 scale and e2m1 code)
 =======  ===========================  ===================================
 
@@ -164,11 +165,18 @@ def quantized(data: np.ndarray, kind: T, shape: tuple[int, ...]) -> Packed | Non
         lead = shape[:-1]
         return Packed(pack_codes(codes.reshape(rows, shape[-1]), 4).reshape(*lead, -1), scales.reshape(*lead, -1), None, 4, "mxfp4")
     if kind in _REQUANTIZED and shape[-1] % 32 == 0:
-        import mlx.core as mx
-
-        w, s, bias = mx.quantize(mx.array(dense(data, kind, shape)), group_size=32, bits=_REQUANTIZED[kind])
-        return Packed(np.array(w), np.array(s), np.array(bias), _REQUANTIZED[kind])
+        return requantize(dense(data, kind, shape), _REQUANTIZED[kind])
     return None
+
+
+def requantize(x: np.ndarray, bits: int) -> Packed:
+    """Round-to-nearest affine quantization per 32 values, min to max (error <= half a step)."""
+    groups = x.reshape(*x.shape[:-1], -1, 32)
+    lo, hi = groups.min(-1), groups.max(-1)
+    step = (hi - lo) / ((1 << bits) - 1)
+    safe = np.where(step > 0, step, 1.0)
+    codes = np.clip(np.round((groups - lo[..., None]) / safe[..., None]), 0, (1 << bits) - 1).astype(np.uint8)
+    return Packed(pack_codes(codes.reshape(x.shape), bits), step.astype(np.float32), lo.astype(np.float32), bits)
 
 
 def unpack(p: Packed) -> np.ndarray:
