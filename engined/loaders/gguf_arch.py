@@ -250,6 +250,21 @@ def _untile(n: int, k_heads: int, per_k: int, width: int) -> np.ndarray:
     return tiled.transpose(1, 0, 2).reshape(-1)
 
 
+def _qkvz_order(nk: int, dk: int, nv: int, dv: int) -> np.ndarray:
+    """Rows of llama.cpp's [q | k | v | z] (each all heads) in mlx_lm's per-key-head [q k v z] order."""
+    per = nv // nk * dv
+    z0 = 2 * nk * dk + nv * dv
+    order = []
+    for h in range(nk):
+        order += [
+            np.arange(h * dk, (h + 1) * dk),
+            nk * dk + np.arange(h * dk, (h + 1) * dk),
+            2 * nk * dk + np.arange(h * per, (h + 1) * per),
+            z0 + np.arange(h * per, (h + 1) * per),
+        ]
+    return np.concatenate(order)
+
+
 def _linear_attn_layer(family: Family, config: dict, parts: dict[str, Value]) -> dict[str, Value]:
     """GGUF linear-attention tensors of one layer -> mlx_lm's (values keyed by mlx_lm suffix)."""
     nk, nv = config["linear_num_key_heads"], config["linear_num_value_heads"]
@@ -267,40 +282,23 @@ def _linear_attn_layer(family: Family, config: dict, parts: dict[str, Value]) ->
     if "attn_qkv.weight" not in parts:
         return out  # a full-attention layer
     if family.model_type == "qwen3_next":
-        qkv, z = parts.pop("attn_qkv.weight"), parts.pop("attn_gate.weight")
-        # llama.cpp: [q | k | v] with all heads each, and z; mlx_lm: per key head [q k v z].
-        per = nv // nk
-        order_parts = []
-        for h in range(nk):
-            order_parts += [
-                ("qkv", np.arange(h * dk, (h + 1) * dk)),
-                ("qkv", nk * dk + np.arange(h * dk, (h + 1) * dk)),
-                ("qkv", 2 * nk * dk + np.arange(h * per * dv, (h + 1) * per * dv)),
-                ("z", np.arange(h * per * dv, (h + 1) * per * dv)),
-            ]
-        src = {"qkv": qkv, "z": z}
-        out["linear_attn.in_proj_qkvz.weight"] = cat_rows([take_rows(src[s], idx) for s, idx in order_parts])
+        joined = cat_rows([parts.pop("attn_qkv.weight"), parts.pop("attn_gate.weight")])
+        out["linear_attn.in_proj_qkvz.weight"] = take_rows(joined, _qkvz_order(nk, dk, nv, dv))
     elif nv != nk:
-        per = nv // nk
-        v_rows = _untile(nv * dv, nk, per, dv)
+        # Qwen3.5 with more value than key heads: value heads back to grouped order
+        # everywhere they appear (rows of qkv, z, b, a; A_log, dt_bias; conv channels; out_proj columns).
+        per, qk = nv // nk, 2 * nk * dk
+        v_rows = np.concatenate([np.arange(qk), qk + _untile(nv * dv, nk, per, dv)])
         heads = _untile(nv, nk, per, 1)
-        if "attn_qkv.weight" in parts:
-            keep = np.arange(2 * nk * dk)
-            parts["attn_qkv.weight"] = take_rows(parts["attn_qkv.weight"], np.concatenate([keep, 2 * nk * dk + v_rows]))
-        for name in ("attn_gate.weight",):
+        parts["attn_qkv.weight"] = take_rows(parts["attn_qkv.weight"], v_rows)
+        for name, order in (("attn_gate.weight", v_rows[qk:] - qk), ("ssm_beta.weight", heads), ("ssm_alpha.weight", heads)):
             if name in parts:
-                parts[name] = take_rows(parts[name], v_rows)
-        for name in ("ssm_beta.weight", "ssm_alpha.weight"):
-            if name in parts:
-                parts[name] = take_rows(parts[name], heads)
-        for name in ("linear_attn.A_log", "linear_attn.dt_bias"):
+                parts[name] = take_rows(parts[name], order)
+        for name in ("linear_attn.A_log", "linear_attn.dt_bias", "linear_attn.conv1d.weight"):
             if name in out:
-                out[name] = out[name][heads]
-        if "linear_attn.conv1d.weight" in out:
-            c = out["linear_attn.conv1d.weight"]
-            out["linear_attn.conv1d.weight"] = c[np.concatenate([np.arange(2 * nk * dk), 2 * nk * dk + v_rows])]
+                out[name] = out[name][v_rows if "conv1d" in name else heads]
         if "ssm_out.weight" in parts:
-            parts["ssm_out.weight"] = permute_cols(parts["ssm_out.weight"], _untile(nv, nk, per, 1), dv)
+            parts["ssm_out.weight"] = permute_cols(parts["ssm_out.weight"], heads, dv)
     return out
 
 

@@ -193,3 +193,28 @@ def test_unknown_gguf_architecture_is_refused_naming_the_supported_ones(tmp_path
     w.close()
     with pytest.raises(ModelLoadError, match=r"GGUF architecture 'mamba' is not supported \(supported: .*gemma3.*gpt-oss.*qwen35moe"):
         load_model(str(path))
+
+
+@pytest.mark.parametrize(
+    "family, undo",
+    [
+        ("qwen3_5", "_untile"),  # value heads back from llama.cpp's tiled order
+        ("qwen3_next", "_qkvz_order"),  # the per-key-head [q k v z] interleave
+        ("gemma3_text", "_shift"),  # norms stored as 1 + w
+    ],
+)
+def test_each_layout_fix_is_what_makes_parity(family_dirs, gguf_file, monkeypatch, family, undo):
+    # Reading the same file without one of the loader's layout fixes must disagree, or the
+    # round trips above would not prove that fix.
+    from engined.loaders import gguf_arch
+
+    path = gguf_file(family, "F32")
+    good = np.array(load_model(path, dtype="float32").model(TOKENS))
+    skip = {
+        "_untile": lambda n, k_heads, per, width: np.arange(n),
+        "_qkvz_order": lambda nk, dk, nv, dv: np.arange(2 * nk * dk + nv * dv + nv * dv),
+        "_shift": lambda family, value: value,
+    }[undo]
+    monkeypatch.setattr(gguf_arch, undo, skip)
+    bad = np.array(load_model(path, dtype="float32").model(TOKENS))
+    assert np.abs(good - bad).max() > 0.1
