@@ -7,7 +7,7 @@ gateway then loads it with ``AutoTokenizer.from_pretrained(dir)`` like any
 other model directory.
 
 Supported vocabularies: ``gpt2`` (byte-level BPE, used by SmolLM2, Qwen,
-Llama 3) and ``llama`` (SentencePiece BPE with byte fallback, Llama 2 and
+Qwen3.5, Llama 3, gpt-oss) and ``llama`` (SentencePiece BPE with byte fallback, Llama 2 and
 Mistral).
 """
 
@@ -28,7 +28,7 @@ log = logging.getLogger(__name__)
 
 # Part of the cache key: bump when the directory written here changes, so
 # that tokenizers built by an older mlxd are not reused.
-_FORMAT = 1
+_FORMAT = 2
 
 # GGUF token types (llama.cpp's llama_token_type).
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
@@ -44,6 +44,17 @@ _QWEN2_PATTERN = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
     r"|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
+# Qwen3.5: Qwen2's, with combining marks (\p{M}) kept inside words.
+_QWEN35_PATTERN = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+# o200k (gpt-oss's "gpt-4o"): words split at case changes, numbers in threes.
+_O200K_PATTERN = (
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 # name -> (split pattern, digits split one by one before it)
 _PRE = {
     "default": (_GPT2_PATTERN, False),
@@ -54,6 +65,8 @@ _PRE = {
     "llama-bpe": (_LLAMA3_PATTERN, False),
     "llama3": (_LLAMA3_PATTERN, False),
     "qwen2": (_QWEN2_PATTERN, False),
+    "qwen35": (_QWEN35_PATTERN, False),
+    "gpt-4o": (_O200K_PATTERN, False),
 }
 
 

@@ -218,3 +218,33 @@ def test_each_layout_fix_is_what_makes_parity(family_dirs, gguf_file, monkeypatc
     monkeypatch.setattr(gguf_arch, undo, skip)
     bad = np.array(load_model(path, dtype="float32").model(TOKENS))
     assert np.abs(good - bad).max() > 0.1
+
+
+@pytest.mark.parametrize(
+    "pre, text, pieces",
+    [
+        # Qwen3.5 keeps combining marks inside the word; Qwen2's pattern splits them off.
+        ("qwen35", "cafe\u0301 ok", ["cafe\u0301", " ok"]),
+        ("qwen2", "cafe\u0301 ok", ["cafe", "\u0301", " ok"]),
+        # o200k (gpt-oss): words split at case changes, digits in threes.
+        ("gpt-4o", "HelloWorld 12345", ["Hello", "World", " ", "123", "45"]),
+    ],
+)
+def test_gguf_pre_tokenizers_of_the_new_families(tmp_path, pre, text, pieces):
+    from tokenizers import Tokenizer
+
+    from engined.loaders.gguf_tokenizer import build_tokenizer_dir
+    from tests.tiny_models import _byte_chars, tiny_vocab
+
+    tokens, merges, _ = tiny_vocab(272)
+    (tmp_path / "x.gguf").write_bytes(b"")  # the cache key's file
+    meta = {
+        "tokenizer.ggml.model": "gpt2",
+        "tokenizer.ggml.pre": pre,
+        "tokenizer.ggml.tokens": tokens,
+        "tokenizer.ggml.merges": [f"{a} {b}" for a, b in merges],
+    }
+    tok = Tokenizer.from_file(str(build_tokenizer_dir(meta, tmp_path / "x.gguf") / "tokenizer.json"))
+    got = [p for p, _ in tok.pre_tokenizer.pre_tokenize_str(text)]
+    chars = _byte_chars()  # pieces come back in GPT-2's byte-level alphabet
+    assert got == ["".join(chars[b] for b in piece.encode()) for piece in pieces]
