@@ -185,23 +185,52 @@ def roundtrip(model_dir, gguf_path) -> dict[str, np.ndarray]:
     return out
 
 
-def write_family_gguf(model_dir, path, qtype: str | dict) -> Path:
+def _fuse_gate_up(tensors: list) -> list:
+    """The converter's --fuse-gate-up-exps: ffn_gate_exps and ffn_up_exps as one tensor, gate rows first."""
+    by_name = {n: (a, t) for n, a, t in tensors}
+    out = []
+    for name, array, t in tensors:
+        if ".ffn_up_exps." in name:
+            continue
+        if ".ffn_gate_exps." in name:
+            up, _ = by_name[name.replace("ffn_gate_exps", "ffn_up_exps")]
+            axis = -2 if name.endswith(".weight") else -1
+            out.append((name.replace("ffn_gate_exps", "ffn_gate_up_exps"), np.concatenate([array, up], axis=axis), t))
+        else:
+            out.append((name, array, t))
+    return out
+
+
+def _mtp_block(tensors: list, layers: int) -> list:
+    """A stand-in multi-token-prediction block after the decoder layers (what Qwen3.5 files carry)."""
+    return [(n.replace("blk.1.", f"blk.{layers}.", 1), a, t) for n, a, t in tensors if n.startswith("blk.1.")]
+
+
+def write_family_gguf(model_dir, path, qtype: str | dict, fuse_gate_up: bool = False, mtp: bool = False) -> Path:
     """Write the tiny model in ``model_dir`` as llama.cpp's converter would.
 
     ``qtype``: the ggml type of every weight matrix, or a dict {substring of
     the HF tensor name: type, "": default} for mixed files like real ones.
     Rows that are not whole K-quant blocks fall back as llama.cpp does.
+    ``fuse_gate_up``: experts' gate and up in one tensor (the converter's
+    option); ``mtp``: one multi-token-prediction block counted in block_count.
     """
     from gguf import GGMLQuantizationType, GGUFWriter, TokenType
 
     config, _, tensors = converted_tensors(model_dir, qtype)
     family, c = config["model_type"], _text(config)
+    if fuse_gate_up:
+        tensors = _fuse_gate_up(tensors)
+    if mtp:
+        tensors += _mtp_block(tensors, c["num_hidden_layers"])
     path = Path(path)
     w = GGUFWriter(str(path), ARCH[family])
     w.add_name(f"tiny-{family}")
     w.add_context_length(c["max_position_embeddings"])
     w.add_embedding_length(c["hidden_size"])
-    w.add_block_count(c["num_hidden_layers"])
+    w.add_block_count(c["num_hidden_layers"] + int(mtp))
+    if mtp:
+        w.add_nextn_predict_layers(1)
     w.add_feed_forward_length(c["intermediate_size"])
     w.add_head_count(c["num_attention_heads"])
     w.add_head_count_kv(c["num_key_value_heads"])

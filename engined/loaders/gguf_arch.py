@@ -90,8 +90,7 @@ class Family:
 
 
 def _moe(get, tensors) -> dict:
-    n_layers = int(get("block_count"))
-    dense = [i for i in range(n_layers) if f"blk.{i}.ffn_gate_inp.weight" not in tensors]
+    dense = [i for i in range(num_layers(get)) if f"blk.{i}.ffn_gate_inp.weight" not in tensors]
     return {
         "num_experts": int(get("expert_count")),
         "num_experts_per_tok": int(get("expert_used_count")),
@@ -149,7 +148,7 @@ def _gemma3(get, tensors) -> dict:
 
 
 def _gpt_oss(get, tensors) -> dict:
-    n_layers = int(get("block_count"))
+    n_layers = num_layers(get)
     return {
         "num_local_experts": int(get("expert_count")),
         "num_experts_per_tok": int(get("expert_used_count")),
@@ -192,6 +191,11 @@ def family_of(arch: str, path: str) -> Family:
     return FAMILIES[arch]
 
 
+def num_layers(get: Callable) -> int:
+    """Decoder layers; llama.cpp counts multi-token-prediction blocks (mlx_lm has none) in block_count."""
+    return int(get("block_count")) - int(get("nextn_predict_layers", 0) or 0)
+
+
 def config_from_metadata(family: Family, get: Callable, tensors: dict[str, tuple], path: str) -> dict:
     """An HF-style config dict for the family's mlx_lm ModelArgs.
 
@@ -207,7 +211,7 @@ def config_from_metadata(family: Family, get: Callable, tensors: dict[str, tuple
     config = {
         "model_type": family.model_type,
         "hidden_size": hidden,
-        "num_hidden_layers": int(get("block_count")),
+        "num_hidden_layers": num_layers(get),
         "intermediate_size": int(get("feed_forward_length", 0)),
         "num_attention_heads": heads,
         "num_key_value_heads": int(kv_heads),
@@ -302,6 +306,20 @@ def _linear_attn_layer(family: Family, config: dict, parts: dict[str, Value]) ->
     return out
 
 
+def _split_gate_up(parts: dict[str, Value]) -> None:
+    """llama.cpp's optional fused experts (``ffn_gate_up_exps``: gate rows, then up rows) -> the two."""
+    for kind in ("weight", "bias"):
+        fused = parts.pop(f"ffn_gate_up_exps.{kind}", None)
+        if fused is None:
+            continue
+        half = fused.shape[-2 if kind == "weight" else -1] // 2
+        if kind == "weight":
+            parts["ffn_gate_exps.weight"] = take_rows(fused, np.arange(half))
+            parts["ffn_up_exps.weight"] = take_rows(fused, half + np.arange(half))
+        else:
+            parts["ffn_gate_exps.bias"], parts["ffn_up_exps.bias"] = fused[..., :half], fused[..., half:]
+
+
 def _shift(family: Family, value: Value) -> Value:
     if not family.norm_shift:
         return value
@@ -322,7 +340,10 @@ def mlx_weights(family: Family, config: dict, tensors: dict[str, Value]) -> dict
         elif name == "output.weight":
             out[f"{family.head}.weight"] = value
     for i, parts in sorted(layers.items()):
+        if i >= config["num_hidden_layers"]:
+            continue  # multi-token-prediction blocks
         base = f"{family.prefix}.layers.{i}"
+        _split_gate_up(parts)
         if "linear_num_key_heads" in config:
             for suffix, v in _linear_attn_layer(family, config, parts).items():
                 out[f"{base}.{suffix}"] = v

@@ -162,6 +162,18 @@ def test_gguf_kept_mixed_bits_join_and_mxfp4(family_dirs, gguf_file):
     np.testing.assert_allclose(np.array(model(TOKENS)), np.array(want), rtol=0, atol=EXACT_ATOL)
 
 
+@pytest.mark.parametrize("family", ["qwen3_5_moe", "gpt_oss"])
+def test_gguf_fused_gate_up_experts_and_mtp_blocks(family_dirs, gguf_file, tmp_path, family):
+    # Real Qwen3.5 files count their multi-token-prediction block in block_count, and the
+    # converter can fuse the experts' gate and up: neither changes the model, whose weights
+    # are those of the plain file (rows are quantized one by one, so fusing moves no value).
+    path = write_family_gguf(family_dirs[family], tmp_path / "f.gguf", "Q8_0", fuse_gate_up=True, mtp=True)
+    loaded = load_model(str(path), dtype="float32")
+    assert loaded.num_layers == 2
+    want = _reference_logits(family_dirs[family], gguf_file(family, "Q8_0"))
+    np.testing.assert_array_equal(np.array(loaded.model(TOKENS)), np.array(want))
+
+
 @pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "MXFP4"])
 def test_quant_blocks_become_mlx_quantized_weights(qtype):
     # At float32 scales the MLX weights hold exactly the values gguf dequantizes to, except
