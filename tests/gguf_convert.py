@@ -12,6 +12,7 @@ same way and scattering the file's dequantized values back.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -32,6 +33,7 @@ ARCH = {
     "qwen3_5_moe": "qwen35moe",
     "gemma3_text": "gemma3",
     "gpt_oss": "gpt-oss",
+    "gemma4_text": "gemma4",
 }
 FAMILIES = tuple(ARCH)
 
@@ -49,10 +51,36 @@ OVERRIDES = {
     "gemma3_text": {"num_hidden_layers": 6, "sliding_window_pattern": 6, "query_pre_attn_scalar": 64},
     "gpt_oss": {},
 }
+# Gemma 4 (E-series layout): sliding and global layers with their own head sizes and RoPE,
+# the last two layers sharing earlier layers' K/V with double-wide MLPs, per-layer inputs.
+# tests/tiny_models.py has no Gemma 4, so its config is written here.
+GEMMA4 = {
+    "model_type": "gemma4_text", "architectures": ["Gemma4ForCausalLM"], "num_hidden_layers": 4,
+    "global_head_dim": 128, "num_kv_shared_layers": 2, "use_double_wide_mlp": True,
+    "hidden_size_per_layer_input": 64, "vocab_size_per_layer_input": 272, "sliding_window": 12,
+    "layer_types": ["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
+    "final_logit_softcapping": 30.0, "tie_word_embeddings": True,
+}
 
 
 def make_family_model(directory, family: str, seed: int) -> Path:
+    if family == "gemma4_text":
+        return _make_gemma4(Path(directory), seed)
     return make_tiny_model(directory, family, seed=seed, **_WIDE, **OVERRIDES[family])
+
+
+def _make_gemma4(out: Path, seed: int) -> Path:
+    import mlx.core as mx
+
+    from tests import tiny_models
+
+    config = {**tiny_models._BASE, **_WIDE, **GEMMA4}
+    out.mkdir(parents=True, exist_ok=True)
+    weights = tiny_models._random_weights(config, seed)
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    mx.save_safetensors(str(out / "model.safetensors"), {k: mx.array(v) for k, v in weights.items()})
+    tiny_models._write_tokenizer(out, config)
+    return out
 
 
 def _text(config: dict) -> dict:
@@ -115,10 +143,10 @@ def _gguf_names(family: str, layers: int):
     qwen3_next_parts = {"in_proj_qkv": "attn_qkv", "in_proj_z": "attn_gate"}
 
     def name_of(hf: str) -> str:
-        if hf.endswith(("sinks", "A_log")):
-            # bare parameters: llama.cpp's gpt-oss converter adds ".weight" to the sinks;
-            # ssm_a keeps no suffix at all (as Mamba's does)
-            return names.get_name(hf) + (".weight" if hf.endswith("sinks") else "")
+        if hf.endswith(("sinks", "layer_scalar", "A_log")):
+            # bare parameters: the converter adds ".weight" to gpt-oss's sinks and Gemma 4's
+            # layer scalar; ssm_a keeps no suffix at all (as Mamba's does)
+            return names.get_name(hf) + ("" if hf.endswith("A_log") else ".weight")
         base, suffix = hf.rsplit(".", 1)
         if family == "qwen3_next" and base.rsplit(".", 1)[-1] in qwen3_next_parts:
             # the converter names these two itself (ATTN_QKV, ATTN_GATE)
@@ -206,6 +234,29 @@ def _mtp_block(tensors: list, layers: int) -> list:
     return [(n.replace("blk.1.", f"blk.{layers}.", 1), a, t) for n, a, t in tensors if n.startswith("blk.1.")]
 
 
+def _gemma4_metadata(w, c: dict) -> None:
+    """What llama.cpp's Gemma4Model.set_gguf_parameters writes on top of the common keys."""
+    n, shared = c["num_hidden_layers"], c["num_kv_shared_layers"]
+    w.add_shared_kv_layers(shared)
+    w.add_embedding_length_per_layer_input(c["hidden_size_per_layer_input"])
+    w.add_sliding_window_pattern([t == "sliding_attention" for t in c["layer_types"]])
+    w.add_key_length(c["global_head_dim"])
+    w.add_value_length(c["global_head_dim"])
+    w.add_key_length_swa(c["head_dim"])
+    w.add_value_length_swa(c["head_dim"])
+    ff = c["intermediate_size"]
+    w.add_feed_forward_length([ff if i < n - shared else 2 * ff for i in range(n)] if c["use_double_wide_mlp"] else ff)
+    w.add_rope_dimension_count(c["global_head_dim"])
+    w.add_rope_dimension_count_swa(c["head_dim"])
+    w.add_final_logit_softcapping(c["final_logit_softcapping"])
+
+
+def _gemma4_rope_freqs(c: dict) -> np.ndarray:
+    # the global layers' proportional RoPE: rotated pairs factor 1, the rest 1e30 (never turn)
+    rotated = int(c["global_head_dim"] * 0.25 / 2)
+    return np.array([1.0] * rotated + [1e30] * (c["global_head_dim"] // 2 - rotated), np.float32)
+
+
 def write_family_gguf(model_dir, path, qtype: str | dict, fuse_gate_up: bool = False, mtp: bool = False) -> Path:
     """Write the tiny model in ``model_dir`` as llama.cpp's converter would.
 
@@ -231,14 +282,18 @@ def write_family_gguf(model_dir, path, qtype: str | dict, fuse_gate_up: bool = F
     w.add_block_count(c["num_hidden_layers"] + int(mtp))
     if mtp:
         w.add_nextn_predict_layers(1)
-    w.add_feed_forward_length(c["intermediate_size"])
     w.add_head_count(c["num_attention_heads"])
     w.add_head_count_kv(c["num_key_value_heads"])
-    w.add_key_length(c["head_dim"])
-    w.add_value_length(c["head_dim"])
+    if family != "gemma4_text":  # Gemma 4 writes these per layer kind (_gemma4_metadata)
+        w.add_feed_forward_length(c["intermediate_size"])
+        w.add_key_length(c["head_dim"])
+        w.add_value_length(c["head_dim"])
     w.add_layer_norm_rms_eps(c["rms_norm_eps"])
     rope = c.get("rope_parameters") or {}
-    w.add_rope_freq_base(float(rope.get("rope_theta", c.get("rope_theta", 10000.0))))
+    if family == "gemma4_text":  # the global layers' base, mlx_lm's default when config.json has none
+        w.add_rope_freq_base(float(rope.get("full_attention", {}).get("rope_theta", 1000000.0)))
+    else:
+        w.add_rope_freq_base(float(rope.get("rope_theta", c.get("rope_theta", 10000.0))))
     experts = c.get("num_experts") or c.get("num_local_experts")
     if experts:
         w.add_expert_count(experts)
@@ -257,6 +312,8 @@ def write_family_gguf(model_dir, path, qtype: str | dict, fuse_gate_up: bool = F
         w.add_rope_dimension_count(int(c["head_dim"] * factor))
     if "sliding_window" in c:
         w.add_sliding_window(c["sliding_window"])
+    if family == "gemma4_text":
+        _gemma4_metadata(w, c)
 
     tokens, merges, special = tiny_vocab(c["vocab_size"])
     w.add_tokenizer_model("gpt2")
@@ -269,6 +326,8 @@ def write_family_gguf(model_dir, path, qtype: str | dict, fuse_gate_up: bool = F
     w.add_add_bos_token(False)
     w.add_chat_template(CHAT_TEMPLATE)
 
+    if family == "gemma4_text":
+        w.add_tensor("rope_freqs.weight", _gemma4_rope_freqs(c))
     for name, array, t in tensors:
         if t in ("F32", "F16"):
             data = array.astype(np.float32 if t == "F32" else np.float16)

@@ -185,7 +185,11 @@ def load_gguf(path: str | Path, keep_quantized: bool = False) -> GGUFModel:
     def get(key, default=None):
         return meta_value(meta, f"{arch}.{key}", default)
 
-    config = config_from_metadata(family, get, shapes, path)
+    def read(name: str) -> np.ndarray:
+        t = tensors[name]
+        return dense(t.data, GGMLQuantizationType(int(t.tensor_type)), shapes[name])
+
+    config = config_from_metadata(family, get, shapes, path, read)
     values, kinds = {}, set()
     for name, t in tensors.items():
         kind = GGMLQuantizationType(int(t.tensor_type))
@@ -229,7 +233,7 @@ def load_gguf(path: str | Path, keep_quantized: bool = False) -> GGUFModel:
             eos.append(int(idx))
     # Chat models converted without an eot id still end turns with their
     # template's end marker; stopping on it is what every chat client expects.
-    for marker in ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>"):
+    for marker in ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>", "<turn|>"):
         if marker in tokens and tokens.index(marker) not in eos:
             eos.append(tokens.index(marker))
     bos = meta_value(meta, "tokenizer.ggml.bos_token_id")

@@ -13,6 +13,8 @@ leaves them:
   per-key-head interleave undone; Qwen3.5 reorders its value heads from
   grouped-by-key-head to tiled when there are more value than key heads.
 - gpt-oss: nothing beyond names (its gate/up split is what mlx_lm holds too).
+- Gemma 4 (dense): nothing beyond names; its config is spread over per-layer
+  arrays and a RoPE-frequency tensor (``gguf_gemma4``).
 
 Qwen3-Next's and Qwen3.5's norms are already stored as ``1 + w``, which is
 what mlx_lm holds for them.
@@ -28,6 +30,7 @@ import numpy as np
 
 from shared.errors import ModelLoadError
 
+from .gguf_gemma4 import GEMMA4_GLOBALS, GEMMA4_LAYERS, gemma4_config
 from .gguf_quant import Value, cat_rows, permute_cols, take_rows
 
 _ATTN = {
@@ -74,6 +77,7 @@ _GEMMA3 = {
     "ffn_norm": "pre_feedforward_layernorm",
     "post_ffw_norm": "post_feedforward_layernorm",
 }
+_BARE = ("sinks", "layer_scalar")
 # ssm_a is stored without a suffix (as Mamba's is); it is read as a weight.
 _LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+?)(?:\.(weight|bias))?$")
 
@@ -84,12 +88,15 @@ class Family:
     layers: dict[str, str]
     prefix: str = "model"  # where embed_tokens, layers and norm live
     head: str = "lm_head"
-    extra: Callable[[Callable, dict], dict] = field(default=lambda get, t: {})  # family-specific config
+    # family-specific config: extra(get, shapes, read) with read(name) -> a tensor's float32 values
+    extra: Callable[[Callable, dict, Callable], dict] = field(default=lambda get, shapes, read: {})
+    globals: dict[str, str] = field(default_factory=dict)  # more non-layer tensors: GGUF name -> mlx_lm name
     permute_qk: bool = False
     norm_shift: float = 0.0
+    per_layer_sizes: bool = False  # the family reads per-layer KV head counts / FFN sizes itself
 
 
-def _moe(get, tensors) -> dict:
+def _moe(get, tensors, read=None) -> dict:
     dense = [i for i in range(num_layers(get)) if f"blk.{i}.ffn_gate_inp.weight" not in tensors]
     return {
         "num_experts": int(get("expert_count")),
@@ -102,7 +109,7 @@ def _moe(get, tensors) -> dict:
     }
 
 
-def _linear_attention(get, tensors) -> dict:
+def _linear_attention(get, tensors, read=None) -> dict:
     head_dim = int(get("attention.key_length"))
     v_heads = int(get("ssm.time_step_rank"))
     return {
@@ -116,7 +123,7 @@ def _linear_attention(get, tensors) -> dict:
     }
 
 
-def _qwen3_next(get, tensors) -> dict:
+def _qwen3_next(get, tensors, read=None) -> dict:
     return {**_moe(get, tensors), **_linear_attention(get, tensors)}
 
 
@@ -131,7 +138,7 @@ def _qwen35(get, tensors, moe: bool) -> dict:
     return cfg
 
 
-def _gemma3(get, tensors) -> dict:
+def _gemma3(get, tensors, read=None) -> dict:
     hidden, heads = int(get("embedding_length")), int(get("attention.head_count"))
     head_dim = int(get("attention.key_length", 256))
     # llama.cpp scales queries by head_dim ** -0.5, except for the 27B (hidden / heads);
@@ -147,7 +154,7 @@ def _gemma3(get, tensors) -> dict:
     }
 
 
-def _gpt_oss(get, tensors) -> dict:
+def _gpt_oss(get, tensors, read=None) -> dict:
     n_layers = num_layers(get)
     return {
         "num_local_experts": int(get("expert_count")),
@@ -169,17 +176,24 @@ FAMILIES: dict[str, Family] = {
     "qwen3moe": Family("qwen3_moe", {**_QWEN, **_MOE}, extra=_moe),
     "qwen3next": Family("qwen3_next", {**_HYBRID, **_MOE, **_SHARED_EXPERT}, extra=_qwen3_next),
     "qwen35": Family(
-        "qwen3_5", _HYBRID, "language_model.model", "language_model.lm_head", lambda g, t: _qwen35(g, t, False)
+        "qwen3_5", _HYBRID, "language_model.model", "language_model.lm_head", lambda g, t, r: _qwen35(g, t, False)
     ),
     "qwen35moe": Family(
         "qwen3_5_moe",
         {**_HYBRID, **_MOE, **_SHARED_EXPERT},
         "language_model.model",
         "language_model.lm_head",
-        lambda g, t: _qwen35(g, t, True),
+        lambda g, t, r: _qwen35(g, t, True),
     ),
     "gemma3": Family("gemma3_text", {**_ATTN, **_MLP, **_GEMMA3}, extra=_gemma3, norm_shift=1.0),
     "gpt-oss": Family("gpt_oss", {**_ATTN, **_GPT_OSS}, extra=_gpt_oss),
+    "gemma4": Family(
+        "gemma4_text",
+        {**_ATTN, **_MLP, **_GEMMA3, **GEMMA4_LAYERS},
+        extra=gemma4_config,
+        globals=GEMMA4_GLOBALS,
+        per_layer_sizes=True,
+    ),
 }
 
 
@@ -196,23 +210,28 @@ def num_layers(get: Callable) -> int:
     return int(get("block_count")) - int(get("nextn_predict_layers", 0) or 0)
 
 
-def config_from_metadata(family: Family, get: Callable, tensors: dict[str, tuple], path: str) -> dict:
+def config_from_metadata(family: Family, get: Callable, tensors: dict[str, tuple], path: str, read: Callable) -> dict:
     """An HF-style config dict for the family's mlx_lm ModelArgs.
 
     ``get(key, default)`` reads ``<arch>.<key>`` from the metadata; ``tensors``
-    maps the file's tensor names to their shapes (numpy order).
+    maps the file's tensor names to their shapes (numpy order); ``read(name)``
+    gives a tensor's values (for configuration stored as tensors).
     """
     hidden = int(get("embedding_length"))
     heads = int(get("attention.head_count"))
     kv_heads = get("attention.head_count_kv", heads)
-    if hasattr(kv_heads, "__len__"):
-        raise ModelLoadError(f"{path}: per-layer KV head counts are not supported")
+    ffn = get("feed_forward_length", 0)
+    if hasattr(kv_heads, "__len__") or hasattr(ffn, "__len__"):
+        if not family.per_layer_sizes:
+            raise ModelLoadError(f"{path}: per-layer KV head counts or FFN sizes are not supported for {family.model_type}")
+        kv_heads = kv_heads[0] if hasattr(kv_heads, "__len__") else kv_heads
+        ffn = ffn[0] if hasattr(ffn, "__len__") else ffn
     vocab = tensors["token_embd.weight"][0]
     config = {
         "model_type": family.model_type,
         "hidden_size": hidden,
         "num_hidden_layers": num_layers(get),
-        "intermediate_size": int(get("feed_forward_length", 0)),
+        "intermediate_size": int(ffn),
         "num_attention_heads": heads,
         "num_key_value_heads": int(kv_heads),
         "head_dim": int(get("attention.key_length", hidden // heads)),
@@ -237,7 +256,7 @@ def config_from_metadata(family: Family, get: Callable, tensors: dict[str, tuple
         # Llama 3.x stores its RoPE frequency factors as a tensor; the llama3 rope
         # class is built neutral and its frequencies replaced by the file's.
         config["rope_scaling"] = {"type": "llama3", "factor": 1.0}
-    config.update(family.extra(get, tensors))
+    config.update(family.extra(get, tensors, read))
     return config
 
 
@@ -339,6 +358,8 @@ def mlx_weights(family: Family, config: dict, tensors: dict[str, Value]) -> dict
             out[f"{family.prefix}.norm.weight"] = _shift(family, value)
         elif name == "output.weight":
             out[f"{family.head}.weight"] = value
+        elif name.removesuffix(".weight") in family.globals:
+            out[f"{family.prefix}.{family.globals[name.removesuffix('.weight')]}.weight"] = value
     for i, parts in sorted(layers.items()):
         if i >= config["num_hidden_layers"]:
             continue  # multi-token-prediction blocks
@@ -357,6 +378,6 @@ def mlx_weights(family: Family, config: dict, tensors: dict[str, Value]) -> dict
                 value = _unpermute_qk(value, heads)
             if part.endswith("norm") and kind == "weight":
                 value = _shift(family, value)
-            # attention sinks are a bare parameter in mlx_lm, not a module's weight
-            out[f"{base}.{target}" if target.endswith("sinks") else f"{base}.{target}.{kind}"] = value
+            # attention sinks and Gemma 4's layer scalar are bare parameters in mlx_lm, not a module's weight
+            out[f"{base}.{target}" if target.endswith(_BARE) else f"{base}.{target}.{kind}"] = value
     return out

@@ -260,3 +260,32 @@ def test_gguf_pre_tokenizers_of_the_new_families(tmp_path, pre, text, pieces):
     got = [p for p, _ in tok.pre_tokenizer.pre_tokenize_str(text)]
     chars = _byte_chars()  # pieces come back in GPT-2's byte-level alphabet
     assert got == ["".join(chars[b] for b in piece.encode()) for piece in pieces]
+
+
+def test_gguf_gemma4_tokenizer_uses_the_files_merges(tmp_path):
+    # Gemma 4's vocabulary is SentencePiece pieces whose merges the file stores (tokenizer model
+    # "gemma4", no space prefix): without the "▁t he" merge "the" stays two pieces, whatever
+    # the scores say.
+    from transformers import AutoTokenizer
+
+    from engined.loaders.gguf_tokenizer import build_tokenizer_dir
+    from tests.tiny_models import tiny_spm_vocab
+
+    tokens, scores, types = tiny_spm_vocab(272)
+    ids = {t: i for i, t in enumerate(tokens)}
+    (tmp_path / "g.gguf").write_bytes(b"")  # the cache key's file
+    meta = {
+        "general.architecture": "gemma4",
+        "tokenizer.ggml.model": "gemma4",
+        "tokenizer.ggml.tokens": tokens,
+        "tokenizer.ggml.scores": scores,
+        "tokenizer.ggml.token_type": types,
+        "tokenizer.ggml.merges": ["▁ t", "h e", "a t", "▁ c", "▁c at"],
+        "tokenizer.ggml.bos_token_id": 1,
+        "tokenizer.ggml.eos_token_id": 2,
+        "tokenizer.ggml.add_space_prefix": False,
+    }
+    tok = AutoTokenizer.from_pretrained(str(build_tokenizer_dir(meta, tmp_path / "g.gguf")))
+    assert tok.encode(" the cat", add_special_tokens=False) == [ids["▁t"], ids["he"], ids["▁cat"]]
+    assert tok.encode("hat€")[:3] == [ids["<s>"], ids["h"], ids["at"]]  # BOS by default, bytes for €
+    assert tok.decode(tok.encode(" the cat hat€"), skip_special_tokens=True) == " the cat hat€"
