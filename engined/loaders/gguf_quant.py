@@ -22,9 +22,9 @@ Q6_K     8-bit (re-quantized)         its 16-wide sub-blocks have no MLX
 MXFP4    mxfp4                        exact (same e8m0 scale and e2m1 code)
 =======  ===========================  ===================================
 
-F32/F16/BF16 stay dense. Other types (Q2_K, Q3_K, IQ*) are dequantized to
-dense float16. Scales and biases are returned in float32 so that the caller
-decides their precision (the model's float dtype).
+F32/F16/BF16 stay dense, and so do other types (Q2_K, Q3_K, IQ*, TQ*):
+dequantized, they run at the model's float dtype. Scales and biases are
+returned in float32 so that the caller decides their precision.
 """
 
 from __future__ import annotations
@@ -73,9 +73,9 @@ def pack_codes(codes: np.ndarray, bits: int) -> np.ndarray:
     return np.ascontiguousarray(out).reshape(*lead, n * bits // 8).view(np.uint32)
 
 
-def _blocks(data: np.ndarray, kind: T, shape: tuple[int, ...]) -> np.ndarray:
-    width, size = quants.GGML_QUANT_SIZES[kind]
-    return data.reshape(-1, size), int(np.prod(shape[:-1])), shape[-1] // width
+def _blocks(data: np.ndarray, kind: T, shape: tuple[int, ...]) -> tuple[np.ndarray, int]:
+    """(the tensor's blocks, one per row of bytes; its number of rows)."""
+    return data.reshape(-1, quants.GGML_QUANT_SIZES[kind][1]), int(np.prod(shape[:-1]))
 
 
 def _f16(raw: np.ndarray) -> np.ndarray:
@@ -135,8 +135,6 @@ def _affine(kind: T, b: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray,
 
 _AFFINE = {T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q4_K, T.Q5_K}
 _REQUANTIZED = {T.Q6_K: 8}
-# Scales rounded to the model's float dtype: not bit-exact then, but every code is the file's.
-EXACT = {T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.MXFP4}
 
 
 def _mxfp4(b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -150,7 +148,7 @@ def quantized(data: np.ndarray, kind: T, shape: tuple[int, ...]) -> Packed | Non
     if kind in _FLOAT or len(shape) < 2:
         return None
     if kind in _AFFINE:
-        b, rows, _ = _blocks(data, kind, shape)
+        b, rows = _blocks(data, kind, shape)
         codes, scales, biases, bits = _affine(kind, b)
         lead = shape[:-1]
         return Packed(
@@ -160,7 +158,7 @@ def quantized(data: np.ndarray, kind: T, shape: tuple[int, ...]) -> Packed | Non
             bits=bits,
         )
     if kind == T.MXFP4:
-        b, rows, _ = _blocks(data, kind, shape)
+        b, rows = _blocks(data, kind, shape)
         codes, scales = _mxfp4(b)
         lead = shape[:-1]
         return Packed(pack_codes(codes.reshape(rows, shape[-1]), 4).reshape(*lead, -1), scales.reshape(*lead, -1), None, 4, "mxfp4")

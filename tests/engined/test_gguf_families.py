@@ -1,5 +1,9 @@
 """GGUF round trips per family and per quant type: the file's weights give the same logits as safetensors.
 
+Families: qwen3, qwen3moe, qwen3next, qwen35, qwen35moe, gemma3, gemma4
+(dense; mlxd's engine does not run Gemma 4 yet, so its GGUF mapping is
+checked against mlx_lm's model, which is what the loader returns) and gpt-oss.
+
 Each case writes a tiny random model as llama.cpp's converter would
 (tests/gguf_convert.py: names from gguf's own tensor map, the converter's
 layout changes, quantized with gguf.quants or tests/gguf_kquants.py for the
