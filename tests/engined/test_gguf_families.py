@@ -14,7 +14,7 @@ with mlx_lm's model of the same directory holding the weights the file holds
 - dense float32 (the CPU policy): equal logits, bit for bit, for every type.
 - kept quantized (the GPU policy; the loader's output before the dtype
   policy lowers dense tensors): the MLX bits per layer, and logits at
-  float32 compute within 1e-4 for the exact types (Q4_0, Q4_1, Q5_0, Q5_1,
+  float32 compute within 5e-4 for the exact types (Q4_0, Q4_1, Q5_0, Q5_1,
   Q8_0, MXFP4: summation order only, measured ~2e-5); Q4_K/Q5_K (scales
   rounded once to float16) and Q6_K (re-quantized to 8 bits) within the
   fractions of the file's own quantization error stated below.
@@ -46,7 +46,9 @@ MLX_BITS = {"Q8_0": 8, "Q4_0": 4, "Q4_1": 4, "Q5_0": 5, "Q5_1": 5, "Q4_K": 4, "Q
 # Q4_K/Q5_K: each sub-block's scale and min rounded to float16; measured 1-3%.
 # Q6_K: re-quantized to MLX 8-bit per 32 (error <= range / 510); measured 25-31%.
 KEPT_RATIO = {"Q4_K": 0.1, "Q5_K": 0.1, "Q6_K": 0.5}
-EXACT_ATOL = 1e-4
+# Exact types, kept quantized: only summation order differs (quantized vs dense matmul);
+# measured 2e-5 typically, 1.1e-4 at worst (Gemma 4, logits up to its soft cap of 30).
+EXACT_ATOL = 5e-4
 
 
 @pytest.fixture(autouse=True)
