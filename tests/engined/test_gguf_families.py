@@ -77,10 +77,16 @@ def gguf_file(family_dirs, tmp_path_factory):
     return get
 
 
+_REFERENCE: dict[str, mx.array] = {}
+
+
 def _reference_logits(model_dir, path) -> mx.array:
-    reference, _ = mlx_lm_load_model(model_dir)
-    reference.load_weights([(k, mx.array(v)) for k, v in roundtrip(model_dir, path).items()])
-    return reference(TOKENS)
+    """mlx_lm's logits with the weights the file holds (cached per file: files are shared by tests)."""
+    if str(path) not in _REFERENCE:
+        reference, _ = mlx_lm_load_model(model_dir)
+        reference.load_weights([(k, mx.array(v)) for k, v in roundtrip(model_dir, path).items()])
+        _REFERENCE[str(path)] = reference(TOKENS)
+    return _REFERENCE[str(path)]
 
 
 def _bits(model: nn.Module) -> dict[str, int]:
