@@ -63,18 +63,28 @@ GEMMA4 = {
 }
 
 
+# Gemma 4's MoE layout (26B-A4B): experts beside the dense MLP, K = V on the global layers.
+GEMMA4_MOE = {
+    **GEMMA4, "num_hidden_layers": 2, "layer_types": ["sliding_attention", "full_attention"],
+    "num_kv_shared_layers": 0, "use_double_wide_mlp": False, "hidden_size_per_layer_input": 0,
+    "enable_moe_block": True, "num_experts": 4, "top_k_experts": 2, "moe_intermediate_size": 256,
+    "attention_k_eq_v": True, "num_global_key_value_heads": 1,
+}
+
+
 def make_family_model(directory, family: str, seed: int) -> Path:
-    if family == "gemma4_text":
-        return _make_gemma4(Path(directory), seed)
+    """``family``: an mlx_lm model_type of FAMILIES, or "gemma4_moe"."""
+    if family in ("gemma4_text", "gemma4_moe"):
+        return _make_gemma4(Path(directory), seed, GEMMA4 if family == "gemma4_text" else GEMMA4_MOE)
     return make_tiny_model(directory, family, seed=seed, **_WIDE, **OVERRIDES[family])
 
 
-def _make_gemma4(out: Path, seed: int) -> Path:
+def _make_gemma4(out: Path, seed: int, layout: dict) -> Path:
     import mlx.core as mx
 
     from tests import tiny_models
 
-    config = {**tiny_models._BASE, **_WIDE, **GEMMA4}
+    config = {**tiny_models._BASE, **_WIDE, **layout}
     out.mkdir(parents=True, exist_ok=True)
     weights = tiny_models._random_weights(config, seed)
     (out / "config.json").write_text(json.dumps(config, indent=2))
@@ -147,6 +157,8 @@ def _gguf_names(family: str, layers: int):
             # bare parameters: the converter adds ".weight" to gpt-oss's sinks and Gemma 4's
             # layer scalar; ssm_a keeps no suffix at all (as Mamba's does)
             return names.get_name(hf) + ("" if hf.endswith("A_log") else ".weight")
+        if family == "gemma4_text" and (gemma := _gemma4_moe_name(hf)):
+            return gemma
         base, suffix = hf.rsplit(".", 1)
         if family == "qwen3_next" and base.rsplit(".", 1)[-1] in qwen3_next_parts:
             # the converter names these two itself (ATTN_QKV, ATTN_GATE)
@@ -158,6 +170,22 @@ def _gguf_names(family: str, layers: int):
         return f"{mapped}.{suffix}"
 
     return name_of
+
+
+def _gemma4_moe_name(hf: str) -> str | None:
+    """Gemma 4's expert tensors as the converter names them (gate and up are fused afterwards)."""
+    layer = hf.split(".")[2] if hf.startswith("model.layers.") else None
+    names = {
+        "experts.switch_glu.gate_proj.weight": "ffn_gate_exps.weight",
+        "experts.switch_glu.up_proj.weight": "ffn_up_exps.weight",
+        "experts.switch_glu.down_proj.weight": "ffn_down_exps.weight",
+        "router.scale": "ffn_gate_inp.scale",
+        "router.per_expert_scale": "ffn_down_exps.scale",
+    }
+    for suffix, name in names.items():
+        if layer is not None and hf.endswith(suffix):
+            return f"blk.{layer}.{name}"
+    return None
 
 
 def _qtype_for(name: str, shape: tuple, qtype: str | dict) -> str:
@@ -201,13 +229,22 @@ def roundtrip(model_dir, gguf_path) -> dict[str, np.ndarray]:
     family, c = config["model_type"], _text(config)
     name_of = _gguf_names(family, c["num_hidden_layers"])
     held = {t.name: t for t in GGUFReader(str(gguf_path)).tensors}
+
+    def values(name: str) -> np.ndarray:
+        if name in held:
+            t = held[name]
+            return np.asarray(quants.dequantize(t.data, t.tensor_type), np.float32)
+        # one half of a fused ffn_gate_up_exps (gate rows first)
+        fused = values(name.replace("ffn_gate_exps", "ffn_gate_up_exps").replace("ffn_up_exps", "ffn_gate_up_exps"))
+        half = fused.shape[-2] // 2
+        return fused[..., :half, :] if "ffn_gate_exps" in name else fused[..., half:, :]
+
     out = {}
     for name, w in weights.items():
         ew = _elementwise(family, name)
         back = np.empty(w.size, np.float32)
         for hf, idx in _structure(family, c, name, np.arange(w.size).reshape(w.shape)):
-            t = held[name_of(hf)]
-            back[idx.reshape(-1)] = np.asarray(quants.dequantize(t.data, t.tensor_type), np.float32).reshape(-1)
+            back[idx.reshape(-1)] = values(name_of(hf)).reshape(-1)
         back = back.reshape(w.shape)
         out[name] = ew[1](back) if ew else back
     return out
@@ -239,7 +276,10 @@ def _gemma4_metadata(w, c: dict) -> None:
     n, shared = c["num_hidden_layers"], c["num_kv_shared_layers"]
     w.add_shared_kv_layers(shared)
     w.add_embedding_length_per_layer_input(c["hidden_size_per_layer_input"])
-    w.add_sliding_window_pattern([t == "sliding_attention" for t in c["layer_types"]])
+    swa = [t == "sliding_attention" for t in c["layer_types"]]
+    w.add_sliding_window_pattern(swa)
+    kv, global_kv = c["num_key_value_heads"], c.get("num_global_key_value_heads")
+    w.add_head_count_kv([kv if s else global_kv for s in swa] if global_kv else kv)
     w.add_key_length(c["global_head_dim"])
     w.add_value_length(c["global_head_dim"])
     w.add_key_length_swa(c["head_dim"])
@@ -270,7 +310,7 @@ def write_family_gguf(model_dir, path, qtype: str | dict, fuse_gate_up: bool = F
 
     config, _, tensors = converted_tensors(model_dir, qtype)
     family, c = config["model_type"], _text(config)
-    if fuse_gate_up:
+    if fuse_gate_up or family == "gemma4_text":  # Gemma 4's checkpoints hold them fused already
         tensors = _fuse_gate_up(tensors)
     if mtp:
         tensors += _mtp_block(tensors, c["num_hidden_layers"])
@@ -283,8 +323,8 @@ def write_family_gguf(model_dir, path, qtype: str | dict, fuse_gate_up: bool = F
     if mtp:
         w.add_nextn_predict_layers(1)
     w.add_head_count(c["num_attention_heads"])
-    w.add_head_count_kv(c["num_key_value_heads"])
     if family != "gemma4_text":  # Gemma 4 writes these per layer kind (_gemma4_metadata)
+        w.add_head_count_kv(c["num_key_value_heads"])
         w.add_feed_forward_length(c["intermediate_size"])
         w.add_key_length(c["head_dim"])
         w.add_value_length(c["head_dim"])
@@ -297,7 +337,7 @@ def write_family_gguf(model_dir, path, qtype: str | dict, fuse_gate_up: bool = F
     experts = c.get("num_experts") or c.get("num_local_experts")
     if experts:
         w.add_expert_count(experts)
-        w.add_expert_used_count(c["num_experts_per_tok"])
+        w.add_expert_used_count(c.get("num_experts_per_tok") or c["top_k_experts"])
         w.add_expert_feed_forward_length(c.get("moe_intermediate_size") or c["intermediate_size"])
     if c.get("shared_expert_intermediate_size"):
         w.add_expert_shared_feed_forward_length(c["shared_expert_intermediate_size"])
@@ -314,6 +354,7 @@ def write_family_gguf(model_dir, path, qtype: str | dict, fuse_gate_up: bool = F
         w.add_sliding_window(c["sliding_window"])
     if family == "gemma4_text":
         _gemma4_metadata(w, c)
+
 
     tokens, merges, special = tiny_vocab(c["vocab_size"])
     w.add_tokenizer_model("gpt2")

@@ -13,8 +13,9 @@ leaves them:
   per-key-head interleave undone; Qwen3.5 reorders its value heads from
   grouped-by-key-head to tiled when there are more value than key heads.
 - gpt-oss: nothing beyond names (its gate/up split is what mlx_lm holds too).
-- Gemma 4 (dense): nothing beyond names; its config is spread over per-layer
-  arrays and a RoPE-frequency tensor (``gguf_gemma4``).
+- Gemma 4: nothing beyond names (fused expert gate/up is split, as for any
+  family); its config is spread over per-layer arrays and a RoPE-frequency
+  tensor (``gguf_gemma4``).
 
 Qwen3-Next's and Qwen3.5's norms are already stored as ``1 + w``, which is
 what mlx_lm holds for them.
@@ -30,7 +31,7 @@ import numpy as np
 
 from shared.errors import ModelLoadError
 
-from .gguf_gemma4 import GEMMA4_GLOBALS, GEMMA4_LAYERS, gemma4_config
+from .gguf_gemma4 import GEMMA4_GLOBALS, GEMMA4_LAYERS, GEMMA4_SCALES, gemma4_config
 from .gguf_quant import Value, cat_rows, permute_cols, take_rows
 
 _ATTN = {
@@ -79,7 +80,7 @@ _GEMMA3 = {
 }
 _BARE = ("sinks", "layer_scalar")
 # ssm_a is stored without a suffix (as Mamba's is); it is read as a weight.
-_LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+?)(?:\.(weight|bias))?$")
+_LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+?)(?:\.(weight|bias|scale))?$")
 
 
 @dataclass(frozen=True)
@@ -94,6 +95,7 @@ class Family:
     permute_qk: bool = False
     norm_shift: float = 0.0
     per_layer_sizes: bool = False  # the family reads per-layer KV head counts / FFN sizes itself
+    scales: dict[str, str] = field(default_factory=dict)  # "<part>.scale" tensors -> bare mlx_lm parameters
 
 
 def _moe(get, tensors, read=None) -> dict:
@@ -193,6 +195,7 @@ FAMILIES: dict[str, Family] = {
         extra=gemma4_config,
         globals=GEMMA4_GLOBALS,
         per_layer_sizes=True,
+        scales=GEMMA4_SCALES,
     ),
 }
 
@@ -370,6 +373,10 @@ def mlx_weights(family: Family, config: dict, tensors: dict[str, Value]) -> dict
                 out[f"{base}.{suffix}"] = v
         for key, value in parts.items():
             part, kind = key.rsplit(".", 1)
+            if kind == "scale":
+                if part in family.scales:
+                    out[f"{base}.{family.scales[part]}"] = value
+                continue
             if part not in family.layers:
                 continue  # tensors mlx_lm has no place for (e.g. MTP heads)
             target = family.layers[part]

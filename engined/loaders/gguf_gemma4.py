@@ -5,7 +5,9 @@ sliding layers' as ``key_length_swa``; which layers slide as a boolean array
 ``attention.sliding_window_pattern``; FFN sizes and KV head counts per layer
 when they differ (double-wide MLPs of the KV-shared layers, global KV heads);
 and the global layers' partial ("proportional") RoPE as a ``rope_freqs``
-tensor whose unrotated pairs carry a factor of 1e30.
+tensor whose unrotated pairs carry a factor of 1e30. The MoE variant's
+router scale and per-expert scale are ``.scale`` tensors of ffn_gate_inp and
+ffn_down_exps.
 """
 
 from __future__ import annotations
@@ -13,14 +15,22 @@ from __future__ import annotations
 from typing import Callable
 
 
-from shared.errors import ModelLoadError
-
 GEMMA4_LAYERS = {
     "inp_gate": "per_layer_input_gate",
     "proj": "per_layer_projection",
     "post_norm": "post_per_layer_input_norm",
     "layer_output_scale": "layer_scalar",
+    # the MoE variant: experts beside the dense MLP, with their own norms
+    "ffn_gate_inp": "router.proj",
+    "ffn_gate_exps": "experts.switch_glu.gate_proj",
+    "ffn_up_exps": "experts.switch_glu.up_proj",
+    "ffn_down_exps": "experts.switch_glu.down_proj",
+    "pre_ffw_norm_2": "pre_feedforward_layernorm_2",
+    "post_ffw_norm_1": "post_feedforward_layernorm_1",
+    "post_ffw_norm_2": "post_feedforward_layernorm_2",
 }
+# ".scale" tensors of the MoE variant: the router's input scale and the per-expert output scale
+GEMMA4_SCALES = {"ffn_gate_inp": "router.scale", "ffn_down_exps": "router.per_expert_scale"}
 GEMMA4_GLOBALS = {
     "per_layer_token_embd": "embed_tokens_per_layer",
     "per_layer_model_proj": "per_layer_model_projection",
@@ -33,8 +43,6 @@ def _per_layer(value, n: int) -> list:
 
 
 def gemma4_config(get: Callable, shapes: dict, read: Callable) -> dict:
-    if "blk.0.ffn_gate_inp.weight" in shapes:
-        raise ModelLoadError("Gemma 4 mixture-of-experts GGUF files are not supported yet (dense Gemma 4 is)")
     n = int(get("block_count"))
     sliding = [bool(s) for s in _per_layer(get("attention.sliding_window_pattern"), n)]
     kinds = ["sliding_attention" if s else "full_attention" for s in sliding]
@@ -74,6 +82,13 @@ def gemma4_config(get: Callable, shapes: dict, read: Callable) -> dict:
             },
         },
     }
+    if "blk.0.ffn_gate_inp.weight" in shapes:
+        config.update(
+            enable_moe_block=True,
+            num_experts=int(get("expert_count")),
+            top_k_experts=int(get("expert_used_count")),
+            moe_intermediate_size=int(get("expert_feed_forward_length")),
+        )
     if (softcap := get("final_logit_softcapping")) is not None:
         config["final_logit_softcapping"] = float(softcap)
     if "per_layer_token_embd.weight" in shapes:

@@ -1,8 +1,9 @@
 """GGUF round trips per family and per quant type: the file's weights give the same logits as safetensors.
 
-Families: qwen3, qwen3moe, qwen3next, qwen35, qwen35moe, gemma3, gemma4
-(dense; mlxd's engine does not run Gemma 4 yet, so its GGUF mapping is
-checked against mlx_lm's model, which is what the loader returns) and gpt-oss.
+Families: qwen3, qwen3moe, qwen3next, qwen35, qwen35moe, gemma3, gemma4 (the
+E-series layout and the MoE one; mlxd's engine does not run Gemma 4 yet, so
+its GGUF mapping is checked against mlx_lm's model, which is what the loader
+returns) and gpt-oss.
 
 Each case writes a tiny random model as llama.cpp's converter would
 (tests/gguf_convert.py: names from gguf's own tensor map, the converter's
@@ -60,7 +61,7 @@ def _private_cache(tmp_path, monkeypatch):
 def family_dirs(tmp_path_factory):
     seed = fresh_seed("gguf families")
     root = tmp_path_factory.mktemp("families")
-    return {f: make_family_model(root / f, f, seed=seed) for f in FAMILIES}
+    return {f: make_family_model(root / f, f, seed=seed) for f in (*FAMILIES, "gemma4_moe")}
 
 
 @pytest.fixture(scope="module")
@@ -105,6 +106,21 @@ def test_gguf_dense_float32_logits_equal_safetensors(family_dirs, gguf_file, fam
     assert loaded.model_type == family
     assert _bits(loaded.model) == {}
     np.testing.assert_array_equal(np.array(loaded.model(TOKENS)), np.array(_reference_logits(family_dirs[family], path)))
+
+
+@pytest.mark.parametrize("qtype", ["BF16", "Q8_0", "Q4_K"])
+def test_gguf_gemma4_moe_logits_equal_safetensors(family_dirs, gguf_file, qtype):
+    # Gemma 4's MoE layout: router scales stored as ".scale" tensors, experts' gate and up
+    # fused, K = V on the global layers; dense float32 and kept quantized.
+    path = gguf_file("gemma4_moe", qtype)
+    want = _reference_logits(family_dirs["gemma4_moe"], path)
+    loaded = load_model(path, dtype="float32")
+    assert loaded.model.args.enable_moe_block and loaded.model.args.attention_k_eq_v
+    np.testing.assert_array_equal(np.array(loaded.model(TOKENS)), np.array(want))
+    if qtype == "Q8_0":
+        model = _kept(path)
+        assert _bits(model)["model.layers.0.experts.switch_glu.gate_proj"] == 8
+        np.testing.assert_allclose(np.array(model(TOKENS)), np.array(want), rtol=0, atol=EXACT_ATOL)
 
 
 def test_gpt_oss_mxfp4_experts_dense_logits_equal_safetensors(family_dirs, gguf_file):
