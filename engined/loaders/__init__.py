@@ -16,7 +16,7 @@ from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx.utils import tree_flatten
+from mlx.utils import tree_flatten, tree_map_with_path
 
 from engined.device import weight_dtype
 from shared.errors import ModelLoadError
@@ -89,7 +89,13 @@ def _apply_dtype(model: nn.Module, dtype: str, stored: mx.Dtype | None = None) -
     file_low = stored is not None and stored != mx.float32
     if mx.float32 in floats and (len(floats) > 1 or file_low):
         low = stored if file_low else mx.bfloat16 if mx.bfloat16 in floats else mx.float16
-        model.set_dtype(low)
+        # except what the family keeps in float32 (mlx_lm's cast_predicate: Qwen3.5's A_log)
+        keep = getattr(model, "cast_predicate", lambda _: True)
+
+        def cast(path, p):
+            return p.astype(low) if mx.issubdtype(p.dtype, mx.floating) and keep(path) else p
+
+        model.update(tree_map_with_path(cast, model.parameters()))
         mx.eval(model.parameters())
 
 

@@ -28,6 +28,7 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType, quants
+from mlx.utils import tree_flatten
 from mlx_lm.utils import load_model as mlx_lm_load_model
 
 from engined.loaders import load_model
@@ -172,6 +173,18 @@ def test_gguf_kept_quantized_logits_per_family(family_dirs, gguf_file, family):
     assert set(_bits(model).values()) == {5}
     got, want = np.array(model(TOKENS)), np.array(_reference_logits(family_dirs[family], path))
     np.testing.assert_allclose(got, want, rtol=0, atol=EXACT_ATOL)
+
+
+def test_gguf_kept_quantized_dtype_policy(family_dirs, gguf_file):
+    # What a GPU runs (dtype "auto" there, "quantized" here): dense tensors at the file's
+    # precision (float16 for a quantized file), except what the family keeps in float32.
+    model = load_model(gguf_file("qwen3_5", "Q5_0"), dtype="quantized").model
+    layer = model.language_model.model.layers[0]
+    assert layer.linear_attn.in_proj_qkv.scales.dtype == mx.float16
+    assert layer.input_layernorm.weight.dtype == mx.float16
+    assert layer.linear_attn.A_log.dtype == mx.float32  # mlx_lm's cast_predicate
+    bf16 = load_model(gguf_file("qwen3", "BF16"), dtype="quantized").model
+    assert {p.dtype for _, p in tree_flatten(bf16.parameters())} == {mx.bfloat16}
 
 
 def test_gguf_kept_mixed_bits_join_and_mxfp4(family_dirs, gguf_file):
