@@ -202,17 +202,20 @@ def load_gguf(path: str | Path, keep_quantized: bool = False) -> GGUFModel:
         if len(shapes[name]) > 1:
             kinds.add(kind)
     mapped = mlx_weights(family, config, values)
-    weights = {}
-    for name, value in mapped.items():
-        weights.update(_to_mlx(name, value))
-
-    model_class, args_class = _get_classes(config)
-    model = model_class(args_class.from_dict(config))
+    del values
     quant = {
         name[: -len(".weight")]: {"group_size": v.group_size, "bits": v.bits, "mode": v.mode}
         for name, v in mapped.items()
         if isinstance(v, Packed)
     }
+    # Tensor by tensor, so that each host copy is freed once MLX holds it: the peak
+    # is the model once plus one tensor, not twice the model.
+    weights = {}
+    for name in list(mapped):
+        weights.update(_to_mlx(name, mapped.pop(name)))
+
+    model_class, args_class = _get_classes(config)
+    model = model_class(args_class.from_dict(config))
     if quant:
         nn.quantize(model, class_predicate=lambda p, m: quant.get(p, False) if hasattr(m, "to_quantized") else False)
     if hasattr(model, "sanitize"):
