@@ -65,12 +65,27 @@ def dense(data: np.ndarray, kind: T, shape: tuple[int, ...]) -> np.ndarray:
 
 
 def pack_codes(codes: np.ndarray, bits: int) -> np.ndarray:
-    """uint8 codes (..., n) -> MLX's packing: a little-endian bit stream per row, read as uint32."""
+    """uint8 codes (..., n) -> MLX's packing: a little-endian bit stream per row, read as uint32.
+
+    ``bits``: 4, 5 or 8, the widths the GGUF types map to.
+    """
     lead, n = codes.shape[:-1], codes.shape[-1]
-    eight = codes.reshape(-1, 8).astype(np.uint64) << (np.arange(8, dtype=np.uint64) * np.uint64(bits))
-    stream = np.bitwise_or.reduce(eight, axis=-1)  # 8 codes = `bits` bytes
-    out = stream.view(np.uint8).reshape(-1, 8)[:, :bits]
-    return np.ascontiguousarray(out).reshape(*lead, n * bits // 8).view(np.uint32)
+    c = np.ascontiguousarray(codes, np.uint8)
+    if bits == 8:
+        packed = c
+    elif bits == 4:
+        packed = c[..., 0::2] | (c[..., 1::2] << 4)
+    elif bits == 5:
+        # 8 codes -> 5 bytes (uint8 shifts drop the bits that belong to the next byte)
+        k = [c[..., i::8] for i in range(8)]
+        packed = np.stack(
+            [k[0] | (k[1] << 5), (k[1] >> 3) | (k[2] << 2) | (k[3] << 7), (k[3] >> 1) | (k[4] << 4),
+             (k[4] >> 4) | (k[5] << 1) | (k[6] << 6), (k[6] >> 2) | (k[7] << 3)],
+            axis=-1,
+        )
+    else:
+        raise ValueError(f"no packing for {bits}-bit codes")
+    return np.ascontiguousarray(packed).reshape(*lead, n * bits // 8).view(np.uint32)
 
 
 def _blocks(data: np.ndarray, kind: T, shape: tuple[int, ...]) -> tuple[np.ndarray, int]:
