@@ -1,9 +1,8 @@
 """GGUF round trips per family and per quant type: the file's weights give the same logits as safetensors.
 
 Families: qwen3, qwen3moe, qwen3next, qwen35, qwen35moe, gemma3, gemma4 (the
-E-series layout and the MoE one; mlxd's engine does not run Gemma 4 yet, so
-its GGUF mapping is checked against mlx_lm's model, which is what the loader
-returns) and gpt-oss.
+E-series layout and the MoE one) and gpt-oss; each also through mlxd's
+engine step.
 
 Each case writes a tiny random model as llama.cpp's converter would
 (tests/gguf_convert.py: names from gguf's own tensor map, the converter's
@@ -333,11 +332,11 @@ def test_gguf_gemma4_tokenizer_uses_the_files_merges(tmp_path):
     assert tok.decode(tok.encode(" the cat hat€"), skip_special_tokens=True) == " the cat hat€"
 
 
-@pytest.mark.parametrize("family", [f for f in FAMILIES if f != "gemma4_text"])
+@pytest.mark.parametrize("family", [*FAMILIES, "gemma4_moe"])
 def test_gguf_family_runs_through_the_engine_step(family_dirs, gguf_file, family):
     # The loaded GGUF model through mlxd's own path (paged attention, slotted linear attention,
-    # a mixed decode/chunked/fresh-prefill step) gives mlx_lm's logits for the file's weights.
-    # Gemma 4 is left out: mlxd's engine does not run it yet.
+    # shared-layer K/V, a mixed decode/chunked/fresh-prefill step) gives mlx_lm's logits for
+    # the file's weights.
     from tests.engined.test_parity import check_parity
 
     path = gguf_file(family, "Q4_K")
