@@ -1,0 +1,156 @@
+"""BERT-family encoders in MLX: BERT, MiniLM, RoBERTa and XLM-RoBERTa.
+
+One architecture: learned absolute positions, post-norm layers (attention, add, LayerNorm; MLP, add,
+LayerNorm), biased projections. RoBERTa and XLM-R differ from BERT only in where positions start
+(after the padding index) and in having a single token type. Weights load by their Hugging Face
+names; q/k/v are fused into one projection at load so a layer does one matmul for them, not three.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import mlx.core as mx
+import mlx.nn as nn
+
+MODEL_TYPES = ("bert", "roberta", "xlm-roberta")
+
+_ACTIVATIONS = {
+    "gelu": nn.gelu,
+    "gelu_new": nn.gelu_approx,
+    "gelu_pytorch_tanh": nn.gelu_approx,
+    "relu": nn.relu,
+    "silu": nn.silu,
+}
+
+
+@dataclass
+class ModelArgs:
+    vocab_size: int
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    intermediate_size: int
+    max_position_embeddings: int
+    type_vocab_size: int
+    layer_norm_eps: float
+    hidden_act: str
+    pad_token_id: int
+    # RoBERTa-style positions count from pad_token_id + 1 and skip pad tokens.
+    roberta_positions: bool
+
+    def __post_init__(self):
+        if self.hidden_size % self.num_attention_heads:
+            raise ValueError(f"hidden_size {self.hidden_size} is not a multiple of {self.num_attention_heads} heads")
+        if self.hidden_act not in _ACTIVATIONS:
+            raise ValueError(f"hidden_act {self.hidden_act!r} is not supported (one of {sorted(_ACTIVATIONS)})")
+
+    @classmethod
+    def from_config(cls, config: dict) -> ModelArgs:
+        roberta = config["model_type"] in ("roberta", "xlm-roberta")
+        return cls(
+            vocab_size=config["vocab_size"],
+            hidden_size=config["hidden_size"],
+            num_hidden_layers=config["num_hidden_layers"],
+            num_attention_heads=config["num_attention_heads"],
+            intermediate_size=config["intermediate_size"],
+            max_position_embeddings=config["max_position_embeddings"],
+            type_vocab_size=config.get("type_vocab_size", 2),
+            layer_norm_eps=config.get("layer_norm_eps", 1e-12),
+            hidden_act=config.get("hidden_act", "gelu"),
+            pad_token_id=config.get("pad_token_id", 1 if roberta else 0),
+            roberta_positions=roberta,
+        )
+
+    @property
+    def max_positions(self) -> int:
+        """The longest sequence the position table covers."""
+        offset = self.pad_token_id + 1 if self.roberta_positions else 0
+        return self.max_position_embeddings - offset
+
+
+class _Layer(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        h = args.hidden_size
+        self.heads = args.num_attention_heads
+        self.scale = 1.0 / math.sqrt(h // self.heads)
+        self.qkv = nn.Linear(h, 3 * h)
+        self.attn_out = nn.Linear(h, h)
+        self.attn_norm = nn.LayerNorm(h, eps=args.layer_norm_eps)
+        self.up = nn.Linear(h, args.intermediate_size)
+        self.down = nn.Linear(args.intermediate_size, h)
+        self.mlp_norm = nn.LayerNorm(h, eps=args.layer_norm_eps)
+        self.act = _ACTIVATIONS[args.hidden_act]
+
+    def __call__(self, x: mx.array, mask: mx.array) -> mx.array:
+        b, n, h = x.shape
+        qkv = self.qkv(x).reshape(b, n, 3, self.heads, h // self.heads).transpose(2, 0, 3, 1, 4)
+        a = mx.fast.scaled_dot_product_attention(qkv[0], qkv[1], qkv[2], scale=self.scale, mask=mask)
+        x = self.attn_norm(x + self.attn_out(a.transpose(0, 2, 1, 3).reshape(b, n, h)))
+        return self.mlp_norm(x + self.down(self.act(self.up(x))))
+
+
+class Model(nn.Module):
+    """Token ids [B, L] (right-padded) and a key mask [B, L] -> last hidden states [B, L, hidden]."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.args = args
+        h = args.hidden_size
+        self.word_embeddings = nn.Embedding(args.vocab_size, h)
+        self.position_embeddings = nn.Embedding(args.max_position_embeddings, h)
+        self.token_type_embeddings = nn.Embedding(args.type_vocab_size, h)
+        self.embed_norm = nn.LayerNorm(h, eps=args.layer_norm_eps)
+        self.layers = [_Layer(args) for _ in range(args.num_hidden_layers)]
+
+    def __call__(self, ids: mx.array, mask: mx.array) -> mx.array:
+        if self.args.roberta_positions:
+            # As Hugging Face's RoBERTa: pad tokens sit at the padding index, others count after it.
+            real = (ids != self.args.pad_token_id).astype(mx.int32)
+            positions = mx.cumsum(real, axis=1) * real + self.args.pad_token_id
+        else:
+            positions = mx.arange(ids.shape[1])[None]
+        # token_type_ids are all zero: a single sentence per input.
+        x = self.word_embeddings(ids) + self.position_embeddings(positions) + self.token_type_embeddings.weight[0]
+        x = self.embed_norm(x)
+        key_mask = mask[:, None, None, :]
+        for layer in self.layers:
+            x = layer(x, key_mask)
+        return x
+
+
+_RENAMES = (
+    ("embeddings.word_embeddings.", "word_embeddings."),
+    ("embeddings.position_embeddings.", "position_embeddings."),
+    ("embeddings.token_type_embeddings.", "token_type_embeddings."),
+    ("embeddings.LayerNorm.", "embed_norm."),
+    ("attention.output.dense.", "attn_out."),
+    ("attention.output.LayerNorm.", "attn_norm."),
+    ("intermediate.dense.", "up."),
+    ("output.dense.", "down."),
+    ("output.LayerNorm.", "mlp_norm."),
+)
+
+
+def sanitize(weights: dict[str, mx.array], args: ModelArgs) -> dict[str, mx.array]:
+    """Hugging Face BERT/RoBERTa tensor names -> this module's, with q/k/v fused; heads and pooler dropped."""
+    out: dict[str, mx.array] = {}
+    for name, w in weights.items():
+        for prefix in ("bert.", "roberta.", "model."):
+            if name.startswith(prefix):
+                name = name[len(prefix):]
+        if not name.startswith(("embeddings.", "encoder.")) or name.endswith("position_ids"):
+            continue  # the pooler, MLM/classifier heads and buffers are not part of the sentence embedding
+        name = name.replace("encoder.layer.", "layers.")
+        for old, new in _RENAMES:
+            name = name.replace(old, new)
+        out[name] = w
+    for i in range(args.num_hidden_layers):
+        for kind in ("weight", "bias"):
+            parts = [out.pop(f"layers.{i}.attention.self.{p}.{kind}", None) for p in ("query", "key", "value")]
+            if any(p is None for p in parts):
+                raise ValueError(f"layer {i} has no attention.self.query/key/value.{kind}")
+            out[f"layers.{i}.qkv.{kind}"] = mx.concatenate(parts, axis=0)
+    return out
