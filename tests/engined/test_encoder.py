@@ -77,7 +77,8 @@ def test_batches_larger_than_one_forward_keep_input_order(minilm, monkeypatch):
     import engined.encoder as encoder_module
 
     rng = seeded_rng()
-    ids = _tokenize(MINILM, _texts(rng))
+    texts = _texts(rng)
+    ids = _tokenize(MINILM, texts[:8] + texts[-1:])
     whole = minilm.embed(ids)
     # A forward of at most 300 padded tokens: the batch runs as many length-sorted chunks.
     monkeypatch.setattr(encoder_module, "TOKENS_PER_FORWARD", 300)
@@ -100,7 +101,7 @@ def _folder_with_pooling(tmp_path: Path, pooling: dict, normalize: bool) -> Path
 def test_every_pooling_mode_concatenated_matches_sentence_transformers(tmp_path):
     modes = ["cls", "max", "mean", "mean_sqrt_len_tokens", "weightedmean", "lasttoken"]
     folder = _folder_with_pooling(tmp_path, {"embedding_dimension": 384, "pooling_mode": modes}, normalize=False)
-    texts = _texts(seeded_rng())[:-1]
+    texts = _texts(seeded_rng())[:8]
     ours = EncoderModel.load(folder)
     assert ours.dim == 384 * len(modes)
     got = ours.embed(_tokenize(folder, texts))
@@ -190,3 +191,17 @@ def test_is_encoder_dir_and_load_errors(tmp_path):
                                                                 "path": "3_LayerNorm"}]))
     with pytest.raises(ModelLoadError, match="LayerNorm"):
         EncoderModel.load(folder)
+
+
+def test_length_chunks_cover_every_row_within_the_padding_budget():
+    from engined.encoder import MAX_PADDING, TOKENS_PER_FORWARD, _length_chunks
+
+    rng = seeded_rng()
+    lengths = sorted(int(n) for n in rng.integers(1, 257, size=300))
+    chunks = _length_chunks(lengths)
+    assert [i for c in chunks for i in range(c.start, c.stop)] == list(range(len(lengths)))
+    for c in chunks:
+        part = lengths[c]
+        padded = len(part) * part[-1]
+        # A lone row may exceed nothing; a chunk of several stays within both bounds.
+        assert len(part) == 1 or (padded <= TOKENS_PER_FORWARD and padded <= sum(part) * (1 + MAX_PADDING))
