@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import partial
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -20,20 +21,23 @@ MODEL_TYPES = ("bert", "roberta", "xlm-roberta")
 _ERF_A = (0.0705230784, 0.0422820123, 0.0092705272, 0.0001520143, 0.0002765672, 0.0000430638)
 
 
+@partial(mx.compile, shapeless=True)
 def gelu_erf(x: mx.array) -> mx.array:
-    """Exact (erf) GELU to float32 precision from multiplies and one reciprocal.
+    """Exact (erf) GELU to float32 precision from multiplies and one reciprocal, fused by mx.compile.
 
     MLX's CPU backend evaluates erf (and exp, tanh) one scalar at a time: ``nn.gelu`` was ~40% of a
-    MiniLM forward here. This form runs as vectorised arithmetic, 3-4x faster, within 1e-6 of it.
+    MiniLM forward here. This form, with no branch (``where`` is slow there too), runs 2x faster
+    than ``nn.gelu`` and stays within 1e-6 of it.
     """
-    z = mx.abs(x) * 0.7071067811865476
+    a = mx.abs(x)
+    z = a * 0.7071067811865476
     a1, a2, a3, a4, a5, a6 = _ERF_A
     r = 1.0 / (1.0 + z * (a1 + z * (a2 + z * (a3 + z * (a4 + z * (a5 + z * a6))))))
     r = r * r
     r = r * r
     r = r * r
-    half_tail = 0.5 * x * (r * r)  # 0.5 x (1 - erf(|x| / sqrt 2))
-    return mx.where(x >= 0, x - half_tail, half_tail)
+    # 1 - r^2 is erf(|x| / sqrt 2); gelu(x) = (x + |x| erf(|x| / sqrt 2)) / 2 for either sign of x.
+    return 0.5 * (x + a * (1.0 - r * r))
 
 
 _ACTIVATIONS = {

@@ -205,3 +205,13 @@ def test_length_chunks_cover_every_row_within_the_padding_budget():
         padded = len(part) * part[-1]
         # A lone row may exceed nothing; a chunk of several stays within both bounds.
         assert len(part) == 1 or (padded <= TOKENS_PER_FORWARD and padded <= sum(part) * (1 + MAX_PADDING))
+
+
+def test_arithmetic_gelu_matches_erf_gelu():
+    import mlx.core as mx
+    import mlx.nn as nn
+
+    from engined.encoder_bert import gelu_erf
+
+    x = mx.linspace(-12, 12, 100_001)
+    assert mx.abs(gelu_erf(x) - nn.gelu(x)).max().item() < 2e-6
