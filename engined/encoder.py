@@ -28,10 +28,10 @@ import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten
 
-from engined import encoder_bert
+from engined import encoder_bert, encoder_modernbert
 from shared.errors import InvalidRequestError, ModelLoadError
 
-_FAMILIES = {t: encoder_bert for t in encoder_bert.MODEL_TYPES}
+_FAMILIES = {t: family for family in (encoder_bert, encoder_modernbert) for t in family.MODEL_TYPES}
 
 # Padded tokens per forward: bounds the attention scores ([chunk, heads, L, L] floats) and the
 # activations of one forward while keeping matmuls large enough to run at full speed on a CPU.

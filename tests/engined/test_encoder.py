@@ -133,6 +133,12 @@ def _tiny_hf_encoder(tmp_path: Path, kind: str, seed: int) -> Path:
                   intermediate_size=96, max_position_embeddings=80)
     if kind == "bert":
         model = transformers.BertModel(transformers.BertConfig(**common, hidden_act="gelu_new"))
+    elif kind == "modernbert":
+        # A 16-token local window (8 either side) so the 33- and 70-token rows see local and global layers differ.
+        common.update(num_hidden_layers=4, intermediate_size=48)
+        model = transformers.ModernBertModel(transformers.ModernBertConfig(
+            **common, local_attention=16, global_attn_every_n_layers=2, pad_token_id=0, bos_token_id=1,
+            eos_token_id=2, cls_token_id=1, sep_token_id=2))
     else:
         model = transformers.XLMRobertaModel(transformers.XLMRobertaConfig(**common, type_vocab_size=1, pad_token_id=1))
     folder = tmp_path / kind
@@ -140,7 +146,7 @@ def _tiny_hf_encoder(tmp_path: Path, kind: str, seed: int) -> Path:
     return folder
 
 
-@pytest.mark.parametrize("kind", ["bert", "xlm-roberta"])
+@pytest.mark.parametrize("kind", ["bert", "xlm-roberta", "modernbert"])
 def test_family_matches_transformers_forward(tmp_path, kind):
     rng = seeded_rng()
     folder = _tiny_hf_encoder(tmp_path, kind, int(rng.integers(1 << 31)))
