@@ -129,13 +129,16 @@ class _Dense:
     @classmethod
     def load(cls, folder: Path) -> _Dense:
         config = _read_json(folder / "config.json") or {}
-        act = config.get("activation_function", "torch.nn.modules.linear.Identity")
+        # Absent, sentence-transformers' Dense defaults to Tanh.
+        act = config.get("activation_function", "torch.nn.modules.activation.Tanh")
         if act not in _DENSE_ACTIVATIONS:
             raise ModelLoadError(f"{folder}: Dense activation {act!r} is not supported")
         w = _read_safetensors(folder)
         if "linear.weight" not in w:
             raise ModelLoadError(f"{folder}: Dense weights have no linear.weight")
-        return cls(w["linear.weight"].astype(mx.float32), w.get("linear.bias"), _DENSE_ACTIVATIONS[act])
+        bias = w.get("linear.bias")
+        return cls(w["linear.weight"].astype(mx.float32), None if bias is None else bias.astype(mx.float32),
+                   _DENSE_ACTIVATIONS[act])
 
 
 class EncoderModel:
@@ -172,7 +175,8 @@ class EncoderModel:
         if not isinstance(config, dict) or config.get("model_type") not in _FAMILIES:
             raise ModelLoadError(f"{path}: not an encoder folder (config.json model_type one of {sorted(_FAMILIES)})")
         family = _FAMILIES[config["model_type"]]
-        modules = _read_json(path / "modules.json") or [{"type": _ST + "Transformer", "path": ""}, {"type": _ST + "Pooling", "path": ""}]
+        modules = _read_json(path / "modules.json") or [{"type": _ST + "Transformer", "path": ""},
+                                                          {"type": _ST + "Pooling", "path": ""}]
         pooling, dense, normalize, transformer_dir = None, [], False, path
         for module in modules:
             kind, sub = module.get("type", ""), path / module.get("path", "")
@@ -195,7 +199,8 @@ class EncoderModel:
             encoder.load_weights(list(family.sanitize(_read_safetensors(transformer_dir), args).items()))
         except ValueError as e:
             raise ModelLoadError(f"{transformer_dir}: weights do not fit the {config['model_type']} config ({e})") from e
-        # Encoders run in float32: CPU matmuls gain nothing from half precision and parity stays tight.
+        # float32 on every device: these models are tens to hundreds of MB, and half precision would
+        # loosen the parity with sentence-transformers that the tests hold them to.
         encoder.set_dtype(mx.float32)
         encoder.eval()
         mx.eval(encoder.parameters())

@@ -124,6 +124,29 @@ def test_legacy_cls_pooling_flags_are_read(tmp_path):
     assert _cosines(got, ref).min() >= 0.9999
 
 
+@pytest.mark.parametrize("activation", ["torch.nn.modules.activation.Tanh", "torch.nn.modules.linear.Identity"])
+def test_dense_module_matches_sentence_transformers(tmp_path, activation):
+    from safetensors.numpy import save_file
+
+    rng = seeded_rng()
+    folder = _folder_with_pooling(tmp_path, {"embedding_dimension": 384, "pooling_mode": "mean"}, normalize=True)
+    modules = json.loads((folder / "modules.json").read_text())
+    modules[-1].update(idx=3, name="3")  # sentence-transformers keys its modules by name: Normalize moves up
+    modules.insert(2, {"idx": 2, "name": "2", "path": "2_Dense", "type": "sentence_transformers.models.Dense"})
+    (folder / "modules.json").write_text(json.dumps(modules))
+    (folder / "2_Dense").mkdir()
+    (folder / "2_Dense" / "config.json").write_text(json.dumps(
+        {"in_features": 384, "out_features": 96, "bias": True, "activation_function": activation}))
+    save_file({"linear.weight": rng.normal(0, 0.1, (96, 384)).astype(np.float32),
+               "linear.bias": rng.normal(0, 0.1, 96).astype(np.float32)}, str(folder / "2_Dense" / "model.safetensors"))
+    texts = ["dense projection of a sentence", "another one, a little longer than the first sentence"]
+    ours = EncoderModel.load(folder)
+    assert ours.dim == 96
+    got = ours.embed(_tokenize(folder, texts))
+    ref = sentence_transformers.SentenceTransformer(str(folder), device="cpu").encode(texts, convert_to_numpy=True)
+    assert ref.shape == got.shape and _cosines(got, ref).min() >= 0.9999
+
+
 def _tiny_hf_encoder(tmp_path: Path, kind: str, seed: int) -> Path:
     """A tiny random Hugging Face encoder folder (config.json + model.safetensors), no tokenizer."""
     import transformers
