@@ -198,7 +198,8 @@ class EncoderModel:
         try:
             encoder.load_weights(list(family.sanitize(_read_safetensors(transformer_dir), args).items()))
         except ValueError as e:
-            raise ModelLoadError(f"{transformer_dir}: weights do not fit the {config['model_type']} config ({e})") from e
+            raise ModelLoadError(
+                f"{transformer_dir}: weights do not fit the {config['model_type']} config ({e})") from e
         # float32 on every device: these models are tens to hundreds of MB, and half precision would
         # loosen the parity with sentence-transformers that the tests hold them to.
         encoder.set_dtype(mx.float32)

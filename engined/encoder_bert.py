@@ -1,8 +1,10 @@
-"""BERT-family encoders in MLX: BERT, MiniLM, RoBERTa and XLM-RoBERTa.
+"""BERT-family encoders in MLX: BERT, MiniLM, RoBERTa, XLM-RoBERTa and MPNet.
 
 One architecture: learned absolute positions, post-norm layers (attention, add, LayerNorm; MLP, add,
 LayerNorm), biased projections. RoBERTa and XLM-R differ from BERT only in where positions start
-(after the padding index) and in having a single token type. Weights load by their Hugging Face
+(after the padding index) and in having a single token type; MPNet counts positions as RoBERTa,
+has no token types and adds a relative-position bias (T5-style buckets, shared by all layers) to
+every layer's attention scores. Weights load by their Hugging Face
 names; q/k/v are fused into one projection at load so a layer does one matmul for them, not three.
 """
 
@@ -14,8 +16,9 @@ from functools import partial
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 
-MODEL_TYPES = ("bert", "roberta", "xlm-roberta")
+MODEL_TYPES = ("bert", "roberta", "xlm-roberta", "mpnet")
 
 # Abramowitz & Stegun 7.1.28: erf(z) = 1 - (1 + a1 z + ... + a6 z^6)^-16 for z >= 0, |error| <= 3e-7.
 _ERF_A = (0.0705230784, 0.0422820123, 0.0092705272, 0.0001520143, 0.0002765672, 0.0000430638)
@@ -63,6 +66,8 @@ class ModelArgs:
     pad_token_id: int
     # RoBERTa-style positions count from pad_token_id + 1 and skip pad tokens.
     roberta_positions: bool
+    # MPNet's relative-position buckets (0: none).
+    relative_buckets: int = 0
 
     def __post_init__(self):
         if self.hidden_size % self.num_attention_heads:
@@ -72,7 +77,8 @@ class ModelArgs:
 
     @classmethod
     def from_config(cls, config: dict) -> ModelArgs:
-        roberta = config["model_type"] in ("roberta", "xlm-roberta")
+        mpnet = config["model_type"] == "mpnet"
+        roberta = mpnet or config["model_type"] in ("roberta", "xlm-roberta")
         return cls(
             vocab_size=config["vocab_size"],
             hidden_size=config["hidden_size"],
@@ -80,11 +86,13 @@ class ModelArgs:
             num_attention_heads=config["num_attention_heads"],
             intermediate_size=config["intermediate_size"],
             max_position_embeddings=config["max_position_embeddings"],
-            type_vocab_size=config.get("type_vocab_size", 2),
+            type_vocab_size=0 if mpnet else config.get("type_vocab_size", 2),
             layer_norm_eps=config.get("layer_norm_eps", 1e-12),
             hidden_act=config.get("hidden_act", "gelu"),
             pad_token_id=config.get("pad_token_id", 1 if roberta else 0),
             roberta_positions=roberta,
+            # transformers' MPNet computes its buckets with 32 whatever the config says.
+            relative_buckets=32 if mpnet else 0,
         )
 
     @property
@@ -125,7 +133,10 @@ class Model(nn.Module):
         h = args.hidden_size
         self.word_embeddings = nn.Embedding(args.vocab_size, h)
         self.position_embeddings = nn.Embedding(args.max_position_embeddings, h)
-        self.token_type_embeddings = nn.Embedding(args.type_vocab_size, h)
+        if args.type_vocab_size:
+            self.token_type_embeddings = nn.Embedding(args.type_vocab_size, h)
+        if args.relative_buckets:
+            self.relative_attention_bias = nn.Embedding(args.relative_buckets, args.num_attention_heads)
         self.embed_norm = nn.LayerNorm(h, eps=args.layer_norm_eps)
         self.layers = [_Layer(args) for _ in range(args.num_hidden_layers)]
 
@@ -136,16 +147,42 @@ class Model(nn.Module):
             positions = mx.cumsum(real, axis=1) * real + self.args.pad_token_id
         else:
             positions = mx.arange(ids.shape[1])[None]
-        # token_type_ids are all zero: a single sentence per input.
-        x = self.word_embeddings(ids) + self.position_embeddings(positions) + self.token_type_embeddings.weight[0]
+        x = self.word_embeddings(ids) + self.position_embeddings(positions)
+        if self.args.type_vocab_size:
+            x = x + self.token_type_embeddings.weight[0]  # token_type_ids are all zero: one sentence per input
         x = self.embed_norm(x)
         key_mask = mask[:, None, None, :]
+        if self.args.relative_buckets:
+            buckets = mx.array(_relative_buckets(ids.shape[1], self.args.relative_buckets))
+            bias = self.relative_attention_bias(buckets).transpose(2, 0, 1)[None]  # [1, heads, L, L]
+            key_mask = mx.where(key_mask, bias, -mx.inf)
         for layer in self.layers:
             x = layer(x, key_mask)
         return x
 
 
+def _relative_buckets(n: int, buckets: int, max_distance: int = 128) -> np.ndarray:
+    """[n, n] bucket of each (query, key) offset, as transformers' MPNet computes it (float32 logs)."""
+    pos = np.arange(n)
+    rel = pos[:, None] - pos[None, :]  # query - key: transformers' ``-relative_position``
+    half = buckets // 2
+    out = (rel < 0).astype(np.int64) * half
+    dist = np.abs(rel)
+    exact = half // 2
+    # Offsets below ``exact`` take the exact bucket; clamping them first keeps log(0) out of the cast.
+    scaled = np.log(np.maximum(dist, exact).astype(np.float32) / np.float32(exact)) / np.float32(
+        math.log(max_distance / exact))
+    large = np.minimum(exact + (scaled * np.float32(half - exact)).astype(np.int64), half - 1)
+    return out + np.where(dist < exact, dist, large)
+
+
 _RENAMES = (
+    ("encoder.relative_attention_bias.", "relative_attention_bias."),
+    ("attention.attn.q.", "attention.self.query."),
+    ("attention.attn.k.", "attention.self.key."),
+    ("attention.attn.v.", "attention.self.value."),
+    ("attention.attn.o.", "attn_out."),
+    ("attention.LayerNorm.", "attn_norm."),
     ("embeddings.word_embeddings.", "word_embeddings."),
     ("embeddings.position_embeddings.", "position_embeddings."),
     ("embeddings.token_type_embeddings.", "token_type_embeddings."),
@@ -162,7 +199,7 @@ def sanitize(weights: dict[str, mx.array], args: ModelArgs) -> dict[str, mx.arra
     """Hugging Face BERT/RoBERTa tensor names -> this module's, with q/k/v fused; heads and pooler dropped."""
     out: dict[str, mx.array] = {}
     for name, w in weights.items():
-        for prefix in ("bert.", "roberta.", "model."):
+        for prefix in ("bert.", "roberta.", "mpnet.", "model."):
             if name.startswith(prefix):
                 name = name[len(prefix):]
         if not name.startswith(("embeddings.", "encoder.")) or name.endswith("position_ids"):

@@ -167,6 +167,9 @@ def _tiny_hf_encoder(tmp_path: Path, kind: str, seed: int) -> Path:
         model = transformers.ModernBertModel(transformers.ModernBertConfig(
             **common, local_attention=16, global_attn_every_n_layers=2, pad_token_id=0, bos_token_id=1,
             eos_token_id=2, cls_token_id=1, sep_token_id=2))
+    elif kind == "mpnet":
+        # Rows past 16 tokens reach the logarithmic buckets.
+        model = transformers.MPNetModel(transformers.MPNetConfig(**common, pad_token_id=1))
     else:
         model = transformers.XLMRobertaModel(transformers.XLMRobertaConfig(**common, type_vocab_size=1, pad_token_id=1))
     folder = tmp_path / kind
@@ -174,14 +177,14 @@ def _tiny_hf_encoder(tmp_path: Path, kind: str, seed: int) -> Path:
     return folder
 
 
-@pytest.mark.parametrize("kind", ["bert", "xlm-roberta", "modernbert"])
+@pytest.mark.parametrize("kind", ["bert", "xlm-roberta", "mpnet", "modernbert"])
 def test_family_matches_transformers_forward(tmp_path, kind):
     rng = seeded_rng()
     folder = _tiny_hf_encoder(tmp_path, kind, int(rng.integers(1 << 31)))
     assert EncoderModel.is_encoder_dir(folder)
     ours = EncoderModel.load(folder)  # no modules.json: sentence-transformers' default, mean pooling
-    pad = 1 if kind == "xlm-roberta" else 0
-    assert ours.max_length == (80 - pad - 1 if kind == "xlm-roberta" else 80)
+    pad = 1 if kind in ("xlm-roberta", "mpnet") else 0
+    assert ours.max_length == (80 - pad - 1 if pad else 80)
     lengths = [1, 5, 33, 70, 2]
     rows = [list(rng.integers(3, 120, size=n)) for n in lengths]
     got = ours.embed(rows)
