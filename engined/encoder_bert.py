@@ -1,8 +1,9 @@
-"""BERT-family encoders in MLX: BERT, MiniLM, RoBERTa, XLM-RoBERTa and MPNet.
+"""BERT-family encoders in MLX: BERT, MiniLM, DistilBERT, RoBERTa, XLM-RoBERTa and MPNet.
 
 One architecture: learned absolute positions, post-norm layers (attention, add, LayerNorm; MLP, add,
 LayerNorm), biased projections. RoBERTa and XLM-R differ from BERT only in where positions start
-(after the padding index) and in having a single token type; MPNet counts positions as RoBERTa,
+(after the padding index) and in having a single token type; DistilBERT has no token types and
+its own config and tensor names; MPNet counts positions as RoBERTa,
 has no token types and adds a relative-position bias (T5-style buckets, shared by all layers) to
 every layer's attention scores. Weights load by their Hugging Face
 names; q/k/v are fused into one projection at load so a layer does one matmul for them, not three.
@@ -18,7 +19,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-MODEL_TYPES = ("bert", "roberta", "xlm-roberta", "mpnet")
+MODEL_TYPES = ("bert", "distilbert", "roberta", "xlm-roberta", "mpnet")
 
 # Abramowitz & Stegun 7.1.28: erf(z) = 1 - (1 + a1 z + ... + a6 z^6)^-16 for z >= 0, |error| <= 3e-7.
 _ERF_A = (0.0705230784, 0.0422820123, 0.0092705272, 0.0001520143, 0.0002765672, 0.0000430638)
@@ -77,6 +78,14 @@ class ModelArgs:
 
     @classmethod
     def from_config(cls, config: dict) -> ModelArgs:
+        if config["model_type"] == "distilbert":
+            return cls(
+                vocab_size=config["vocab_size"], hidden_size=config["dim"], num_hidden_layers=config["n_layers"],
+                num_attention_heads=config["n_heads"], intermediate_size=config["hidden_dim"],
+                max_position_embeddings=config.get("max_position_embeddings", 512), type_vocab_size=0,
+                layer_norm_eps=1e-12, hidden_act=config.get("activation", "gelu"),
+                pad_token_id=config.get("pad_token_id", 0), roberta_positions=False,
+            )
         mpnet = config["model_type"] == "mpnet"
         roberta = mpnet or config["model_type"] in ("roberta", "xlm-roberta")
         return cls(
@@ -177,6 +186,16 @@ def _relative_buckets(n: int, buckets: int, max_distance: int = 128) -> np.ndarr
 
 
 _RENAMES = (
+    # DistilBERT's names first, then MPNet's, then BERT's (which the others' partly contain).
+    ("transformer.layer.", "layers."),
+    ("attention.q_lin.", "attention.self.query."),
+    ("attention.k_lin.", "attention.self.key."),
+    ("attention.v_lin.", "attention.self.value."),
+    ("attention.out_lin.", "attn_out."),
+    ("sa_layer_norm.", "attn_norm."),
+    ("ffn.lin1.", "up."),
+    ("ffn.lin2.", "down."),
+    ("output_layer_norm.", "mlp_norm."),
     ("encoder.relative_attention_bias.", "relative_attention_bias."),
     ("attention.attn.q.", "attention.self.query."),
     ("attention.attn.k.", "attention.self.key."),
@@ -199,10 +218,10 @@ def sanitize(weights: dict[str, mx.array], args: ModelArgs) -> dict[str, mx.arra
     """Hugging Face BERT/RoBERTa tensor names -> this module's, with q/k/v fused; heads and pooler dropped."""
     out: dict[str, mx.array] = {}
     for name, w in weights.items():
-        for prefix in ("bert.", "roberta.", "mpnet.", "model."):
+        for prefix in ("bert.", "distilbert.", "roberta.", "mpnet.", "model."):
             if name.startswith(prefix):
                 name = name[len(prefix):]
-        if not name.startswith(("embeddings.", "encoder.")) or name.endswith("position_ids"):
+        if not name.startswith(("embeddings.", "encoder.", "transformer.")) or name.endswith("position_ids"):
             continue  # the pooler, MLM/classifier heads and buffers are not part of the sentence embedding
         name = name.replace("encoder.layer.", "layers.")
         for old, new in _RENAMES:

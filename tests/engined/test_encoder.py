@@ -167,6 +167,9 @@ def _tiny_hf_encoder(tmp_path: Path, kind: str, seed: int) -> Path:
         model = transformers.ModernBertModel(transformers.ModernBertConfig(
             **common, local_attention=16, global_attn_every_n_layers=2, pad_token_id=0, bos_token_id=1,
             eos_token_id=2, cls_token_id=1, sep_token_id=2))
+    elif kind == "distilbert":
+        model = transformers.DistilBertModel(transformers.DistilBertConfig(
+            vocab_size=120, dim=64, n_layers=2, n_heads=4, hidden_dim=96, max_position_embeddings=80))
     elif kind == "mpnet":
         # Rows past 16 tokens reach the logarithmic buckets.
         model = transformers.MPNetModel(transformers.MPNetConfig(**common, pad_token_id=1))
@@ -177,7 +180,7 @@ def _tiny_hf_encoder(tmp_path: Path, kind: str, seed: int) -> Path:
     return folder
 
 
-@pytest.mark.parametrize("kind", ["bert", "xlm-roberta", "mpnet", "modernbert"])
+@pytest.mark.parametrize("kind", ["bert", "distilbert", "xlm-roberta", "mpnet", "modernbert"])
 def test_family_matches_transformers_forward(tmp_path, kind):
     rng = seeded_rng()
     folder = _tiny_hf_encoder(tmp_path, kind, int(rng.integers(1 << 31)))
