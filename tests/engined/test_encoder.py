@@ -208,6 +208,14 @@ def test_family_matches_transformers_forward(tmp_path, kind):
     np.testing.assert_allclose(got, ref, atol=2e-5, rtol=1e-4)
 
 
+def test_truncation_keeps_a_closing_separator_else_cuts_the_tail(minilm):
+    ids = [101] + [2000 + i for i in range(300)] + [102]
+    np.testing.assert_allclose(minilm.embed([ids]), minilm.embed([ids[:255] + [102]]), atol=1e-6)
+    # Raw ids with no closing [SEP]: the first max_length tokens.
+    np.testing.assert_allclose(minilm.embed([ids[:-1]]), minilm.embed([ids[:256]]), atol=1e-6)
+    assert not np.allclose(minilm.embed([ids[:-1]]), minilm.embed([ids]), atol=1e-3)
+
+
 def test_bad_inputs_are_invalid_requests(minilm):
     with pytest.raises(InvalidRequestError, match="empty"):
         minilm.embed([[101, 102], []])
