@@ -17,7 +17,7 @@ from concurrent.futures import wait as wait_futures
 import mlx.core as mx
 
 import kernels
-from engined import memory_guard, pipeline
+from engined import memory_guard, model_split, pipeline
 from engined.draft_model import DraftProposer
 from engined.kv import KVCacheManager
 from engined.loaders import LoadedModel, load_model
@@ -47,7 +47,7 @@ class Engine:
         backend = kernels.resolve_backend(config.attention_backend)
         pipelined = config.num_ranks > 1
         if pipelined:
-            pipeline.prepare(loaded.model, pipeline.join(config.num_ranks), config)
+            model_split.prepare(loaded.model, pipeline.join(config.num_ranks), config)
         specs = read_layers(loaded.model)
         kv = KVCacheManager.build(specs, config, dtype)
         spec = config.speculative
