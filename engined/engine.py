@@ -47,7 +47,7 @@ class Engine:
         backend = kernels.resolve_backend(config.attention_backend)
         pipelined = config.num_ranks > 1
         if pipelined:
-            model_split.prepare(loaded.model, pipeline.join(config.num_ranks), config)
+            model_split.prepare(loaded.model, pipeline.join(config), config)
         specs = read_layers(loaded.model)
         kv = KVCacheManager.build(specs, config, dtype)
         spec = config.speculative

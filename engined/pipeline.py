@@ -68,10 +68,16 @@ _encode = msgspec.msgpack.Encoder().encode
 _decode = msgspec.msgpack.Decoder(Message).decode
 
 
-def join(size: int) -> mx.distributed.Group:
-    """This process's group of ``size`` ranks (the launcher set MLX_RANK and MLX_HOSTFILE)."""
+def join(config: EngineConfig) -> mx.distributed.Group:
+    """This process's group of ``config.num_ranks`` ranks (the launcher set MLX_RANK and MLX_HOSTFILE).
+
+    Waiting for the other ranks to connect holds the interpreter: a rank that never comes (it
+    failed to start) is caught by the watchdog's C timer, not by any Python thread.
+    """
+    size = config.num_ranks
     try:
-        group = mx.distributed.init(strict=True)
+        with Watchdog(config.pipeline_timeout):
+            group = mx.distributed.init(strict=True)
     except RuntimeError as e:
         raise ModelLoadError(f"{size} ranks asked for, but no distributed backend came up ({e}); start the "
                              "ranks with mlx.launch or let `mlxd engine` start them on this machine") from e
@@ -100,6 +106,10 @@ class Link:
         body = mx.distributed.recv((int(head.item()),), mx.uint8, 0, group=self.group)
         mx.eval(body)
         return _decode(np.array(body).tobytes())
+
+    def barrier(self) -> None:
+        """Return once every rank has called this (each has loaded its part of the model, say)."""
+        self.smallest(0)
 
     def smallest(self, value: int) -> int:
         """The least of every rank's ``value`` (every rank calls this at the same point)."""
@@ -237,9 +247,11 @@ class MirroredRunner(ModelRunner):
 
     def __init__(self, model, specs, kv: KVCacheManager, attention_backend: str, config: EngineConfig):
         super().__init__(model, specs, kv, attention_backend)
-        group = join(config.num_ranks)
+        group = join(config)
         hand_off(model, group)
         self.link = Link(group)
+        # The other ranks may still be loading; the warm-up forward, which is watched, must not wait on that.
+        self.link.barrier()
         self.kv = JournaledKV(kv, self.link)
         self.watchdog = Watchdog(config.pipeline_timeout)
         log.info("%d ranks: a step that waits over %gs on them stops the engine (--pipeline-timeout)",
@@ -284,6 +296,7 @@ def serve_worker(config: EngineConfig, group: mx.distributed.Group) -> int:
     runner = ModelRunner(loaded.model, specs, kv, kernels.resolve_backend(config.attention_backend))
     hand_off(loaded.model, group)
     mirror, link = Mirror(kv), Link(group)
+    link.barrier()  # loaded: rank 0's warm-up forward comes next
     max_model_len = config.max_model_len or loaded.context_length
     gc.collect()
     weights = mx.get_active_memory()
