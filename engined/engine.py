@@ -24,6 +24,7 @@ from engined.kv import KVCacheManager
 from engined.loaders import LoadedModel, load_model
 from engined.metrics import EngineMetrics
 from engined.model_layers import read_layers
+from engined.pooling import matryoshka_dimensions, pooled_results, resolve_task, score_token_ids, store_results
 from engined.request import Request
 from engined.runner import ModelRunner
 from engined.sampler import Sampler, logprobs_for
@@ -32,7 +33,7 @@ from engined.speculative import Speculator
 from engined.structured import GrammarCompiler
 from shared.config import EngineConfig, SpeculativeConfig
 from shared.errors import ContextLengthError, InvalidRequestError, ModelLoadError, OverloadedError
-from shared.protocol import EngineStats, ModelInfo, RequestOutput
+from shared.protocol import TASKS, EngineStats, ModelInfo, RequestOutput
 from shared.sampling import SamplingParams
 
 log = logging.getLogger("mlxd.engine")
@@ -44,6 +45,7 @@ class Engine:
         loaded = loaded or load_model(config.model, config.dtype)
         self.loaded = loaded
         self.max_model_len = config.max_model_len or loaded.context_length
+        self.task = resolve_task(config.task, config.model)
         dtype = _float_dtype(loaded)
         backend = kernels.resolve_backend(config.attention_backend)
         specs = read_layers(loaded.model)
@@ -89,7 +91,12 @@ class Engine:
             num_kv_blocks=self.memory.num_blocks,
             vocab_size=loaded.vocab_size,
             eos_token_ids=list(loaded.eos_token_ids),
+            tasks=[self.task],
+            embedding_dim=int(loaded.model.args.hidden_size) if self.task == "embed" else 0,
+            matryoshka_dimensions=matryoshka_dimensions(loaded.tokenizer_dir) if self.task == "embed" else None,
         )
+        self.score_ids = (score_token_ids(loaded.tokenizer_dir, config.score_tokens)
+                          if self.task == "score" else None)
         self.grammars = GrammarCompiler(self.info.tokenizer_dir, loaded.vocab_size, loaded.eos_token_ids)
         self.sampler.grammars = self.grammars
 
@@ -109,7 +116,7 @@ class Engine:
     def add_request(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
         cache_salt: str | None = None, app: str | None = None, priority: int = 0,
-        group: str | None = None, group_size: int = 1,
+        group: str | None = None, group_size: int = 1, task: str = "generate",
     ) -> None:
         """Queue a request; raises at once if it is malformed or can never fit.
 
@@ -117,16 +124,24 @@ class Engine:
         ``cache_salt`` are both equal. ``app`` names the sender for fair share;
         a lower ``priority`` is admitted first (vLLM's convention). Errors name
         no request field: the gateway knows which of its fields they concern.
-        ``group``: see ``_take_queue_place``.
+        ``group``: see ``_take_queue_place``. ``task`` (``shared.protocol.TASKS``)
+        must be the model's; embed and score requests are prefill only (their
+        sampling parameters are ignored) and finish with their result.
         """
         self._take_queue_place(group, group_size)
+        if task not in self.info.tasks:
+            raise InvalidRequestError(f"this model serves {', '.join(self.info.tasks)} requests, not {task}"
+                                      if task in TASKS else f"unknown task {task!r}")
+        pooled = task != "generate"
+        if pooled:
+            params = SamplingParams(max_tokens=1)
         if request_id in self.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         if not prompt_token_ids:
             raise InvalidRequestError("the prompt is empty")
         params.validate(self.info.vocab_size)
         n = len(prompt_token_ids)
-        if n >= self.max_model_len:
+        if n > self.max_model_len or (n == self.max_model_len and not pooled):
             raise ContextLengthError(
                 f"this model's maximum context length is {self.max_model_len} tokens; "
                 f"the prompt has {n} tokens"
@@ -142,7 +157,7 @@ class Engine:
         seed = params.seed if params.seed is not None else self._seeds.getrandbits(63)
         # The app enters the salt: one app can never hit, or time, another's cache.
         salt = f"{app or ''}\x00{cache_salt or ''}".encode() if app or cache_salt else b""
-        req = Request(request_id, prompt_token_ids, params, seed, salt, app or "", priority)
+        req = Request(request_id, prompt_token_ids, params, seed, salt, app or "", priority, task)
         if params.structured is not None:
             req.grammar = self.grammars.submit(params.structured)
             self._compiling.append(req)
@@ -242,8 +257,10 @@ class Engine:
         self.speculator.draft(batch)
         if not batch.scheduled:
             return outputs + self._idle()
-        logits = self.runner.run(batch)
+        logits, hidden = self.runner.run_pooled(batch)
+        pooled = pooled_results(batch, logits, hidden, self.score_ids)
         emitted = self._sample(batch, logits)
+        store_results(pooled)
         produced = self.scheduler.postprocess(batch, emitted)
         self._fail_raised(batch.failed, "its grammar could not take the sampled token")
         outputs += self._outputs(produced)
@@ -283,7 +300,7 @@ class Engine:
         """
         rows, row = [], 0
         for (req, _), k in zip(batch.scheduled, batch.num_logits):
-            if k:
+            if k and not req.pooled:
                 rows.append((req, row))
             row += k
         try:
@@ -333,7 +350,10 @@ class Engine:
         now = time.monotonic()
         outputs = []
         for req, count in produced:
-            self.metrics.on_token(req, now, count)
+            if req.pooled:
+                self.metrics.on_pooled(req, now)
+            else:
+                self.metrics.on_token(req, now, count)
             if req.finished:
                 self.metrics.on_finish(req, now)
                 del self.requests[req.request_id]
@@ -349,6 +369,8 @@ class Engine:
             num_prompt_tokens=req.num_prompt_tokens,
             num_cached_tokens=req.num_cached_tokens,
             stop_token_id=req.stop_token_id,
+            embedding=req.embedding,
+            score=req.score,
         )
         req.pending_tokens, req.pending_logprobs = [], []
         return out

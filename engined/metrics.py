@@ -138,6 +138,9 @@ class EngineMetrics:
         self._app_tokens = lambda app: app_tokens.labels(*values, app)  # noqa: E731
         self._app_requests = lambda app: app_requests.labels(*values, app)  # noqa: E731
         self._apps: set[str] = set()
+        pooled = Counter(name("pooling_requests"), "Finished prefill-only requests (embeddings, scores) by task.",
+                         labels + ["task"], registry=self.registry)
+        self.pooled_requests = {t: pooled.labels(*values, t) for t in ("embed", "score")}
         self._prefix_seen = (0, 0)
         self._preemptions_seen = 0
         self._spec = None
@@ -309,6 +312,14 @@ class EngineMetrics:
         for n in accepted:
             for pos in range(n):
                 per_pos(pos).inc()
+
+    def on_pooled(self, req: Request, now: float) -> None:
+        """After a step finished an embed or score request's prompt (its result is its only output):
+        its prompt tokens count as prefilled, as a generation's do at its first token."""
+        self.pooled_requests[req.task].inc()
+        self.prompt_tokens.inc(req.num_prompt_tokens)
+        self.total_prompt_tokens += req.num_prompt_tokens
+        self.total_cached_tokens += req.num_cached_tokens
 
     def on_finish(self, req: Request, now: float) -> None:
         self.success[req.finish_reason].inc()
