@@ -24,15 +24,16 @@ from engined.kv import KVCacheManager
 from engined.loaders import LoadedModel, load_model
 from engined.metrics import EngineMetrics
 from engined.model_layers import read_layers
-from engined.pooling import matryoshka_dimensions, pooled_results, resolve_task, score_token_ids, store_results
+from engined.pooling import matryoshka_dimensions, pooled_results, score_token_ids, store_results
 from engined.request import Request
 from engined.runner import ModelRunner
 from engined.sampler import Sampler, logprobs_for
 from engined.scheduler import Scheduler, SchedulerOutput
 from engined.speculative import Speculator
 from engined.structured import GrammarCompiler
+from engined.waiting_places import WaitingPlaces
 from shared.config import EngineConfig, SpeculativeConfig
-from shared.errors import ContextLengthError, InvalidRequestError, ModelLoadError, OverloadedError
+from shared.errors import ContextLengthError, InvalidRequestError, ModelLoadError
 from shared.protocol import TASKS, EngineStats, ModelInfo, RequestOutput
 from shared.sampling import SamplingParams
 
@@ -45,7 +46,8 @@ class Engine:
         loaded = loaded or load_model(config.model, config.dtype)
         self.loaded = loaded
         self.max_model_len = config.max_model_len or loaded.context_length
-        self.task = resolve_task(config.task, config.model)
+        # An encoder folder runs in engined.encoder_engine instead; auto here is a decoder's generate.
+        self.task = "generate" if config.task == "auto" else config.task
         dtype = _float_dtype(loaded)
         backend = kernels.resolve_backend(config.attention_backend)
         specs = read_layers(loaded.model)
@@ -74,10 +76,7 @@ class Engine:
                                    tuple(loaded.eos_token_ids))
         self.requests: dict[str, Request] = {}
         self._seeds = random.Random(config.seed)
-        # Client requests whose later members are still to arrive: group -> (members left, refused),
-        # and the waiting places reserved for them.
-        self._groups: dict[str, tuple[int, bool]] = {}
-        self._reserved = 0
+        self.places = WaitingPlaces(config.max_waiting_requests)
         self._aborted: list[RequestOutput] = []
         # Requests whose grammar is compiling, and those that failed after being accepted (id, error).
         self._compiling: list[Request] = []
@@ -124,11 +123,11 @@ class Engine:
         ``cache_salt`` are both equal. ``app`` names the sender for fair share;
         a lower ``priority`` is admitted first (vLLM's convention). Errors name
         no request field: the gateway knows which of its fields they concern.
-        ``group``: see ``_take_queue_place``. ``task`` (``shared.protocol.TASKS``)
+        ``group``: see ``WaitingPlaces``. ``task`` (``shared.protocol.TASKS``)
         must be the model's; embed and score requests are prefill only (their
         sampling parameters are ignored) and finish with their result.
         """
-        self._take_queue_place(group, group_size)
+        self.places.take(group, group_size, len(self.scheduler.waiting))
         if task not in self.info.tasks:
             raise InvalidRequestError(f"this model serves {', '.join(self.info.tasks)} requests, not {task}"
                                       if task in TASKS else f"unknown task {task!r}")
@@ -163,42 +162,6 @@ class Engine:
             self._compiling.append(req)
         self.requests[request_id] = req
         self.scheduler.add(req)
-
-    def _take_queue_place(self, group: str | None, group_size: int) -> None:
-        """Count a request against the waiting queue; raises OverloadedError past it.
-
-        Every prompt (and choice) of a client request is a request, sent one
-        after another as one ``group``. Its first member decides for all: it
-        reserves places for the rest, or is refused and so are they. One
-        request asking for more than the queue holds thus never holds places
-        that requests beside it needed, only to be refused on a later member.
-        """
-        cap = self.config.max_waiting_requests
-        entry = self._groups.get(group) if group is not None else None
-        if entry is not None:  # a later member: its fate was decided by the first
-            left, refused = entry
-            if left > 1:
-                self._groups[group] = (left - 1, refused)
-            else:
-                del self._groups[group]
-            if refused:
-                raise OverloadedError(f"this request's {group_size} prompts x choices do not fit the waiting "
-                                      f"queue (--max-waiting-requests {cap}); retry later")
-            self._reserved -= 1
-            return
-        need = max(1, group_size)
-        waiting = len(self.scheduler.waiting) + self._reserved
-        refused = waiting + need > cap
-        if group is not None and need > 1:
-            self._groups[group] = (need - 1, refused)
-            if not refused:
-                self._reserved += need - 1
-        if refused:
-            raise OverloadedError(
-                f"{waiting} requests are already waiting and this one needs {need} places "
-                f"(--max-waiting-requests {cap}); retry later" if need > 1 else
-                f"{waiting} requests are already waiting (--max-waiting-requests {cap}); retry later"
-            )
 
     def abort(self, request_ids) -> None:
         """Stop requests now and free their blocks; unknown or finished ids are ignored."""

@@ -22,16 +22,6 @@ from shared.errors import ModelLoadError
 from shared.hub import load_tokenizer
 
 
-def resolve_task(task: str, model: str) -> str:
-    """``--task`` with auto resolved: embed for an encoder (BERT-like) folder, generate otherwise."""
-    if task != "auto":
-        return task
-    from engined.encoder import EncoderModel
-
-    path = Path(model) if model else None
-    return "embed" if path is not None and path.is_dir() and EncoderModel.is_encoder_dir(path) else "generate"
-
-
 def score_token_ids(tokenizer_dir: Path, score_tokens: str) -> tuple[int, int]:
     """The ids of ``--score-tokens`` "no,yes"; ModelLoadError unless each is one token of the vocabulary."""
     vocab = load_tokenizer(str(tokenizer_dir)).get_vocab()
