@@ -262,7 +262,7 @@ class Daemon:
                 raise InvalidRequestError(f"request id {rid!r} is already in flight")
             self.engine.add_request(rid, msg.prompt_token_ids, msg.params, cache_salt=msg.cache_salt,
                                     app=msg.app, priority=msg.priority, group=msg.group,
-                                    group_size=msg.group_size)
+                                    group_size=msg.group_size, task=msg.task)
         except MlxdError as e:
             self._send_error(identity, rid, e)
             return
