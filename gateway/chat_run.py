@@ -19,7 +19,6 @@ from starlette.requests import Request
 from gateway import params as P
 from gateway.chat_output import ChatOutput, finish_reason
 from gateway.generation import Generation
-from gateway.pooled import check_task
 from gateway.state import GatewayState
 from gateway.structured import (ToolPlan, marker_literal, one_spec, reasoning_aware, response_format_spec,
                                 structured_outputs_spec, tool_plan)
@@ -178,7 +177,7 @@ class ChatRun:
         rather than an error mid-stream."""
         gw, inp = self._gw, self.inp
         info, tok = gw.require_ready()
-        check_task(info, "generate")
+        P.check_task(info, "generate")
         n = P.check_n(inp.n)
         P.check_priority(inp.priority)
         stops = P.stop_list(inp.stop)

@@ -13,7 +13,6 @@ from gateway import openai_types as t
 from gateway import params as P
 from gateway.errors import sse_error_event
 from gateway.generation import Generation
-from gateway.pooled import check_task
 from gateway.request_body import decode_body
 from gateway.sse import DONE, KEEPALIVE, SSEResponse, event
 from gateway.state import GatewayState
@@ -32,7 +31,7 @@ async def completions(request: Request) -> Response:
     P.refuse_unsupported(req)
     info, tok = gw.require_ready()
     model = gw.check_model(req.model)
-    check_task(info, "generate")
+    P.check_task(info, "generate")
     n = P.check_n(req.n)
     P.check_completion(req, n)
     stops = P.stop_list(req.stop)

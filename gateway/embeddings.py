@@ -20,8 +20,9 @@ import numpy as np
 from starlette.requests import Request
 from starlette.responses import Response
 
+from gateway import params as P
 from gateway import pooling_types as t
-from gateway.pooled import check_task, input_ids, run_pooled, vectors
+from gateway.pooled import input_ids, run_pooled, vectors
 from gateway.request_body import decode_body
 from gateway.state import GatewayState
 from shared.errors import InvalidRequestError
@@ -61,7 +62,7 @@ async def _pooled_vectors(request: Request, app: str | None, req: t.EmbeddingReq
     gw: GatewayState = request.app.state.gw
     info, tok = gw.require_ready()
     model = gw.check_model(req.model)
-    check_task(info, "embed")
+    P.check_task(info, "embed")
     check_dimensions(req.dimensions, info)
     prompts = await asyncio.to_thread(input_ids, req.input, tok, info, "input", req.add_special_tokens,
                                       req.truncate_prompt_tokens)

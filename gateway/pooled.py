@@ -25,20 +25,6 @@ from shared.sampling import SamplingParams
 # (which refuses, with 429, a request larger than it).
 MAX_INPUTS = 2048
 
-# What each task is asked for by, in error messages.
-_TASK_ROUTES = {"generate": "text generation (chat, completions, messages, responses)",
-                "embed": "embeddings (/v1/embeddings, /pooling)",
-                "score": "scoring (/v1/score, /rerank)"}
-
-
-def check_task(info: EngineInfo, task: str) -> None:
-    """400 when the served model does not do ``task`` (an embedding model asked to chat, ...)."""
-    if task not in info.tasks:
-        serves = " and ".join(_TASK_ROUTES[t] for t in info.tasks if t in _TASK_ROUTES)
-        raise InvalidRequestError(f"the model `{info.served_model_name}` does not support {_TASK_ROUTES[task]}; "
-                                  f"it serves {serves}", param="model")
-
-
 def input_ids(value, tok, info: EngineInfo, param: str, add_special_tokens: bool = True,
               truncate: int | None = None) -> list[list[int]]:
     """An ``input`` (string, strings, token ids, lists of them) as checked token ids; tokenizes (off the loop)."""
