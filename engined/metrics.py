@@ -263,7 +263,8 @@ class EngineMetrics:
         self.waiting.set(stats.num_waiting)
         self.kv_blocks_total.set(stats.num_total_blocks)
         self.kv_blocks_free.set(stats.num_free_blocks)
-        usage = 1.0 - stats.num_free_blocks / max(stats.num_total_blocks, 1)
+        # An encoder engine has no KV pool (0 blocks): nothing of it is in use.
+        usage = 1.0 - stats.num_free_blocks / stats.num_total_blocks if stats.num_total_blocks else 0.0
         self.kv_usage.set(usage)
         self.mlx_active.set(mx.get_active_memory())
         self.mlx_cache.set(mx.get_cache_memory())
@@ -373,7 +374,7 @@ class StatsLog:
         busy = bool(prompt or generated)
         level = logging.INFO if busy or self._was_busy else logging.DEBUG
         self._was_busy = busy
-        usage = 1.0 - stats.num_free_blocks / max(stats.num_total_blocks, 1)
+        usage = 1.0 - stats.num_free_blocks / stats.num_total_blocks if stats.num_total_blocks else 0.0
         hit_rate = stats.prefix_cache_hits / stats.prefix_cache_queries if stats.prefix_cache_queries else 0.0
         line = (f"Engine 000: Avg prompt throughput: {prompt_tps:.1f} tokens/s, Avg generation throughput: "
                 f"{gen_tps:.1f} tokens/s, Running: {stats.num_running} reqs, Waiting: {stats.num_waiting} reqs, "

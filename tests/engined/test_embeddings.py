@@ -134,3 +134,19 @@ def test_matryoshka_dimensions_read_from_config(tmp_path):
     assert engine_for(path, "embed").info.matryoshka_dimensions == [16, 32, 64]
     path = make_tiny_model(tmp_path / "n", "qwen3", seed=1)
     assert engine_for(path, "embed").info.matryoshka_dimensions is None
+
+
+def test_repeated_embedding_reuses_the_cached_prefix_and_is_counted(qwen3):
+    engine = engine_for(qwen3, "embed")
+    rng = seeded_rng()
+    prompt = rng.integers(0, 264, size=50).tolist()
+    first = run(engine, [("a", prompt, "embed", None)])["a"]["embedding"]
+    engine.add_request("b", prompt, SamplingParams(), task="embed")
+    outs = []
+    while not outs or outs[-1].finish_reason is None:
+        outs += engine.step()
+    # The first request's three full blocks were kept cached after it finished.
+    assert outs[-1].num_cached_tokens == 48
+    assert np.abs(np.frombuffer(outs[-1].embedding, "<f4") - np.frombuffer(first, "<f4")).max() < TOL
+    assert engine.metrics.pooled_requests["embed"]._value.get() == 2
+    assert engine.metrics.total_prompt_tokens == 100
