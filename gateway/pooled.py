@@ -58,12 +58,12 @@ def input_ids(value, tok, info: EngineInfo, param: str, add_special_tokens: bool
 def check_ids(ids: list[int], info: EngineInfo, param: str) -> None:
     """A pooled prompt may fill the whole context (nothing is generated after it)."""
     if not ids:
-        raise InvalidRequestError(f"an input of {param} is empty", param=param)
+        raise InvalidRequestError(f"{param} holds an empty input", param=param)
     if min(ids) < 0 or max(ids) >= info.vocab_size:
         raise InvalidRequestError(f"token ids must be in [0, {info.vocab_size})", param=param)
     if len(ids) > info.max_model_len:
         raise ContextLengthError(
-            f"This model's maximum context length is {info.max_model_len} tokens; an input of {param} has "
+            f"This model's maximum context length is {info.max_model_len} tokens; {param} holds an input of "
             f"{len(ids)} tokens (truncate_prompt_tokens cuts inputs to fit).", param=param,
             prompt_tokens=len(ids), max_model_len=info.max_model_len)
 

@@ -103,6 +103,10 @@ def test_token_id_inputs_and_pooling_route(minilm):
     by_ids = httpx.post(minilm.url + "/v1/embeddings", json={"input": [ids, ids[:4]]}, timeout=60).json()
     assert np.allclose(by_ids["data"][0]["embedding"], text["data"][0]["embedding"], atol=1e-5)
     assert by_ids["usage"]["prompt_tokens"] == len(ids) + 4
+    # Past the context only with truncate_prompt_tokens: the input's last tokens.
+    cut = httpx.post(minilm.url + "/v1/embeddings", json={"input": "word " * 400, "truncate_prompt_tokens": 256},
+                     timeout=60).json()
+    assert cut["usage"]["prompt_tokens"] == 256
     pooled = httpx.post(minilm.url + "/pooling", json={"input": [SENTENCES[0]]}, timeout=60).json()
     assert pooled["object"] == "list" and pooled["data"][0]["object"] == "pooling"
     assert np.allclose(pooled["data"][0]["data"], text["data"][0]["embedding"], atol=1e-6)
@@ -127,6 +131,7 @@ def test_embedding_model_scores_and_reranks_by_cosine(minilm, expected):
     ("/v1/embeddings", {"input": "x", "dimensions": 64}, "dimensions"),
     ("/v1/embeddings", {"input": "x", "encoding_format": "int8"}, "encoding_format"),
     ("/v1/embeddings", {"input": [[1, 2], [40000]]}, "input"),
+    ("/v1/embeddings", {"input": [[1, 2], []]}, "input"),
     ("/v1/embeddings", {"input": "word " * 400}, "input"),
     ("/v1/score", {"text_1": ["a", "b"], "text_2": ["a", "b", "c"]}, "text_2"),
     ("/rerank", {"query": "q", "documents": []}, "documents"),
