@@ -221,9 +221,11 @@ class Engine:
         if not batch.scheduled:
             return outputs + self._idle()
         logits, hidden = self.runner.run_pooled(batch)
-        pooled = pooled_results(batch, logits, hidden, self.score_ids)
+        pooled = (pooled_results(batch, logits, hidden, self.score_ids)
+                  if any(r.pooled for r, _ in batch.scheduled) else None)
         emitted = self._sample(batch, logits)
-        store_results(pooled)
+        if pooled:
+            store_results(pooled)
         produced = self.scheduler.postprocess(batch, emitted)
         self._fail_raised(batch.failed, "its grammar could not take the sampled token")
         outputs += self._outputs(produced)

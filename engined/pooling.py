@@ -83,8 +83,6 @@ def pooled_results(batch: SchedulerOutput, logits: mx.array, hidden: mx.array | 
 
 def store_results(results: list[tuple[Request, mx.array]]) -> None:
     """Evaluate the results and keep them on their requests (float32 bytes, or a float)."""
-    if not results:
-        return
     mx.eval([r for _, r in results])
     for req, value in results:
         if req.task == "embed":
