@@ -91,7 +91,8 @@ class Engine:
             vocab_size=loaded.vocab_size,
             eos_token_ids=list(loaded.eos_token_ids),
             tasks=[self.task],
-            embedding_dim=int(loaded.model.args.hidden_size) if self.task == "embed" else 0,
+            # The final norm's width: what an embed row's hidden state has.
+            embedding_dim=int(self.runner.head.inner.weight.shape[-1]) if self.task == "embed" else 0,
             matryoshka_dimensions=matryoshka_dimensions(loaded.tokenizer_dir) if self.task == "embed" else None,
         )
         self.score_ids = (score_token_ids(loaded.tokenizer_dir, config.score_tokens)
