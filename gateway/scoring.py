@@ -3,9 +3,9 @@
 How a pair is scored depends on what the model serves, as in vLLM:
 
 - a scoring model (``--task score``, Qwen3-Reranker style) reads each pair
-  as one prompt, the two texts tokenized as a pair (the tokenizer's own
-  pair template, plain concatenation for a decoder's), and the engine returns
-  P(yes) at its last position;
+  as one prompt (``pair_ids``: through ``--chat-template`` when given, else
+  the tokenizer's pair encoding, plain concatenation for a decoder's), and
+  the engine returns P(yes) at its last position;
 - an embedding model embeds every distinct text once and the score is the
   cosine similarity of the two vectors.
 """
@@ -45,12 +45,22 @@ def score_pairs(text_1: str | list[str], text_2: str | list[str]) -> list[tuple[
     return list(zip(firsts, seconds))
 
 
-def _pair_ids(pairs, tok, info, truncate: int | None, param: str) -> list[list[int]]:
-    """Each pair as one prompt of the scoring model (tokenizes: call it off the loop)."""
+def pair_ids(pairs, tok, info, truncate: int | None, param: str) -> list[list[int]]:
+    """Each pair as one prompt of the scoring model (tokenizes: call it off the loop).
+
+    With ``--chat-template`` the pair is rendered through it as two messages,
+    roles ``query`` and ``document`` (how a reranker's instruction and answer
+    prefix, Qwen3-Reranker's say, are put around them); else the tokenizer's
+    pair encoding.
+    """
     prompts = []
     for a, b in pairs:
         P.check_prompt_bytes(a + b, info, tok.max_token_bytes, param)
-        ids = tok.hf(a, text_pair=b, add_special_tokens=True)["input_ids"]
+        if tok.chat_template:
+            text = tok.render_chat([{"role": "query", "content": a}, {"role": "document", "content": b}])
+            ids = tok.encode(text, add_special_tokens=False)
+        else:
+            ids = tok.hf(a, text_pair=b, add_special_tokens=True)["input_ids"]
         ids = P.truncate_prompt(list(ids), truncate, info)
         check_ids(ids, info, param)
         prompts.append(ids)
@@ -63,7 +73,7 @@ async def pair_scores(request: Request, app: str | None, pairs: list[tuple[str, 
     gw: GatewayState = request.app.state.gw
     info, tok = gw.require_ready()
     if "score" in info.tasks:
-        prompts = await asyncio.to_thread(_pair_ids, pairs, tok, info, truncate, param)
+        prompts = await asyncio.to_thread(pair_ids, pairs, tok, info, truncate, param)
         outputs = await run_pooled(gw, request, prompts, "score", app, priority, param)
         scores = None if outputs is None else [o.score for o in outputs]
         return scores, sum(map(len, prompts))

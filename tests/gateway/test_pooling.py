@@ -5,15 +5,16 @@ import pytest
 
 from gateway.embeddings import check_dimensions, cut_dimensions
 from gateway.params import check_task
-from gateway.scoring import score_pairs
+from gateway.scoring import pair_ids, score_pairs
+from gateway.tokenizer import Tokenizer
 from shared.errors import InvalidRequestError
 from shared.protocol import EngineInfo
-from tests.tiny_models import seeded_rng
+from tests.tiny_models import make_tiny_model, seeded_rng
 
 
 def info(tasks=("embed",), dims=None, dim=8) -> EngineInfo:
-    return EngineInfo(model_id="m", served_model_name="m", tokenizer_dir="/t", max_model_len=16, block_size=16,
-                      num_kv_blocks=1, vocab_size=10, eos_token_ids=[], tasks=list(tasks), embedding_dim=dim,
+    return EngineInfo(model_id="m", served_model_name="m", tokenizer_dir="/t", max_model_len=128, block_size=16,
+                      num_kv_blocks=1, vocab_size=272, eos_token_ids=[], tasks=list(tasks), embedding_dim=dim,
                       matryoshka_dimensions=dims, protocol_version=4, engine_version="0", instance_id="i")
 
 
@@ -49,3 +50,22 @@ def test_a_model_is_asked_only_for_its_tasks():
     assert e.value.param == "model"
     with pytest.raises(InvalidRequestError, match="does not support text generation.*serves embeddings"):
         check_task(info(("embed",)), "generate")
+
+
+RERANK_TEMPLATE = ("<|im_start|>system\nAnswer yes or no.<|im_end|>\n<|im_start|>user\n"
+                   "{% for m in messages %}<{{ m.role }}>: {{ m.content }}\n{% endfor %}<|im_end|>\n"
+                   "<|im_start|>assistant:")
+
+
+def test_a_reranker_pair_is_one_prompt_through_the_operators_template_or_the_pair_encoding(tmp_path):
+    path = make_tiny_model(tmp_path / "m", "qwen3")
+    pairs = [("cats", "a cat sat"), ("cats", "stocks")]
+    plain = Tokenizer(str(path))
+    assert pair_ids(pairs, plain, info(("score",)), None, "documents") == [plain.encode("catsa cat sat"),
+                                                                         plain.encode("catsstocks")]
+    templated = Tokenizer(str(path), RERANK_TEMPLATE)
+    ids = pair_ids(pairs[:1], templated, info(("score",)), None, "documents")
+    text = ("<|im_start|>system\nAnswer yes or no.<|im_end|>\n<|im_start|>user\n<query>: cats\n"
+            "<document>: a cat sat\n<|im_end|>\n<|im_start|>assistant:")
+    assert ids == [templated.encode(text, add_special_tokens=False)]
+    assert ids[0][0] == templated.hf.convert_tokens_to_ids("<|im_start|>")
