@@ -63,12 +63,13 @@ class EncoderEngine:
             vocab_size=_vocab_size(path), eos_token_ids=[], tasks=["embed"], embedding_dim=self.model.dim,
             matryoshka_dimensions=matryoshka_dimensions(path),
         )
-        self.metrics = EngineMetrics(name, config.metrics_prefix)
+        self.metrics = EngineMetrics(name, config.metrics_prefix, self.max_model_len)
         self.places = WaitingPlaces(config.max_waiting_requests)
         self.waiting: deque[Request] = deque()
         self.requests: dict[str, Request] = {}
         self._ended: list[RequestOutput] = []
         self._failed: list[tuple[str, InvalidRequestError]] = []
+        self.metrics.attach(self)
 
     # -- requests -----------------------------------------------------------------------------
 
@@ -91,7 +92,7 @@ class EncoderEngine:
         if min(prompt_token_ids) < 0 or max(prompt_token_ids) >= self.info.vocab_size:
             raise InvalidRequestError("prompt token ids out of range")
         req = Request(request_id, prompt_token_ids, SamplingParams(max_tokens=1), 0, b"", app or "", priority,
-                      "embed")
+                      task="embed")
         self.requests[request_id] = req
         self.waiting.append(req)
 

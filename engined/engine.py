@@ -60,7 +60,8 @@ class Engine:
             )
         self.runner = ModelRunner(loaded.model, specs, kv, backend)
         self.sampler = Sampler(loaded.vocab_size, loaded.eos_token_ids)
-        self.metrics = EngineMetrics(config.served_model_name or loaded.model_id, config.metrics_prefix)
+        self.metrics = EngineMetrics(config.served_model_name or loaded.model_id, config.metrics_prefix,
+                                     self.max_model_len)
         self.drafter = (self._load_drafter(spec, loaded, dtype, backend)
                         if spec and spec.method == "draft_model" else None)
         self.speculator = Speculator(spec, self.sampler, self.metrics, self.max_model_len, self.drafter,
@@ -99,6 +100,7 @@ class Engine:
                           if self.task == "score" else None)
         self.grammars = GrammarCompiler(self.info.tokenizer_dir, loaded.vocab_size, loaded.eos_token_ids)
         self.sampler.grammars = self.grammars
+        self.metrics.attach(self)
 
     def _load_drafter(self, spec: SpeculativeConfig, target: LoadedModel, dtype: mx.Dtype,
                       backend: str) -> DraftProposer:
@@ -116,7 +118,7 @@ class Engine:
     def add_request(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
         cache_salt: str | None = None, app: str | None = None, priority: int = 0,
-        group: str | None = None, group_size: int = 1, task: str = "generate",
+        group: str | None = None, group_size: int = 1, params_n: int = 1, task: str = "generate",
     ) -> None:
         """Queue a request; raises at once if it is malformed or can never fit.
 
@@ -124,7 +126,8 @@ class Engine:
         ``cache_salt`` are both equal. ``app`` names the sender for fair share;
         a lower ``priority`` is admitted first (vLLM's convention). Errors name
         no request field: the gateway knows which of its fields they concern.
-        ``group``: see ``WaitingPlaces``. ``task`` (``shared.protocol.TASKS``)
+        ``group``: see ``WaitingPlaces``. ``params_n``: the client request's n, recorded
+        once per prompt (0 on its other choices). ``task`` (``shared.protocol.TASKS``)
         must be the model's; embed and score requests are prefill only (their
         sampling parameters are ignored) and finish with their result.
         """
@@ -157,7 +160,7 @@ class Engine:
         seed = params.seed if params.seed is not None else self._seeds.getrandbits(63)
         # The app enters the salt: one app can never hit, or time, another's cache.
         salt = f"{app or ''}\x00{cache_salt or ''}".encode() if app or cache_salt else b""
-        req = Request(request_id, prompt_token_ids, params, seed, salt, app or "", priority, task)
+        req = Request(request_id, prompt_token_ids, params, seed, salt, app or "", priority, params_n, task)
         if params.structured is not None:
             req.grammar = self.grammars.submit(params.structured)
             self._compiling.append(req)

@@ -28,12 +28,13 @@ class Request:
         "num_cached_tokens", "status", "finish_reason", "stop_token_id", "seed",
         "arrival_time", "pending_tokens", "pending_logprobs", "block_hashes", "cache_salt",
         "first_scheduled_time", "first_token_time", "last_token_time", "app", "priority", "grammar",
-        "task", "embedding", "score",
+        "params_n", "task", "embedding", "score",
     )
 
     def __init__(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, seed: int,
-        cache_salt: bytes = b"", app: str = "", priority: int = 0, task: str = "generate",
+        cache_salt: bytes = b"", app: str = "", priority: int = 0, params_n: int = 1,
+        task: str = "generate",
     ):
         self.request_id = request_id
         self.params = params
@@ -60,6 +61,8 @@ class Request:
         # Who sent it (fair share between apps) and vLLM's priority (lower runs first).
         self.app = app
         self.priority = priority
+        # The client request's n for vLLM's request_params_n; 0 on all but one choice of a prompt.
+        self.params_n = params_n
         # The structured-output matcher (engined.structured.Grammar); None when unconstrained.
         self.grammar = None
         # generate | embed | score (shared.protocol.TASKS); embed and score requests are prefill

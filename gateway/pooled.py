@@ -80,7 +80,8 @@ async def run_pooled(gw: GatewayState, request: Request, prompts: list[list[int]
     ids = [f"{task}-{base}-{i}" for i in range(len(prompts))]
     queue: asyncio.Queue = asyncio.Queue()
     results: list[RequestOutput | None] = [None] * len(prompts)
-    group = (base, len(prompts)) if len(prompts) > 1 else None
+    # Each input is a prompt of its own (n = 1, choice 0).
+    group = (base, len(prompts), 1, 0) if len(prompts) > 1 else None
     params = SamplingParams(max_tokens=1)
 
     async def collect():

@@ -20,9 +20,10 @@ from shared.sampling import SamplingParams
 
 # 2: AddRequest gained app and priority.
 # 3: AddRequest gained group and group_size.
-# 4: AddRequest gained task; RequestOutput gained embedding and score; ModelInfo gained tasks,
+# 4: AddRequest gained n and choice.
+# 5: AddRequest gained task; RequestOutput gained embedding and score; ModelInfo gained tasks,
 #    embedding_dim and matryoshka_dimensions.
-PROTOCOL_VERSION = 4
+PROTOCOL_VERSION = 5
 
 # What a request asks of the model: tokens (generate), its pooled vector (embed), or a relevance
 # score from its last position's logits (score). Embed and score are prefill only.
@@ -139,6 +140,10 @@ class AddRequest(msgspec.Struct, array_like=True, gc=False):
     # engine admits or refuses all ``group_size`` of them against its waiting queue at once.
     group: str | None = None
     group_size: int = 1
+    # The client request's n, and which of its prompt's n choices this is: vLLM's
+    # request_params_n, observed once per prompt (on its choice 0), as vLLM does per parent request.
+    n: int = 1
+    choice: int = 0
     task: str = "generate"  # one of TASKS
 
 

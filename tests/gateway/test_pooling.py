@@ -15,7 +15,7 @@ from tests.tiny_models import make_tiny_model, seeded_rng
 def info(tasks=("embed",), dims=None, dim=8) -> EngineInfo:
     return EngineInfo(model_id="m", served_model_name="m", tokenizer_dir="/t", max_model_len=128, block_size=16,
                       num_kv_blocks=1, vocab_size=272, eos_token_ids=[], tasks=list(tasks), embedding_dim=dim,
-                      matryoshka_dimensions=dims, protocol_version=4, engine_version="0", instance_id="i")
+                      matryoshka_dimensions=dims, protocol_version=5, engine_version="0", instance_id="i")
 
 
 def test_dimensions_cut_and_renormalise_only_where_the_model_allows():
