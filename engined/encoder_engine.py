@@ -75,7 +75,8 @@ class EncoderEngine:
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     cache_salt: str | None = None, app: str | None = None, priority: int = 0,
-                    group: str | None = None, group_size: int = 1, task: str = "generate") -> None:
+                    group: str | None = None, group_size: int = 1, params_n: int = 1,
+                    task: str = "generate") -> None:
         """Queue an embed request (``Engine.add_request``'s contract; ``params`` and ``cache_salt`` are unused)."""
         self.places.take(group, group_size, len(self.waiting))
         if task != "embed":
@@ -92,7 +93,7 @@ class EncoderEngine:
         if min(prompt_token_ids) < 0 or max(prompt_token_ids) >= self.info.vocab_size:
             raise InvalidRequestError("prompt token ids out of range")
         req = Request(request_id, prompt_token_ids, SamplingParams(max_tokens=1), 0, b"", app or "", priority,
-                      task="embed")
+                      params_n, "embed")
         self.requests[request_id] = req
         self.waiting.append(req)
 

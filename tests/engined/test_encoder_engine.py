@@ -70,3 +70,13 @@ def test_only_encoder_folders_get_the_encoder_engine(minilm, tmp_path):
         EncoderEngine(EngineConfig(model=str(minilm), task="generate"), minilm)
     with pytest.raises(ModelLoadError, match="past this encoder's 256 positions"):
         EncoderEngine(EngineConfig(model=str(minilm), max_model_len=512), minilm)
+
+
+def test_the_daemon_can_drive_either_engine_alike():
+    import inspect
+
+    from engined.engine import Engine
+
+    for name in ("add_request", "step", "abort", "has_unfinished", "take_errors", "stats", "release_idle_memory"):
+        assert (list(inspect.signature(getattr(EncoderEngine, name)).parameters)
+                == list(inspect.signature(getattr(Engine, name)).parameters)), name
