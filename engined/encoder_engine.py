@@ -35,10 +35,12 @@ log = logging.getLogger("mlxd.engine")
 
 def encoder_dir(model: str) -> Path | None:
     """The model's folder when it holds an encoder model (``EncoderModel.is_encoder_dir``), else None."""
+    path = Path(model) if model else None
+    if path is None or not path.is_dir():
+        return None
     from engined.encoder import EncoderModel
 
-    path = Path(model) if model else None
-    return path if path is not None and path.is_dir() and EncoderModel.is_encoder_dir(path) else None
+    return path if EncoderModel.is_encoder_dir(path) else None
 
 
 class EncoderEngine:
