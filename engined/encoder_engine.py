@@ -2,7 +2,7 @@
 
 An encoder has no KV cache and no decode: each step takes the waiting
 requests that fit the step (``max_num_seqs`` of them, ``max_num_batched_tokens``
-counted as the padded batch ``rows x longest``, at least one), embeds them in
+counted as the padded batch ``rows x longest``, at least one; apps take turns), embeds them in
 one ``EncoderModel.embed`` call and finishes them. It speaks the same
 interface as ``engined.engine.Engine`` (add_request / step / abort /
 take_errors / stats / info / metrics), so the daemon and the wire do not
@@ -156,8 +156,15 @@ class EncoderEngine:
         return outputs
 
     def _take_batch(self) -> list[Request]:
-        """The waiting requests of this step, best priority then oldest first, within the padded budget."""
-        order = sorted(self.waiting, key=lambda r: (r.priority, r.arrival_time))
+        """The waiting requests of this step within the padded budget: best priority first, then the
+        apps in turn (each app's oldest, then each one's next, ...), so that one app's large batch
+        (an indexing job) cannot hold another's single query back for its whole length."""
+        turns: dict[str, int] = {}
+        keyed = []
+        for req in sorted(self.waiting, key=lambda r: (r.priority, r.arrival_time)):
+            turn = turns[req.app] = turns.get(req.app, -1) + 1
+            keyed.append(((req.priority, turn, req.arrival_time), req))
+        order = [req for _, req in sorted(keyed, key=lambda k: k[0])]
         batch, longest = [], 0
         for req in order[: self.config.max_num_seqs]:
             wider = max(longest, req.num_tokens)

@@ -80,3 +80,12 @@ def test_the_daemon_can_drive_either_engine_alike():
     for name in ("add_request", "step", "abort", "has_unfinished", "take_errors", "stats", "release_idle_memory"):
         assert (list(inspect.signature(getattr(EncoderEngine, name)).parameters)
                 == list(inspect.signature(getattr(Engine, name)).parameters)), name
+
+
+def test_apps_take_turns_so_a_large_batch_does_not_hold_a_query_back(minilm):
+    engine = EncoderEngine(EngineConfig(model=str(minilm), max_num_seqs=4), minilm)
+    for i in range(12):  # an indexing job's batch, first in the queue
+        engine.add_request(f"index{i}", [101, 2000 + i, 102], SamplingParams(), app="indexer", task="embed")
+    engine.add_request("query", [101, 3000, 102], SamplingParams(), app="chat", task="embed")
+    first = [o.request_id for o in engine.step()]
+    assert first == ["index0", "query", "index1", "index2"]
