@@ -33,7 +33,7 @@ from engined.kv import KVCacheManager
 from engined.memory_guard import MemoryPlan
 from engined.model_split import hand_off, prepare
 from engined.request import Request
-from engined.runner import ModelRunner, forward
+from engined.runner import ModelRunner, forward, forward_pooled
 from engined.scheduler import SchedulerOutput
 from shared.config import EngineConfig
 from shared.errors import ModelLoadError
@@ -258,17 +258,18 @@ class MirroredRunner(ModelRunner):
                  config.num_ranks, config.pipeline_timeout)
         self.own_blocks = 0  # the pool this rank alone affords (``agree``)
 
-    def run(self, batch: SchedulerOutput, num_logits: list[int] | None = None) -> mx.array:
-        """As ``ModelRunner.run``, but evaluated here: a rank that stops answering hangs the evaluation."""
+    def run_pooled(self, batch: SchedulerOutput, num_logits: list[int] | None = None
+                   ) -> tuple[mx.array, mx.array | None]:
+        """As ``ModelRunner.run_pooled``, but evaluated here: a rank that stops answering hangs it."""
         pieces = self.pieces(batch)
         caches = self.kv.step_caches(batch.scheduled)
         num_logits = batch.num_logits if num_logits is None else num_logits
         # Watched from the send on: building the forward may evaluate already (the host attention).
         with self.watchdog:
             self.link.send(self.kv.take(pieces=pieces, num_logits=num_logits))
-            logits = forward(self.model, self.head, pieces, caches, num_logits)
-            mx.eval(logits, self.kv.arrays())
-        return logits
+            logits, hidden = forward_pooled(self.model, self.head, pieces, caches, num_logits, batch.hidden_rows)
+            mx.eval(logits, hidden if hidden is not None else [], self.kv.arrays())
+        return logits, hidden
 
     def agree(self, plan: MemoryPlan) -> MemoryPlan:
         """``plan`` with the smallest pool any rank affords (each sizes its own, for its own layers)."""

@@ -41,6 +41,7 @@ def run_engine(config: EngineConfig, daemon: DaemonConfig, parent_pid: int | Non
         if group.rank() > 0:  # a worker: no socket, no gateways; it mirrors rank 0 until rank 0 is gone
             return pipeline.serve_worker(config, group)
     from engined.daemon import Daemon
+    from engined.encoder_engine import EncoderEngine, encoder_dir
     from engined.engine import Engine
     from shared.curve import check_endpoint
     from shared.paths import check_ipc_endpoint, default_engine_endpoint, refuse_live_ipc
@@ -53,7 +54,8 @@ def run_engine(config: EngineConfig, daemon: DaemonConfig, parent_pid: int | Non
     log.info("loading %s", config.model or "the embedded SmolLM2")
     try:
         with _progress("loading the model and warming up"):
-            engine = Engine(config)
+            encoder = encoder_dir(config.model)
+            engine = EncoderEngine(config, encoder) if encoder is not None else Engine(config)
     except KeyboardInterrupt:
         return 130
     finally:
