@@ -22,6 +22,7 @@ from engined import memory_guard
 from engined.draft_model import DraftProposer
 from engined.kv import KVCacheManager
 from engined.loaders import LoadedModel, load_model
+from engined.lora.registry import LoraRegistry
 from engined.metrics import EngineMetrics
 from engined.model_layers import read_layers
 from engined.request import Request
@@ -31,8 +32,8 @@ from engined.scheduler import Scheduler, SchedulerOutput
 from engined.speculative import Speculator
 from engined.structured import GrammarCompiler
 from shared.config import EngineConfig, SpeculativeConfig
-from shared.errors import ContextLengthError, InvalidRequestError, ModelLoadError, OverloadedError
-from shared.protocol import EngineStats, ModelInfo, RequestOutput
+from shared.errors import ContextLengthError, InvalidRequestError, ModelLoadError, NotFoundError, OverloadedError
+from shared.protocol import EngineStats, LoraAdapter, ModelInfo, RequestOutput
 from shared.sampling import SamplingParams
 
 log = logging.getLogger("mlxd.engine")
@@ -54,7 +55,10 @@ class Engine:
                 "speculative decoding is not supported for hybrid linear-attention models: a recurrent "
                 "state cannot take rejected draft tokens back", param="speculative_config",
             )
-        self.runner = ModelRunner(loaded.model, specs, kv, backend)
+        # Adapter slots are made before the memory guard measures the weights, so it counts them.
+        self.lora = (LoraRegistry(loaded.model, config.max_loras, config.max_lora_rank, dtype)
+                     if config.enable_lora else None)
+        self.runner = ModelRunner(loaded.model, specs, kv, backend, self.lora)
         self.sampler = Sampler(loaded.vocab_size, loaded.eos_token_ids)
         self.metrics = EngineMetrics(config.served_model_name or loaded.model_id, config.metrics_prefix)
         self.drafter = (self._load_drafter(spec, loaded, dtype, backend)
@@ -69,7 +73,7 @@ class Engine:
             kv.follow(self.drafter.kv)
         kv.create(self.memory.num_blocks, self.memory.resident_blocks)
         self.scheduler = Scheduler(kv, config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len,
-                                   tuple(loaded.eos_token_ids))
+                                   tuple(loaded.eos_token_ids), self.lora)
         self.requests: dict[str, Request] = {}
         self._seeds = random.Random(config.seed)
         # Client requests whose later members are still to arrive: group -> (members left, refused),
@@ -89,7 +93,13 @@ class Engine:
             num_kv_blocks=self.memory.num_blocks,
             vocab_size=loaded.vocab_size,
             eos_token_ids=list(loaded.eos_token_ids),
+            enable_lora=config.enable_lora,
         )
+        for name, path in config.lora_adapters:
+            self.load_lora(name, path)
+        if self.lora is not None:
+            log.info("LoRA: %d slot(s) of rank %d, %.1f MiB; adapters: %s", config.max_loras, config.max_lora_rank,
+                     self.lora.nbytes / 2**20, ", ".join(self.lora.adapters) or "none yet")
         self.grammars = GrammarCompiler(self.info.tokenizer_dir, loaded.vocab_size, loaded.eos_token_ids)
         self.sampler.grammars = self.grammars
 
@@ -109,7 +119,7 @@ class Engine:
     def add_request(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
         cache_salt: str | None = None, app: str | None = None, priority: int = 0,
-        group: str | None = None, group_size: int = 1,
+        group: str | None = None, group_size: int = 1, lora_name: str | None = None,
     ) -> None:
         """Queue a request; raises at once if it is malformed or can never fit.
 
@@ -117,8 +127,10 @@ class Engine:
         ``cache_salt`` are both equal. ``app`` names the sender for fair share;
         a lower ``priority`` is admitted first (vLLM's convention). Errors name
         no request field: the gateway knows which of its fields they concern.
-        ``group``: see ``_take_queue_place``.
+        ``group``: see ``_take_queue_place``. ``lora_name`` picks a loaded
+        adapter (NotFoundError for another name).
         """
+        adapter = self._adapter(lora_name)
         self._take_queue_place(group, group_size)
         if request_id in self.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
@@ -142,12 +154,49 @@ class Engine:
         seed = params.seed if params.seed is not None else self._seeds.getrandbits(63)
         # The app enters the salt: one app can never hit, or time, another's cache.
         salt = f"{app or ''}\x00{cache_salt or ''}".encode() if app or cache_salt else b""
-        req = Request(request_id, prompt_token_ids, params, seed, salt, app or "", priority)
+        if adapter is not None:  # an adapter's K/V differ from the base's for the same tokens
+            salt += f"\x00lora\x00{adapter.uid}".encode()
+        req = Request(request_id, prompt_token_ids, params, seed, salt, app or "", priority, lora_name)
         if params.structured is not None:
             req.grammar = self.grammars.submit(params.structured)
             self._compiling.append(req)
         self.requests[request_id] = req
         self.scheduler.add(req)
+
+    def _adapter(self, name: str | None):
+        if name is None:
+            return None
+        adapter = self.lora.adapters.get(name) if self.lora is not None else None
+        if adapter is None:
+            raise NotFoundError(f"The model `{name}` does not exist; this server serves "
+                                f"`{self.info.served_model_name}`"
+                                + (f" and the LoRA adapters {', '.join(self.lora.adapters)}"
+                                   if self.lora and self.lora.adapters else ""), param="model")
+        return adapter
+
+    # -- LoRA adapters ----------------------------------------------------------------------
+
+    def load_lora(self, name: str, path: str) -> None:
+        """Serve the adapter at ``path`` as model ``name``; raises (400/404) with the reason."""
+        if self.lora is None:
+            raise InvalidRequestError("LoRA adapters are off: start the engine with --enable-lora",
+                                      param="lora_name")
+        if name in (self.info.served_model_name, self.info.model_id):
+            raise InvalidRequestError(f"{name!r} is the base model's name; give the adapter another",
+                                      param="lora_name")
+        adapter = self.lora.register(name, path)
+        self.info.lora_adapters.append(LoraAdapter(name=name, path=adapter.weights.path))
+        log.info("LoRA adapter %s loaded from %s (rank %d, %d modules)", name, path, adapter.weights.rank,
+                 len(adapter.weights.modules))
+
+    def unload_lora(self, name: str) -> None:
+        """Stop serving adapter ``name``; refused while requests still use it."""
+        if self.lora is None:
+            raise InvalidRequestError("LoRA adapters are off: start the engine with --enable-lora",
+                                      param="lora_name")
+        self.lora.unregister(name, sum(r.lora_name == name for r in self.requests.values()))
+        self.info.lora_adapters = [a for a in self.info.lora_adapters if a.name != name]
+        log.info("LoRA adapter %s unloaded", name)
 
     def _take_queue_place(self, group: str | None, group_size: int) -> None:
         """Count a request against the waiting queue; raises OverloadedError past it.
@@ -355,12 +404,13 @@ class Engine:
 
     # -- convenience --------------------------------------------------------------------------
 
-    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[list[int]]:
-        """Run prompts to completion together; returns each one's generated token ids."""
+    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams],
+                 loras: list[str | None] | None = None) -> list[list[int]]:
+        """Run prompts to completion together (``loras[i]``: prompt i's adapter); returns each one's token ids."""
         plist = params if isinstance(params, list) else [params] * len(prompts)
         ids = [f"generate-{os.getpid()}-{id(self)}-{i}" for i in range(len(prompts))]
-        for rid, prompt, p in zip(ids, prompts, plist):
-            self.add_request(rid, prompt, p)
+        for rid, prompt, p, lora in zip(ids, prompts, plist, loras or [None] * len(prompts)):
+            self.add_request(rid, prompt, p, lora_name=lora)
         results: dict[str, list[int]] = {rid: [] for rid in ids}
         pending = set(ids)
         while pending:

@@ -28,11 +28,12 @@ class Request:
         "num_cached_tokens", "status", "finish_reason", "stop_token_id", "seed",
         "arrival_time", "pending_tokens", "pending_logprobs", "block_hashes", "cache_salt",
         "first_scheduled_time", "first_token_time", "last_token_time", "app", "priority", "grammar",
+        "lora_name", "lora_slot",
     )
 
     def __init__(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, seed: int,
-        cache_salt: bytes = b"", app: str = "", priority: int = 0,
+        cache_salt: bytes = b"", app: str = "", priority: int = 0, lora_name: str | None = None,
     ):
         self.request_id = request_id
         self.params = params
@@ -61,6 +62,9 @@ class Request:
         self.priority = priority
         # The structured-output matcher (engined.structured.Grammar); None when unconstrained.
         self.grammar = None
+        # The LoRA adapter it runs under (None: the base model), and its slot while running (0: none held).
+        self.lora_name = lora_name
+        self.lora_slot = 0
 
     @property
     def ready(self) -> bool:

@@ -8,6 +8,7 @@ import numpy as np
 
 from engined import attention
 from engined.kv import KVCacheManager
+from engined.lora.registry import LoraRegistry
 from engined.model_layers import LayerSpec
 from engined.scheduler import SchedulerOutput
 
@@ -33,10 +34,13 @@ def forward(model: nn.Module, head: attention.LastTokenNorm, pieces: list[list[i
 class ModelRunner:
     """The model with its attention swapped for paged attention, run over the KV manager's groups."""
 
-    def __init__(self, model: nn.Module, specs: list[LayerSpec], kv: KVCacheManager, attention_backend: str = "auto"):
+    def __init__(self, model: nn.Module, specs: list[LayerSpec], kv: KVCacheManager, attention_backend: str = "auto",
+                 lora: LoraRegistry | None = None):
         self.model = model
         self.kv = kv
         self.head = attention.install(model, specs, attention_backend)
+        # The adapters' slots (their layers are already in the model); None: LoRA is off.
+        self.lora = lora
 
     def run(self, batch: SchedulerOutput, num_logits: list[int] | None = None) -> mx.array:
         """Forward the batch; logits ``[sum(num_logits), vocab]`` (not yet evaluated).
@@ -51,4 +55,12 @@ class ModelRunner:
             known = r.token_ids[r.num_computed_tokens : r.num_computed_tokens + n]
             pieces.append(known if len(known) == n else known + batch.drafts[r][: n - len(known)])
         caches = self.kv.step_caches(batch.scheduled)
-        return forward(self.model, self.head, pieces, caches, batch.num_logits if num_logits is None else num_logits)
+        num_logits = batch.num_logits if num_logits is None else num_logits
+        if self.lora is None:
+            return forward(self.model, self.head, pieces, caches, num_logits)
+        step = self.lora.step
+        step.slots = self.lora.token_slots([r.lora_slot for r, _ in batch.scheduled], [n for _, n in batch.scheduled])
+        try:
+            return forward(self.model, self.head, pieces, caches, num_logits)
+        finally:
+            step.slots = None

@@ -20,7 +20,8 @@ from shared.sampling import SamplingParams
 
 # 2: AddRequest gained app and priority.
 # 3: AddRequest gained group and group_size.
-PROTOCOL_VERSION = 3
+# 4: LoRA: AddRequest.lora_name, ModelInfo.lora_adapters, Pong.lora_adapters, LORA / LORA_DONE.
+PROTOCOL_VERSION = 4
 
 
 class Kind(bytes, enum.Enum):
@@ -34,6 +35,8 @@ class Kind(bytes, enum.Enum):
     PONG = b"\x08"  # engine -> gateway: Pong
     DEAD = b"\x09"  # engine -> gateway: Dead, the engine's last word
     BYE = b"\x0a"  # gateway -> engine: Bye, a gateway leaving (its requests are aborted)
+    LORA = b"\x0b"  # gateway -> engine: LoraUpdate (load or unload an adapter at runtime)
+    LORA_DONE = b"\x0c"  # engine -> gateway: LoraAdapters, the answer to a LoraUpdate that succeeded
 
 
 class Logprob(msgspec.Struct, array_like=True, gc=False):
@@ -87,6 +90,13 @@ class Hello(msgspec.Struct, kw_only=True):
     pid: int = 0
 
 
+class LoraAdapter(msgspec.Struct, kw_only=True):
+    """An adapter the engine serves: ``name`` is the model name requests use for it."""
+
+    name: str
+    path: str
+
+
 class ModelInfo(msgspec.Struct, kw_only=True):
     """What the engine serves, as the in-process Engine reports it."""
 
@@ -98,6 +108,8 @@ class ModelInfo(msgspec.Struct, kw_only=True):
     num_kv_blocks: int
     vocab_size: int
     eos_token_ids: list[int]
+    enable_lora: bool = False
+    lora_adapters: list[LoraAdapter] = []
 
 
 class EngineInfo(ModelInfo, kw_only=True):
@@ -124,6 +136,8 @@ class AddRequest(msgspec.Struct, array_like=True, gc=False):
     # engine admits or refuses all ``group_size`` of them against its waiting queue at once.
     group: str | None = None
     group_size: int = 1
+    # The LoRA adapter to run under (a name of ModelInfo.lora_adapters); None: the base model.
+    lora_name: str | None = None
 
 
 class Abort(msgspec.Struct, array_like=True, gc=False):
@@ -156,6 +170,22 @@ class Pong(msgspec.Struct, array_like=True):
     instance_id: str
     sent_at: float
     stats: EngineStats
+    # The adapters served now: every gateway learns of one loaded through another.
+    lora_adapters: list[LoraAdapter] = []
+
+
+class LoraUpdate(msgspec.Struct, kw_only=True):
+    """Load (``lora_path`` given) or unload an adapter; answered by LoraAdapters, or Error(request_id=op_id)."""
+
+    op_id: str
+    action: str  # "load" | "unload"
+    lora_name: str
+    lora_path: str | None = None
+
+
+class LoraAdapters(msgspec.Struct, kw_only=True):
+    op_id: str
+    adapters: list[LoraAdapter]
 
 
 class Dead(msgspec.Struct, kw_only=True):
@@ -177,6 +207,8 @@ PAYLOAD_TYPES: dict[Kind, type] = {
     Kind.PONG: Pong,
     Kind.DEAD: Dead,
     Kind.BYE: Bye,
+    Kind.LORA: LoraUpdate,
+    Kind.LORA_DONE: LoraAdapters,
 }
 
 _encoder = msgspec.msgpack.Encoder()
