@@ -83,8 +83,10 @@ class Generation:
 
     def __init__(self, client, tokenizer, prompts: list[list[int]], params: SamplingParams, n: int,
                  stop: list[str], include_stop: bool, skip_special_tokens: bool, want_logprobs: bool,
-                 cache_salt: str | None = None, app: str | None = None, priority: int = 0):
+                 cache_salt: str | None = None, app: str | None = None, priority: int = 0,
+                 lora_name: str | None = None):
         self.client = client
+        self.lora_name = lora_name
         self.cache_salt = cache_salt
         self.app = app
         self.priority = priority
@@ -109,7 +111,8 @@ class Generation:
                     params = _replace_seed(params, params.seed + c.index % self.n)
                 self.client.add(c.request_id, self.prompts[c.index // self.n], params, self.queue, c.index,
                                 self.cache_salt, self.app, self.priority,
-                                (self.id_base, len(self.choices)) if len(self.choices) > 1 else None)
+                                (self.id_base, len(self.choices)) if len(self.choices) > 1 else None,
+                                self.lora_name)
         except BaseException:
             self.abort_unfinished()
             raise

@@ -259,3 +259,31 @@ def test_peft_scale_and_expert_stacking_read_as_mlx_lm_would(setups):
     for path, (a, b) in ref.modules.items():
         np.testing.assert_allclose(peft.modules[path][0], a, rtol=1e-6)
         np.testing.assert_allclose(peft.modules[path][1], b, rtol=1e-6)
+
+
+def test_lora_requests_info_has_vllms_labels_and_names_running_and_waiting_adapters(setups):
+    from prometheus_client import generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from tests.engined.test_vllm_parity import VLLM
+
+    model_dir, a_dir, b_dir, _ = setups("llama")
+    # One slot: while A's request runs, B's waits for it.
+    engine = _engine(model_dir, "float32", a_dir, b_dir, max_loras=1, metrics_prefix="vllm")
+    engine.metrics.attach(engine)
+    params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+    engine.add_request("a", [1, 2, 3], params, lora_name="A")
+    engine.add_request("b", [4, 5, 6], params, lora_name="B")
+    engine.step()
+
+    def series():
+        text = generate_latest(engine.metrics.registry).decode()
+        fam = next(f for f in text_string_to_metric_families(text) if f.name == "vllm:lora_requests_info")
+        assert fam.type == VLLM["lora_requests_info"]["type"]
+        return [s.labels for s in fam.samples]
+
+    assert series() == [{"max_lora": "1", "running_lora_adapters": "A", "waiting_lora_adapters": "B"}]
+    assert set(series()[0]) == set(VLLM["lora_requests_info"]["labels"])
+    while engine.has_unfinished():
+        engine.step()
+    assert series() == [{"max_lora": "1", "running_lora_adapters": "", "waiting_lora_adapters": ""}]
