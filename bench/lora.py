@@ -1,0 +1,124 @@
+"""LoRA throughput: one batch spread over 4 adapters against the same batch on the base model.
+
+In-process engines on the same model (default: the embedded SmolLM2-135M),
+same prompts, greedy, every request ``--max-tokens`` long. Three systems:
+
+- ``base``: an engine without LoRA, every request on the base model;
+- ``4 adapters``: an engine with ``--enable-lora --max-loras 4``, the requests
+  spread round-robin over four random rank-``--rank`` adapters of every
+  attention and MLP projection (one packed step mixes them all);
+- ``lora on, base requests``: the LoRA engine with requests naming no adapter
+  (what enabling LoRA costs requests that use none).
+
+Each level runs each system once as warm-up, then ``--repeats`` times,
+alternating; reports generated tokens/s (median) and the ratio to ``base``.
+
+    python -m bench.lora [--model PATH] [--levels 8 64] [--max-tokens 32] [--rank 16] [--prompt-lens 32 256]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+from engined.device import load_fast_blas
+
+# A benchmark script, run as __main__: the fast BLAS before the imports below load mlx.core.
+load_fast_blas()
+import mlx.core as mx
+import numpy as np
+
+from engined.engine import Engine
+from engined.loaders import load_model
+from engined.lora.layers import install
+from shared.config import EngineConfig
+from shared.sampling import SamplingParams
+
+NUM_ADAPTERS = 4
+
+
+def write_adapters(model_path: str, root: Path, rank: int, seed: int = 0) -> list[Path]:
+    """``NUM_ADAPTERS`` random mlx_lm-format adapters of every linear projection of the model's layers."""
+    model = load_model(model_path).model
+    _, targets = install(model, 1, 1, mx.float32)  # only to list the projections and their sizes
+    rng = np.random.default_rng(seed)
+    dirs = []
+    for k in range(NUM_ADAPTERS):
+        tensors = {}
+        for path, (wrapper, proj) in targets.items():
+            if proj is not None:
+                continue  # experts: this benchmark's models are dense
+            tensors[f"{path}.lora_a"] = mx.array(rng.normal(0, 0.02, (wrapper.input_dims, rank)).astype(np.float32))
+            tensors[f"{path}.lora_b"] = mx.array(rng.normal(0, 0.02, (rank, wrapper.output_dims)).astype(np.float32))
+        d = root / f"adapter{k}"
+        d.mkdir()
+        mx.save_safetensors(str(d / "adapters.safetensors"), tensors)
+        (d / "adapter_config.json").write_text(json.dumps(
+            {"fine_tune_type": "lora", "lora_parameters": {"rank": rank, "scale": 1.0, "dropout": 0.0}}))
+        dirs.append(d)
+    return dirs
+
+
+def make_prompts(n: int, vocab: int, seed: int, lengths: tuple[int, int]) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(100, vocab - 100, size=int(k)).tolist()
+            for k in rng.integers(lengths[0], lengths[1] + 1, size=n)]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="")
+    ap.add_argument("--levels", type=int, nargs="+", default=[8, 64])
+    ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--rank", type=int, default=16)
+    ap.add_argument("--prompt-lens", type=int, nargs=2, default=[32, 256], metavar=("MIN", "MAX"))
+    ap.add_argument("--repeats", type=int, default=2)
+    args = ap.parse_args()
+
+    top = max(args.levels)
+    common = dict(max_num_seqs=top, max_num_batched_tokens=2048, enable_prefix_caching=False,
+                  num_kv_blocks=top * (args.prompt_lens[1] + args.max_tokens) // 16 + 2 * top)
+    with tempfile.TemporaryDirectory() as tmp:
+        adapters = write_adapters(args.model, Path(tmp), args.rank)
+        base = Engine(EngineConfig(model=args.model, **common))
+        lora = Engine(EngineConfig(model=args.model, enable_lora=True, max_loras=NUM_ADAPTERS,
+                                   max_lora_rank=args.rank,
+                                   lora_modules=[f"a{k}={d}" for k, d in enumerate(adapters)], **common))
+        print(f"device {mx.default_device()}, model {base.info.model_id}, rank {args.rank}, "
+              f"{NUM_ADAPTERS} adapters, slots {lora.lora.nbytes / 2**20:.1f} MiB", flush=True)
+        params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
+        rows = []
+        for level in args.levels:
+            prompts = make_prompts(level, base.info.vocab_size, level, tuple(args.prompt_lens))
+            spread = [f"a{i % NUM_ADAPTERS}" for i in range(level)]
+            systems = {
+                "base": lambda: base.generate(prompts, params),
+                "4 adapters": lambda: lora.generate(prompts, params, spread),
+                "lora on, base requests": lambda: lora.generate(prompts, params),
+            }
+            for run in systems.values():
+                run()  # warm-up
+            times = {name: [] for name in systems}
+            for _ in range(args.repeats):  # alternating, so that background load falls on all alike
+                for name, run in systems.items():
+                    start = time.perf_counter()
+                    run()
+                    times[name].append(time.perf_counter() - start)
+            tokens = level * args.max_tokens
+            rate = {name: tokens / statistics.median(t) for name, t in times.items()}
+            rows.append((level, rate))
+            print(f"c={level}: " + "   ".join(f"{n} {r:.1f} tok/s ({r / rate['base']:.2f}x)"
+                                             for n, r in rate.items()), flush=True)
+    print("\n| concurrent requests | base tok/s | 4 adapters tok/s | ratio | LoRA on, base requests tok/s | ratio |")
+    print("|---|---|---|---|---|---|")
+    for level, r in rows:
+        b, a, o = r["base"], r["4 adapters"], r["lora on, base requests"]
+        print(f"| {level} | {b:.1f} | {a:.1f} | {a / b:.2f}x | {o:.1f} | {o / b:.2f}x |")
+
+
+if __name__ == "__main__":
+    main()
