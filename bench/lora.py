@@ -12,8 +12,11 @@ same prompts, greedy, every request ``--max-tokens`` long. Three systems:
 
 Each level runs each system once as warm-up, then ``--repeats`` times,
 alternating; reports generated tokens/s (median) and the ratio to ``base``.
+``--shape llama-8b`` runs a model of Llama-3.1-8B's shape with random bf16
+weights instead (no download; both engines share the same arrays), for a GPU.
 
-    python -m bench.lora [--model PATH] [--levels 8 64] [--max-tokens 32] [--rank 16] [--prompt-lens 32 256]
+    python -m bench.lora [--model PATH | --shape NAME] [--levels 8 64] [--max-tokens 32] [--rank 16]
+                         [--prompt-lens 32 256]
 """
 
 from __future__ import annotations
@@ -39,11 +42,49 @@ from shared.config import EngineConfig
 from shared.sampling import SamplingParams
 
 NUM_ADAPTERS = 4
+SHAPES = {
+    "llama-8b": dict(model_type="llama", hidden_size=4096, num_hidden_layers=32, intermediate_size=14336,
+                     num_attention_heads=32, num_key_value_heads=8, vocab_size=128256, rms_norm_eps=1e-5,
+                     rope_theta=500000.0, max_position_embeddings=8192, tie_word_embeddings=False),
+    # The script end to end in seconds on a CPU.
+    "llama-tiny": dict(model_type="llama", hidden_size=128, num_hidden_layers=2, intermediate_size=256,
+                       num_attention_heads=4, num_key_value_heads=2, vocab_size=1024, rms_norm_eps=1e-5,
+                       rope_theta=10000.0, max_position_embeddings=8192, tie_word_embeddings=False),
+}
 
 
-def write_adapters(model_path: str, root: Path, rank: int, seed: int = 0) -> list[Path]:
+def random_model_maker(name: str):
+    """A maker of LoadedModels of shape ``name`` whose models all share one set of random bf16 arrays."""
+    from mlx_lm.utils import _get_classes
+
+    from engined.loaders import LoadedModel
+
+    shape = SHAPES[name]
+    model_cls, args_cls = _get_classes(shape)
+    mx.random.seed(0)
+
+    def fresh():
+        m = model_cls(args_cls.from_dict(shape))
+        m.set_dtype(mx.bfloat16)
+        return m
+
+    first = fresh()
+    mx.eval(first.parameters())
+
+    def make():
+        m = fresh()
+        m.update(first.parameters())  # the same arrays; its own random ones are never evaluated
+        return LoadedModel(model=m, model_id=f"random-{name}", model_type=shape["model_type"],
+                           tokenizer_dir=Path("."), eos_token_ids=[], bos_token_id=None, context_length=8192,
+                           vocab_size=shape["vocab_size"], num_layers=shape["num_hidden_layers"],
+                           num_kv_heads=shape["num_key_value_heads"],
+                           head_dim=shape["hidden_size"] // shape["num_attention_heads"])
+
+    return make
+
+
+def write_adapters(model, root: Path, rank: int, seed: int = 0) -> list[Path]:
     """``NUM_ADAPTERS`` random mlx_lm-format adapters of every linear projection of the model's layers."""
-    model = load_model(model_path).model
     _, targets = install(model, 1, 1, mx.float32)  # only to list the projections and their sizes
     rng = np.random.default_rng(seed)
     dirs = []
@@ -72,6 +113,7 @@ def make_prompts(n: int, vocab: int, seed: int, lengths: tuple[int, int]) -> lis
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="")
+    ap.add_argument("--shape", choices=sorted(SHAPES), default=None)
     ap.add_argument("--levels", type=int, nargs="+", default=[8, 64])
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--rank", type=int, default=16)
@@ -82,12 +124,13 @@ def main() -> None:
     top = max(args.levels)
     common = dict(max_num_seqs=top, max_num_batched_tokens=2048, enable_prefix_caching=False,
                   num_kv_blocks=top * (args.prompt_lens[1] + args.max_tokens) // 16 + 2 * top)
+    make = random_model_maker(args.shape) if args.shape else (lambda: load_model(args.model))
     with tempfile.TemporaryDirectory() as tmp:
-        adapters = write_adapters(args.model, Path(tmp), args.rank)
-        base = Engine(EngineConfig(model=args.model, **common))
+        adapters = write_adapters(make().model, Path(tmp), args.rank)
+        base = Engine(EngineConfig(model=args.model, **common), make())
         lora = Engine(EngineConfig(model=args.model, enable_lora=True, max_loras=NUM_ADAPTERS,
                                    max_lora_rank=args.rank,
-                                   lora_modules=[f"a{k}={d}" for k, d in enumerate(adapters)], **common))
+                                   lora_modules=[f"a{k}={d}" for k, d in enumerate(adapters)], **common), make())
         print(f"device {mx.default_device()}, model {base.info.model_id}, rank {args.rank}, "
               f"{NUM_ADAPTERS} adapters, slots {lora.lora.nbytes / 2**20:.1f} MiB", flush=True)
         params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)

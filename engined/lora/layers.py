@@ -30,8 +30,8 @@ class LoraStep:
 
 
 def _lora(x: mx.array, a: mx.array, b: mx.array, index: mx.array) -> mx.array:
-    """``x @ a[index] @ b[index]`` per row, ``index`` broadcast against ``x``'s batch dims."""
-    return mx.gather_mm(mx.gather_mm(x, a, rhs_indices=index), b, rhs_indices=index)
+    """``x @ a[index] @ b[index]`` per row, ``index`` broadcast against ``x``'s batch dims (in ``a``'s dtype)."""
+    return mx.gather_mm(mx.gather_mm(x.astype(a.dtype), a, rhs_indices=index), b, rhs_indices=index)
 
 
 def _dims(linear: nn.Module) -> tuple[int, int]:

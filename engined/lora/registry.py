@@ -37,6 +37,9 @@ class LoraRegistry:
     def __init__(self, model: nn.Module, max_loras: int, max_lora_rank: int, dtype: mx.Dtype):
         self.max_loras = max_loras
         self.max_lora_rank = max_lora_rank
+        # MLX's CPU gather_mm takes float32 only: a half-precision model's adapters run in float32 there.
+        if mx.default_device() == mx.cpu:
+            dtype = mx.float32
         self.step, self.targets = layers.install(model, max_loras + 1, max_lora_rank, dtype)
         self.adapters: dict[str, Adapter] = {}
         # slot -> adapter name (slot 0, the base, is never listed); most recently used last.

@@ -287,3 +287,17 @@ def test_lora_requests_info_has_vllms_labels_and_names_running_and_waiting_adapt
     while engine.has_unfinished():
         engine.step()
     assert series() == [{"max_lora": "1", "running_lora_adapters": "", "waiting_lora_adapters": ""}]
+
+
+def test_a_half_precision_base_runs_its_adapters_on_the_cpu(setups):
+    """MLX's CPU gather_mm takes float32 only: a bf16 model's adapter terms run in float32 there."""
+    model_dir, a_dir, b_dir, _ = setups("llama")
+    loaded = _load(model_dir, "float32")
+    loaded.model.set_dtype(mx.bfloat16)
+    config = EngineConfig(num_kv_blocks=64, block_size=8, max_num_batched_tokens=256, enable_lora=True,
+                          max_loras=2, max_lora_rank=8, lora_modules=[f"A={a_dir}", f"B={b_dir}"])
+    engine = Engine(config, loaded)
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    prompts = [[5, 6, 7, 8], [9, 10, 11]]
+    out = engine.generate(prompts * 3, params, ["A", "A", "B", "B", None, None])
+    assert out[0:2] != out[4:6] or out[2:4] != out[4:6]
