@@ -297,7 +297,7 @@ class Engine:
         self._fail_raised(batch.failed, "its grammar could not take the sampled token")
         outputs += self._outputs(produced)
         self.metrics.on_step(batch.num_tokens, time.monotonic() - start, self.stats())
-        if self.lora is not None and self.metrics._lora_info is not None:
+        if self.lora is not None:
             waiting = sorted({r.lora_name for r in self.scheduler.waiting if r.lora_name})
             self.metrics.on_lora(self.config.max_loras, self.lora.running(), waiting)
         return outputs

@@ -181,9 +181,9 @@ class EngineMetrics:
 
     def on_lora(self, max_loras: int, running: list[str], waiting: list[str]) -> None:
         """vLLM's lora_requests_info: one series, labelled with the adapters running and waiting (comma
-        separated), valued at the time they last changed."""
+        separated), valued at the time they last changed. Nothing before ``attach``."""
         labels = (str(max_loras), ",".join(waiting), ",".join(running))
-        if labels == self._lora_seen:
+        if self._lora_info is None or labels == self._lora_seen:
             return
         self._lora_seen = labels
         self._lora_info.clear()  # one series: the state now, not every state seen since the start
