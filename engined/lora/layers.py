@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.switch_layers import QuantizedSwitchLinear, SwitchGLU, SwitchLinear
+from mlx_lm.models.switch_layers import SwitchGLU
 
 from engined.model_layers import transformer_layers
 
@@ -120,17 +120,20 @@ class SlottedLoraSwitchGLU(nn.Module):
 _LINEARS = (nn.Linear, nn.QuantizedLinear)
 
 
-def install(model: nn.Module, num_slots: int, rank: int, dtype: mx.Dtype) -> tuple[LoraStep, dict[str, nn.Module]]:
-    """Wrap every linear and SwitchGLU of the transformer layers; returns the step and ``{path: wrapper}``.
+def install(model: nn.Module, num_slots: int, rank: int, dtype: mx.Dtype):
+    """Wrap every linear and SwitchGLU of the transformer layers; returns the step and the targets.
 
-    Paths are mlx_lm's from the model's root (``model.layers.0.self_attn.q_proj``),
-    the names adapters use. Linear-attention layers of hybrid models keep their
+    ``targets[path] = (wrapper, projection)``: paths are mlx_lm's from the model's
+    root (``model.layers.0.self_attn.q_proj``), the names adapters use; a
+    SwitchGLU's three projections (``...switch_mlp.gate_proj``) share its
+    wrapper and name their ``projection``, a linear's is None. A SwitchGLU's
+    projections are switch layers, not linears, so they are never wrapped twice. Linear-attention layers of hybrid models keep their
     own projections (their recurrent state is not adapted).
     """
     step = LoraStep()
     layers = transformer_layers(model)
     prefix = "model.layers" if getattr(getattr(model, "model", None), "layers", None) is layers else "layers"
-    targets: dict[str, nn.Module] = {}
+    targets: dict[str, tuple[nn.Module, str | None]] = {}
     for i, layer in enumerate(layers):
         swaps = []
         for name, module in layer.named_modules():
@@ -138,14 +141,11 @@ def install(model: nn.Module, num_slots: int, rank: int, dtype: mx.Dtype) -> tup
                 continue
             if isinstance(module, SwitchGLU):
                 wrapper = SlottedLoraSwitchGLU(module, step, num_slots, rank, dtype)
-            elif isinstance(module, _LINEARS) and not isinstance(module, (SwitchLinear, QuantizedSwitchLinear)):
+            elif isinstance(module, _LINEARS):
                 wrapper = SlottedLoraLinear(module, step, num_slots, rank, dtype)
             else:
                 continue
             swaps.append((name, wrapper))
-        # A SwitchGLU is taken whole: its own projections are not wrapped again.
-        swaps = [(n, w) for n, w in swaps if not any(n.startswith(p + ".") and isinstance(pw, SlottedLoraSwitchGLU)
-                                                     for p, pw in swaps)]
         for name, wrapper in swaps:
             _set(layer, name, wrapper)
             if isinstance(wrapper, SlottedLoraSwitchGLU):
