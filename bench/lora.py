@@ -12,6 +12,10 @@ same prompts, greedy, every request ``--max-tokens`` long. Three systems:
 
 Each level runs each system once as warm-up, then ``--repeats`` times,
 alternating; reports generated tokens/s (median) and the ratio to ``base``.
+Then one decode step of ``c`` rows (every prefill done) is forwarded
+``--step-repeats`` times with its rows' adapters and as many times with
+every row on the base, alternating step by step: the LoRA term's own cost,
+with far less of a busy machine's noise than whole runs.
 ``--shape llama-8b`` runs a model of Llama-3.1-8B's shape with random bf16
 weights instead (no download; both engines share the same arrays), for a GPU.
 
@@ -104,6 +108,34 @@ def write_adapters(model, root: Path, rank: int, seed: int = 0) -> list[Path]:
     return dirs
 
 
+def step_cost(engine: Engine, prompts: list[list[int]], loras: list[str], repeats: int) -> tuple[float, float]:
+    """Median seconds of one packed decode step's forward: (rows on their adapters, rows on the base)."""
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)  # room for the step measured
+    ids = [f"step-{i}" for i in range(len(prompts))]
+    for rid, prompt, lora in zip(ids, prompts, loras):
+        engine.add_request(rid, prompt, params, lora_name=lora)
+    reqs = [engine.requests[rid] for rid in ids]
+    while any(r.num_output_tokens == 0 for r in reqs):
+        engine.step()
+    batch = engine.scheduler.schedule()
+    slots = [r.lora_slot for r, _ in batch.scheduled]
+    assert len(batch.scheduled) == len(prompts) and all(n == 1 for _, n in batch.scheduled)
+
+    def forward(adapters: bool) -> float:
+        for (r, _), slot in zip(batch.scheduled, slots):
+            r.lora_slot = slot if adapters else 0
+        start = time.perf_counter()
+        mx.eval(engine.runner.run(batch))
+        return time.perf_counter() - start
+
+    times = [(forward(True), forward(False)) for _ in range(repeats + 1)][1:]
+    for (r, _), slot in zip(batch.scheduled, slots):
+        r.lora_slot = slot
+    engine.abort(ids)
+    engine.step()
+    return statistics.median(a for a, _ in times), statistics.median(b for _, b in times)
+
+
 def make_prompts(n: int, vocab: int, seed: int, lengths: tuple[int, int]) -> list[list[int]]:
     rng = np.random.default_rng(seed)
     return [rng.integers(100, vocab - 100, size=int(k)).tolist()
@@ -118,7 +150,8 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--rank", type=int, default=16)
     ap.add_argument("--prompt-lens", type=int, nargs=2, default=[32, 256], metavar=("MIN", "MAX"))
-    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=2, help="timed whole runs per system (0: the step alone)")
+    ap.add_argument("--step-repeats", type=int, default=10)
     args = ap.parse_args()
 
     top = max(args.levels)
@@ -134,7 +167,7 @@ def main() -> None:
         print(f"device {mx.default_device()}, model {base.info.model_id}, rank {args.rank}, "
               f"{NUM_ADAPTERS} adapters, slots {lora.lora.nbytes / 2**20:.1f} MiB", flush=True)
         params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
-        rows = []
+        rows, steps = [], []
         for level in args.levels:
             prompts = make_prompts(level, base.info.vocab_size, level, tuple(args.prompt_lens))
             spread = [f"a{i % NUM_ADAPTERS}" for i in range(level)]
@@ -143,6 +176,8 @@ def main() -> None:
                 "4 adapters": lambda: lora.generate(prompts, params, spread),
                 "lora on, base requests": lambda: lora.generate(prompts, params),
             }
+            if not args.repeats:  # the step measurement alone
+                systems = {}
             for name, run in list(systems.items()):
                 try:
                     run()  # warm-up
@@ -157,17 +192,26 @@ def main() -> None:
                     times[name].append(time.perf_counter() - start)
             tokens = level * args.max_tokens
             rate = {name: tokens / statistics.median(t) for name, t in times.items()}
-            rows.append((level, rate))
-            if "base" not in rate:
-                continue
-            print(f"c={level}: " + "   ".join(f"{n} {r:.1f} tok/s ({r / rate['base']:.2f}x)"
-                                             for n, r in rate.items()), flush=True)
+            if "base" in rate:
+                rows.append((level, rate))
+                print(f"c={level}: " + "   ".join(f"{n} {r:.1f} tok/s ({r / rate['base']:.2f}x)"
+                                                 for n, r in rate.items()), flush=True)
+            if args.step_repeats:
+                with_, without = step_cost(lora, prompts, spread, args.step_repeats)
+                steps.append((level, with_, without))
+                print(f"c={level}: one decode step's forward: {with_ * 1e3:.1f} ms on 4 adapters, "
+                      f"{without * 1e3:.1f} ms on the base ({without / with_:.2f}x)", flush=True)
     print("\n| concurrent requests | base tok/s | 4 adapters tok/s | ratio | LoRA on, base requests tok/s | ratio |")
     print("|---|---|---|---|---|---|")
     for level, r in rows:
         b = r.get("base", float("nan"))
         a, o = r.get("4 adapters", float("nan")), r.get("lora on, base requests", float("nan"))
         print(f"| {level} | {b:.1f} | {a:.1f} | {a / b:.2f}x | {o:.1f} | {o / b:.2f}x |")
+    if steps:
+        print("\n| concurrent requests | decode step, 4 adapters (ms) | same step, base rows (ms) | ratio |")
+        print("|---|---|---|---|")
+        for level, a, b in steps:
+            print(f"| {level} | {a * 1e3:.1f} | {b * 1e3:.1f} | {b / a:.2f}x |")
 
 
 if __name__ == "__main__":
