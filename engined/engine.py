@@ -60,7 +60,8 @@ class Engine:
                      if config.enable_lora else None)
         self.runner = ModelRunner(loaded.model, specs, kv, backend, self.lora)
         self.sampler = Sampler(loaded.vocab_size, loaded.eos_token_ids)
-        self.metrics = EngineMetrics(config.served_model_name or loaded.model_id, config.metrics_prefix)
+        self.metrics = EngineMetrics(config.served_model_name or loaded.model_id, config.metrics_prefix,
+                                     self.max_model_len)
         self.drafter = (self._load_drafter(spec, loaded, dtype, backend)
                         if spec and spec.method == "draft_model" else None)
         self.speculator = Speculator(spec, self.sampler, self.metrics, self.max_model_len, self.drafter,
@@ -102,6 +103,7 @@ class Engine:
                      self.lora.nbytes / 2**20, ", ".join(self.lora.adapters) or "none yet")
         self.grammars = GrammarCompiler(self.info.tokenizer_dir, loaded.vocab_size, loaded.eos_token_ids)
         self.sampler.grammars = self.grammars
+        self.metrics.attach(self)
 
     def _load_drafter(self, spec: SpeculativeConfig, target: LoadedModel, dtype: mx.Dtype,
                       backend: str) -> DraftProposer:
@@ -119,7 +121,8 @@ class Engine:
     def add_request(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
         cache_salt: str | None = None, app: str | None = None, priority: int = 0,
-        group: str | None = None, group_size: int = 1, lora_name: str | None = None,
+        group: str | None = None, group_size: int = 1, params_n: int = 1,
+        lora_name: str | None = None,
     ) -> None:
         """Queue a request; raises at once if it is malformed or can never fit.
 
@@ -127,8 +130,9 @@ class Engine:
         ``cache_salt`` are both equal. ``app`` names the sender for fair share;
         a lower ``priority`` is admitted first (vLLM's convention). Errors name
         no request field: the gateway knows which of its fields they concern.
-        ``group``: see ``_take_queue_place``. ``lora_name`` picks a loaded
-        adapter (NotFoundError for another name).
+        ``group``: see ``_take_queue_place``. ``params_n``: the client request's n, recorded
+        once per prompt (0 on its other choices).
+        ``lora_name`` picks a loaded adapter (NotFoundError for another name).
         """
         adapter = self._adapter(lora_name)
         self._take_queue_place(group, group_size)
@@ -156,7 +160,7 @@ class Engine:
         salt = f"{app or ''}\x00{cache_salt or ''}".encode() if app or cache_salt else b""
         if adapter is not None:  # an adapter's K/V differ from the base's for the same tokens
             salt += f"\x00lora\x00{adapter.uid}".encode()
-        req = Request(request_id, prompt_token_ids, params, seed, salt, app or "", priority, lora_name)
+        req = Request(request_id, prompt_token_ids, params, seed, salt, app or "", priority, params_n, lora_name)
         if params.structured is not None:
             req.grammar = self.grammars.submit(params.structured)
             self._compiling.append(req)

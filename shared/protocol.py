@@ -20,8 +20,9 @@ from shared.sampling import SamplingParams
 
 # 2: AddRequest gained app and priority.
 # 3: AddRequest gained group and group_size.
-# 4: LoRA: AddRequest.lora_name, ModelInfo.lora_adapters, Pong.lora_adapters, LORA / LORA_DONE.
-PROTOCOL_VERSION = 4
+# 4: AddRequest gained n and choice.
+# 5: LoRA: AddRequest.lora_name, ModelInfo.lora_adapters, Pong.lora_adapters, LORA / LORA_DONE.
+PROTOCOL_VERSION = 5
 
 
 class Kind(bytes, enum.Enum):
@@ -136,6 +137,10 @@ class AddRequest(msgspec.Struct, array_like=True, gc=False):
     # engine admits or refuses all ``group_size`` of them against its waiting queue at once.
     group: str | None = None
     group_size: int = 1
+    # The client request's n, and which of its prompt's n choices this is: vLLM's
+    # request_params_n, observed once per prompt (on its choice 0), as vLLM does per parent request.
+    n: int = 1
+    choice: int = 0
     # The LoRA adapter to run under (a name of ModelInfo.lora_adapters); None: the base model.
     lora_name: str | None = None
 
