@@ -20,6 +20,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
+from engined.device import on_cpu
 from engined.lora import layers
 from engined.lora.adapters import AdapterWeights, read_adapter
 from shared.errors import InvalidRequestError, NotFoundError
@@ -38,7 +39,7 @@ class LoraRegistry:
         self.max_loras = max_loras
         self.max_lora_rank = max_lora_rank
         # MLX's CPU gather_mm takes float32 only: a half-precision model's adapters run in float32 there.
-        if mx.default_device() == mx.cpu:
+        if on_cpu():
             dtype = mx.float32
         self.step, self.targets = layers.install(model, max_loras + 1, max_lora_rank, dtype)
         self.adapters: dict[str, Adapter] = {}
