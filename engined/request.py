@@ -28,12 +28,13 @@ class Request:
         "num_cached_tokens", "status", "finish_reason", "stop_token_id", "seed",
         "arrival_time", "pending_tokens", "pending_logprobs", "block_hashes", "cache_salt",
         "first_scheduled_time", "first_token_time", "last_token_time", "app", "priority", "grammar",
-        "params_n", "lora_name", "lora_slot",
+        "params_n", "task", "embedding", "score", "lora_name", "lora_slot",
     )
 
     def __init__(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, seed: int,
         cache_salt: bytes = b"", app: str = "", priority: int = 0, params_n: int = 1,
+        task: str = "generate",
         lora_name: str | None = None,
     ):
         self.request_id = request_id
@@ -65,6 +66,11 @@ class Request:
         self.params_n = params_n
         # The structured-output matcher (engined.structured.Grammar); None when unconstrained.
         self.grammar = None
+        # generate | embed | score (shared.protocol.TASKS); embed and score requests are prefill
+        # only and finish with their pooled vector (float32 bytes) or score.
+        self.task = task
+        self.embedding: bytes | None = None
+        self.score: float | None = None
         # The LoRA adapter it runs under (None: the base model), and its slot while running (0: none held).
         self.lora_name = lora_name
         self.lora_slot = 0
@@ -73,6 +79,11 @@ class Request:
     def ready(self) -> bool:
         """False while its grammar is still compiling: the scheduler leaves it waiting."""
         return self.grammar is None or self.grammar.ready
+
+    @property
+    def pooled(self) -> bool:
+        """Prefill only: the result is the last position's hidden state or logits, no token."""
+        return self.task != "generate"
 
     @property
     def num_tokens(self) -> int:

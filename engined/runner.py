@@ -13,6 +13,12 @@ from engined.model_layers import LayerSpec
 from engined.scheduler import SchedulerOutput
 
 
+def _row_index(ends: np.ndarray, counts: list[int]) -> mx.array:
+    """Indices of each piece's last ``counts[b]`` rows in the packed sequence."""
+    rows = [np.arange(end - k, end) for end, k in zip(ends, counts) if k]
+    return mx.array(np.concatenate(rows).astype(np.int32) if rows else np.zeros(0, np.int32))
+
+
 def forward(model: nn.Module, head: attention.LastTokenNorm, pieces: list[list[int]], caches: list,
             num_logits: list[int]) -> mx.array:
     """Forward token ``pieces`` packed as one sequence; logits of each piece's last ``num_logits[b]`` rows.
@@ -20,15 +26,24 @@ def forward(model: nn.Module, head: attention.LastTokenNorm, pieces: list[list[i
     ``caches`` is the model's ``cache`` argument: one step object per layer.
     Returns ``[sum(num_logits), vocab]``, not yet evaluated.
     """
+    return forward_pooled(model, head, pieces, caches, num_logits)[0]
+
+
+def forward_pooled(model: nn.Module, head: attention.LastTokenNorm, pieces: list[list[int]], caches: list,
+                   num_logits: list[int], num_hidden: list[int] | None = None) -> tuple[mx.array, mx.array | None]:
+    """``forward``, and when ``num_hidden`` asks for any, the final normed hidden states
+    ``[sum(num_hidden), hidden]`` of each piece's last ``num_hidden[b]`` rows (else None)."""
     lens = [len(p) for p in pieces]
     tokens = np.fromiter((t for piece in pieces for t in piece), dtype=np.int32, count=sum(lens))
     ends = np.cumsum(lens)
-    rows = [np.arange(end - k, end) for end, k in zip(ends, num_logits) if k]
-    head.rows = mx.array(np.concatenate(rows).astype(np.int32) if rows else np.zeros(0, np.int32))
+    head.rows = _row_index(ends, num_logits)
+    if num_hidden and any(num_hidden):
+        head.hidden_rows = _row_index(ends, num_hidden)
     try:
-        return model(mx.array(tokens)[None], cache=caches)[0]
+        logits = model(mx.array(tokens)[None], cache=caches)[0]
+        return logits, (head.hidden[0] if head.hidden is not None else None)
     finally:
-        head.rows = None
+        head.rows = head.hidden_rows = head.hidden = None
 
 
 class ModelRunner:
@@ -50,6 +65,12 @@ class ModelRunner:
         (``batch.drafts``). ``num_logits`` (default: the rows the batch samples,
         ``batch.num_logits``) says how many of each request's last rows to return.
         """
+        return self.run_pooled(batch, num_logits)[0]
+
+    def run_pooled(self, batch: SchedulerOutput, num_logits: list[int] | None = None
+                   ) -> tuple[mx.array, mx.array | None]:
+        """``run``, plus the final hidden states of the rows ``batch.hidden_rows`` asks for (embed
+        requests' last tokens, in batch order; None when none does)."""
         pieces = []
         for r, n in batch.scheduled:
             known = r.token_ids[r.num_computed_tokens : r.num_computed_tokens + n]
@@ -57,10 +78,10 @@ class ModelRunner:
         caches = self.kv.step_caches(batch.scheduled)
         num_logits = batch.num_logits if num_logits is None else num_logits
         if self.lora is None:
-            return forward(self.model, self.head, pieces, caches, num_logits)
+            return forward_pooled(self.model, self.head, pieces, caches, num_logits, batch.hidden_rows)
         step = self.lora.step
         step.slots = self.lora.token_slots([r.lora_slot for r, _ in batch.scheduled], [n for _, n in batch.scheduled])
         try:
-            return forward(self.model, self.head, pieces, caches, num_logits)
+            return forward_pooled(self.model, self.head, pieces, caches, num_logits, batch.hidden_rows)
         finally:
             step.slots = None

@@ -46,9 +46,16 @@ class SchedulerOutput:
     @property
     def num_logits(self) -> list[int]:
         """Rows needing logits per scheduled request: none for a prefill chunk short of the end,
-        the last row otherwise, plus one per draft token."""
-        return [len(self.drafts.get(r, ())) + 1 if r.num_computed_tokens + n >= r.num_tokens else 0
-                for r, n in self.scheduled]
+        the last row otherwise, plus one per draft token; an embed request's last row needs
+        its hidden state instead (``hidden_rows``), not logits."""
+        return [len(self.drafts.get(r, ())) + 1 if r.num_computed_tokens + n >= r.num_tokens
+                and r.task != "embed" else 0 for r, n in self.scheduled]
+
+    @property
+    def hidden_rows(self) -> list[int]:
+        """Per scheduled request, 1 where its last row's final hidden state is its result (an
+        embed request's last chunk), else 0."""
+        return [int(r.task == "embed" and r.num_computed_tokens + n >= r.num_tokens) for r, n in self.scheduled]
 
 
 def attended_keys(context: int, n: int) -> int:
@@ -288,9 +295,14 @@ class Scheduler:
         produced = []
         for req, n in out.scheduled:
             new = emitted.get(req)
-            if new is None:  # a prefill chunk short of the end
+            if new is None:  # a prefill chunk short of the end, or a pooled request's whole prompt
                 req.num_computed_tokens += n
                 self.kv.commit(req)
+                if req.pooled and req.num_computed_tokens >= req.num_tokens:
+                    # Its result is on the request (the engine put it there): done, KV freed
+                    # (blocks the prefix cache hashed stay cached).
+                    self.finish(req, "stop")
+                    produced.append((req, 0))
                 continue
             tokens, lps = new
             # Known tokens plus the accepted drafts now have their K/V in the cache.

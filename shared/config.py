@@ -9,6 +9,8 @@ from shared.errors import InvalidRequestError
 # kernels.BACKENDS, spelled out here because shared/ does not import the kernels (nor MLX).
 ATTENTION_BACKENDS = ("auto", "reference", "host", "metal", "cuda")
 DTYPES = ("auto", "float32", "float16", "bfloat16", "quantized")
+# What the engine serves: auto is embed for an encoder (BERT-like) folder, generate otherwise.
+ENGINE_TASKS = ("auto", "generate", "embed", "score")
 
 
 class SpeculativeConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -70,6 +72,12 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     # The paged attention implementation (kernels.BACKENDS): "auto" picks by device (Metal or
     # CUDA kernel on a GPU, numpy "host" path on the CPU); "reference" is the pure-MLX oracle.
     attention_backend: str = "auto"
+    # generate: text; embed: last-token pooled, L2-normalised vectors (Qwen3-Embedding) or an
+    # encoder's sentence-transformers pooling; score: P(yes) from the last position's logits of
+    # the two ``score_tokens`` (Qwen3-Reranker); auto: embed for an encoder folder, else generate.
+    task: str = "auto"
+    # score: the tokens "no,yes" whose logits give the score, each one token of the vocabulary.
+    score_tokens: str = "no,yes"
     # LoRA adapters (vLLM's flags): off unless enabled; adapters served from the start, each
     # "name=path" or vLLM's JSON '{"name": ..., "path": ...}'; how many sit in device slots at once
     # (the distinct adapters of one batch); the largest rank served (slots are sized for it).
@@ -98,6 +106,10 @@ class EngineConfig(msgspec.Struct, kw_only=True):
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise InvalidRequestError(f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}",
                                       param="attention_backend")
+        if self.task not in ENGINE_TASKS:
+            raise InvalidRequestError(f"task must be one of {', '.join(ENGINE_TASKS)}", param="task")
+        if len(self.score_tokens.split(",")) != 2 or not all(self.score_tokens.split(",")):
+            raise InvalidRequestError("score_tokens must be two tokens, 'no,yes'", param="score_tokens")
         if self.dtype not in DTYPES:
             raise InvalidRequestError(f"unknown dtype {self.dtype!r}", param="dtype")
         if self.max_loras < 1 or self.max_lora_rank < 1:
