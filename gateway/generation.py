@@ -113,7 +113,7 @@ class Generation:
                                 self.cache_salt, self.app, self.priority,
                                 (self.id_base, len(self.choices), self.n, c.index % self.n)
                                 if len(self.choices) > 1 else None,
-                                self.lora_name)
+                                lora_name=self.lora_name)
         except BaseException:
             self.abort_unfinished()
             raise

@@ -73,7 +73,7 @@ def test_add_request_carries_app_and_priority_after_the_salt():
 
 def test_pooled_requests_carry_their_task_and_results_after_the_older_fields():
     add = p.AddRequest("r", [1], SamplingParams(), task="embed")
-    assert msgspec.msgpack.decode(msgspec.msgpack.encode(add))[-1] == "embed"
+    assert msgspec.msgpack.decode(msgspec.msgpack.encode(add))[-2] == "embed"  # lora_name came after it
     assert p.decode(p.encode(Kind.ADD, add))[1].task == "embed"
     out = p.RequestOutput("r", [], "stop", embedding=b"\x00\x00\x80?", score=0.25)
     assert msgspec.msgpack.decode(msgspec.msgpack.encode(out))[-2:] == [b"\x00\x00\x80?", 0.25]
