@@ -1,6 +1,11 @@
 """The in-process engine: requests in, token ids out, one packed step at a time.
 
-    schedule -> run the packed forward -> sample -> postprocess (in the scheduler)
+    schedule -> run the packed forward -> sample (launched) -> postprocess (in the scheduler)
+
+With asynchronous scheduling (``EngineConfig.async_scheduling``) a step's
+sampled tokens stay on the device while the next step is scheduled and built
+(``engined.launched``); they are read after it is launched, or before it is
+scheduled where a request needs them on the host (``_must_read_first``).
 
 The daemon wraps this object; tests and benchmarks use it directly.
 """
@@ -19,14 +24,16 @@ from mlx.utils import tree_flatten
 
 import kernels
 from engined import memory_guard
+from engined.device import on_cpu
 from engined.draft_model import DraftProposer
 from engined.kv import KVCacheManager
+from engined.launched import LaunchedStep, needs_host_tokens
 from engined.loaders import LoadedModel, load_model
 from engined.metrics import EngineMetrics
 from engined.model_layers import read_layers
 from engined.request import Request
 from engined.runner import ModelRunner
-from engined.sampler import Sampler, logprobs_for
+from engined.sampler import Sampler
 from engined.scheduler import Scheduler, SchedulerOutput
 from engined.speculative import Speculator
 from engined.structured import GrammarCompiler
@@ -70,6 +77,10 @@ class Engine:
         kv.create(self.memory.num_blocks, self.memory.resident_blocks)
         self.scheduler = Scheduler(kv, config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len,
                                    tuple(loaded.eos_token_ids))
+        wanted = not on_cpu() if config.async_scheduling is None else config.async_scheduling
+        # Speculation proposes from the last tokens on the host: every step is read before the next.
+        self.async_scheduling = wanted and spec is None
+        self._inflight: LaunchedStep | None = None  # the step launched whose tokens are not read yet
         self.requests: dict[str, Request] = {}
         self._seeds = random.Random(config.seed)
         # Client requests whose later members are still to arrive: group -> (members left, refused),
@@ -196,7 +207,8 @@ class Engine:
             self._aborted.append(self._output(req))
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished() or bool(self._aborted) or bool(self._failed)
+        return (self.scheduler.has_unfinished() or bool(self._aborted) or bool(self._failed)
+                or self._inflight is not None)
 
     def take_errors(self) -> list[tuple[str, InvalidRequestError]]:
         """Requests failed since the last call, as (id, error): their grammar did not compile, or
@@ -234,21 +246,50 @@ class Engine:
     # -- the step -----------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
+        """Schedule, run and sample one step; returns the outputs of the step whose tokens were read.
+
+        Synchronous: the step launched here is read before returning.
+        Asynchronous: it stays in flight and the step launched before it is
+        read instead, once this one is queued behind it on the device.
+        """
         start = time.monotonic()
         outputs = self._take_ended()
+        if self._inflight is not None and self._must_read_first():
+            outputs += self._read_inflight()
         drafts = self.speculator.propose(self.scheduler.running)
         self._fail_raised(self.speculator.take_failures(), "its draft could not be proposed")
         batch = self.scheduler.schedule(drafts)
         self.speculator.draft(batch)
         if not batch.scheduled:
-            return outputs + self._idle()
-        logits = self.runner.run(batch)
-        emitted = self._sample(batch, logits)
-        produced = self.scheduler.postprocess(batch, emitted)
-        self._fail_raised(batch.failed, "its grammar could not take the sampled token")
-        outputs += self._outputs(produced)
+            return outputs + (self._read_inflight() if self._inflight is not None else self._idle())
+        launched = self._launch(batch)
+        if self._inflight is not None:
+            outputs += self._read_inflight()
+        self._inflight = launched
+        if not self.async_scheduling:
+            outputs += self._read_inflight()
         self.metrics.on_step(batch.num_tokens, time.monotonic() - start, self.stats())
         return outputs
+
+    def _launch(self, batch: SchedulerOutput) -> LaunchedStep:
+        """Build the step's forward and sampling and queue them on the device; the scheduler then
+        counts its tokens as computed and its samples as placeholders."""
+        logits = self.runner.run(batch, inflight=self._inflight)
+        launched = self._sample(batch, logits)
+        self.scheduler.advance(batch)
+        return launched
+
+    def _must_read_first(self) -> bool:
+        """Sync point before scheduling: a request of the step in flight needs its token on the host
+        to be stepped again (its grammar's mask, its penalties)."""
+        return any(needs_host_tokens(r) and not r.finished for r, _ in self._inflight.batch.scheduled)
+
+    def _read_inflight(self) -> list[RequestOutput]:
+        """Sync point: wait for the step in flight, read its tokens and postprocess them."""
+        launched, self._inflight = self._inflight, None
+        produced = self.scheduler.postprocess(launched.batch, launched.read())
+        self._fail_raised(launched.batch.failed, "its grammar could not take the sampled token")
+        return self._outputs(produced)
 
     def release_idle_memory(self) -> bool:
         """Cut the KV pool back after a while with no request holding a block (the daemon's idle loop
@@ -273,11 +314,10 @@ class Engine:
             self._check_grammars()
         return outputs
 
-    def _sample(self, batch: SchedulerOutput, logits: mx.array) -> dict:
-        """Sample plain rows and verify draft windows in one evaluation.
+    def _sample(self, batch: SchedulerOutput, logits: mx.array) -> LaunchedStep:
+        """Sample plain rows and verify draft windows in one evaluation, launched (not read).
 
-        Returns {request: (new tokens, their Logprob records or Nones)}. A
-        request whose own sampling setup raises (a parameter MLX cannot take,
+        A request whose own sampling setup raises (a parameter MLX cannot take,
         a grammar that breaks) fails alone: it leaves the batch, its client gets
         the error through ``take_errors``, and the others are sampled again.
         """
@@ -299,26 +339,19 @@ class Engine:
             batch.scheduled = [(r, n) for r, n in batch.scheduled if r not in culprits]
             return self._sample_rows(batch, [(r, o) for r, o in rows if r not in culprits], logits)
 
-    def _sample_rows(self, batch: SchedulerOutput, rows: list[tuple[Request, int]], logits: mx.array) -> dict:
+    def _sample_rows(self, batch: SchedulerOutput, rows: list[tuple[Request, int]], logits: mx.array) -> LaunchedStep:
         plain = [(r, o) for r, o in rows if r not in batch.drafts]
         spec = [(r, o) for r, o in rows if r in batch.drafts]
         pending = [self.runner.kv.arrays()]
+        preqs = [r for r, _ in plain]
+        tokens, plp, spec_results = None, None, None
         if plain:
-            preqs = [r for r, _ in plain]
             tokens, plp = self.sampler(logits[mx.array([o for _, o in plain])], preqs)
             pending += [tokens, plp or []]
         if spec:
             arrays, spec_results = self.speculator.verify(logits, spec, batch.drafts)
             pending += arrays
-        mx.eval(pending)
-        emitted = {}
-        if plain:
-            toks = tokens.tolist()
-            lps = logprobs_for(plp, toks, preqs) if plp else [None] * len(preqs)
-            emitted = {req: ([tok], [lp]) for req, tok, lp in zip(preqs, toks, lps)}
-        if spec:
-            emitted.update(spec_results())
-        return emitted
+        return LaunchedStep(batch, preqs, tokens, plp, spec_results, pending)
 
     def _can_sample(self, req: Request) -> bool:
         """Whether one row of this request alone samples without raising (finds a step's culprits)."""

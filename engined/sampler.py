@@ -93,8 +93,9 @@ class Sampler:
 
     @staticmethod
     def _noise(reqs: list[Request], width: int) -> mx.array:
-        # Keyed by the request's seed and output position: a seeded request reproduces whatever else is in the batch.
-        return mx.stack([mx.random.gumbel((width,), key=row_key(r.seed, r.num_output_tokens)) for r in reqs])
+        # Keyed by the request's seed and output position: a seeded request reproduces whatever else is in
+        # the batch, and whether or not its previous token was still on the device (asynchronous scheduling).
+        return mx.stack([mx.random.gumbel((width,), key=row_key(r.seed, r.output_position)) for r in reqs])
 
     @staticmethod
     def raw_logprobs(logits: mx.array, reqs: list[Request]):
@@ -150,7 +151,7 @@ class Sampler:
         s, v = logits.shape
         needs = [
             (r.params.repetition_penalty != 1.0 or r.params.presence_penalty or r.params.frequency_penalty
-             or r.params.logit_bias or r.num_output_tokens < r.params.min_tokens)
+             or r.params.logit_bias or r.output_position < r.params.min_tokens)
             for r in reqs
         ]
         if not any(needs):
@@ -171,7 +172,7 @@ class Sampler:
                 generated.add(i, r.output_token_ids)
             if p.logit_bias:
                 biased.add(i, list(p.logit_bias.keys()), list(p.logit_bias.values()))
-            if r.num_output_tokens < p.min_tokens:
+            if r.output_position < p.min_tokens:
                 stops = set(p.stop_token_ids) | (set() if p.ignore_eos else set(self.eos_token_ids))
                 banned.add(i, sorted(stops))
         if seen:

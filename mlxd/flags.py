@@ -41,6 +41,8 @@ HELP = {
     "kv_cache_memory": "KV pool size in bytes (overrides the fraction)",
     "num_kv_blocks": "KV pool size in blocks (overrides both)",
     "attention_backend": "paged attention implementation: auto, reference, host (numpy, CPU), metal, cuda",
+    "async_scheduling": "schedule and build each step while the device runs the one before (default: on for "
+                        "a GPU, off on the CPU, where attention reads each layer's inputs on the host)",
     "engine_endpoint": "ZeroMQ endpoint of the engine (default: an ipc socket in the runtime dir)",
     "api_key": "require 'Authorization: Bearer KEY' on /v1/* (default: none, or the keys of `mlxd keys`)",
     "api_key_file": "like --api-key, the key read from this file (kept off command lines)",

@@ -70,6 +70,10 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     # The paged attention implementation (kernels.BACKENDS): "auto" picks by device (Metal or
     # CUDA kernel on a GPU, numpy "host" path on the CPU); "reference" is the pure-MLX oracle.
     attention_backend: str = "auto"
+    # Schedule and build step n+1 while the device runs step n, reading step n's tokens after.
+    # None: on for a GPU, off on MLX's CPU backend (its host attention reads every layer's inputs,
+    # so nothing would overlap there).
+    async_scheduling: bool | None = None
 
     def __post_init__(self) -> None:
         positive = ("max_num_seqs", "max_num_batched_tokens", "block_size", "max_waiting_requests")
