@@ -81,6 +81,10 @@ class Engine:
         # Speculation proposes from the last tokens on the host: every step is read before the next.
         self.async_scheduling = wanted and spec is None
         self._inflight: LaunchedStep | None = None  # the step launched whose tokens are not read yet
+        # Steps launched, and seconds the host spent blocked reading their tokens (the rest of a
+        # step's time is the host's own work: benchmarks report both).
+        self.num_steps = 0
+        self.sync_wait_s = 0.0
         self.requests: dict[str, Request] = {}
         self._seeds = random.Random(config.seed)
         # Client requests whose later members are still to arrive: group -> (members left, refused),
@@ -263,6 +267,7 @@ class Engine:
         if not batch.scheduled:
             return outputs + (self._read_inflight() if self._inflight is not None else self._idle())
         launched = self._launch(batch)
+        self.num_steps += 1
         if self._inflight is not None:
             outputs += self._read_inflight()
         self._inflight = launched
@@ -287,7 +292,10 @@ class Engine:
     def _read_inflight(self) -> list[RequestOutput]:
         """Sync point: wait for the step in flight, read its tokens and postprocess them."""
         launched, self._inflight = self._inflight, None
-        produced = self.scheduler.postprocess(launched.batch, launched.read())
+        t0 = time.perf_counter()
+        emitted = launched.read()
+        self.sync_wait_s += time.perf_counter() - t0
+        produced = self.scheduler.postprocess(launched.batch, emitted)
         self._fail_raised(launched.batch.failed, "its grammar could not take the sampled token")
         return self._outputs(produced)
 
