@@ -47,6 +47,7 @@ log = logging.getLogger("mlxd.engine")
 
 class Engine:
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None, progress: bool = False):
+        config = config.for_device(gpu=not on_cpu())
         self.config = config
         loaded = loaded or load_model(config.model, config.dtype)
         self.loaded = loaded
@@ -77,9 +78,8 @@ class Engine:
         kv.create(self.memory.num_blocks, self.memory.resident_blocks)
         self.scheduler = Scheduler(kv, config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len,
                                    tuple(loaded.eos_token_ids))
-        wanted = not on_cpu() if config.async_scheduling is None else config.async_scheduling
         # Speculation proposes from the last tokens on the host: every step is read before the next.
-        self.async_scheduling = wanted and spec is None
+        self.async_scheduling = config.async_scheduling and spec is None
         self._inflight: LaunchedStep | None = None  # the step launched whose tokens are not read yet
         # Steps launched, and seconds the host spent blocked reading their tokens (the rest of a
         # step's time is the host's own work: benchmarks report both).
