@@ -80,6 +80,7 @@ class Engine:
                                    tuple(loaded.eos_token_ids))
         # Speculation proposes from the last tokens on the host: every step is read before the next.
         self.async_scheduling = config.async_scheduling and spec is None
+        self.sampler.choose_on_device = self.async_scheduling
         self._inflight: LaunchedStep | None = None  # the step launched whose tokens are not read yet
         # Steps launched, and seconds the host spent blocked reading their tokens (the rest of a
         # step's time is the host's own work: benchmarks report both).

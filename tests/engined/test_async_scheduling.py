@@ -36,8 +36,9 @@ def workload(seed: int):
             params = SamplingParams(max_tokens=rng.randrange(3, 20), temperature=0.0, ignore_eos=True)
         elif kind == 1:  # stops on a token it will likely meet soon: the greedy run's own fourth token
             params = SamplingParams(max_tokens=30, temperature=0.0, stop_token_ids=[])
-        elif kind == 2:
-            params = SamplingParams(max_tokens=12, temperature=1.0, seed=rng.randrange(1 << 30), ignore_eos=True)
+        elif kind == 2:  # top_p: without a host read, the rows whose kept set overflows are chosen on the device
+            params = SamplingParams(max_tokens=12, temperature=1.0, top_p=0.9 if i < 7 else 1.0,
+                                    seed=rng.randrange(1 << 30), ignore_eos=True)
         elif kind == 3:
             params = SamplingParams(max_tokens=10, temperature=0.0, logprobs=2, ignore_eos=True)
         elif kind == 4:
