@@ -21,44 +21,86 @@ import mlx.nn as nn
 
 import kernels
 from engined.linear_attention import SlottedLinearAttention
-from engined.model_layers import LayerSettings, LayerSpec, transformer_layers
+from engined.model_layers import LayerSettings, LayerSpec, text_model, transformer_layers
 from shared.errors import ModelLoadError
 
 
+# The modules of an mlx_lm attention that the paged form keeps, under the same names (so parameter
+# paths, quantization and adapters stay as mlx_lm has them); each is there only in some families.
+_KEPT = ("q_proj", "k_proj", "v_proj", "qkv_proj", "o_proj", "q_norm", "k_norm", "v_norm", "rope")
+
+
 class PagedAttention(nn.Module):
-    def __init__(self, inner: nn.Module, settings: LayerSettings, backend: str = "auto"):
+    def __init__(self, inner: nn.Module, settings: LayerSettings, backend: str = "auto", shares_kv: bool = False):
         super().__init__()
-        self.q_proj, self.k_proj, self.v_proj, self.o_proj = (
-            inner.q_proj, inner.k_proj, inner.v_proj, inner.o_proj,
-        )
-        # Per-head norms of Qwen3/Gemma 3-style attention; absent elsewhere.
-        if "q_norm" in inner:
-            self.q_norm, self.k_norm = inner.q_norm, inner.k_norm
+        for name in _KEPT:
+            if name in inner:
+                setattr(self, name, inner[name])
         if settings.has_sinks:
             self.sinks = inner.sinks  # same parameter path as the original module's
-        self.rope = inner.rope
         self.settings = settings
+        # Reads the K/V an earlier layer wrote in this forward (its step object is this layer's cache).
+        self.shares_kv = shares_kv
         # Which kernels.paged_attention implementation runs (EngineConfig.attention_backend, resolved).
         self.backend = backend
 
-    def __call__(self, x: mx.array, mask=None, cache=None) -> mx.array:
-        """``cache``: this layer's ``engined.kv.paged.PagedLayerStep`` (metadata, K/V arrays)."""
-        if cache is None:
+    def _rope(self, x: mx.array, positions: mx.array) -> mx.array:
+        # Each token is its own "batch" row so RoPE takes a per-token offset.
+        return self.rope(x[:, :, None, :], offset=positions)[:, :, 0, :]
+
+    def _kv(self, k: mx.array, v: mx.array | None, positions: mx.array) -> tuple[mx.array, mx.array]:
+        """This step's ``k, v [T, H_kv, D]`` from the projections' outputs (``v`` None: V is K's)."""
+        s, t = self.settings, k.shape[1]
+        v = k if v is None else v
+        if s.qk_norm_whole:
+            k = self.k_norm(k)
+        k, v = k.reshape(t, s.n_kv_heads, -1), v.reshape(t, s.n_kv_heads, -1)
+        if "k_norm" in self and not s.qk_norm_whole:
+            k = self.k_norm(k)
+        if "v_norm" in self:
+            v = self.v_norm(v)
+        return self._rope(k, positions), v
+
+    def __call__(self, x: mx.array, *args, mask=None, cache=None, shared_kv=None, offset=None):
+        """``cache``: this layer's ``engined.kv.paged.PagedLayerStep`` (metadata, K/V arrays).
+
+        mlx_lm's families call their attention as ``(x, mask, cache)``, with an extra leading
+        input (Ministral 3's query scale) or trailing ones (Gemma 4's ``shared_kv`` and
+        ``offset``): the cache is the keyword or the last positional argument. The mask and
+        those inputs are not used: the kernel masks by the step's metadata, the query scale is
+        recomputed from each token's position, and shared K/V are read from the pool.
+        """
+        if cache is None and args:
+            cache = args[-1]
+        if not hasattr(cache, "meta"):
             raise RuntimeError("a paged attention layer ran without its step: run the model through "
                                "engined.runner.ModelRunner")
         s, meta = self.settings, cache.meta
         _, t, _ = x.shape
-        q = self.q_proj(x).reshape(t, s.n_heads, -1)
+        if s.fused_qkv:
+            q_width, kv_width = s.n_heads * s.head_dim, s.n_kv_heads * s.head_dim
+            q, k, v = mx.split(self.qkv_proj(x), [q_width, q_width + kv_width], axis=-1)
+        else:
+            q = self.q_proj(x)
+        if s.qk_norm_whole:
+            q = self.q_norm(q)
+        q = q.reshape(t, s.n_heads, -1)
         if s.output_gate:
             q, gate = mx.split(q, 2, axis=-1)
-        k = self.k_proj(x).reshape(t, s.n_kv_heads, -1)
-        v = self.v_proj(x).reshape(t, s.n_kv_heads, -1)
-        if "q_norm" in self:
-            q, k = self.q_norm(q), self.k_norm(k)
-        # Each token is its own "batch" row so RoPE takes a per-token offset.
-        q = self.rope(q[:, :, None, :], offset=meta.positions)[:, :, 0, :]
-        k = self.rope(k[:, :, None, :], offset=meta.positions)[:, :, 0, :]
-        kc, vc = cache.write(k, v)
+        if "q_norm" in self and not s.qk_norm_whole:
+            q = self.q_norm(q)
+        q = self._rope(q, meta.positions)
+        if s.query_position_scale is not None:
+            beta, length = s.query_position_scale
+            scale = 1 + beta * mx.log(1 + mx.floor(meta.positions.astype(mx.float32) / length))
+            q = q * scale.astype(q.dtype)[:, None, None]
+        if self.shares_kv:
+            kc, vc = cache.read()
+        else:
+            if not s.fused_qkv:
+                k = self.k_proj(x)
+                v = None if s.k_is_v else self.v_proj(x)
+            kc, vc = cache.write(*self._kv(k, v, meta.positions))
         out = kernels.paged_attention(
             q, kc, vc, meta, s.scale, sliding_window=s.sliding_window, softcap=s.softcap,
             sinks=self.sinks if "sinks" in self else None, backend=self.backend,
@@ -66,7 +108,10 @@ class PagedAttention(nn.Module):
         out = out.reshape(1, t, -1)
         if s.output_gate:
             out = out * mx.sigmoid(gate.reshape(1, t, -1))
-        return self.o_proj(out)
+        out = self.o_proj(out)
+        # K/V pass between layers through the pool, never as arrays: a sharing layer reads its
+        # source's step object, so the K/V and offset handed back are None.
+        return (out, None, None) if s.returns_kv else out
 
 
 class LastTokenNorm(nn.Module):
@@ -95,8 +140,8 @@ def install(model: nn.Module, specs: list[LayerSpec], backend: str = "auto") -> 
         if spec.linear is not None:
             layer.linear_attn = SlottedLinearAttention(spec.linear)
         else:
-            layer.self_attn = PagedAttention(layer.self_attn, spec.settings, backend)
-    inner_model = model.model
+            layer.self_attn = PagedAttention(layer.self_attn, spec.settings, backend, spec.kv_source is not None)
+    inner_model = text_model(model).model
     norm = getattr(inner_model, "norm", None)
     if norm is None:
         raise ModelLoadError(f"{type(model).__module__}: no final norm found")

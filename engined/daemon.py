@@ -88,9 +88,6 @@ class Daemon:
         self._greeted: set[bytes] = set()
         self._seen_lock = threading.Lock()
         self._stats_log = StatsLog(engine.metrics) if log_stats else None
-        # The KV gauges and cache_config_info read right from the first scrape (the Engine
-        # should make this call itself; it is idempotent).
-        engine.metrics.attach(engine)
         self.stop_reason: str | None = None
         # When the engine thread last looked for messages: silence is measured up to then, so the
         # step that just ran does not count against a gateway that sends nothing while it waits.
@@ -262,7 +259,7 @@ class Daemon:
                 raise InvalidRequestError(f"request id {rid!r} is already in flight")
             self.engine.add_request(rid, msg.prompt_token_ids, msg.params, cache_salt=msg.cache_salt,
                                     app=msg.app, priority=msg.priority, group=msg.group,
-                                    group_size=msg.group_size)
+                                    group_size=msg.group_size, params_n=msg.n if msg.choice == 0 else 0)
         except MlxdError as e:
             self._send_error(identity, rid, e)
             return

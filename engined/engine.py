@@ -64,7 +64,8 @@ class Engine:
             )
         self.runner = ModelRunner(loaded.model, specs, kv, backend)
         self.sampler = Sampler(loaded.vocab_size, loaded.eos_token_ids)
-        self.metrics = EngineMetrics(config.served_model_name or loaded.model_id, config.metrics_prefix)
+        self.metrics = EngineMetrics(config.served_model_name or loaded.model_id, config.metrics_prefix,
+                                     self.max_model_len)
         self.drafter = (self._load_drafter(spec, loaded, dtype, backend)
                         if spec and spec.method == "draft_model" else None)
         self.speculator = Speculator(spec, self.sampler, self.metrics, self.max_model_len, self.drafter,
@@ -108,6 +109,7 @@ class Engine:
         )
         self.grammars = GrammarCompiler(self.info.tokenizer_dir, loaded.vocab_size, loaded.eos_token_ids)
         self.sampler.grammars = self.grammars
+        self.metrics.attach(self)
 
     def _load_drafter(self, spec: SpeculativeConfig, target: LoadedModel, dtype: mx.Dtype,
                       backend: str) -> DraftProposer:
@@ -125,7 +127,7 @@ class Engine:
     def add_request(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
         cache_salt: str | None = None, app: str | None = None, priority: int = 0,
-        group: str | None = None, group_size: int = 1,
+        group: str | None = None, group_size: int = 1, params_n: int = 1,
     ) -> None:
         """Queue a request; raises at once if it is malformed or can never fit.
 
@@ -133,7 +135,8 @@ class Engine:
         ``cache_salt`` are both equal. ``app`` names the sender for fair share;
         a lower ``priority`` is admitted first (vLLM's convention). Errors name
         no request field: the gateway knows which of its fields they concern.
-        ``group``: see ``_take_queue_place``.
+        ``group``: see ``_take_queue_place``. ``params_n``: the client request's n, recorded
+        once per prompt (0 on its other choices).
         """
         self._take_queue_place(group, group_size)
         if request_id in self.requests:
@@ -158,7 +161,7 @@ class Engine:
         seed = params.seed if params.seed is not None else self._seeds.getrandbits(63)
         # The app enters the salt: one app can never hit, or time, another's cache.
         salt = f"{app or ''}\x00{cache_salt or ''}".encode() if app or cache_salt else b""
-        req = Request(request_id, prompt_token_ids, params, seed, salt, app or "", priority)
+        req = Request(request_id, prompt_token_ids, params, seed, salt, app or "", priority, params_n)
         if params.structured is not None:
             req.grammar = self.grammars.submit(params.structured)
             self._compiling.append(req)

@@ -152,14 +152,13 @@ class EngineMetrics:
         """Once the engine is built: KV gauges and cache_config_info set now (not at the first
         request), and the spec-decode series declared when the engine speculates.
 
-        Idempotent. The Engine itself should call this at the end of its __init__; until it
-        does, the daemon calls it before it serves.
+        The Engine calls this at the end of its __init__; idempotent.
         """
         if self._attached:
             return
         self._attached = True
         if engine.max_model_len != self._max_model_len:
-            # Nothing was observed yet: the daemon attaches before it serves.
+            # Built without it (a test's EngineMetrics); nothing was observed yet.
             self._size_histograms(engine.max_model_len)
         config = engine.config
         stats = engine.stats()
@@ -319,8 +318,9 @@ class EngineMetrics:
         self.request_generation_tokens.observe(generated)
         self.params_max_tokens.observe(req.params.max_tokens)
         self.request_max_generation_tokens.observe(req.params.max_tokens)
-        # The gateway sends each of n choices as its own request: the engine sees n = 1 each.
-        self.params_n.observe(1)
+        # The gateway sends each of n choices as its own request; one of them carries the n.
+        if req.params_n:
+            self.params_n.observe(req.params_n)
         if req.first_scheduled_time is not None:
             self.queue.observe(req.first_scheduled_time - req.arrival_time)
             self.inference.observe(now - req.first_scheduled_time)

@@ -28,12 +28,12 @@ class Request:
         "num_cached_tokens", "status", "finish_reason", "stop_token_id", "seed",
         "arrival_time", "pending_tokens", "pending_logprobs", "block_hashes", "cache_salt",
         "first_scheduled_time", "first_token_time", "last_token_time", "app", "priority", "grammar",
-        "num_placeholders",
+        "params_n", "num_placeholders",
     )
 
     def __init__(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, seed: int,
-        cache_salt: bytes = b"", app: str = "", priority: int = 0,
+        cache_salt: bytes = b"", app: str = "", priority: int = 0, params_n: int = 1,
     ):
         self.request_id = request_id
         self.params = params
@@ -60,6 +60,8 @@ class Request:
         # Who sent it (fair share between apps) and vLLM's priority (lower runs first).
         self.app = app
         self.priority = priority
+        # The client request's n for vLLM's request_params_n; 0 on all but one choice of a prompt.
+        self.params_n = params_n
         # The structured-output matcher (engined.structured.Grammar); None when unconstrained.
         self.grammar = None
         # Tokens sampled by a step still running on the device (asynchronous scheduling): they

@@ -18,6 +18,9 @@ from shared.protocol import RequestOutput
 
 log = logging.getLogger("mlxd.access")
 
+# Prometheus scrapes these every few seconds: their lines go to DEBUG, not between the requests'.
+SCRAPED_PATHS = ("/metrics",)
+
 _current: contextvars.ContextVar["_Record | None"] = contextvars.ContextVar("mlxd_access_record", default=None)
 
 
@@ -101,4 +104,5 @@ class AccessLog:
             await self.app(scope, receive, send_noting_status)
         finally:
             _current.reset(token)
-            log.info("%s", record.line(scope["method"], scope["path"], time.monotonic()))
+            level = logging.DEBUG if scope["path"] in SCRAPED_PATHS else logging.INFO
+            log.log(level, "%s", record.line(scope["method"], scope["path"], time.monotonic()))

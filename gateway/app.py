@@ -12,6 +12,7 @@ from starlette.middleware.cors import CORSMiddleware
 
 from gateway.browser_guard import BrowserGuard
 from gateway.errors import handle_exception
+from gateway.metrics import GatewayMetrics, HTTPMetrics
 from gateway.parsers import check_names
 from gateway.routes import ROUTES
 from gateway.state import GatewayState
@@ -22,6 +23,7 @@ from shared.serve_config import GatewayConfig
 def build_app(config: GatewayConfig) -> Starlette:
     check_names(config.tool_call_parser, config.reasoning_parser)
     state = GatewayState(config)
+    metrics = GatewayMetrics()
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
@@ -31,9 +33,11 @@ def build_app(config: GatewayConfig) -> Starlette:
         finally:
             await state.client.close()
 
-    # The guard runs first: a refused browser request never reaches CORS or a route.
-    middleware = [Middleware(BrowserGuard, bind_host=config.host, allowed_hosts=config.allowed_hosts,
-                             allowed_origins=config.allowed_origins)]
+    # Metrics see every request, a refused one too; then the guard: a refused browser request
+    # never reaches CORS or a route.
+    middleware = [Middleware(HTTPMetrics, metrics=metrics, routes=ROUTES),
+                  Middleware(BrowserGuard, bind_host=config.host, allowed_hosts=config.allowed_hosts,
+                               allowed_origins=config.allowed_origins)]
     if config.allowed_origins:
         middleware.append(Middleware(CORSMiddleware, allow_origins=config.allowed_origins,
                                      allow_methods=["*"], allow_headers=["*"]))
@@ -47,4 +51,5 @@ def build_app(config: GatewayConfig) -> Starlette:
         lifespan=lifespan,
     )
     app.state.gw = state
+    app.state.metrics = metrics
     return app

@@ -1,8 +1,8 @@
 """One chat choice's text split into reasoning, content and tool calls, whole or as deltas.
 
 Reasoning is split off first (``<think>…</think>``); what remains goes to the
-tool-call parser. Both parsers stream as differences of whole-text scans, so a
-streamed choice adds up to exactly the non-streamed one.
+tool-call parser. Both read incrementally, and non-streaming is one feed of
+the whole text, so a streamed choice adds up to exactly the non-streamed one.
 """
 
 from __future__ import annotations

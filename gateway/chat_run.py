@@ -19,6 +19,7 @@ from starlette.requests import Request
 from gateway import params as P
 from gateway.chat_output import ChatOutput, finish_reason
 from gateway.generation import Generation
+from gateway.parsers import keeps_special_tokens
 from gateway.state import GatewayState
 from gateway.structured import (ToolPlan, marker_literal, one_spec, reasoning_aware, response_format_spec,
                                 structured_outputs_spec, tool_plan)
@@ -103,8 +104,8 @@ async def render(gw: GatewayState, inp: ChatInput, check_length: bool = True) ->
     P.check_chat(inp.messages, inp.param, add_generation_prompt, inp.continue_final, inp.chat_template,
                  cfg.trust_request_chat_template)
     max_tokens = P.requested_max_tokens(inp.max_tokens, inp.max_tokens_param)
-    plan = tool_plan(inp.tools, inp.tool_choice, inp.parallel_tool_calls, cfg.tool_call_parser,
-                     cfg.enable_auto_tool_choice, marker_literal(tok))
+    plan = tool_plan(inp.tools, inp.tool_choice, inp.parallel_tool_calls, gw.parsers.tool,
+                     cfg.enable_auto_tool_choice, marker_literal(tok), gw.parsers.tool_format)
 
     def template_and_tokenize() -> tuple[str, list[int]]:
         # None rather than []: templates test ``if tools``.
@@ -184,15 +185,16 @@ class ChatRun:
         spec = one_spec(("response_format", response_format_spec(inp.response_format)),
                         ("structured_outputs", structured_outputs_spec(inp.structured_outputs)),
                         ("tool_choice", prompt.tools.spec))
-        spec = reasoning_aware(spec, gw.config.reasoning_parser, prompt.text, marker_literal(tok))
+        reasoning_parser = gw.parsers.reasoning
+        spec = reasoning_aware(spec, reasoning_parser, prompt.text, marker_literal(tok))
         params = P.sampling_params(inp, prompt.max_tokens, inp.logprobs, info.vocab_size, n, spec,
                                    gw.sampling_defaults)
         parser = prompt.tools.parser
         # Formats whose markers are special tokens need them in the text to be parsed.
-        skip_special = inp.skip_special_tokens and not (parser and parser.special_markers)
+        skip_special = inp.skip_special_tokens and not keeps_special_tokens(parser, reasoning_parser)
         self.gen = Generation(gw.client, tok, [prompt.ids], params, n, stops, inp.include_stop_str_in_output,
                               skip_special, inp.logprobs is not None, inp.cache_salt, inp.app, inp.priority)
-        self.outputs = [ChatOutput(gw.config.reasoning_parser, prompt.text, parser) for _ in self.gen.choices]
+        self.outputs = [ChatOutput(reasoning_parser, prompt.text, parser) for _ in self.gen.choices]
         self.gen.start()
         try:
             self._deltas = await self.gen.primed_deltas(self.keepalive, wait_first=spec is not None)

@@ -109,7 +109,8 @@ class Generation:
                     params = _replace_seed(params, params.seed + c.index % self.n)
                 self.client.add(c.request_id, self.prompts[c.index // self.n], params, self.queue, c.index,
                                 self.cache_salt, self.app, self.priority,
-                                (self.id_base, len(self.choices)) if len(self.choices) > 1 else None)
+                                (self.id_base, len(self.choices), self.n, c.index % self.n)
+                                if len(self.choices) > 1 else None)
         except BaseException:
             self.abort_unfinished()
             raise

@@ -7,9 +7,11 @@ from starlette.routing import Route
 from gateway import anthropic, info_routes, responses
 from gateway.chat_completions import chat_completions
 from gateway.completions import completions
+from gateway.metrics import metrics_endpoint
 
 ROUTES = [
     Route("/health", info_routes.health, methods=["GET"]),
+    Route("/metrics", metrics_endpoint, methods=["GET"]),
     Route("/version", info_routes.version, methods=["GET"]),
     Route("/v1/models", info_routes.models, methods=["GET"]),
     # Model ids may hold slashes (Hugging Face repo ids).

@@ -12,6 +12,7 @@ from starlette.requests import Request
 from gateway.access_log import AccessLoggedClient
 from gateway.engine_client import EngineClient
 from gateway.generation_defaults import SamplingDefaults, sampling_defaults
+from gateway.parsers import choose_parsers
 from gateway.tokenizer import Tokenizer, load_chat_template
 from shared.errors import AuthenticationError, EngineUnavailableError, InvalidRequestError, NotFoundError
 from shared.curve import check_endpoint
@@ -40,6 +41,8 @@ class GatewayState:
         self.config = config
         self.chat_template = load_chat_template(config.chat_template)
         self.tokenizer: Tokenizer | None = None
+        # The flags' parsers; "auto" is resolved from the model's chat template once it is known.
+        self.parsers = choose_parsers(config.tool_call_parser, config.reasoning_parser, self.chat_template)
         self.sampling_defaults = SamplingDefaults(**config.generation_override)
         self.keys = KeyChecker(config.keys_file or default_keys_file())
         endpoint = config.engine_endpoint or default_engine_endpoint()
@@ -59,6 +62,10 @@ class GatewayState:
             log.info("loading the tokenizer from %s", info.tokenizer_dir)
             self.tokenizer = await asyncio.to_thread(Tokenizer, info.tokenizer_dir, self.chat_template)
             cfg = self.config
+            template = self.chat_template or getattr(self.tokenizer.hf, "chat_template", None)
+            self.parsers = choose_parsers(cfg.tool_call_parser, cfg.reasoning_parser, template)
+            log.info("parsers: tool calls %s (tool choice format %s), reasoning %s",
+                     self.parsers.tool, self.parsers.tool_format, self.parsers.reasoning)
             try:
                 self.sampling_defaults = sampling_defaults(cfg.generation_config, info.tokenizer_dir,
                                                            cfg.generation_override)

@@ -13,12 +13,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from gateway.parsers import REASONING_PARSERS, TOOL_PARSERS, ToolParser
-from gateway.parsers.reasoning import CLOSE as REASONING_CLOSE
+from gateway.parsers.template_detect import DEFAULT_TOOL_FORMAT
 from shared.errors import InvalidRequestError
 from shared.sampling import StructuredSpec
-
-# Without --tool-call-parser, required and named tool choice use this format.
-DEFAULT_TOOL_FORMAT = "hermes"
 
 
 @dataclass
@@ -48,9 +45,12 @@ def check_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]]:
 
 
 def tool_plan(tools: list[dict[str, Any]] | None, tool_choice: str | dict | None, parallel: bool | None,
-              parser_name: str | None, auto_enabled: bool, literal) -> ToolPlan:
+              parser_name: str | None, auto_enabled: bool, literal,
+              tool_format: str = DEFAULT_TOOL_FORMAT) -> ToolPlan:
     """Decide parsing and constraint for ``tools`` + ``tool_choice``.
 
+    ``parser_name`` reads "auto" tool choice's calls; required and named tool
+    choice are held to ``tool_format`` (the same format when a parser is named).
     ``literal(marker)`` is the grammar's term for a format marker (a special
     token reference when the tokenizer holds it as one).
     """
@@ -88,7 +88,7 @@ def tool_plan(tools: list[dict[str, Any]] | None, tool_choice: str | dict | None
     else:
         raise InvalidRequestError('tool_choice must be "none", "auto", "required" or a named function',
                                   param="tool_choice")
-    parser = TOOL_PARSERS[parser_name or DEFAULT_TOOL_FORMAT](tools)
+    parser = TOOL_PARSERS[parser_name or tool_format](tools)
     return ToolPlan(parser, StructuredSpec("grammar", parser.grammar(chosen, parallel, literal)))
 
 
@@ -197,7 +197,8 @@ def reasoning_aware(spec: StructuredSpec | None, reasoning_parser: str | None, p
         return spec
     if not REASONING_PARSERS[reasoning_parser].prompt_opens_reasoning(prompt_text):
         return spec
-    head = (f"start: reasoning answer\nreasoning[lazy]: /(?s:.*)/ {literal(REASONING_CLOSE)}\n"
+    close = REASONING_PARSERS[reasoning_parser].CLOSE
+    head = (f"start: reasoning answer\nreasoning[lazy]: /(?s:.*)/ {literal(close)}\n"
             "answer: /\\n*/ constrained\n")
     return StructuredSpec("grammar", head + _as_rule(spec))
 

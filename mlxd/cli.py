@@ -54,6 +54,11 @@ def build_parser() -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--log-level", default="INFO", type=str.upper, choices=LOG_LEVELS,
                         help="the least severe messages logged (default: INFO)")
+    # How `mlxd service` hands --env values (tokens, maybe) to its processes: never in a unit file.
+    env_file = argparse.ArgumentParser(add_help=False)
+    env_file.add_argument("--env-file", default=None, metavar="PATH",
+                          help="KEY=VALUE lines set in this process's environment before it starts "
+                               "(default: none)")
     sub = parser.add_subparsers(dest="command", required=True)
 
     serve = _described(sub, "serve", "run the engine and an OpenAI-compatible gateway", parents=[common])
@@ -63,7 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_struct_flags(serve, GatewayConfig, skip=SHARED_WITH_ENGINE)
     vllm_compat.add_flags(serve)
 
-    engine = _described(sub, "engine", "run the engine daemon alone", parents=[common])
+    engine = _described(sub, "engine", "run the engine daemon alone", parents=[common, env_file])
     engine.add_argument("model_pos", nargs="?", metavar="MODEL", help=HELP["model"])
     add_struct_flags(engine, EngineConfig)
     add_struct_flags(engine, DaemonConfig)
@@ -74,7 +79,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     vllm_compat.add_flags(engine)
     gateway = _described(sub, "gateway", "run an OpenAI-compatible gateway to a running engine",
-                         parents=[common])
+                         parents=[common, env_file])
     add_struct_flags(gateway, GatewayConfig)
     vllm_compat.add_flags(gateway)
 

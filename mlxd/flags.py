@@ -62,9 +62,12 @@ HELP = {
     "override_generation_config": "JSON object over those defaults, e.g. '{\"max_new_tokens\": 512}' "
                                   "(caps every request's max_tokens)",
     "enable_auto_tool_choice": "let the model call tools by itself (tool_choice auto); needs --tool-call-parser",
-    "tool_call_parser": "the model's tool-call format, for reading calls and for required/named tool choice "
-                        "(default: hermes)",
-    "reasoning_parser": "split <think>...</think> into the message's reasoning field",
+    "tool_call_parser": "the model's tool-call format, for reading calls and for required/named tool choice; "
+                        "auto: the one its chat template writes (default: none; tool choice then follows "
+                        "the template, else hermes)",
+    "reasoning_parser": "split the model's reasoning (<think>...</think>, Gemma 4's thought channel, [THINK], "
+                        "harmony's analysis, split by default) into the message's reasoning field; auto: as its "
+                        "chat template writes it",
     "keys_file": "per-app API keys made by `mlxd keys add` (default: keys.json in the config dir)",
     "curve_keys": "directory of CurveZMQ keys (`mlxd keys curve`); needed for TCP beyond loopback",
 }

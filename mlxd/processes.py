@@ -2,13 +2,29 @@
 
 from __future__ import annotations
 
+import os
+
 from mlxd.flags import build_config
 from mlxd.ports import check_free
 from shared.config import EngineConfig
+from shared.errors import InvalidRequestError
 from shared.serve_config import DaemonConfig, GatewayConfig
 
 
+def _load_env_file(args) -> None:
+    """``--env-file``: its variables set before the process's own modules are imported (some,
+    Hugging Face's, read the environment then)."""
+    if args.env_file:
+        from service.jobs import read_env_file
+
+        try:
+            os.environ.update(read_env_file(args.env_file))
+        except OSError as e:
+            raise InvalidRequestError(f"--env-file {args.env_file}: {e.strerror}", param="env_file") from None
+
+
 def engine(args) -> int:
+    _load_env_file(args)
     from engined.process import run_engine
 
     daemon = build_config(DaemonConfig, args)
@@ -19,6 +35,7 @@ def engine(args) -> int:
 
 
 def gateway(args) -> int:
+    _load_env_file(args)
     from gateway.server import run_gateway
 
     config = build_config(GatewayConfig, args)

@@ -2,7 +2,9 @@
 
 An ``--api-key`` is never written into a unit file or onto a command line
 (both readable by other users: `ps`, a 0644 plist): it goes into a 0600 file
-beside the keys, and the gateway is given ``--api-key-file``.
+beside the keys, and the gateway is given ``--api-key-file``. ``--env`` values
+(an HF_TOKEN, say) likewise go into a 0600 file that both processes read
+(``--env-file``).
 """
 
 from __future__ import annotations
@@ -21,36 +23,33 @@ def api_key_path() -> Path:
     return Path(config_dir()) / "service-api-key"
 
 
+def env_file_path() -> Path:
+    from shared.paths import config_dir
+
+    return Path(config_dir()) / "service.env"
+
+
+def _keep_private(path: Path, data: bytes | None) -> str | None:
+    """Write ``data`` to ``path`` readable by its owner alone; None: remove it (a re-install without it)."""
+    from service.jobs import write_atomic
+
+    if data is None:
+        path.unlink(missing_ok=True)
+        return None
+    write_atomic(path, data, mode=0o600)
+    return str(path)
+
+
 def main(args) -> int:
     from service import managers
-    from service.jobs import Job, service_env, write_atomic
 
     manager = managers.make_manager(args.manager or managers.default_manager())
     jobs = None
-    if args.verb == "install":
-        from shared.paths import default_engine_endpoint
-
-        engine_cfg = build_config(EngineConfig, args)
-        daemon_cfg = build_config(DaemonConfig, args)
-        # Written out in full so that both services agree whatever environment the manager gives them.
-        daemon_cfg.engine_endpoint = daemon_cfg.engine_endpoint or default_engine_endpoint()
-        gateway_cfg = build_config(GatewayConfig, args)
-        gateway_cfg.engine_endpoint = daemon_cfg.engine_endpoint
-        gateway_cfg.curve_keys = daemon_cfg.curve_keys
-        gateway_cfg.shutdown_timeout = daemon_cfg.shutdown_timeout
-        key_file = api_key_path()
-        if gateway_cfg.api_key is not None:
-            write_atomic(key_file, gateway_cfg.api_key.encode(), mode=0o600)
-            gateway_cfg.api_key, gateway_cfg.api_key_file = None, str(key_file)
-        else:
-            key_file.unlink(missing_ok=True)  # a re-install without a key drops the old one
-        env = service_env(args.env)
-        head = [sys.executable, "-m", "mlxd"]
-        jobs = [Job("engine", [*head, "engine", "--log-level", args.log_level,
-                               *to_flags(engine_cfg), *to_flags(daemon_cfg)], env),
-                Job("gateway", [*head, "gateway", "--log-level", args.log_level,
-                                *to_flags(gateway_cfg)], env)]
     try:
+        if args.verb in managers.SESSION_VERBS:
+            manager.require_session()  # before anything is written: a refusal leaves nothing behind
+        if args.verb == "install":
+            jobs = _jobs(args)
         rc = managers.run(args.verb, manager, jobs, keep_logs=getattr(args, "keep_logs", False),
                           lines=getattr(args, "lines", 50), follow=getattr(args, "follow", False))
     except (RuntimeError, FileNotFoundError, ValueError) as e:
@@ -58,4 +57,32 @@ def main(args) -> int:
         return 1
     if args.verb == "uninstall":
         api_key_path().unlink(missing_ok=True)
+        env_file_path().unlink(missing_ok=True)
     return rc
+
+
+def _jobs(args) -> list:
+    """The engine's and the gateway's command lines and environment, from the install's flags."""
+    from service.jobs import Job, env_items, format_env_file, mlxd_command, service_env
+    from shared.paths import default_engine_endpoint
+
+    engine_cfg = build_config(EngineConfig, args)
+    daemon_cfg = build_config(DaemonConfig, args)
+    # Written out in full so that both services agree whatever environment the manager gives them.
+    daemon_cfg.engine_endpoint = daemon_cfg.engine_endpoint or default_engine_endpoint()
+    gateway_cfg = build_config(GatewayConfig, args)
+    gateway_cfg.engine_endpoint = daemon_cfg.engine_endpoint
+    gateway_cfg.curve_keys = daemon_cfg.curve_keys
+    gateway_cfg.shutdown_timeout = daemon_cfg.shutdown_timeout
+    secrets = env_items(args.env)  # checked before anything is written
+    head = [mlxd_command()]
+    key_file = _keep_private(api_key_path(), None if gateway_cfg.api_key is None else gateway_cfg.api_key.encode())
+    if key_file is not None:
+        gateway_cfg.api_key, gateway_cfg.api_key_file = None, key_file
+    env_file = _keep_private(env_file_path(), format_env_file(secrets) if secrets else None)
+    tail = ["--env-file", env_file] if env_file else []
+    env = service_env()
+    return [Job("engine", [*head, "engine", "--log-level", args.log_level,
+                           *to_flags(engine_cfg), *to_flags(daemon_cfg), *tail], env),
+            Job("gateway", [*head, "gateway", "--log-level", args.log_level,
+                            *to_flags(gateway_cfg), *tail], env)]

@@ -15,13 +15,17 @@ import subprocess
 from collections import deque
 from pathlib import Path
 
-from service.jobs import TEMPLATES, Job, call, write_atomic
+from service.jobs import TEMPLATES, Job, call, call_captured, write_atomic
 
 LABEL_PREFIX = "local.mlxd."
 JOB_NAMES = ("engine", "gateway")  # start order; stopped in reverse
 
 
 class NotInstalledError(RuntimeError):
+    pass
+
+
+class NoSessionError(RuntimeError):
     pass
 
 
@@ -62,12 +66,21 @@ class LaunchdManager:
         })
         return plistlib.dumps(plist, sort_keys=True)
 
+    def require_session(self) -> None:
+        """Raise NoSessionError, one line with the fix, unless this user's GUI domain exists."""
+        rc, err = call_captured(["launchctl", "print", self.domain])
+        if rc != 0:
+            raise NoSessionError(f"no GUI login session for uid {self.uid} ({err or f'launchctl exited {rc}'}): "
+                                 f"LaunchAgents run in one; log in to this Mac's desktop (over ssh too, the "
+                                 f"user must be logged in there), or run `mlxd serve` under another supervisor")
+
     def _loaded(self, name: str) -> bool:
         return call(["launchctl", "print", f"{self.domain}/{self.label(name)}"], quiet=True) == 0
 
-    def _bootout(self, name: str) -> None:
+    def _bootout(self, name: str) -> int:
         if self._loaded(name):
-            call(["launchctl", "bootout", f"{self.domain}/{self.label(name)}"])
+            return call(["launchctl", "bootout", f"{self.domain}/{self.label(name)}"])
+        return 0
 
     def _bootstrap(self, name: str) -> int:
         return call(["launchctl", "bootstrap", self.domain, str(self.plist_path(name))])
@@ -80,12 +93,17 @@ class LaunchdManager:
             if self._bootstrap(job.name) != 0:
                 raise RuntimeError(f"launchctl bootstrap of {self.plist_path(job.name)} failed")
 
-    def uninstall(self, keep_logs: bool = False) -> None:
+    def uninstall(self, keep_logs: bool = False) -> list[str]:
+        """Boot out and remove the agents (and logs); returns what went wrong (the files go all the same)."""
+        problems = []
         for name in reversed(JOB_NAMES):
-            self._bootout(name)
+            if self._bootout(name) != 0:
+                problems.append(f"`launchctl bootout {self.domain}/{self.label(name)}` failed (its message is "
+                                f"above): the job may run until the next logout")
             self.plist_path(name).unlink(missing_ok=True)
         if not keep_logs and self.logs_dir.exists():
             shutil.rmtree(self.logs_dir)
+        return problems
 
     def _require_installed(self) -> None:
         missing = [str(self.plist_path(n)) for n in JOB_NAMES if not self.plist_path(n).exists()]

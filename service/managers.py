@@ -21,6 +21,10 @@ def make_manager(name: str):
     raise ValueError(f"unknown service manager {name!r}; 'launchd' or 'systemd'")
 
 
+# The verbs that talk to the manager's session (uninstall removes its files without one; logs reads files).
+SESSION_VERBS = ("install", "start", "stop", "restart", "status")
+
+
 def run(verb: str, manager, jobs: list[Job] | None = None, *, keep_logs: bool = False,
         lines: int = 50, follow: bool = False) -> int:
     """Carry out one `mlxd service` verb; returns the exit code."""
@@ -29,9 +33,11 @@ def run(verb: str, manager, jobs: list[Job] | None = None, *, keep_logs: bool = 
         print(f"mlxd service installed ({manager.describe()})", file=sys.stderr)
         return 0
     if verb == "uninstall":
-        manager.uninstall(keep_logs=keep_logs)
-        print("mlxd service uninstalled", file=sys.stderr)
-        return 0
+        problems = manager.uninstall(keep_logs=keep_logs)
+        for line in problems:
+            print(f"mlxd service uninstall: {line}", file=sys.stderr)
+        print("mlxd service uninstalled" + (", with the problems above" if problems else ""), file=sys.stderr)
+        return 1 if problems else 0
     if verb in ("start", "stop", "restart", "status"):
         return getattr(manager, verb)()
     if verb == "logs":

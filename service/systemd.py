@@ -1,15 +1,19 @@
 """systemd user units in $XDG_CONFIG_HOME/systemd/user, driven by `systemctl --user`.
 
 Logs go to the journal (`mlxd service logs` reads them with journalctl).
+Without a user manager to talk to (no login session, no lingering: a
+container, an ssh session on a host without logind) require_session says so in
+one line, with the fix; `mlxd service` asks it before any verb that needs one.
 """
 
 from __future__ import annotations
 
+import getpass
 import re
 import string
 from pathlib import Path
 
-from service.jobs import TEMPLATES, Job, call, write_atomic
+from service.jobs import TEMPLATES, Job, call, call_captured, write_atomic
 from shared.paths import xdg_home
 
 JOB_NAMES = ("engine", "gateway")
@@ -27,6 +31,17 @@ def _quote(word: str, command: bool = True) -> str:
     if _BARE.fullmatch(word):
         return word
     return '"' + word.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+class NoUserSessionError(RuntimeError):
+    pass
+
+
+def _user() -> str:
+    try:
+        return getpass.getuser()
+    except (KeyError, OSError):  # no passwd entry, no $USER (a bare container)
+        return "$USER"
 
 
 class SystemdManager:
@@ -61,23 +76,41 @@ class SystemdManager:
     def _systemctl(self, *args: str, quiet: bool = False) -> int:
         return call(["systemctl", "--user", *args], quiet=quiet)
 
+    def require_session(self) -> None:
+        """Raise NoUserSessionError, one line with the fix, unless `systemctl --user` reaches a manager."""
+        rc, err = call_captured(["systemctl", "--user", "show-environment"])
+        if rc != 0:
+            user = _user()
+            raise NoUserSessionError(
+                f"no systemd user session for {user} here ({err or f'systemctl --user exited {rc}'}); "
+                f"run `sudo loginctl enable-linger {user}` (a user manager that runs without a login) "
+                f"and log in again, or run `mlxd serve` under another supervisor")
+
     def install(self, jobs: list[Job]) -> None:
         for job in jobs:
             write_atomic(self.unit_path(job.name), self.render(job))
-        if self._systemctl("daemon-reload") != 0:
-            raise RuntimeError("systemctl --user daemon-reload failed (is there a user session bus?)")
-        self._systemctl("enable", *self.units)
+        for verb in ("daemon-reload", "enable"):
+            if self._systemctl(verb, *(self.units if verb == "enable" else ())) != 0:
+                raise RuntimeError(f"systemctl --user {verb} failed (its message is above)")
         # restart, not start: a re-install must run the new options.
         if self._systemctl("restart", *self.units) != 0:
             raise RuntimeError(f"systemctl --user restart {' '.join(self.units)} failed")
 
-    def uninstall(self, keep_logs: bool = False) -> None:
+    def uninstall(self, keep_logs: bool = False) -> list[str]:
+        """Stop, disable and remove the units; returns what went wrong (the files go all the same)."""
         # The journal is the system's, not ours: keep_logs changes nothing here.
+        problems = []
         if any(self.unit_path(n).exists() for n in JOB_NAMES):
-            self._systemctl("disable", "--now", *self.units)
+            rc, err = call_captured(["systemctl", "--user", "disable", "--now", *self.units])
+            if rc != 0:
+                problems.append(f"`systemctl --user disable --now` failed ({err or f'exit {rc}'}): the unit "
+                                f"files are removed, but a unit still running keeps running until its user "
+                                f"manager stops it")
         for name in JOB_NAMES:
             self.unit_path(name).unlink(missing_ok=True)
-        self._systemctl("daemon-reload")
+        if not problems:
+            self._systemctl("daemon-reload")
+        return problems
 
     def start(self) -> int:
         return self._systemctl("start", *self.units)

@@ -20,7 +20,8 @@ from shared.sampling import SamplingParams
 
 # 2: AddRequest gained app and priority.
 # 3: AddRequest gained group and group_size.
-PROTOCOL_VERSION = 3
+# 4: AddRequest gained n and choice.
+PROTOCOL_VERSION = 4
 
 
 class Kind(bytes, enum.Enum):
@@ -124,6 +125,10 @@ class AddRequest(msgspec.Struct, array_like=True, gc=False):
     # engine admits or refuses all ``group_size`` of them against its waiting queue at once.
     group: str | None = None
     group_size: int = 1
+    # The client request's n, and which of its prompt's n choices this is: vLLM's
+    # request_params_n, observed once per prompt (on its choice 0), as vLLM does per parent request.
+    n: int = 1
+    choice: int = 0
 
 
 class Abort(msgspec.Struct, array_like=True, gc=False):

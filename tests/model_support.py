@@ -23,22 +23,53 @@ WEIGHTS = ("float32", "4-bit")
 
 @dataclass(frozen=True)
 class Family:
-    arch: str  # mlx_lm model_type; tests build a tiny random-weight model of it
+    arch: str  # tests build a tiny random-weight model of this tests/tiny_models.py entry
     examples: str  # real checkpoints of this architecture, for readers
     attention: str  # what its attention needs from the paged step
     mlp: str
     weights: tuple[str, ...] = WEIGHTS  # parity tests run with each
     prefix_caching: bool = True  # a test compares outputs with prefix caching on and off
     speculative: bool = True  # a test compares greedy outputs with n-gram speculation on and off
+    # config.json's model_type, and the text model_type a wrapper holds in text_config (when the
+    # tiny model's entry name is not the model_type itself).
+    model_type: str = ""
+    text_model_type: str = ""
+
+    @property
+    def config_type(self) -> str:
+        return self.model_type or self.arch
 
 
 FAMILIES: tuple[Family, ...] = (
     Family("llama", "Llama 3.x, SmolLM2", "full, GQA", "dense"),
+    Family("mistral", "Mistral 7B, Mistral Nemo", "full, GQA (mlx_lm runs it as Llama)", "dense"),
+    Family("smollm3", "SmolLM3-3B", "full, GQA, no RoPE in every fourth layer", "dense"),
     Family("qwen2", "Qwen2.5", "full, GQA, q/k/v bias", "dense"),
     Family("qwen3", "Qwen3 dense", "full, GQA, q/k norms", "dense"),
     Family("qwen3_moe", "Qwen3-30B-A3B, Qwen3-235B-A22B", "full, GQA, q/k norms", "MoE (top-k of N experts)"),
+    Family("mixtral", "Mixtral 8x7B, 8x22B", "full, GQA", "MoE (top-2 of 8)"),
+    Family("phi3", "Phi-3, Phi-3.5, Phi-4, Phi-4-mini", "full, fused qkv, partial LongRoPE", "dense, fused gate/up"),
+    Family("olmo2", "OLMo 2", "full, q/k norms over all heads", "dense"),
+    Family("glm4", "GLM-4-0414", "full, q/k/v bias, partial interleaved RoPE", "dense, fused gate/up"),
+    Family("glm4_moe", "GLM-4.5, GLM-4.5-Air, GLM-4.6", "full, q/k norms, partial RoPE",
+           "dense first layers, then sigmoid-routed MoE + shared expert"),
+    Family("ministral3", "Ministral 3 (text)", "sliding window + global layers, YaRN, position-scaled queries",
+           "dense"),
+    Family("mistral3", "Mistral Small 3.1 / 3.2 (text of the vision checkpoint)", "full, GQA (Mistral inside)",
+           "dense", text_model_type="mistral"),
+    Family("mistral3_ministral3", "Ministral 3 3B/8B/14B (vision checkpoint)",
+           "sliding window + global layers, YaRN, position-scaled queries", "dense",
+           model_type="mistral3", text_model_type="ministral3"),
     Family("gpt_oss", "gpt-oss-20b, gpt-oss-120b", "sliding window + global layers, attention sinks", "MoE"),
+    Family("gemma2", "Gemma 2", "full (as mlx_lm runs it), attention logit soft cap, final soft cap", "dense"),
     Family("gemma3_text", "Gemma 3 (text)", "sliding window + global layers, per-layer RoPE, q/k norms", "dense"),
+    Family("gemma3", "Gemma 3 4B-27B (vision checkpoint)", "as gemma3_text", "dense", text_model_type="gemma3_text"),
+    Family("gemma4_text", "Gemma 4 26B-A4B, 31B (text)",
+           "sliding + global layers, later layers read earlier layers' K/V, K = V on global layers, "
+           "final soft cap", "dense + MoE beside it"),
+    Family("gemma4", "Gemma 4 E2B, E4B", "sliding + global layers, shared K/V, per-layer inputs, "
+           "proportional partial RoPE, final soft cap", "dense (double-wide in shared layers)",
+           text_model_type="gemma4_text"),
     # Recurrent state cannot take rejected drafts back: speculation is refused for hybrids.
     Family("qwen3_next", "Qwen3-Next-80B-A3B", "gated delta net + gated full attention (hybrid)", "MoE + shared expert",
            speculative=False),
@@ -46,6 +77,12 @@ FAMILIES: tuple[Family, ...] = (
            speculative=False),
     Family("qwen3_5_moe", "Qwen3.5 MoE (text)", "gated delta net + gated full attention (hybrid)",
            "MoE + shared expert", speculative=False),
+    # The same text models as their vision-language checkpoints hold them: the layout is what is tested.
+    Family("qwen3_5_vl", "Qwen3.5 (vision checkpoint)", "as qwen3_5", "dense", weights=("float32",),
+           prefix_caching=False, speculative=False, model_type="qwen3_5", text_model_type="qwen3_5_text"),
+    Family("qwen3_5_moe_vl", "Qwen3.5 MoE (vision checkpoint)", "as qwen3_5_moe", "MoE + shared expert",
+           weights=("float32",), prefix_caching=False, speculative=False, model_type="qwen3_5_moe",
+           text_model_type="qwen3_5_moe_text"),
 )
 
 
@@ -61,8 +98,9 @@ def render() -> str:
         "|---|---|---|---|---|---|---|",
     ]
     for f in FAMILIES:
+        arch = f"`{f.config_type}`" + (f" (text: `{f.text_model_type}`)" if f.text_model_type else "")
         lines.append(
-            f"| `{f.arch}` | {f.examples} | {f.attention} | {f.mlp} | {', '.join(f.weights)} "
+            f"| {arch} | {f.examples} | {f.attention} | {f.mlp} | {', '.join(f.weights)} "
             f"| {_mark(f.prefix_caching)} | {_mark(f.speculative)} |"
         )
     return "\n".join(lines)

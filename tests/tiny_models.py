@@ -44,6 +44,11 @@ _BASE = {
     "bos_token_id": 256 + 8,
     "eos_token_id": 256 + 8 + 2,
 }
+_ARCH_QWEN3_5_TEXT = {
+    "num_hidden_layers": 4, "full_attention_interval": 2, "linear_num_value_heads": 4, "linear_num_key_heads": 2,
+    "linear_key_head_dim": 16, "linear_value_head_dim": 16, "linear_conv_kernel_dim": 4, "tie_word_embeddings": False,
+    "rope_parameters": {"type": "default", "rope_theta": 1000000.0, "partial_rotary_factor": 0.5},
+}
 _ARCH = {
     "llama": {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "rope_theta": 10000.0, "tie_word_embeddings": False},
     "qwen2": {"model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"], "rope_theta": 1000000.0, "tie_word_embeddings": True},
@@ -91,6 +96,89 @@ _ARCH = {
         "tie_word_embeddings": False, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
         "shared_expert_intermediate_size": 32,
         "rope_parameters": {"type": "default", "rope_theta": 1000000.0, "partial_rotary_factor": 0.5},
+    },
+    # Qwen3.5 as its vision-language checkpoints store it: the same text model under text_config.
+    "qwen3_5_vl": {"model_type": "qwen3_5", "architectures": ["Qwen3_5ForConditionalGeneration"],
+                   "text_config": {"model_type": "qwen3_5_text", **_ARCH_QWEN3_5_TEXT}},
+    "qwen3_5_moe_vl": {
+        "model_type": "qwen3_5_moe", "architectures": ["Qwen3_5MoeForConditionalGeneration"],
+        "text_config": {"model_type": "qwen3_5_moe_text", **_ARCH_QWEN3_5_TEXT, "num_experts": 4,
+                        "num_experts_per_tok": 2, "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32},
+    },
+    # Mistral spells Llama's config (mlx_lm maps it to llama); a sliding window no layer uses in mlx_lm.
+    "mistral": {"model_type": "mistral", "architectures": ["MistralForCausalLM"], "rope_theta": 1000000.0,
+                "tie_word_embeddings": False},
+    # Ministral 3: sliding + full layers, YaRN RoPE and a position-dependent query scale (Llama 4's).
+    "ministral3": {
+        "model_type": "ministral3", "architectures": ["Ministral3ForCausalLM"], "tie_word_embeddings": False,
+        "sliding_window": 12, "layer_types": ["sliding_attention", "full_attention"],
+        "rope_parameters": {"rope_type": "yarn", "rope_theta": 1000000.0, "factor": 4.0,
+                            "original_max_position_embeddings": 16, "beta_fast": 32.0, "beta_slow": 1.0,
+                            "mscale": 1.0, "mscale_all_dim": 1.0, "llama_4_scaling_beta": 0.1},
+    },
+    # The vision-language checkpoint layouts: the text model under `language_model`, its config in text_config.
+    "mistral3": {"model_type": "mistral3", "architectures": ["Mistral3ForConditionalGeneration"],
+                 "text_config": {"model_type": "mistral", "rope_theta": 1000000.0}},
+    "mistral3_ministral3": {
+        "model_type": "mistral3", "architectures": ["Mistral3ForConditionalGeneration"],
+        "text_config": {
+            "model_type": "ministral3", "sliding_window": 12, "layer_types": ["sliding_attention", "full_attention"],
+            "rope_parameters": {"rope_type": "yarn", "rope_theta": 1000000.0, "factor": 4.0,
+                                "original_max_position_embeddings": 16, "beta_fast": 32.0, "beta_slow": 1.0,
+                                "mscale": 1.0, "mscale_all_dim": 1.0, "llama_4_scaling_beta": 0.1},
+        },
+    },
+    "mixtral": {"model_type": "mixtral", "architectures": ["MixtralForCausalLM"], "rope_theta": 1000000.0,
+                "num_local_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 32},
+    # Phi-3.5 / Phi-4-mini: fused qkv and gate_up projections, partial RoPE with LongRoPE scaling.
+    "phi3": {
+        "model_type": "phi3", "architectures": ["Phi3ForCausalLM"], "partial_rotary_factor": 0.5,
+        "original_max_position_embeddings": 512,
+        "rope_scaling": {"type": "longrope", "short_factor": [1.0 + 0.1 * i for i in range(4)],
+                         "long_factor": [1.5 + 0.2 * i for i in range(4)]},
+    },
+    # GLM-4: partial interleaved RoPE, q/k/v bias, fused gate_up, extra post-norms.
+    "glm4": {"model_type": "glm4", "architectures": ["Glm4ForCausalLM"], "attention_bias": True,
+             "partial_rotary_factor": 0.5, "rope_theta": 10000.0},
+    # GLM-4.5: layer 0 dense, layer 1 sigmoid-routed experts + a shared expert; per-head q/k norms.
+    "glm4_moe": {
+        "model_type": "glm4_moe", "architectures": ["Glm4MoeForCausalLM"], "moe_intermediate_size": 32,
+        "norm_topk_prob": True, "n_group": 1, "topk_group": 1, "n_shared_experts": 1, "n_routed_experts": 4,
+        "routed_scaling_factor": 2.5, "num_experts_per_tok": 2, "first_k_dense_replace": 1, "rope_theta": 1000000.0,
+        "rope_scaling": None, "use_qk_norm": True, "tie_word_embeddings": False, "attention_bias": True,
+        "partial_rotary_factor": 0.5,
+    },
+    # OLMo 2: q/k norms over the whole projection (all heads at once), norms after attention and MLP.
+    "olmo2": {"model_type": "olmo2", "architectures": ["Olmo2ForCausalLM"], "rope_theta": 500000.0,
+              "tie_word_embeddings": False},
+    # Gemma 2: attention logit soft cap, final logit soft cap, query scale from query_pre_attn_scalar.
+    "gemma2": {"model_type": "gemma2", "architectures": ["Gemma2ForCausalLM"], "attn_logit_softcapping": 50.0,
+               "final_logit_softcapping": 30.0, "query_pre_attn_scalar": 24},
+    # SmolLM3: Llama with RoPE left out of every fourth layer (here layer 1 of 2: interval 2).
+    "smollm3": {"model_type": "smollm3", "architectures": ["SmolLM3ForCausalLM"], "rope_theta": 5000000.0,
+                "no_rope_layer_interval": 2, "tie_word_embeddings": True},
+    # Gemma 3 as its vision-language checkpoints store it: gemma3 wrapping gemma3_text.
+    "gemma3": {"model_type": "gemma3", "architectures": ["Gemma3ForConditionalGeneration"],
+               "text_config": {"model_type": "gemma3_text", "rope_theta": 1000000.0, "rope_local_base_freq": 10000.0,
+                               "query_pre_attn_scalar": 24, "sliding_window": 12, "sliding_window_pattern": 2}},
+    # Gemma 4 text (26B/31B layout): layers 2-3 read layers 0-1's K/V; global layers have their own
+    # head size, fewer K/V heads and K = V; sliding layers a window of 12; MoE beside the dense MLP.
+    "gemma4_text": {
+        "model_type": "gemma4_text", "architectures": ["Gemma4ForCausalLM"], "num_hidden_layers": 4,
+        "global_head_dim": 32, "num_global_key_value_heads": 1, "attention_k_eq_v": True,
+        "num_kv_shared_layers": 2, "hidden_size_per_layer_input": 0, "sliding_window": 12,
+        "sliding_window_pattern": 2, "final_logit_softcapping": 30.0, "enable_moe_block": True,
+        "num_experts": 4, "top_k_experts": 2, "moe_intermediate_size": 32,
+    },
+    # Gemma 4 E2B/E4B layout: the wrapper, per-layer input embeddings, KV shared by the last two
+    # layers, double-wide MLPs there, proportional partial RoPE on the global layers.
+    "gemma4": {
+        "model_type": "gemma4", "architectures": ["Gemma4ForConditionalGeneration"],
+        "text_config": {
+            "model_type": "gemma4_text", "num_hidden_layers": 4, "global_head_dim": 32, "num_kv_shared_layers": 2,
+            "hidden_size_per_layer_input": 16, "vocab_size_per_layer_input": 272, "sliding_window": 12,
+            "sliding_window_pattern": 2, "final_logit_softcapping": 30.0, "use_double_wide_mlp": True,
+        },
     },
 }
 
@@ -169,9 +257,17 @@ def _write_tokenizer(out: Path, config: dict) -> None:
 
 
 def tiny_config(arch: str, **overrides) -> dict:
+    """config.json of a tiny ``arch``; a wrapped layout (an entry with ``text_config``) gets the tiny
+    sizes in its text_config, and the tokenizer's ids and sizes at the top too."""
     if arch not in _ARCH:
         raise ValueError(f"arch must be one of {sorted(_ARCH)}")
-    return {**_BASE, **_ARCH[arch], **overrides}
+    entry = dict(_ARCH[arch])
+    if "text_config" not in entry:
+        return {**_BASE, **entry, **overrides}
+    text = {**_BASE, **entry.pop("text_config")}
+    text.update({k: v for k, v in overrides.items() if k in _BASE})
+    top = {k: _BASE[k] for k in ("vocab_size", "bos_token_id", "eos_token_id", "max_position_embeddings")}
+    return {**top, **entry, **overrides, "text_config": text}
 
 
 def _random_weights(config: dict, seed: int) -> dict[str, np.ndarray]:

@@ -1,4 +1,9 @@
-"""Paged K/V arrays for a set of attention layers, and the per-layer step object attention writes through."""
+"""Paged K/V arrays for a set of attention layers, and the per-layer step object attention writes through.
+
+A layer that shares an earlier layer's K/V (Gemma 4's last layers: ``LayerSpec.kv_source``) has no
+arrays of its own: its step object is its source's, which it only reads, after the source wrote
+this step's K/V. One pool entry serves both layers, and the memory guard bills it once.
+"""
 
 from __future__ import annotations
 
@@ -20,6 +25,16 @@ class PagedLayerStep:
         self._kv = kv
         self._i = i
 
+    @property
+    def offset(self) -> mx.array:
+        """Each packed token's position: what mlx_lm's model bodies read from a cache's ``offset``
+        (Ministral 3 builds its query scale from it; the paged attention recomputes that per token)."""
+        return self.meta.positions
+
+    def read(self) -> tuple[mx.array, mx.array]:
+        """The layer's K/V pools as written so far in this forward (for a layer sharing them)."""
+        return self._kv.k[self._i], self._kv.v[self._i]
+
     def write(self, k: mx.array, v: mx.array) -> tuple[mx.array, mx.array]:
         """Write this step's ``k, v [T, H_kv, D]`` at the metadata's slots; returns the layer's new pools."""
         kv, i = self._kv, self._i
@@ -31,8 +46,13 @@ class PagedArrays:
     """Per layer, K and V pools ``[num_blocks, block_size, H_kv, D]`` (replaced as they are written)."""
 
     def __init__(self, specs: list[LayerSpec], block_size: int, dtype: mx.Dtype):
-        self.layers = [s.index for s in specs]
-        self.shapes = [(block_size, s.settings.n_kv_heads, s.settings.head_dim) for s in specs]
+        own = [s for s in specs if s.kv_source is None]
+        self.layers = [s.index for s in own]
+        # (sharing layer, source layer): the sharing layer's step is its source's.
+        self.aliases = [(s.index, s.kv_source) for s in specs if s.kv_source is not None]
+        missing = {src for _, src in self.aliases} - set(self.layers)
+        assert not missing, f"layers {sorted(missing)} share their K/V outside this group"
+        self.shapes = [(block_size, s.settings.n_kv_heads, s.settings.head_dim) for s in own]
         self.dtype = dtype
         self.k: list[mx.array] = []
         self.v: list[mx.array] = []
@@ -85,3 +105,5 @@ class PagedArrays:
         """Put each layer's step object for ``meta`` at its place in the model's ``caches`` list."""
         for i, layer in enumerate(self.layers):
             caches[layer] = PagedLayerStep(meta, self, i)
+        for layer, source in self.aliases:
+            caches[layer] = caches[source]

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx.utils import tree_flatten
+from mlx.utils import tree_flatten, tree_map_with_path
 
 from engined.device import weight_dtype
 from shared.errors import ModelLoadError
@@ -76,18 +76,26 @@ def _shape_facts(model: nn.Module, config: dict) -> tuple[int, int, int]:
     return int(layers), int(kv_heads), int(head_dim)
 
 
-def _apply_dtype(model: nn.Module, dtype: str) -> None:
+def _apply_dtype(model: nn.Module, dtype: str, stored: mx.Dtype | None = None) -> None:
+    """Cast by the dtype policy; ``stored``: the precision the checkpoint's weights were stored at, if known."""
     target = weight_dtype(dtype)
     if target is not None:
         dense_weights(model, target)
         return
     # Keeping quantized weights: run the remaining float tensors (norms,
-    # unquantized layers) in the scales' precision, so activations are not
-    # promoted to float32 by a float32 norm weight from a GGUF file.
+    # unquantized layers) in the scales' or the file's precision, so activations
+    # are not promoted to float32 by a float32 norm weight from a GGUF file.
     floats = {p.dtype for _, p in tree_flatten(model.parameters()) if mx.issubdtype(p.dtype, mx.floating)}
-    if mx.float32 in floats and len(floats) > 1:
-        low = mx.bfloat16 if mx.bfloat16 in floats else mx.float16
-        model.set_dtype(low)
+    file_low = stored is not None and stored != mx.float32
+    if mx.float32 in floats and (len(floats) > 1 or file_low):
+        low = stored if file_low else mx.bfloat16 if mx.bfloat16 in floats else mx.float16
+        # except what the family keeps in float32 (mlx_lm's cast_predicate: Qwen3.5's A_log)
+        keep = getattr(model, "cast_predicate", lambda _: True)
+
+        def cast(path, p):
+            return p.astype(low) if mx.issubdtype(p.dtype, mx.floating) and keep(path) else p
+
+        model.update(tree_map_with_path(cast, model.parameters()))
         mx.eval(model.parameters())
 
 
@@ -101,8 +109,9 @@ def load_model(spec: str, dtype: str = "auto") -> LoadedModel:
     spec = spec or default_model_path()
     path = Path(spec).expanduser()
     if path.is_file() and path.suffix.lower() == ".gguf":
-        loaded = load_gguf(path)
+        loaded = load_gguf(path, keep_quantized=weight_dtype(dtype) is None)
         model, config, tok_dir = loaded.model, loaded.config, loaded.tokenizer_dir
+        stored = loaded.float_dtype
         eos, bos, model_id = loaded.eos_token_ids, loaded.bos_token_id, path.stem
     else:
         if path.exists():
@@ -125,10 +134,10 @@ def load_model(spec: str, dtype: str = "auto") -> LoadedModel:
                     param="model",
                 )
         loaded = load_dir(directory)
-        model, config, tok_dir = loaded.model, loaded.config, directory
+        model, config, tok_dir, stored = loaded.model, loaded.config, directory, None
         eos, bos = loaded.eos_token_ids, loaded.bos_token_id
 
-    _apply_dtype(model, dtype)
+    _apply_dtype(model, dtype, stored)
     layers, kv_heads, head_dim = _shape_facts(model, config)
     text = config.get("text_config", {})
     return LoadedModel(

@@ -7,7 +7,8 @@ gateway then loads it with ``AutoTokenizer.from_pretrained(dir)`` like any
 other model directory.
 
 Supported vocabularies: ``gpt2`` (byte-level BPE, used by SmolLM2, Qwen,
-Llama 3) and ``llama`` (SentencePiece BPE with byte fallback, Llama 2 and
+Qwen3.5, Llama 3, gpt-oss), ``gemma4`` (SentencePiece pieces with their
+merges stored) and ``llama`` (SentencePiece BPE with byte fallback, Llama 2 and
 Mistral).
 """
 
@@ -28,7 +29,7 @@ log = logging.getLogger(__name__)
 
 # Part of the cache key: bump when the directory written here changes, so
 # that tokenizers built by an older mlxd are not reused.
-_FORMAT = 1
+_FORMAT = 2
 
 # GGUF token types (llama.cpp's llama_token_type).
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
@@ -44,6 +45,17 @@ _QWEN2_PATTERN = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
     r"|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
+# Qwen3.5: Qwen2's, with combining marks (\p{M}) kept inside words.
+_QWEN35_PATTERN = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+# o200k (gpt-oss's "gpt-4o"): words split at case changes, numbers in threes.
+_O200K_PATTERN = (
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 # name -> (split pattern, digits split one by one before it)
 _PRE = {
     "default": (_GPT2_PATTERN, False),
@@ -54,6 +66,8 @@ _PRE = {
     "llama-bpe": (_LLAMA3_PATTERN, False),
     "llama3": (_LLAMA3_PATTERN, False),
     "qwen2": (_QWEN2_PATTERN, False),
+    "qwen35": (_QWEN35_PATTERN, False),
+    "gpt-4o": (_O200K_PATTERN, False),
 }
 
 
@@ -95,8 +109,7 @@ def _byte_level_bpe(tokens: list[str], merges: list[str], pre: str) -> Tokenizer
     return tok
 
 
-def _sentencepiece_bpe(tokens: list[str], scores: list[float], types: list[int], add_space_prefix: bool) -> Tokenizer:
-    vocab = {t: i for i, t in enumerate(tokens)}
+def _merges_by_score(vocab: dict[str, int], scores: list[float], types: list[int]) -> list[tuple[str, str]]:
     # SentencePiece BPE merges the pair whose merged piece has the highest
     # score; a BPE merge list ordered by that score reproduces it.
     ranked = []
@@ -108,7 +121,18 @@ def _sentencepiece_bpe(tokens: list[str], scores: list[float], types: list[int],
             if left in vocab and right in vocab:
                 ranked.append((-scores[idx], vocab[left], vocab[right], left, right))
     ranked.sort()
-    merges = [(left, right) for _, _, _, left, right in ranked]
+    return [(left, right) for _, _, _, left, right in ranked]
+
+
+def _sentencepiece_bpe(
+    tokens: list[str], scores: list[float], types: list[int], add_space_prefix: bool, merge_list: list[str] | None = None
+) -> Tokenizer:
+    vocab = {t: i for i, t in enumerate(tokens)}
+    if merge_list:
+        # Gemma 4's files carry the merges themselves.
+        merges = [tuple(m.split(" ", 1)) for m in merge_list]
+    else:
+        merges = _merges_by_score(vocab, scores, types)
     unk = next((t for t, ty in zip(tokens, types) if ty == UNKNOWN), None)
     tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, unk_token=unk, fuse_unk=True, byte_fallback=True))
     norm = [normalizers.Replace(" ", "\u2581")]
@@ -135,12 +159,14 @@ def build_tokenizer_dir(meta: dict, gguf_path: str | os.PathLike) -> Path:
     types = [int(t) for t in meta_list(meta, "tokenizer.ggml.token_type")] or [NORMAL] * len(tokens)
     if kind == "gpt2":
         tok = _byte_level_bpe(tokens, meta_list(meta, "tokenizer.ggml.merges"), meta_value(meta, "tokenizer.ggml.pre", "default"))
-    elif kind == "llama":
+    elif kind in ("llama", "gemma4"):
         scores = [float(s) for s in meta_list(meta, "tokenizer.ggml.scores")] or [0.0] * len(tokens)
-        tok = _sentencepiece_bpe(tokens, scores, types, bool(meta_value(meta, "tokenizer.ggml.add_space_prefix", True)))
+        space = bool(meta_value(meta, "tokenizer.ggml.add_space_prefix", kind == "llama"))
+        tok = _sentencepiece_bpe(tokens, scores, types, space, meta_list(meta, "tokenizer.ggml.merges"))
     else:
         raise ModelLoadError(
-            f"{gguf_path}: tokenizer model {kind!r} is not supported (supported: gpt2 byte-level BPE, llama SentencePiece)"
+            f"{gguf_path}: tokenizer model {kind!r} is not supported "
+            "(supported: gpt2 byte-level BPE, llama and gemma4 SentencePiece)"
         )
 
     # Control tokens (<|im_start|>, <s>) are special: matched whole before the
@@ -158,7 +184,7 @@ def build_tokenizer_dir(meta: dict, gguf_path: str | os.PathLike) -> Path:
         return tokens[int(idx)] if idx is not None and 0 <= int(idx) < len(tokens) else None
 
     bos, eos = token("tokenizer.ggml.bos_token_id"), token("tokenizer.ggml.eos_token_id")
-    add_bos = bool(meta_value(meta, "tokenizer.ggml.add_bos_token", kind == "llama"))
+    add_bos = bool(meta_value(meta, "tokenizer.ggml.add_bos_token", kind != "gpt2"))
     add_eos = bool(meta_value(meta, "tokenizer.ggml.add_eos_token", False))
     single, pair = "$A", "$A $B"
     if add_bos and bos is not None:
@@ -172,7 +198,7 @@ def build_tokenizer_dir(meta: dict, gguf_path: str | os.PathLike) -> Path:
         "tokenizer_class": "PreTrainedTokenizerFast",
         "bos_token": bos,
         "eos_token": eos,
-        "unk_token": token("tokenizer.ggml.unknown_token_id") if kind == "llama" else None,
+        "unk_token": token("tokenizer.ggml.unknown_token_id") if kind != "gpt2" else None,
         "pad_token": token("tokenizer.ggml.padding_token_id"),
         "add_bos_token": add_bos,
         "add_eos_token": add_eos,

@@ -10,6 +10,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.utils import load_model as mlx_lm_load_model
 
+from engined.model_layers import check_model_type
 from shared.errors import ModelLoadError
 from shared.hub import cached_snapshot
 
@@ -69,13 +70,21 @@ def _special_token_ids(path: Path) -> tuple[list[int], int | None]:
 
 
 def load_dir(path: Path) -> DirModel:
-    """Load an mlx_lm/HF safetensors directory through mlx_lm's own loader (weights evaluated)."""
+    """Load an mlx_lm/HF safetensors directory through mlx_lm's own loader (weights evaluated).
+
+    A ``model_type`` mlxd does not run is refused from config.json before any weight is read.
+    """
+    declared = _read_json(path / "config.json")
+    check_model_type(declared)
     try:
         model, config = mlx_lm_load_model(path, lazy=False)
     except FileNotFoundError as e:
         raise ModelLoadError(f"{path}: {e}") from e
     except ValueError as e:  # mlx_lm's message for an unknown model_type or mismatched weights
         raise ModelLoadError(f"{path}: {e}") from e
+    except (KeyError, TypeError) as e:  # a field the family's ModelArgs or layers need is missing or mistyped
+        raise ModelLoadError(f"{path}: config.json does not describe an mlx_lm {declared['model_type']!r} model "
+                             f"({type(e).__name__}: {e})") from e
     eos, bos = _special_token_ids(path)
     return DirModel(model=model, config=config, eos_token_ids=eos, bos_token_id=bos)
 

@@ -1,144 +1,117 @@
-"""What every tool-call parser shares: the scan contract, streaming by difference, grammar pieces.
+"""What every tool-call parser shares: the incremental reading contract, streaming, grammar pieces.
 
-A parser's ``scan(text, final)`` reads the whole generated text so far and
-says what is content and which tool calls it holds. The contract that makes
-streaming safe: scanning a longer text never takes back what a shorter one
-gave. Content only grows (text that might still become markup, such as a
-trailing ``<tool_c``, is held back until it is known), calls only grow, and a
-call's name, once given, is final, while its arguments only get longer.
-``ToolStream`` then streams the difference between successive scans, so the
-streamed result is by construction the non-streamed one.
+A parser reads one generation's text as it arrives: ``feed(delta, final)``
+returns only what the new text settled (content, a new call's name, more of
+a call's arguments). Text that might still become markup, such as a
+trailing ``<tool_c``, is held back until it is known; what was given is never
+taken back. Each parser is a small state machine over ``buf``, the text not
+yet settled (``scanning.Reader``), so a request costs time linear in its
+output however finely it is streamed. Non-streaming is one feed of the whole
+text, so the streamed result is the non-streamed one by construction.
 """
 
 from __future__ import annotations
 
 import json
-import logging
-import re
 import secrets
 from dataclasses import dataclass, field
 from typing import Callable, ClassVar
 
-log = logging.getLogger("mlxd.gateway.parsers")
+from gateway.parsers.scanning import Reader
 
 # The JSON layout the grammars ask for: compact, one space after separators.
 JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
 @dataclass
-class Call:
-    name: str
-    arguments: str  # JSON text of the arguments object, as far as it is known
+class CallDelta:
+    index: int
+    name: str | None  # on the call's first piece only
+    arguments: str  # more of the JSON text of the arguments object
 
 
 @dataclass
-class Scan:
-    content: str
-    calls: list[Call] = field(default_factory=list)
+class Delta:
+    content: str = ""
+    calls: list[CallDelta] = field(default_factory=list)
 
 
-def partial_suffix(text: str, tag: str) -> int:
-    """Length of the longest end of ``text`` that is a proper beginning of ``tag`` (held back while streaming)."""
-    for n in range(min(len(tag) - 1, len(text)), 0, -1):
-        if text.endswith(tag[:n]):
-            return n
-    return 0
+class ToolParser(Reader):
+    """One model family's tool-call format: reading it (``feed``) and constraining to it (``grammar``).
 
-
-def content_before(text: str, tag: str, final: bool) -> tuple[str, int]:
-    """(content, index of ``tag`` or -1): text before the first ``tag``, holding back a partial tag unless final."""
-    i = text.find(tag)
-    if i >= 0:
-        return text[:i], i
-    if final:
-        return text, -1
-    return text[: len(text) - partial_suffix(text, tag)], -1
-
-
-def json_value_end(text: str, start: int) -> int | None:
-    """End index of the JSON value that begins at ``start`` (after optional whitespace); None if incomplete."""
-    i, n = start, len(text)
-    while i < n and text[i] in " \t\r\n":
-        i += 1
-    if i >= n:
-        return None
-    if text[i] not in "{[":
-        m = re.compile(r'"(?:[^"\\]|\\.)*"|-?[0-9][0-9.eE+-]*|true|false|null').match(text, i)
-        # A bare number is complete only once something follows it.
-        if m is None or (m.end() == n and text[i] not in '"tfn'):
-            return None
-        return m.end()
-    depth, in_str, esc = 0, False, False
-    for j in range(i, n):
-        c = text[j]
-        if in_str:
-            if esc:
-                esc = False
-            elif c == "\\":
-                esc = True
-            elif c == '"':
-                in_str = False
-        elif c == '"':
-            in_str = True
-        elif c in "{[":
-            depth += 1
-        elif c in "}]":
-            depth -= 1
-            if depth == 0:
-                return j + 1
-    return None
-
-
-_NAME_FIRST = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"(?:arguments|parameters)"\s*:\s*')
-
-
-def json_call(body: str, complete: bool) -> Call | None:
-    """A call from ``{"name": ..., "arguments"|"parameters": {...}}`` text, streamed when the name comes first.
-
-    Arguments are the model's own JSON text. A body in another key order is
-    read only once ``complete``.
+    An instance reads one generation; ``fresh()`` gives another for the next.
     """
-    m = _NAME_FIRST.match(body)
-    if m:
-        name = json.loads(f'"{m.group(1)}"')
-        end = json_value_end(body, m.end())
-        return Call(name, (body[m.end(): end] if end is not None else body[m.end():]).strip())
-    if not complete:
-        return None
-    try:
-        obj = json.loads(body)
-    except ValueError:
-        return None
-    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
-        return None
-    args = obj.get("arguments", obj.get("parameters", {}))
-    return Call(obj["name"], args if isinstance(args, str) else json.dumps(args, ensure_ascii=False))
-
-
-def unparsed_as_content(text: str, content: str, calls: list[Call], final: bool) -> Scan:
-    """Markup that never yielded a call is given back as content at the end, not lost.
-
-    Safe for streaming: what was held back is only ever appended.
-    """
-    if final and not calls:
-        return Scan(text)
-    return Scan(content, calls)
-
-
-class ToolParser:
-    """One model family's tool-call format: reading it (``scan``) and constraining to it (``grammar``)."""
 
     name: ClassVar[str]
     # Markers the format uses that the tokenizer may hold as special tokens:
     # the gateway decodes them into the text when this parser is in use.
     special_markers: ClassVar[tuple[str, ...]] = ()
+    # Markup that never yielded a call is given back as content at the end, not
+    # lost (formats whose content is the text before the first call).
+    give_back_unparsed: ClassVar[bool] = True
 
     def __init__(self, tools: list[dict] | None = None):
         # OpenAI tool objects ({"type": "function", "function": {...}}) of the request.
         self.tools = tools or []
+        super().__init__()
+        self.num_calls = 0
+        self._out = Delta()
+        self._raw: list[str] = []  # the text while no call is read: given back if none ever is
+        self._content_len = 0
+        self._args_begun = False
+        self._args_hold = ""  # trailing blanks of the arguments, sent once more follows
 
-    def scan(self, text: str, final: bool) -> Scan:
+    def fresh(self) -> "ToolParser":
+        return type(self)(self.tools)
+
+    def feed(self, text: str, final: bool = False) -> Delta:
+        """Add generated text; returns the content and call pieces it settled (all, when ``final``)."""
+        if self.num_calls == 0 and self.give_back_unparsed:
+            self._raw.append(text)
+        self.buf += text
+        out = self._out = Delta()
+        self.parse(final)
+        if final:
+            if self.num_calls == 0 and self.give_back_unparsed:
+                self._content("".join(self._raw)[self._content_len:])
+            self.buf = ""
+        if self.num_calls:
+            self._raw = []
+        return out
+
+    def parse(self, final: bool) -> None:
+        """Settle as much of ``buf`` as is decided (all of it when ``final``)."""
         raise NotImplementedError
+
+    # -- what a state does with the text -------------------------------------------------------
+
+    def _content(self, text: str) -> None:
+        if text:
+            self._out.content += text
+            self._content_len += len(text)
+
+    def _call(self, name: str) -> None:
+        self._out.calls.append(CallDelta(self.num_calls, name, ""))
+        self.num_calls += 1
+        self._args_begun, self._args_hold = False, ""
+
+    def _args(self, piece: str) -> None:
+        """More argument text of the latest call; surrounding blanks are not part of the arguments."""
+        text = self._args_hold + piece
+        if not self._args_begun:
+            text = text.lstrip()
+        body = text.rstrip()
+        self._args_hold = text[len(body):]
+        if not body:
+            return
+        self._args_begun = True
+        last = self._out.calls[-1] if self._out.calls else None
+        if last is not None and last.index == self.num_calls - 1:
+            last.arguments += body
+        else:
+            self._out.calls.append(CallDelta(self.num_calls - 1, None, body))
+
+    # -- grammar -------------------------------------------------------------------------------
 
     def grammar(self, tools: list[dict], parallel: bool, literal: Callable[[str], str]) -> str:
         """A Lark grammar (llguidance dialect) that admits exactly calls of ``tools`` in this format.
@@ -213,36 +186,23 @@ class ToolStream:
     """Streams one generation's tool calls and content as OpenAI deltas."""
 
     def __init__(self, parser: ToolParser):
-        self.parser = parser
-        self.text = ""
-        self.sent_content = 0
-        self.sent: list[tuple[str, str]] = []  # (id, arguments sent) per call
+        self.parser = parser.fresh()
+        self.ids: list[str] = []
         self.finished = False
 
     def feed(self, delta: str, final: bool = False) -> tuple[str, list[dict]]:
         """Add generated text; returns (content delta, tool-call deltas in OpenAI's shape)."""
-        self.text += delta
-        scan = self.parser.scan(self.text, final)
-        content = scan.content[self.sent_content:]
-        self.sent_content = max(self.sent_content, len(scan.content))
+        got = self.parser.feed(delta, final)
         deltas = []
-        for i, call in enumerate(scan.calls):
-            if i >= len(self.sent):
+        for c in got.calls:
+            if c.name is not None:
                 # OpenAI's shape: the call's first delta names it, arguments follow in their own.
-                cid = new_call_id()
-                self.sent.append((cid, ""))
-                deltas.append({"index": i, "id": cid, "type": "function",
-                               "function": {"name": call.name, "arguments": ""}})
-            cid, sent = self.sent[i]
-            if call.arguments == sent:
-                continue
-            if not call.arguments.startswith(sent):
-                # A parser broke its contract: keep the stream consistent, drop the change.
-                log.warning("%s parser took back arguments %r -> %r", self.parser.name, sent, call.arguments)
-                continue
-            deltas.append({"index": i, "function": {"arguments": call.arguments[len(sent):]}})
-            self.sent[i] = (cid, call.arguments)
-        return content, deltas
+                self.ids.append(new_call_id())
+                deltas.append({"index": c.index, "id": self.ids[c.index], "type": "function",
+                               "function": {"name": c.name, "arguments": ""}})
+            if c.arguments:
+                deltas.append({"index": c.index, "function": {"arguments": c.arguments}})
+        return got.content, deltas
 
     def finish(self) -> tuple[str, list[dict]]:
         """The end of generation: whatever was held back is decided now."""
@@ -251,7 +211,7 @@ class ToolStream:
 
     @property
     def num_calls(self) -> int:
-        return len(self.sent)
+        return len(self.ids)
 
 
 def new_call_id() -> str:
@@ -260,7 +220,10 @@ def new_call_id() -> str:
 
 def parse_complete(parser: ToolParser, text: str) -> tuple[str, list[dict]]:
     """Non-streaming: (content, tool_calls in OpenAI's message shape)."""
-    scan = parser.scan(text, True)
-    calls = [{"id": new_call_id(), "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
-             for c in scan.calls]
-    return scan.content, calls
+    got = parser.fresh().feed(text, final=True)
+    calls: list[dict] = []
+    for c in got.calls:
+        if c.name is not None:
+            calls.append({"id": new_call_id(), "type": "function", "function": {"name": c.name, "arguments": ""}})
+        calls[c.index]["function"]["arguments"] += c.arguments
+    return got.content, calls

@@ -6,29 +6,37 @@ the model's filler and is dropped, as the chat templates never put any there.
 
 from __future__ import annotations
 
-from gateway.parsers.base import (Scan, ToolParser, content_before, function_schema, json_call, json_term,
-                                  unparsed_as_content)
+from gateway.parsers.base import ToolParser, function_schema, json_term
+from gateway.parsers.json_calls import JsonCallObject
+from gateway.parsers.scanning import Markers, drop
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
+_OPEN, _CLOSE = Markers(OPEN), Markers(CLOSE)
 
 
 class HermesToolParser(ToolParser):
     name = "hermes"
 
-    def scan(self, text: str, final: bool) -> Scan:
-        content, start = content_before(text, OPEN, final)
-        calls = []
-        while start >= 0:
-            body_start = start + len(OPEN)
-            end = text.find(CLOSE, body_start)
-            body = text[body_start: end if end >= 0 else len(text)]
-            call = json_call(body, complete=end >= 0 or final)
-            if call is not None:
-                calls.append(call)
-            if end < 0:
-                break
-            start = text.find(OPEN, end)
-        return unparsed_as_content(text, content, calls, final)
+    def __init__(self, tools=None):
+        super().__init__(tools)
+        self._state = "content"  # content | call | between
+        self._obj: JsonCallObject | None = None
+
+    def parse(self, final: bool) -> None:
+        while True:
+            if self._state != "call":
+                sink = self._content if self._state == "content" else drop
+                if not self._stream_until(_OPEN, final, sink):
+                    return
+                self._state, self._obj = "call", JsonCallObject(self)
+            else:
+                marker = self._stream_until(_CLOSE, final, self._obj.feed)
+                if marker is None:
+                    return
+                self._obj.close()
+                self._state = "between"
+                if not marker:
+                    return
 
     def grammar(self, tools, parallel, literal) -> str:
         body = json_term({"anyOf": [function_schema(t) for t in tools]})

@@ -12,11 +12,12 @@ import ast
 import json
 import re
 
-from gateway.parsers.base import Call, Scan, ToolParser, json_term, unparsed_as_content
+from gateway.parsers.base import ToolParser, json_term
 
 START = "<|python_start|>"
 _HEAD = re.compile(r"\s*([A-Za-z_][\w.]*)\s*\(")
 _MAYBE = re.compile(r"\[\s*([A-Za-z_][\w.]*\s*)?$")
+_PARTIAL_HEAD = re.compile(r"\s*([A-Za-z_][\w.]*\s*)?$")
 # JSON spellings a model may use inside Python calls.
 _NAMES = {"true": True, "false": False, "null": None, "True": True, "False": False, "None": None}
 
@@ -35,31 +36,66 @@ class PythonicToolParser(ToolParser):
     name = "pythonic"
     special_markers = (START,)
 
-    def scan(self, text: str, final: bool) -> Scan:
-        rest = text.lstrip()
+    def __init__(self, tools=None):
+        super().__init__(tools)
+        self._state = "start"  # start | plain | head | body | sep | done
+        self._src: list[str] = []
+        self._end: CallEnd | None = None
+
+    def parse(self, final: bool) -> None:
+        while True:
+            if self._state == "start" and not self._start(final):
+                return
+            state = self._state
+            if state == "plain":
+                self.meter.scanned += len(self.buf)
+                self._content(self._take(len(self.buf)))
+                return
+            if state == "done":
+                self._take(len(self.buf))
+                return
+            if state == "sep":
+                rest = self.buf.lstrip(", \t\r\n")
+                self.meter.scanned += len(self.buf) - len(rest) + 1
+                self._take(len(self.buf) - len(rest))
+                if not rest:
+                    return
+                self._state = "head"
+            elif state == "head":
+                self.meter.scanned += len(self.buf)
+                m = _HEAD.match(self.buf)
+                if m is None:
+                    if final or not _PARTIAL_HEAD.match(self.buf):
+                        self._state = "done"
+                        continue
+                    return
+                self._call(m.group(1))
+                self._src, self._end = [self._take(m.end())], CallEnd(self.meter)
+                self._state = "body"
+            elif state == "body":
+                end = self._end.feed(self.buf)
+                self._src.append(self._take(len(self.buf) if end is None else end))
+                if end is None:
+                    return
+                self._args(_arguments("".join(self._src)) or "")
+                self._state = "sep"
+
+    def _start(self, final: bool) -> bool:
+        """Decide whether the reply is a call list; False while it cannot be told yet."""
+        self.meter.scanned += len(self.buf)
+        rest = self.buf.lstrip()
         if rest.startswith(START):
             rest = rest[len(START):].lstrip()
         elif START.startswith(rest) and rest and not final:
-            return Scan("")
+            return False
         if not final and (not rest or _MAYBE.match(rest)):
-            return Scan("")  # not yet known whether this is a call list
+            return False  # not yet known whether this is a call list
         if not rest.startswith("[") or not _HEAD.match(rest, 1):
-            return Scan(text)
-        calls: list[Call] = []
-        pos = 1
-        while True:
-            m = _HEAD.match(rest, pos)
-            if m is None:
-                break
-            end = _call_end(rest, m.end())
-            if end is None:
-                calls.append(Call(m.group(1), ""))
-                break
-            calls.append(Call(m.group(1), _arguments(rest[m.start(): end]) or ""))
-            pos = end
-            while pos < len(rest) and rest[pos] in ", \t\r\n":
-                pos += 1
-        return unparsed_as_content(text, "", calls, final)
+            self._state = "plain"
+            return True
+        self._take(len(self.buf) - len(rest) + 1)
+        self._state = "head"
+        return True
 
     def grammar(self, tools, parallel, literal) -> str:
         rules, names = [], []
@@ -75,27 +111,48 @@ class PythonicToolParser(ToolParser):
         return "\n".join([f'start: "[" call{more} "]"', f"call: {' | '.join(names)}"] + rules) + "\n"
 
 
-def _call_end(text: str, pos: int) -> int | None:
-    """Index after the ``)`` closing a call whose ``(`` ends just before ``pos``."""
-    depth, quote, esc = 1, "", False
-    for j in range(pos, len(text)):
-        c = text[j]
-        if quote:
-            if esc:
-                esc = False
-            elif c == "\\":
-                esc = True
-            elif c == quote:
-                quote = ""
-        elif c in "\"'":
-            quote = c
-        elif c in "([{":
-            depth += 1
-        elif c in ")]}":
-            depth -= 1
-            if depth == 0:
-                return j + 1
-    return None
+_PY_OUTSIDE = re.compile(r"[\"'()\[\]{}]")
+_IN_QUOTE = {'"': re.compile(r'["\\]'), "'": re.compile(r"['\\]")}
+
+
+class CallEnd:
+    """Where a call's argument list closes, in text that arrives in pieces (brackets and quotes counted)."""
+
+    def __init__(self, meter):
+        self.meter = meter
+        self.depth, self.quote, self.esc = 1, "", False
+
+    def feed(self, piece: str) -> int | None:
+        """Offset in ``piece`` just past the ``)`` that closes the call, or None."""
+        i, n = 0, len(piece)
+        while i < n:
+            if self.esc:
+                self.esc, i = False, i + 1
+            elif self.quote:
+                m = _IN_QUOTE[self.quote].search(piece, i)
+                if m is None:
+                    break
+                if m.group() == "\\":
+                    self.esc = True
+                else:
+                    self.quote = ""
+                i = m.end()
+            else:
+                m = _PY_OUTSIDE.search(piece, i)
+                if m is None:
+                    break
+                c, i = m.group(), m.end()
+                if c in "\"'":
+                    self.quote = c
+                elif c in "([{":
+                    self.depth += 1
+                else:
+                    self.depth -= 1
+                    if self.depth == 0:
+                        self.meter.scanned += i
+                        return i
+        self.meter.scanned += n
+        return None
 
 
 def _arguments(src: str) -> str | None:
@@ -104,5 +161,5 @@ def _arguments(src: str) -> str | None:
         if not isinstance(node, ast.Call):
             return None
         return json.dumps({kw.arg: _literal(kw.value) for kw in node.keywords}, ensure_ascii=False)
-    except (SyntaxError, ValueError, TypeError):
+    except (SyntaxError, ValueError, TypeError, MemoryError, RecursionError):
         return None

@@ -15,60 +15,78 @@ time: ``{"city": "Paris"`` then ``, "days": 3`` then ``}`` once the function clo
 
 from __future__ import annotations
 
-import ast
-import json
-import re
-
-from gateway.parsers.base import (Call, Scan, ToolParser, content_before, json_term, unparsed_as_content)
+from gateway.parsers.base import ToolParser
+from gateway.parsers.param_values import json_member, value_term
+from gateway.parsers.scanning import Markers, drop
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
-_FUNCTION = re.compile(r"<function=([^>\n]+)>")
-_PARAM = re.compile(r"<parameter=([^>\n]+)>\n?(.*?)\n?</parameter>", re.S)
+FUNCTION, FUNCTION_END, PARAM, PARAM_END = "<function=", "</function>", "<parameter=", "</parameter>"
+_OPEN = Markers(OPEN)
+# What each state reads up to.
+_AFTER = {
+    "block": Markers(FUNCTION, CLOSE),
+    "function": Markers(">"),
+    "body": Markers(PARAM, FUNCTION_END, CLOSE),
+    "key": Markers(">"),
+    "value": Markers(PARAM_END, FUNCTION_END, CLOSE),
+    "tail": Markers(CLOSE),
+}
 
 
 class Qwen3CoderToolParser(ToolParser):
     name = "qwen3_coder"
 
-    def scan(self, text: str, final: bool) -> Scan:
-        content, start = content_before(text, OPEN, final)
-        calls: list[Call] = []
-        while start >= 0:
-            end = text.find(CLOSE, start)
-            block = text[start: end if end >= 0 else len(text)]
-            call = self._call(block, closed=end >= 0 or final)
-            if call is not None:
-                calls.append(call)
-            if end < 0:
-                break
-            start = text.find(OPEN, end)
-        return unparsed_as_content(text, content, calls, final)
+    def __init__(self, tools=None):
+        super().__init__(tools)
+        # content | block | function | body | key | value | tail | between
+        self._state = "content"
+        self._types: dict = {}
+        self._members = 0
 
-    def _call(self, block: str, closed: bool) -> Call | None:
-        m = _FUNCTION.search(block)
-        if m is None:
-            return None
-        name = m.group(1).strip()
-        body_end = block.find("</function>", m.end())
-        body = block[m.end(): body_end if body_end >= 0 else len(block)]
-        types = self.parameters(name).get("properties", {})
-        parts = [f"{json.dumps(k.strip())}: {json.dumps(self._value(v, types.get(k.strip(), {})), ensure_ascii=False)}"
-                 for k, v in _PARAM.findall(body)]
-        done = body_end >= 0 or closed
-        return Call(name, "{" + ", ".join(parts) + ("}" if done else ""))
+    def parse(self, final: bool) -> None:
+        while True:
+            state = self._state
+            if state in ("content", "between"):
+                if not self._stream_until(_OPEN, final, self._content if state == "content" else drop):
+                    return
+                self._state = "block"
+                continue
+            got = self._until(_AFTER[state], final)
+            if got is None:
+                return
+            text, marker = got
+            if state == "block":
+                self._state = "function" if marker == FUNCTION else "between"
+            elif state == "function":
+                name = text.strip()
+                if not marker:
+                    return
+                if not name or "\n" in name:
+                    self._state = "block"
+                    continue
+                self._call(name)
+                self._args("{")
+                self._types, self._members = self.parameters(name).get("properties", {}), 0
+                self._state = "body"
+            elif state == "key" and marker:
+                self._key = text.strip()
+                self._state = "value"
+            else:  # body, value, tail, or a key cut off by the end
+                if state == "value" and marker == PARAM_END:
+                    self._member(text)
+                after = {PARAM: "key", PARAM_END: "body", FUNCTION_END: "tail"}.get(marker, "between")
+                if state != "tail" and after in ("tail", "between"):
+                    self._args("}")
+                self._state = after
+            if not marker:
+                return
 
-    @staticmethod
-    def _value(raw: str, schema: dict):
-        kind = schema.get("type")
-        if kind == "string" or (kind is None and "enum" in schema and all(isinstance(e, str) for e in schema["enum"])):
-            return raw
-        try:
-            return json.loads(raw)
-        except ValueError:
-            pass
-        try:  # Python-style literals (True, 'x', [1, 2]) that models write for objects and lists
-            return ast.literal_eval(raw)
-        except (ValueError, SyntaxError):
-            return raw
+    def _member(self, text: str) -> None:
+        raw = text[1:] if text.startswith("\n") else text
+        raw = raw[:-1] if raw.endswith("\n") else raw
+        sep = ", " if self._members else ""
+        self._members += 1
+        self._args(sep + json_member(self._key, raw, self._types.get(self._key, {})))
 
     def grammar(self, tools, parallel, literal) -> str:
         rules, names = [], []
@@ -80,19 +98,10 @@ class Qwen3CoderToolParser(ToolParser):
             parts = []
             for j, (k, schema) in enumerate(props.items()):
                 rule = f"p{i}_{j}"
-                rules.append(f'{rule}: "<parameter={k}>\\n" {self._value_term(schema)} "\\n</parameter>\\n"')
+                rules.append(f'{rule}: "<parameter={k}>\\n" {value_term(schema)} "\\n</parameter>\\n"')
                 parts.append(rule if k in required else f"{rule}?")
             rules.append(f'f{i}: "<function={f["name"]}>\\n" {" ".join(parts)} "</function>\\n"')
             names.append(f"f{i}")
         more = ' ("\\n" call)*' if parallel else ""
         head = [f"start: call{more}", f'call: {literal(OPEN)} "\\n" ({" | ".join(names)}) {literal(CLOSE)}']
         return "\n".join(head + rules + ["TEXT: /[^<\\n]+/"]) + "\n"
-
-    @staticmethod
-    def _value_term(schema: dict) -> str:
-        kind = schema.get("type")
-        if kind == "string" and "enum" not in schema:
-            return "TEXT"
-        if kind == "string":
-            return "(" + " | ".join(json.dumps(e) for e in schema["enum"]) + ")"
-        return json_term(schema or {})

@@ -6,8 +6,12 @@ prefill chunk, fresh prefill) must give mlx_lm's own forward logits, with
 float32 and with 4-bit weights; greedy outputs must be the same with prefix
 caching on and off while the cache hits, and with n-gram speculation on and
 off while drafts are made. The README table is rendered from the
-same matrix and must be current.
+same matrix and must be current, and every mlx_lm model type outside it is
+refused from its config.json alone, in one line.
 """
+
+import json
+from pathlib import Path
 
 import mlx.nn as nn
 import numpy as np
@@ -21,7 +25,7 @@ from shared.errors import ModelLoadError
 from shared.sampling import SamplingParams
 from tests import model_support
 from tests.engined.test_parity import check_parity
-from tests.tiny_models import make_tiny_model, seeded_rng
+from tests.tiny_models import make_tiny_model, seeded_rng, tiny_config
 
 FAMILIES = {f.arch: f for f in model_support.FAMILIES}
 
@@ -145,8 +149,101 @@ def test_a_layer_whose_attention_kind_cannot_be_read_is_refused():
     assert [s.sliding_window for s in model_layers.read_layers(_tiny_model("gpt_oss"))] == [12, None]
 
 
+def test_a_rope_that_cannot_take_per_token_positions_is_refused():
+    """Dynamic NTK scaling changes RoPE's base with the sequence length: no packed step can match it."""
+    from mlx_lm.utils import _get_classes
+
+    from tests.tiny_models import tiny_config
+
+    config = tiny_config("llama", rope_scaling={"type": "dynamic", "factor": 2.0})
+    model_class, args_class = _get_classes(config)
+    with pytest.raises(ModelLoadError, match="layer 0: its RoPE .DynamicNTKScalingRoPE. cannot rotate"):
+        model_layers.read_layers(model_class(args_class.from_dict(config)))
+
+
 def test_readme_model_table_is_generated_from_the_matrix():
     text = model_support.README.read_text()
     assert model_support.section() in text, "README model table is stale: run `python -m tests.model_support`"
     for f in model_support.FAMILIES:
-        assert f"`{f.arch}`" in model_support.render()
+        assert f"`{f.config_type}`" in model_support.render()
+
+
+def _mlx_lm_model_types() -> list[str]:
+    """Every model_type mlx_lm can build: its model modules (those defining ``Model``) and its aliases.
+
+    Read from the sources, not imported: importing 130 modules would dominate the test.
+    """
+    import mlx_lm.models
+    from mlx_lm.utils import MODEL_REMAPPING
+
+    folder = Path(mlx_lm.models.__file__).parent
+    modules = [f.stem for f in folder.glob("*.py") if "\nclass Model(" in f.read_text()]
+    return sorted(set(modules) | set(MODEL_REMAPPING))
+
+
+def test_every_mlx_lm_model_type_outside_the_matrix_is_refused_in_one_line(tmp_path):
+    """From config.json alone (no weights in the directory): one line naming the type and the supported list."""
+    tested = {f.config_type for f in model_support.FAMILIES}
+    refused = [t for t in _mlx_lm_model_types() if t not in tested]
+    assert len(refused) > 80 and "deepseek_v3" in refused and "llama" not in refused
+    (tmp_path / "config.json").write_text("{}")
+    for model_type in refused:
+        (tmp_path / "config.json").write_text(json.dumps({"model_type": model_type, "hidden_size": 64}))
+        with pytest.raises(ModelLoadError) as e:
+            load_model(str(tmp_path))
+        message = str(e.value)
+        assert "\n" not in message and f"model_type {model_type!r} is not supported" in message, message
+        assert "supported: gemma2, gemma3, " in message, message
+
+
+def test_a_wrapper_around_an_untested_text_model_is_refused(tmp_path):
+    config = {"model_type": "mistral3", "text_config": {"model_type": "mistral4", "hidden_size": 64}}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ModelLoadError, match="'mistral3' wrapping text model_type 'mistral4' is not supported"):
+        load_model(str(tmp_path))
+
+
+def test_the_allow_list_is_the_tested_matrix():
+    """A model type loads only if a row of the matrix proves it, and each row's wrapping is allowed."""
+    assert set(model_layers.SUPPORTED) == {f.config_type for f in model_support.FAMILIES}
+    wrappings = {(f.config_type, f.text_model_type) for f in model_support.FAMILIES if f.text_model_type}
+    assert wrappings == {(outer, inner) for outer, inners in model_layers.SUPPORTED.items() for inner in inners}
+    for f in model_support.FAMILIES:
+        config = tiny_config(f.arch)
+        assert (config["model_type"], config.get("text_config", {}).get("model_type", "")) == (
+            f.config_type, f.text_model_type)
+        model_layers.check_model_type(config)
+
+
+@pytest.mark.parametrize("arch", ["gemma4_text", "gemma4"])
+def test_gemma4_shared_layers_read_their_source_layers_pool_entry(tiny_dirs, arch):
+    """Layers 2 and 3 read layers 0 and 1's K/V: one pool entry each (billed once), not a copy."""
+    loaded = load_model(str(tiny_dirs(arch)))
+    specs = model_layers.read_layers(loaded.model)
+    assert [s.kv_source for s in specs] == [None, None, 0, 1]
+    assert [s.sliding_window for s in specs] == [12, None, 12, None]
+    assert [s.settings.head_dim for s in specs] == [16, 32, 16, 32]  # global layers have their own head size
+    engine = Engine(EngineConfig(num_kv_blocks=16, block_size=8), loaded=loaded)
+    kv = engine.scheduler.kv
+    window, full = kv.groups[1], kv.main
+    assert (window.layers, full.layers) == ([0, 2], [1, 3])
+    assert (window.kv.layers, full.kv.layers) == ([0], [1])  # arrays for the sources alone
+    assert len(kv.arrays()) == 4
+    k_heads = 1 if arch == "gemma4_text" else 2  # 26B/31B global layers: fewer K/V heads (K = V)
+    assert full.bytes_per_block == 2 * 8 * k_heads * 32 * 4
+    params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+    req = engine.generate([list(range(20))], params)
+    caches = kv.step_caches([])
+    assert caches[2] is caches[0] and caches[3] is caches[1] and caches[0] is not caches[1]
+    assert len(req[0]) == 3
+
+
+def test_a_supported_type_whose_config_lacks_a_field_is_refused_in_one_line(tmp_path):
+    path = make_tiny_model(tmp_path / "m", "ministral3")
+    config = json.loads((path / "config.json").read_text())
+    del config["rope_parameters"]["llama_4_scaling_beta"]
+    (path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ModelLoadError) as e:
+        load_model(str(path))
+    assert "does not describe an mlx_lm 'ministral3' model (KeyError: 'llama_4_scaling_beta')" in str(e.value)
+    assert "\n" not in str(e.value)

@@ -63,18 +63,17 @@ def test_gguf_logits_parity_with_mlx_lm_on_roundtripped_weights(tiny_dirs, tmp_p
     assert (loaded.num_layers, loaded.num_kv_heads, loaded.head_dim, loaded.vocab_size) == (2, 2, 16, 272)
 
 
-def test_gguf_llama_permutation_is_what_makes_parity(tiny_dirs, tmp_path):
+def test_gguf_llama_permutation_is_what_makes_parity(tiny_dirs, tmp_path, monkeypatch):
     # The same file read as a qwen2-style (unpermuted) layout must disagree,
     # or the parity test above would not prove the Q/K fix.
-    from engined.loaders import gguf
+    import dataclasses
+
+    from engined.loaders import gguf_arch
 
     path = write_tiny_gguf(tiny_dirs["llama"], tmp_path / "llama.gguf", "F32")
     good = load_model(str(path), dtype="float32").model(TOKENS)
-    try:
-        gguf._PERMUTED.discard("llama")
-        bad = load_model(str(path), dtype="float32").model(TOKENS)
-    finally:
-        gguf._PERMUTED.add("llama")
+    monkeypatch.setitem(gguf_arch.FAMILIES, "llama", dataclasses.replace(gguf_arch.FAMILIES["llama"], permute_qk=False))
+    bad = load_model(str(path), dtype="float32").model(TOKENS)
     assert float(mx.abs(good - bad).max()) > 0.1
 
 

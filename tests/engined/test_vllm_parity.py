@@ -38,8 +38,7 @@ def _engine(tmp_path, prefix="vllm", **kw):
     d = make_tiny_model(tmp_path / "m", "llama", seed=11)
     e = Engine(EngineConfig(num_kv_blocks=64, max_num_batched_tokens=64, metrics_prefix=prefix,
                             served_model_name="tiny", max_model_len=MAX_MODEL_LEN, **kw), loaded=load_model(str(d)))
-    e.metrics.attach(e)  # what the daemon does before it serves
-    return e
+    return e  # the Engine attached its metrics itself: nothing else to call before a scrape
 
 
 def _families(engine, prefix="vllm"):
@@ -104,6 +103,20 @@ def test_kv_gauges_and_cache_config_are_set_before_the_first_request(tmp_path):
     assert _value(fams, "kv_cache_blocks_total") == 64
     assert _value(fams, "kv_cache_blocks_free") == 64
     assert _value(fams, "num_requests_running") == 0
+
+
+def test_request_params_n_records_the_client_requests_n_once_per_prompt(tmp_path):
+    e = _engine(tmp_path)
+    params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+    # One prompt with n=3 (the gateway sends n on choice 0, 0 on the others), and one with n=1.
+    for i, n in enumerate((3, 0, 0, 1)):
+        e.add_request(f"r{i}", [1, 2, 3, 4], params, params_n=n)
+    while e.has_unfinished():
+        e.step()
+    fams = _families(e)
+    assert _value(fams, "request_params_n", "_count") == 2
+    assert _value(fams, "request_params_n", "_sum") == 4
+    assert _value(fams, "request_params_n", "_bucket", le="2.0") == 1  # the n=1 prompt; n=3 lies above 2
 
 
 def test_prompt_tokens_count_when_prefill_ends_and_never_for_requests_aborted_before(tmp_path):

@@ -117,9 +117,10 @@ def test_streaming_split_at_every_boundary_equals_non_streaming(name, text, cont
         assert not any(m in got[0] for m in MARKUP if m not in text[: len(content)])
     # One character at a time: every intermediate content delta is markup-free too.
     s = ToolStream(TOOL_PARSERS[name](TOOLS))
+    sent = ""
     for ch in text:
-        c, _ = s.feed(ch)
-        assert not any(m in s.text[: s.sent_content] for m in MARKUP if m not in content)
+        sent += s.feed(ch)[0]
+        assert not any(m in sent for m in MARKUP if m not in content)
 
 
 @settings(max_examples=60, deadline=None)
@@ -156,7 +157,7 @@ REASONING = [
 @pytest.mark.parametrize("inside,text,reasoning,content", REASONING)
 def test_reasoning_split_streamed_at_every_boundary(inside, text, reasoning, content):
     parser = ThinkReasoningParser(starts_inside=inside)
-    assert parser.scan(text, True) == (reasoning, content)
+    assert parser.split(text) == (reasoning or None, content)
     for i in range(len(text) + 1):
         s = ReasoningStream(parser)
         r1, c1 = s.feed(text[:i])

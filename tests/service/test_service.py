@@ -4,7 +4,8 @@ launchctl does not exist here and `systemctl --user` has no session bus in
 CI containers, so recording fakes of both stand first on PATH: they log every
 call (argv as JSON) and keep which jobs are loaded, as the real tools would.
 The unit files themselves are checked by the real `systemd-analyze verify`
-where it is installed.
+where it is installed, and the real systemctl, without a user session here,
+shows what a user is told then.
 """
 
 from __future__ import annotations
@@ -33,6 +34,11 @@ with open(os.environ["FAKE_LOG"], "a") as f:
 state = os.environ["FAKE_STATE"]
 if os.path.basename(sys.argv[0]) == "launchctl":
     verb = argv[0]
+    if verb == "print" and argv[1].count("/") == 1:  # the gui/<uid> domain: a GUI login session
+        if os.environ.get("FAKE_NO_GUI"):
+            sys.stderr.write("Could not find domain for port identifier: 0x0\\n")
+            sys.exit(113)
+        sys.exit(0)
     if verb == "print":
         sys.exit(0 if os.path.exists(os.path.join(state, argv[1].rsplit("/", 1)[1])) else 113)
     if verb == "bootstrap":
@@ -82,16 +88,32 @@ def _files(root):
 
 
 INSTALL = ["service", "install", "/models/m.gguf", "--max-model-len", "256", "--port", "9123",
-           "--api-key", "s3cret", "--env", "FOO=bar baz"]
+           "--api-key", "s3cret", "--env", "HF_TOKEN=hf_s3cret token"]
 
 
 def _parse_back(argv):
     """The configs an installed command line would run with (its flags parsed by the real parser)."""
-    assert argv[:3] == [sys.executable, "-m", "mlxd"]
-    args = cli.build_parser().parse_args(argv[3:])
+    from service.jobs import mlxd_command
+
+    # The installed entry point, not `python -m mlxd`: that would import a ~/shared/ first.
+    assert argv[0] == mlxd_command() and os.path.dirname(argv[0]) == os.path.dirname(sys.executable)
+    assert "-m" not in argv
+    args = cli.build_parser().parse_args(argv[1:])
     if getattr(args, "model_pos", None):
         args.model = args.model_pos
     return args
+
+
+def _check_env_kept_private(argv, home, unit_files) -> None:
+    """--env values reach the process through a 0600 file named by --env-file, never its unit or argv."""
+    from service.jobs import read_env_file
+
+    args = _parse_back(argv)
+    assert read_env_file(args.env_file) == {"HF_TOKEN": "hf_s3cret token"}
+    assert stat.S_IMODE(os.stat(args.env_file).st_mode) == 0o600 and args.env_file.startswith(str(home))
+    assert not any("hf_s3cret" in word for word in argv)
+    for path in unit_files:
+        assert "hf_s3cret" not in path.read_text(errors="replace")
 
 
 def _check_key_kept_private(gw: GatewayConfig, home, unit_files) -> None:
@@ -118,9 +140,10 @@ def test_launchd_agents_install_idempotently_and_uninstall_leaves_nothing(home, 
         assert plist["KeepAlive"] is True and plist["RunAtLoad"] is True and plist["ThrottleInterval"] >= 5
         assert plist["StandardOutPath"] == str(home / "Library" / "Logs" / "mlxd" / f"{name}.log")
         assert plist["StandardErrorPath"] == str(home / "Library" / "Logs" / "mlxd" / f"{name}.err.log")
-        assert plist["EnvironmentVariables"]["FOO"] == "bar baz"
         assert plist["EnvironmentVariables"]["PYTHONUNBUFFERED"] == "1"
-        assert plist["ProgramArguments"][3] == name
+        assert plist["ProgramArguments"][1] == name
+        _check_env_kept_private(plist["ProgramArguments"], home,
+                                [agents / f"local.mlxd.{n}.plist" for n in ("engine", "gateway")])
     assert (home / "Library" / "Logs" / "mlxd").is_dir()
     # The serve options the user gave, split between the two processes, and one endpoint for both.
     engine = _parse_back(plists["engine"]["ProgramArguments"])
@@ -136,6 +159,7 @@ def test_launchd_agents_install_idempotently_and_uninstall_leaves_nothing(home, 
     domain = f"gui/{uid}"
     first = calls()
     assert first == [
+        ["launchctl", "print", domain],
         ["launchctl", "print", f"{domain}/local.mlxd.engine"],
         ["launchctl", "bootstrap", domain, str(agents / "local.mlxd.engine.plist")],
         ["launchctl", "print", f"{domain}/local.mlxd.gateway"],
@@ -144,12 +168,14 @@ def test_launchd_agents_install_idempotently_and_uninstall_leaves_nothing(home, 
     before = _files(home)
 
     # Again, with a changed option: updated in place, the loaded jobs booted out and in again
-    # (and, given no --api-key this time, the key file gone).
+    # (and, given no --api-key and no --env this time, their files gone).
     assert cli.main([*INSTALL[:-4], "--port", "9124", "--manager", "launchd"]) == 0
-    assert _files(home) == [f for f in before if not f.endswith("service-api-key")]
+    assert _files(home) == [f for f in before if not f.endswith(("service-api-key", "service.env"))]
     with open(agents / "local.mlxd.gateway.plist", "rb") as f:
-        assert "9124" in plistlib.load(f)["ProgramArguments"]
+        argv = plistlib.load(f)["ProgramArguments"]
+        assert "9124" in argv and "--env-file" not in argv
     assert calls() == [
+        ["launchctl", "print", domain],
         ["launchctl", "print", f"{domain}/local.mlxd.engine"],
         ["launchctl", "bootout", f"{domain}/local.mlxd.engine"],
         ["launchctl", "bootstrap", domain, str(agents / "local.mlxd.engine.plist")],
@@ -193,6 +219,19 @@ def test_launchd_agents_install_idempotently_and_uninstall_leaves_nothing(home, 
     assert cli.main(["service", "uninstall", "--manager", "launchd"]) == 0
 
 
+def test_launchd_without_a_gui_session_says_so_in_one_line_and_writes_nothing(home, capsys, monkeypatch):
+    home, calls, _ = home
+    monkeypatch.setenv("FAKE_NO_GUI", "1")
+    for argv in ([*INSTALL, "--manager", "launchd"], ["service", "start", "--manager", "launchd"]):
+        capsys.readouterr()
+        assert cli.main(argv) == 1
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith(f"mlxd service {argv[1]}: no GUI login session"), err
+        assert "Could not find domain" in err[0] and "log in" in err[0]
+    assert _files(home) == []
+    assert {c[1] for c in calls()} == {"print"}  # nothing bootstrapped
+
+
 def test_launchd_start_before_install_says_so(home, capsys):
     assert cli.main(["service", "start", "--manager", "launchd"]) == 1
     assert "mlxd service install" in capsys.readouterr().err
@@ -207,15 +246,18 @@ def test_systemd_user_units_install_idempotently_and_uninstall_leaves_nothing(ho
     for unit, text in texts.items():
         lines = text.splitlines()
         assert "Restart=always" in lines and "WantedBy=default.target" in lines
-        assert 'Environment="FOO=bar baz"' in lines and "Environment=PYTHONUNBUFFERED=1" in lines
+        assert "Environment=PYTHONUNBUFFERED=1" in lines
         exec_start = next(line for line in lines if line.startswith("ExecStart="))[len("ExecStart="):]
         argv = shlex.split(exec_start)
-        assert argv[3] == unit.split("-")[1].split(".")[0]
+        assert argv[1] == unit.split("-")[1].split(".")[0]
+        _check_env_kept_private(argv, home, [unit_dir / u for u in units])
         if unit == "mlxd-gateway.service":
             _check_key_kept_private(build_config(GatewayConfig, _parse_back(argv)), home,
                                     [unit_dir / u for u in units])
     assert "After=network.target mlxd-engine.service" in texts["mlxd-gateway.service"]
+    probe = ["systemctl", "--user", "show-environment"]  # is there a user manager to talk to?
     assert calls() == [
+        probe,
         ["systemctl", "--user", "daemon-reload"],
         ["systemctl", "--user", "enable", *units],
         ["systemctl", "--user", "restart", *units],
@@ -226,9 +268,9 @@ def test_systemd_user_units_install_idempotently_and_uninstall_leaves_nothing(ho
 
     for verb in ("start", "stop", "restart"):
         assert cli.main(["service", verb, "--manager", "systemd"]) == 0
-    assert calls() == [["systemctl", "--user", "start", *units],
-                       ["systemctl", "--user", "stop", *reversed(units)],
-                       ["systemctl", "--user", "restart", *units]]
+    assert calls() == [probe, ["systemctl", "--user", "start", *units],
+                       probe, ["systemctl", "--user", "stop", *reversed(units)],
+                       probe, ["systemctl", "--user", "restart", *units]]
     assert cli.main(["service", "logs", "-n", "20", "--manager", "systemd"]) == 0
     assert calls() == [["journalctl", "--user", "--no-pager", "-n", "20", "-u", units[0], "-u", units[1]]]
 
@@ -249,15 +291,80 @@ def test_systemd_quoting_survives_specifiers_and_quotes():
 
 @pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="systemd-analyze is not installed")
 def test_systemd_units_pass_systemd_analyze_verify(tmp_path):
-    from service.jobs import Job, service_env
+    from service.jobs import Job, mlxd_command, service_env
     from service.systemd import SystemdManager
 
     manager = SystemdManager(str(tmp_path))
-    env = service_env(["NOTE=50% of $HOME"])
+    env = {**service_env(), "NOTE": "50% of $HOME"}  # a passed path may hold either
     for name in ("engine", "gateway"):
         path = tmp_path / f"mlxd-{name}.service"
-        path.write_bytes(manager.render(Job(name, [sys.executable, "-m", "mlxd", name, "--port", "1"], env)))
+        path.write_bytes(manager.render(Job(name, [mlxd_command(), name, "--port", "1"], env)))
         r = subprocess.run(["systemd-analyze", "verify", "--man=no", str(path)], capture_output=True, text=True)
         # Only complaints about this unit count; the container's own units may be incomplete.
         bad = [line for line in (r.stdout + r.stderr).splitlines() if f"mlxd-{name}" in line]
         assert bad == [], bad
+
+
+def _no_user_session() -> bool:
+    if shutil.which("systemctl") is None:
+        return False
+    return subprocess.run(["systemctl", "--user", "show-environment"], capture_output=True).returncode != 0
+
+
+@pytest.mark.skipif(not _no_user_session(), reason="needs the real systemctl and no systemd user session")
+def test_without_a_user_session_every_verb_says_so_in_one_line_with_the_fix(tmp_path, monkeypatch, capsys):
+    # The real systemctl (no fakes on PATH), on a machine with no user manager, as in a container.
+    home = tmp_path / "home"
+    home.mkdir()
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(home / ".config"))
+    for argv in ([*INSTALL, "--manager", "systemd"], *(["service", verb, "--manager", "systemd"]
+                                                       for verb in ("start", "stop", "restart", "status"))):
+        capsys.readouterr()
+        assert cli.main(argv) == 1
+        captured = capsys.readouterr()
+        err = captured.err.strip().splitlines()
+        assert len(err) == 1 and captured.out == "", (argv, captured)
+        assert err[0].startswith(f"mlxd service {argv[1]}: no systemd user session")
+        assert "loginctl enable-linger" in err[0] and "Failed to connect to bus" in err[0]
+    assert _files(home) == []  # the refused install wrote nothing, the API key file neither
+
+
+@pytest.mark.skipif(not _no_user_session(), reason="needs the real systemctl and no systemd user session")
+def test_uninstall_reports_a_failed_disable_and_still_removes_the_units(tmp_path, monkeypatch, capsys):
+    from service.systemd import SystemdManager
+
+    home = tmp_path / "home"
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(home / ".config"))
+    manager = SystemdManager()
+    for name in ("engine", "gateway"):  # left by an install made while a session was there
+        manager.unit_path(name).parent.mkdir(parents=True, exist_ok=True)
+        manager.unit_path(name).write_text("[Service]\nExecStart=/bin/true\n")
+    capsys.readouterr()
+    assert cli.main(["service", "uninstall", "--manager", "systemd"]) == 1
+    err = capsys.readouterr().err
+    assert "`systemctl --user disable --now` failed (Failed to connect to bus" in err
+    assert "with the problems above" in err
+    assert _files(home) == []
+
+
+
+def test_env_file_sets_the_processes_environment_and_a_missing_one_is_one_line(tmp_path, monkeypatch):
+    import argparse
+
+    from mlxd.processes import _load_env_file
+    from service.jobs import env_items, format_env_file
+
+    path = tmp_path / "service.env"
+    path.write_bytes(format_env_file(env_items(["MLXD_TEST_TOKEN=a=b c", "MLXD_TEST_EMPTY="])))
+    monkeypatch.delenv("MLXD_TEST_TOKEN", raising=False)
+    monkeypatch.delenv("MLXD_TEST_EMPTY", raising=False)
+    _load_env_file(argparse.Namespace(env_file=str(path)))
+    assert os.environ["MLXD_TEST_TOKEN"] == "a=b c" and os.environ["MLXD_TEST_EMPTY"] == ""
+    with pytest.raises(ValueError, match="one line"):
+        env_items(["A=two\nlines"])
+    r = subprocess.run([sys.executable, "-m", "mlxd", "gateway", "--env-file", str(tmp_path / "nope")],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and r.stderr.strip().splitlines() == [
+        f"mlxd: --env-file {tmp_path / 'nope'}: No such file or directory"]

@@ -58,7 +58,7 @@ def test_a_shorter_array_from_an_older_peer_still_decodes_with_defaults():
 
 def test_add_request_carries_app_and_priority_after_the_salt():
     add = p.AddRequest("r", [1], SamplingParams(), "salt", "app-a", -3)
-    assert msgspec.msgpack.decode(msgspec.msgpack.encode(add))[3:] == ["salt", "app-a", -3, None, 1]
+    assert msgspec.msgpack.decode(msgspec.msgpack.encode(add))[3:] == ["salt", "app-a", -3, None, 1, 1, 0]
     kind, msg = p.decode(p.encode(Kind.ADD, add))
     assert (msg.app, msg.priority) == ("app-a", -3)
     # An AddRequest of protocol 1 (no app, no priority) decodes with the defaults.
