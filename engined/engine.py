@@ -339,7 +339,7 @@ class Engine:
                 rows.append((req, row))
             row += k
         try:
-            return self._sample_rows(batch, rows, logits)
+            return LaunchedStep.sample(batch, rows, logits, self.sampler, self.speculator, self.runner.kv.arrays())
         except Exception as e:
             culprits = {req for req, _ in rows if not self._can_sample(req)}
             if not culprits:
@@ -349,21 +349,8 @@ class Engine:
             for req in culprits:
                 self._fail(req, InvalidRequestError(f"the request could not be sampled: {type(e).__name__}: {e}"))
             batch.scheduled = [(r, n) for r, n in batch.scheduled if r not in culprits]
-            return self._sample_rows(batch, [(r, o) for r, o in rows if r not in culprits], logits)
-
-    def _sample_rows(self, batch: SchedulerOutput, rows: list[tuple[Request, int]], logits: mx.array) -> LaunchedStep:
-        plain = [(r, o) for r, o in rows if r not in batch.drafts]
-        spec = [(r, o) for r, o in rows if r in batch.drafts]
-        pending = [self.runner.kv.arrays()]
-        preqs = [r for r, _ in plain]
-        tokens, plp, spec_results = None, None, None
-        if plain:
-            tokens, plp = self.sampler(logits[mx.array([o for _, o in plain])], preqs)
-            pending += [tokens, plp or []]
-        if spec:
-            arrays, spec_results = self.speculator.verify(logits, spec, batch.drafts)
-            pending += arrays
-        return LaunchedStep(batch, preqs, tokens, plp, spec_results, pending)
+            return LaunchedStep.sample(batch, [(r, o) for r, o in rows if r not in culprits], logits, self.sampler,
+                                       self.speculator, self.runner.kv.arrays())
 
     def _can_sample(self, req: Request) -> bool:
         """Whether one row of this request alone samples without raising (finds a step's culprits)."""

@@ -34,6 +34,25 @@ class LaunchedStep:
         self._rows = {r: i for i, r in enumerate(reqs)}
         mx.async_eval(pending)
 
+    @classmethod
+    def sample(cls, batch: SchedulerOutput, rows: list[tuple[Request, int]], logits: mx.array, sampler,
+               speculator, kv_arrays: list[mx.array]) -> "LaunchedStep":
+        """Launch the step's sampling: plain rows through ``sampler``, draft windows through
+        ``speculator.verify``, evaluated with the KV writes (``kv_arrays``). ``rows``: (request,
+        its first logits row)."""
+        plain = [(r, o) for r, o in rows if r not in batch.drafts]
+        spec = [(r, o) for r, o in rows if r in batch.drafts]
+        pending = [kv_arrays]
+        reqs = [r for r, _ in plain]
+        tokens, logprob_parts, spec_results = None, None, None
+        if plain:
+            tokens, logprob_parts = sampler(logits[mx.array([o for _, o in plain])], reqs)
+            pending += [tokens, logprob_parts or []]
+        if spec:
+            arrays, spec_results = speculator.verify(logits, spec, batch.drafts)
+            pending += arrays
+        return cls(batch, reqs, tokens, logprob_parts, spec_results, pending)
+
     def row_of(self, req: Request) -> int:
         """The row of ``tokens`` holding the request's token (the next step's placeholder)."""
         return self._rows[req]
