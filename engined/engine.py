@@ -31,15 +31,17 @@ from engined.launched import LaunchedStep, needs_host_tokens
 from engined.loaders import LoadedModel, load_model
 from engined.metrics import EngineMetrics
 from engined.model_layers import read_layers
+from engined.pooling import matryoshka_dimensions, pooled_results, score_token_ids, store_results
 from engined.request import Request
 from engined.runner import ModelRunner
 from engined.sampler import Sampler
 from engined.scheduler import Scheduler, SchedulerOutput
 from engined.speculative import Speculator
 from engined.structured import GrammarCompiler
+from engined.waiting_places import WaitingPlaces
 from shared.config import EngineConfig, SpeculativeConfig
-from shared.errors import ContextLengthError, InvalidRequestError, ModelLoadError, OverloadedError
-from shared.protocol import EngineStats, ModelInfo, RequestOutput
+from shared.errors import ContextLengthError, InvalidRequestError, ModelLoadError
+from shared.protocol import TASKS, EngineStats, ModelInfo, RequestOutput
 from shared.sampling import SamplingParams
 
 log = logging.getLogger("mlxd.engine")
@@ -52,6 +54,8 @@ class Engine:
         loaded = loaded or load_model(config.model, config.dtype)
         self.loaded = loaded
         self.max_model_len = config.max_model_len or loaded.context_length
+        # An encoder folder runs in engined.encoder_engine instead; auto here is a decoder's generate.
+        self.task = "generate" if config.task == "auto" else config.task
         dtype = _float_dtype(loaded)
         backend = kernels.resolve_backend(config.attention_backend)
         specs = read_layers(loaded.model)
@@ -89,10 +93,7 @@ class Engine:
         self.sync_wait_s = 0.0
         self.requests: dict[str, Request] = {}
         self._seeds = random.Random(config.seed)
-        # Client requests whose later members are still to arrive: group -> (members left, refused),
-        # and the waiting places reserved for them.
-        self._groups: dict[str, tuple[int, bool]] = {}
-        self._reserved = 0
+        self.places = WaitingPlaces(config.max_waiting_requests)
         self._aborted: list[RequestOutput] = []
         # Requests whose grammar is compiling, and those that failed after being accepted (id, error).
         self._compiling: list[Request] = []
@@ -106,7 +107,13 @@ class Engine:
             num_kv_blocks=self.memory.num_blocks,
             vocab_size=loaded.vocab_size,
             eos_token_ids=list(loaded.eos_token_ids),
+            tasks=[self.task],
+            # The final norm's width: what an embed row's hidden state has.
+            embedding_dim=int(self.runner.head.inner.weight.shape[-1]) if self.task == "embed" else 0,
+            matryoshka_dimensions=matryoshka_dimensions(loaded.tokenizer_dir) if self.task == "embed" else None,
         )
+        self.score_ids = (score_token_ids(loaded.tokenizer_dir, config.score_tokens)
+                          if self.task == "score" else None)
         self.grammars = GrammarCompiler(self.info.tokenizer_dir, loaded.vocab_size, loaded.eos_token_ids)
         self.sampler.grammars = self.grammars
         self.metrics.attach(self)
@@ -127,7 +134,7 @@ class Engine:
     def add_request(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
         cache_salt: str | None = None, app: str | None = None, priority: int = 0,
-        group: str | None = None, group_size: int = 1, params_n: int = 1,
+        group: str | None = None, group_size: int = 1, params_n: int = 1, task: str = "generate",
     ) -> None:
         """Queue a request; raises at once if it is malformed or can never fit.
 
@@ -135,17 +142,25 @@ class Engine:
         ``cache_salt`` are both equal. ``app`` names the sender for fair share;
         a lower ``priority`` is admitted first (vLLM's convention). Errors name
         no request field: the gateway knows which of its fields they concern.
-        ``group``: see ``_take_queue_place``. ``params_n``: the client request's n, recorded
-        once per prompt (0 on its other choices).
+        ``group``: see ``WaitingPlaces``. ``params_n``: the client request's n, recorded
+        once per prompt (0 on its other choices). ``task`` (``shared.protocol.TASKS``)
+        must be the model's; embed and score requests are prefill only (their
+        sampling parameters are ignored) and finish with their result.
         """
-        self._take_queue_place(group, group_size)
+        self.places.take(group, group_size, len(self.scheduler.waiting))
+        if task not in self.info.tasks:
+            raise InvalidRequestError(f"this model serves {', '.join(self.info.tasks)} requests, not {task}"
+                                      if task in TASKS else f"unknown task {task!r}")
+        pooled = task != "generate"
+        if pooled:
+            params = SamplingParams(max_tokens=1)
         if request_id in self.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         if not prompt_token_ids:
             raise InvalidRequestError("the prompt is empty")
         params.validate(self.info.vocab_size)
         n = len(prompt_token_ids)
-        if n >= self.max_model_len:
+        if n > self.max_model_len or (n == self.max_model_len and not pooled):
             raise ContextLengthError(
                 f"this model's maximum context length is {self.max_model_len} tokens; "
                 f"the prompt has {n} tokens"
@@ -161,48 +176,12 @@ class Engine:
         seed = params.seed if params.seed is not None else self._seeds.getrandbits(63)
         # The app enters the salt: one app can never hit, or time, another's cache.
         salt = f"{app or ''}\x00{cache_salt or ''}".encode() if app or cache_salt else b""
-        req = Request(request_id, prompt_token_ids, params, seed, salt, app or "", priority, params_n)
+        req = Request(request_id, prompt_token_ids, params, seed, salt, app or "", priority, params_n, task)
         if params.structured is not None:
             req.grammar = self.grammars.submit(params.structured)
             self._compiling.append(req)
         self.requests[request_id] = req
         self.scheduler.add(req)
-
-    def _take_queue_place(self, group: str | None, group_size: int) -> None:
-        """Count a request against the waiting queue; raises OverloadedError past it.
-
-        Every prompt (and choice) of a client request is a request, sent one
-        after another as one ``group``. Its first member decides for all: it
-        reserves places for the rest, or is refused and so are they. One
-        request asking for more than the queue holds thus never holds places
-        that requests beside it needed, only to be refused on a later member.
-        """
-        cap = self.config.max_waiting_requests
-        entry = self._groups.get(group) if group is not None else None
-        if entry is not None:  # a later member: its fate was decided by the first
-            left, refused = entry
-            if left > 1:
-                self._groups[group] = (left - 1, refused)
-            else:
-                del self._groups[group]
-            if refused:
-                raise OverloadedError(f"this request's {group_size} prompts x choices do not fit the waiting "
-                                      f"queue (--max-waiting-requests {cap}); retry later")
-            self._reserved -= 1
-            return
-        need = max(1, group_size)
-        waiting = len(self.scheduler.waiting) + self._reserved
-        refused = waiting + need > cap
-        if group is not None and need > 1:
-            self._groups[group] = (need - 1, refused)
-            if not refused:
-                self._reserved += need - 1
-        if refused:
-            raise OverloadedError(
-                f"{waiting} requests are already waiting and this one needs {need} places "
-                f"(--max-waiting-requests {cap}); retry later" if need > 1 else
-                f"{waiting} requests are already waiting (--max-waiting-requests {cap}); retry later"
-            )
 
     def abort(self, request_ids) -> None:
         """Stop requests now and free their blocks; unknown or finished ids are ignored."""
@@ -283,8 +262,11 @@ class Engine:
     def _launch(self, batch: SchedulerOutput) -> LaunchedStep:
         """Build the step's forward and sampling and queue them on the device; the scheduler then
         counts its tokens as computed and its samples as placeholders."""
-        logits = self.runner.run(batch, inflight=self._inflight)
+        logits, hidden = self.runner.run_pooled(batch, inflight=self._inflight)
+        pooled = (pooled_results(batch, logits, hidden, self.score_ids)
+                  if any(r.pooled for r, _ in batch.scheduled) else None)
         launched = self._sample(batch, logits)
+        launched.pooled = pooled
         self.scheduler.advance(batch)
         return launched
 
@@ -298,6 +280,8 @@ class Engine:
         launched, self._inflight = self._inflight, None
         t0 = time.perf_counter()
         emitted = launched.read()
+        if launched.pooled:
+            store_results(launched.pooled)
         self.sync_wait_s += time.perf_counter() - t0
         produced = self.scheduler.postprocess(launched.batch, emitted)
         self._fail_raised(launched.batch.failed, "its grammar could not take the sampled token")
@@ -335,7 +319,7 @@ class Engine:
         """
         rows, row = [], 0
         for (req, _), k in zip(batch.scheduled, batch.num_logits):
-            if k:
+            if k and not req.pooled:
                 rows.append((req, row))
             row += k
         try:
@@ -365,7 +349,10 @@ class Engine:
         now = time.monotonic()
         outputs = []
         for req, count in produced:
-            self.metrics.on_token(req, now, count)
+            if req.pooled:
+                self.metrics.on_pooled(req, now)
+            else:
+                self.metrics.on_token(req, now, count)
             if req.finished:
                 self.metrics.on_finish(req, now)
                 del self.requests[req.request_id]
@@ -381,6 +368,8 @@ class Engine:
             num_prompt_tokens=req.num_prompt_tokens,
             num_cached_tokens=req.num_cached_tokens,
             stop_token_id=req.stop_token_id,
+            embedding=req.embedding,
+            score=req.score,
         )
         req.pending_tokens, req.pending_logprobs = [], []
         return out

@@ -22,7 +22,7 @@ from engined.scheduler import SchedulerOutput
 class LaunchedStep:
     """A batch, its sampled rows' tokens (evaluating) and what turns them into each request's new tokens."""
 
-    __slots__ = ("batch", "reqs", "tokens", "logprob_parts", "spec_results", "_rows")
+    __slots__ = ("batch", "reqs", "tokens", "logprob_parts", "spec_results", "pooled", "_rows")
 
     def __init__(self, batch: SchedulerOutput, reqs: list[Request], tokens: mx.array | None, logprob_parts,
                  spec_results: Callable[[], dict] | None, pending: list):
@@ -32,6 +32,8 @@ class LaunchedStep:
         self.logprob_parts = logprob_parts
         self.spec_results = spec_results  # verified draft windows' results, read after evaluation
         self._rows = {r: i for i, r in enumerate(reqs)}
+        # Pooled requests' results (engined.pooling.pooled_results), stored when the step is read.
+        self.pooled = None
         mx.async_eval(pending)
 
     @classmethod

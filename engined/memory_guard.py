@@ -178,3 +178,31 @@ def plan(runner, stores: list, config: EngineConfig, max_model_len: int, vocab_s
     num_blocks = max(needed, min(num_blocks, (max(kv, 0) + activations) // (per_block + resize)))
     return MemoryPlan(budget, weights, activations, num_blocks * per_block, num_blocks, config.block_size, fixed,
                       needed)
+
+
+def plan_encoder(embed, weights: int, config: EngineConfig, max_len: int) -> MemoryPlan:
+    """An encoder's plan: no KV pool; weights plus its largest batch's peak must fit the budget.
+
+    ``embed(token_ids)`` is ``EncoderModel.embed``; the largest batch the
+    encoder engine builds is ``max_num_batched_tokens // max_len`` rows of
+    ``max_len`` tokens (at least one row, at most ``max_num_seqs``), which
+    maximises attention's ``rows x length^2`` scratch for the token budget.
+    Raises MemoryBudgetError, naming the numbers, when it does not fit.
+    """
+    rows = max(1, min(config.max_num_seqs, config.max_num_batched_tokens // max_len))
+    gc.collect()
+    base = mx.get_active_memory()
+    mx.reset_peak_memory()
+    embed([[1] * max_len for _ in range(rows)])
+    activations = max(mx.get_peak_memory() - base, 0)
+    mx.clear_cache()
+    mx.set_cache_limit(activations)
+    memory = device_memory()
+    budget = int(config.gpu_memory_utilization * memory)
+    if weights + activations > budget:
+        raise MemoryBudgetError(
+            f"the encoder's weights ({weights / GiB:.2f} GiB) and its largest batch ({rows} x {max_len} tokens, "
+            f"{activations / GiB:.2f} GiB) exceed --gpu-memory-utilization {config.gpu_memory_utilization} x "
+            f"{memory / GiB:.2f} GiB; raise it, or lower --max-num-batched-tokens"
+        )
+    return MemoryPlan(budget, weights, activations, 0, 0, config.block_size)

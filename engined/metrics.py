@@ -138,6 +138,9 @@ class EngineMetrics:
         self._app_tokens = lambda app: app_tokens.labels(*values, app)  # noqa: E731
         self._app_requests = lambda app: app_requests.labels(*values, app)  # noqa: E731
         self._apps: set[str] = set()
+        pooled = Counter(name("pooling_requests"), "Finished prefill-only requests (embeddings, scores) by task.",
+                         labels + ["task"], registry=self.registry)
+        self.pooled_requests = {t: pooled.labels(*values, t) for t in ("embed", "score")}
         self._prefix_seen = (0, 0)
         self._preemptions_seen = 0
         self._spec = None
@@ -259,7 +262,8 @@ class EngineMetrics:
         self.waiting.set(stats.num_waiting)
         self.kv_blocks_total.set(stats.num_total_blocks)
         self.kv_blocks_free.set(stats.num_free_blocks)
-        usage = 1.0 - stats.num_free_blocks / max(stats.num_total_blocks, 1)
+        # An encoder engine has no KV pool (0 blocks): nothing of it is in use.
+        usage = 1.0 - stats.num_free_blocks / stats.num_total_blocks if stats.num_total_blocks else 0.0
         self.kv_usage.set(usage)
         self.mlx_active.set(mx.get_active_memory())
         self.mlx_cache.set(mx.get_cache_memory())
@@ -308,6 +312,14 @@ class EngineMetrics:
         for n in accepted:
             for pos in range(n):
                 per_pos(pos).inc()
+
+    def on_pooled(self, req: Request, now: float) -> None:
+        """After a step finished an embed or score request's prompt (its result is its only output):
+        its prompt tokens count as prefilled, as a generation's do at its first token."""
+        self.pooled_requests[req.task].inc()
+        self.prompt_tokens.inc(req.num_prompt_tokens)
+        self.total_prompt_tokens += req.num_prompt_tokens
+        self.total_cached_tokens += req.num_cached_tokens
 
     def on_finish(self, req: Request, now: float) -> None:
         self.success[req.finish_reason].inc()
@@ -362,7 +374,7 @@ class StatsLog:
         busy = bool(prompt or generated)
         level = logging.INFO if busy or self._was_busy else logging.DEBUG
         self._was_busy = busy
-        usage = 1.0 - stats.num_free_blocks / max(stats.num_total_blocks, 1)
+        usage = 1.0 - stats.num_free_blocks / stats.num_total_blocks if stats.num_total_blocks else 0.0
         hit_rate = stats.prefix_cache_hits / stats.prefix_cache_queries if stats.prefix_cache_queries else 0.0
         line = (f"Engine 000: Avg prompt throughput: {prompt_tps:.1f} tokens/s, Avg generation throughput: "
                 f"{gen_tps:.1f} tokens/s, Running: {stats.num_running} reqs, Waiting: {stats.num_waiting} reqs, "

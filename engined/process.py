@@ -35,6 +35,7 @@ def run_engine(config: EngineConfig, daemon: DaemonConfig, parent_pid: int | Non
     load_fast_blas()
     _check_mlx()
     from engined.daemon import Daemon
+    from engined.encoder_engine import EncoderEngine, encoder_dir
     from engined.engine import Engine
     from shared.curve import check_endpoint
     from shared.paths import check_ipc_endpoint, default_engine_endpoint, refuse_live_ipc
@@ -47,7 +48,8 @@ def run_engine(config: EngineConfig, daemon: DaemonConfig, parent_pid: int | Non
     log.info("loading %s", config.model or "the embedded SmolLM2")
     try:
         with _progress("loading the model and warming up"):
-            engine = Engine(config)
+            encoder = encoder_dir(config.model)
+            engine = EncoderEngine(config, encoder) if encoder is not None else Engine(config)
     except KeyboardInterrupt:
         return 130
     finally:

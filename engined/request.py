@@ -28,12 +28,13 @@ class Request:
         "num_cached_tokens", "status", "finish_reason", "stop_token_id", "seed",
         "arrival_time", "pending_tokens", "pending_logprobs", "block_hashes", "cache_salt",
         "first_scheduled_time", "first_token_time", "last_token_time", "app", "priority", "grammar",
-        "params_n", "num_placeholders",
+        "params_n", "task", "embedding", "score", "num_placeholders",
     )
 
     def __init__(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, seed: int,
         cache_salt: bytes = b"", app: str = "", priority: int = 0, params_n: int = 1,
+        task: str = "generate",
     ):
         self.request_id = request_id
         self.params = params
@@ -67,12 +68,22 @@ class Request:
         # Tokens sampled by a step still running on the device (asynchronous scheduling): they
         # follow ``token_ids`` but the host has not read them yet. At most one.
         self.num_placeholders = 0
+        # generate | embed | score (shared.protocol.TASKS); embed and score requests are prefill
+        # only and finish with their pooled vector (float32 bytes) or score.
+        self.task = task
+        self.embedding: bytes | None = None
+        self.score: float | None = None
 
     @property
     def ready(self) -> bool:
         """False while its grammar is still compiling, or (preempted) while a token it sampled is
         still on the device: the scheduler leaves it waiting."""
         return (self.grammar is None or self.grammar.ready) and not self.num_placeholders
+
+    @property
+    def pooled(self) -> bool:
+        """Prefill only: the result is the last position's hidden state or logits, no token."""
+        return self.task != "generate"
 
     @property
     def num_tokens(self) -> int:

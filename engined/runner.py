@@ -12,14 +12,30 @@ from engined.model_layers import LayerSpec
 from engined.scheduler import SchedulerOutput
 
 
+def _row_index(ends: np.ndarray, counts: list[int]) -> mx.array:
+    """Indices of each piece's last ``counts[b]`` rows in the packed sequence."""
+    rows = [np.arange(end - k, end) for end, k in zip(ends, counts) if k]
+    return mx.array(np.concatenate(rows).astype(np.int32) if rows else np.zeros(0, np.int32))
+
+
 def forward(model: nn.Module, head: attention.LastTokenNorm, pieces: list[list[int]], caches: list,
-            num_logits: list[int], fills: tuple[list[int], mx.array] | None = None) -> mx.array:
+            num_logits: list[int]) -> mx.array:
     """Forward token ``pieces`` packed as one sequence; logits of each piece's last ``num_logits[b]`` rows.
 
     ``caches`` is the model's ``cache`` argument: one step object per layer.
+    Returns ``[sum(num_logits), vocab]``, not yet evaluated.
+    """
+    return forward_pooled(model, head, pieces, caches, num_logits)[0]
+
+
+def forward_pooled(model: nn.Module, head: attention.LastTokenNorm, pieces: list[list[int]], caches: list,
+                   num_logits: list[int], num_hidden: list[int] | None = None,
+                   fills: tuple[list[int], mx.array] | None = None) -> tuple[mx.array, mx.array | None]:
+    """``forward``, and when ``num_hidden`` asks for any, the final normed hidden states
+    ``[sum(num_hidden), hidden]`` of each piece's last ``num_hidden[b]`` rows (else None).
+
     ``fills`` = (packed positions, tokens [len]) puts device-side tokens (a
-    step still in flight sampled them) at those positions. Returns
-    ``[sum(num_logits), vocab]``, not yet evaluated.
+    step still in flight sampled them) at those positions.
     """
     lens = [len(p) for p in pieces]
     tokens = mx.array(np.fromiter((t for piece in pieces for t in piece), dtype=np.int32, count=sum(lens)))
@@ -27,12 +43,14 @@ def forward(model: nn.Module, head: attention.LastTokenNorm, pieces: list[list[i
         at, values = fills
         tokens[mx.array(np.array(at, dtype=np.int32))] = values.astype(mx.int32)
     ends = np.cumsum(lens)
-    rows = [np.arange(end - k, end) for end, k in zip(ends, num_logits) if k]
-    head.rows = mx.array(np.concatenate(rows).astype(np.int32) if rows else np.zeros(0, np.int32))
+    head.rows = _row_index(ends, num_logits)
+    if num_hidden and any(num_hidden):
+        head.hidden_rows = _row_index(ends, num_hidden)
     try:
-        return model(tokens[None], cache=caches)[0]
+        logits = model(tokens[None], cache=caches)[0]
+        return logits, (head.hidden[0] if head.hidden is not None else None)
     finally:
-        head.rows = None
+        head.rows = head.hidden_rows = head.hidden = None
 
 
 class ModelRunner:
@@ -53,6 +71,12 @@ class ModelRunner:
         from the device. ``num_logits`` (default: the rows the batch samples,
         ``batch.num_logits``) says how many of each request's last rows to return.
         """
+        return self.run_pooled(batch, num_logits, inflight)[0]
+
+    def run_pooled(self, batch: SchedulerOutput, num_logits: list[int] | None = None, inflight=None
+                   ) -> tuple[mx.array, mx.array | None]:
+        """``run``, plus the final hidden states of the rows ``batch.hidden_rows`` asks for (embed
+        requests' last tokens, in batch order; None when none does)."""
         pieces, at, rows = [], [], []
         offset = 0
         for r, n in batch.scheduled:
@@ -67,5 +91,5 @@ class ModelRunner:
             offset += n
         fills = (at, inflight.tokens[mx.array(rows)]) if at else None
         caches = self.kv.step_caches(batch.scheduled)
-        return forward(self.model, self.head, pieces, caches, batch.num_logits if num_logits is None else num_logits,
-                       fills)
+        return forward_pooled(self.model, self.head, pieces, caches,
+                              batch.num_logits if num_logits is None else num_logits, batch.hidden_rows, fills)

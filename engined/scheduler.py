@@ -50,9 +50,16 @@ class SchedulerOutput:
     @property
     def num_logits(self) -> list[int]:
         """Rows needing logits per scheduled request: none for a prefill chunk short of the end,
-        the last row otherwise, plus one per draft token."""
-        return [len(self.drafts.get(r, ())) + 1 if r.num_computed_tokens + n >= r.num_tokens_with_placeholders else 0
-                for r, n in self.scheduled]
+        the last row otherwise, plus one per draft token; an embed request's last row needs
+        its hidden state instead (``hidden_rows``), not logits."""
+        return [len(self.drafts.get(r, ())) + 1 if r.num_computed_tokens + n >= r.num_tokens_with_placeholders
+                and r.task != "embed" else 0 for r, n in self.scheduled]
+
+    @property
+    def hidden_rows(self) -> list[int]:
+        """Per scheduled request, 1 where its last row's final hidden state is its result (an
+        embed request's last chunk), else 0."""
+        return [int(r.task == "embed" and r.num_computed_tokens + n >= r.num_tokens) for r, n in self.scheduled]
 
 
 def attended_keys(context: int, n: int) -> int:
@@ -123,6 +130,9 @@ class Scheduler:
                 i += 1  # it stops on the token still on the device: a step more would be thrown away
                 continue
             known = req.num_tokens_with_placeholders - req.num_computed_tokens
+            if not known:  # a pooled request whose whole prompt is in the step in flight
+                i += 1
+                continue
             draft = drafts.get(req, ())
             num_new = min(known + len(draft), budget)
             if known > 1 and keys is not None:
@@ -272,7 +282,7 @@ class Scheduler:
         and each request that samples holds a placeholder for its token until ``postprocess``."""
         for (req, n), k in zip(out.scheduled, out.num_logits):
             req.num_computed_tokens += n - len(out.drafts.get(req, ()))
-            if k:
+            if k and not req.pooled:
                 req.num_placeholders += 1
 
     def postprocess(self, out: SchedulerOutput,
@@ -291,8 +301,13 @@ class Scheduler:
             if req.finished:
                 continue
             new = emitted.get(req)
-            if new is None:  # a prefill chunk short of the end
+            if new is None:  # a prefill chunk short of the end, or a pooled request's whole prompt
                 self._commit(req)
+                if req.pooled and req.num_computed_tokens >= req.num_tokens:
+                    # Its result is on the request (the engine put it there): done, KV freed
+                    # (blocks the prefix cache hashed stay cached).
+                    self.finish(req, "stop")
+                    produced.append((req, 0))
                 continue
             tokens, lps = new
             req.num_placeholders -= 1

@@ -178,6 +178,7 @@ class ChatRun:
         rather than an error mid-stream."""
         gw, inp = self._gw, self.inp
         info, tok = gw.require_ready()
+        P.check_task(info, "generate")
         n = P.check_n(inp.n)
         P.check_priority(inp.priority)
         stops = P.stop_list(inp.stop)

@@ -31,6 +31,7 @@ async def completions(request: Request) -> Response:
     P.refuse_unsupported(req)
     info, tok = gw.require_ready()
     model = gw.check_model(req.model)
+    P.check_task(info, "generate")
     n = P.check_n(req.n)
     P.check_completion(req, n)
     stops = P.stop_list(req.stop)

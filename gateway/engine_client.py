@@ -95,19 +95,20 @@ class EngineClient:
 
     def add(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
             queue: asyncio.Queue, index: int = 0, cache_salt: str | None = None,
-            app: str | None = None, priority: int = 0, group: tuple[str, int, int, int] | None = None) -> None:
+            app: str | None = None, priority: int = 0, group: tuple[str, int, int, int] | None = None,
+            task: str = "generate") -> None:
         """Send a request; its outputs (or an MlxdError) arrive on ``queue`` as (index, item).
 
         ``group`` (id, size, n, choice): the requests of one client request, sent one after
         another, which the engine admits to its waiting queue all or none; its n, and this
-        request's choice among its prompt's n.
+        request's choice among its prompt's n. ``task``: ``shared.protocol.TASKS``.
         """
         if not self.ready:
             raise EngineUnavailableError(self.unavailable_reason)
         self._streams[request_id] = (queue, index)
         group_id, group_size, n, choice = group if group is not None else (None, 1, 1, 0)
         if not self._send(Kind.ADD, p.AddRequest(request_id, prompt_ids, params, cache_salt, app, priority,
-                                                 group_id, group_size, n, choice)):
+                                                 group_id, group_size, n, choice, task)):
             del self._streams[request_id]
             raise EngineUnavailableError("the engine is not connected")
 

@@ -52,7 +52,9 @@ async def version(request: Request) -> Response:
 
 def _model_card(info) -> dict:
     return {"id": info.served_model_name, "object": "model", "created": int(time.time()),
-            "owned_by": "mlxd", "root": info.model_id, "max_model_len": info.max_model_len}
+            "owned_by": "mlxd", "root": info.model_id, "max_model_len": info.max_model_len,
+            # What it can be asked: generate (chat, completions), embed (/v1/embeddings), score (/rerank).
+            "tasks": info.tasks}
 
 
 async def models(request: Request) -> Response:

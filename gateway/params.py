@@ -256,3 +256,17 @@ def truncate_prompt(ids: list[int], keep: int | None, info: EngineInfo) -> list[
         raise InvalidRequestError("truncate_prompt_tokens must be -1 or at least 1",
                                   param="truncate_prompt_tokens")
     return ids[-keep:]
+
+
+# What each task is asked for by, in error messages.
+_TASK_ROUTES = {"generate": "text generation (chat, completions, messages, responses)",
+                "embed": "embeddings (/v1/embeddings, /pooling)",
+                "score": "scoring (/v1/score, /rerank)"}
+
+
+def check_task(info: EngineInfo, task: str) -> None:
+    """400 when the served model does not do ``task`` (an embedding model asked to chat, ...)."""
+    if task not in info.tasks:
+        serves = " and ".join(_TASK_ROUTES[t] for t in info.tasks if t in _TASK_ROUTES)
+        raise InvalidRequestError(f"the model `{info.served_model_name}` does not support {_TASK_ROUTES[task]}; "
+                                  f"it serves {serves}", param="model")

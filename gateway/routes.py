@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from starlette.routing import Route
 
-from gateway import anthropic, info_routes, responses
+from gateway import anthropic, embeddings, info_routes, responses, scoring
 from gateway.chat_completions import chat_completions
 from gateway.completions import completions
 from gateway.metrics import metrics_endpoint
@@ -21,6 +21,13 @@ ROUTES = [
     Route("/v1/messages", anthropic.messages, methods=["POST"]),
     Route("/v1/messages/count_tokens", anthropic.count_tokens, methods=["POST"]),
     Route("/v1/responses", responses.responses, methods=["POST"]),
+    Route("/v1/embeddings", embeddings.embeddings, methods=["POST"]),
+    Route("/pooling", embeddings.pooling, methods=["POST"]),
+    Route("/score", scoring.score, methods=["POST"]),
+    Route("/v1/score", scoring.score, methods=["POST"]),
+    Route("/rerank", scoring.rerank, methods=["POST"]),
+    Route("/v1/rerank", scoring.rerank, methods=["POST"]),
+    Route("/v2/rerank", scoring.rerank, methods=["POST"]),
     Route("/tokenize", info_routes.tokenize, methods=["POST"]),
     Route("/detokenize", info_routes.detokenize, methods=["POST"]),
 ]

@@ -15,7 +15,7 @@ import typing
 
 import msgspec
 
-from shared.config import ATTENTION_BACKENDS, DTYPES
+from shared.config import ATTENTION_BACKENDS, DTYPES, ENGINE_TASKS
 
 HELP = {
     "model": "GGUF file, mlx_lm/Hugging Face directory or repo id (default: the embedded SmolLM2)",
@@ -44,6 +44,9 @@ HELP = {
     "attention_backend": "paged attention implementation: auto, reference, host (numpy, CPU), metal, cuda",
     "async_scheduling": "schedule and build each step while the device runs the one before (default: on for "
                         "a GPU, off on the CPU, where attention reads each layer's inputs on the host)",
+    "task": "what the model serves: generate, embed (/v1/embeddings, /pooling), score (/v1/score, /rerank "
+            "from the yes/no logits), auto (embed for an encoder folder, else generate)",
+    "score_tokens": "for --task score: the 'no,yes' tokens whose last-position logits give P(yes)",
     "engine_endpoint": "ZeroMQ endpoint of the engine (default: an ipc socket in the runtime dir)",
     "api_key": "require 'Authorization: Bearer KEY' on /v1/* (default: none, or the keys of `mlxd keys`)",
     "api_key_file": "like --api-key, the key read from this file (kept off command lines)",
@@ -76,6 +79,7 @@ HELP = {
 CHOICES = {
     "attention_backend": ATTENTION_BACKENDS,
     "dtype": DTYPES,
+    "task": ENGINE_TASKS,
     "metrics_prefix": ("mlxd", "vllm"),
 }
 

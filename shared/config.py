@@ -9,6 +9,8 @@ from shared.errors import InvalidRequestError
 # kernels.BACKENDS, spelled out here because shared/ does not import the kernels (nor MLX).
 ATTENTION_BACKENDS = ("auto", "reference", "host", "metal", "cuda")
 DTYPES = ("auto", "float32", "float16", "bfloat16", "quantized")
+# What the engine serves: auto is embed for an encoder (BERT-like) folder, generate otherwise.
+ENGINE_TASKS = ("auto", "generate", "embed", "score")
 
 
 class SpeculativeConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -84,6 +86,12 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     # Schedule and build step n+1 while the device runs step n, reading step n's tokens after.
     # None: the device's default (on for a GPU, off on MLX's CPU backend).
     async_scheduling: bool | None = None
+    # generate: text; embed: last-token pooled, L2-normalised vectors (Qwen3-Embedding) or an
+    # encoder's sentence-transformers pooling; score: P(yes) from the last position's logits of
+    # the two ``score_tokens`` (Qwen3-Reranker); auto: embed for an encoder folder, else generate.
+    task: str = "auto"
+    # score: the tokens "no,yes" whose logits give the score, each one token of the vocabulary.
+    score_tokens: str = "no,yes"
 
     def __post_init__(self) -> None:
         positive = ("max_num_seqs", "max_num_batched_tokens", "block_size", "max_waiting_requests")
@@ -105,6 +113,10 @@ class EngineConfig(msgspec.Struct, kw_only=True):
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise InvalidRequestError(f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}",
                                       param="attention_backend")
+        if self.task not in ENGINE_TASKS:
+            raise InvalidRequestError(f"task must be one of {', '.join(ENGINE_TASKS)}", param="task")
+        if len(self.score_tokens.split(",")) != 2 or not all(self.score_tokens.split(",")):
+            raise InvalidRequestError("score_tokens must be two tokens, 'no,yes'", param="score_tokens")
         if self.dtype not in DTYPES:
             raise InvalidRequestError(f"unknown dtype {self.dtype!r}", param="dtype")
 

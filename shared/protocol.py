@@ -21,7 +21,13 @@ from shared.sampling import SamplingParams
 # 2: AddRequest gained app and priority.
 # 3: AddRequest gained group and group_size.
 # 4: AddRequest gained n and choice.
-PROTOCOL_VERSION = 4
+# 5: AddRequest gained task; RequestOutput gained embedding and score; ModelInfo gained tasks,
+#    embedding_dim and matryoshka_dimensions.
+PROTOCOL_VERSION = 5
+
+# What a request asks of the model: tokens (generate), its pooled vector (embed), or a relevance
+# score from its last position's logits (score). Embed and score are prefill only.
+TASKS = ("generate", "embed", "score")
 
 
 class Kind(bytes, enum.Enum):
@@ -60,6 +66,10 @@ class RequestOutput(msgspec.Struct, array_like=True, gc=False):
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     stop_token_id: int | None = None
+    # An embed request's pooled vector (float32, little-endian, ``embedding_dim`` of them) and a
+    # score request's probability, in its last output.
+    embedding: bytes | None = None
+    score: float | None = None
 
 
 class EngineStats(msgspec.Struct, array_like=True, gc=False):
@@ -99,6 +109,11 @@ class ModelInfo(msgspec.Struct, kw_only=True):
     num_kv_blocks: int
     vocab_size: int
     eos_token_ids: list[int]
+    # The TASKS this model serves (``--task``), the length of its pooled vectors (0: none), and
+    # the sizes it was trained to be cut to (Matryoshka; None: cutting is refused, [] any size).
+    tasks: list[str] = msgspec.field(default_factory=lambda: ["generate"])
+    embedding_dim: int = 0
+    matryoshka_dimensions: list[int] | None = None
 
 
 class EngineInfo(ModelInfo, kw_only=True):
@@ -129,6 +144,7 @@ class AddRequest(msgspec.Struct, array_like=True, gc=False):
     # request_params_n, observed once per prompt (on its choice 0), as vLLM does per parent request.
     n: int = 1
     choice: int = 0
+    task: str = "generate"  # one of TASKS
 
 
 class Abort(msgspec.Struct, array_like=True, gc=False):

@@ -51,7 +51,7 @@ def test_a_fitting_group_reserves_its_places_against_requests_arriving_between_i
         engine.add_request("between", [1, 2, 3], PARAMS)
     engine.add_request("g-1", [1, 2, 3], PARAMS, group="g", group_size=3)
     engine.add_request("g-2", [1, 2, 3], PARAMS, group="g", group_size=3)
-    assert len(engine.scheduler.waiting) == 4 and engine._reserved == 0 and not engine._groups
+    assert len(engine.scheduler.waiting) == 4 and engine.places._reserved == 0 and not engine.places._groups
     finish(engine)
     assert add_group(engine, "again", 4) == []  # nothing left reserved once all arrived
     finish(engine)

@@ -44,7 +44,7 @@ def test_anything_else_is_malformed(frames):
 def test_request_output_layout_is_positional_and_append_only():
     # Peers of different builds decode by position: these indexes must never move.
     out = p.RequestOutput("r", [1], "length", None, 5, 2, None)
-    assert msgspec.msgpack.decode(msgspec.msgpack.encode(out)) == ["r", [1], "length", None, 5, 2, None]
+    assert msgspec.msgpack.decode(msgspec.msgpack.encode(out)) == ["r", [1], "length", None, 5, 2, None, None, None]
     assert msgspec.msgpack.decode(msgspec.msgpack.encode(p.Logprob(-1.0, [3], [-1.0]))) == [-1.0, [3], [-1.0]]
     add = msgspec.msgpack.decode(msgspec.msgpack.encode(p.AddRequest("r", [1], SamplingParams())))
     assert add[:2] == ["r", [1]]
@@ -58,10 +58,22 @@ def test_a_shorter_array_from_an_older_peer_still_decodes_with_defaults():
 
 def test_add_request_carries_app_and_priority_after_the_salt():
     add = p.AddRequest("r", [1], SamplingParams(), "salt", "app-a", -3)
-    assert msgspec.msgpack.decode(msgspec.msgpack.encode(add))[3:] == ["salt", "app-a", -3, None, 1, 1, 0]
+    assert msgspec.msgpack.decode(msgspec.msgpack.encode(add))[3:] == ["salt", "app-a", -3, None, 1, 1, 0, "generate"]
     kind, msg = p.decode(p.encode(Kind.ADD, add))
     assert (msg.app, msg.priority) == ("app-a", -3)
     # An AddRequest of protocol 1 (no app, no priority) decodes with the defaults.
     older = msgspec.msgpack.encode(["r", [1], msgspec.msgpack.decode(msgspec.msgpack.encode(SamplingParams())), None])
     kind, msg = p.decode([Kind.ADD.value, older])
     assert msg.app is None and msg.priority == 0 and msg.group is None and msg.group_size == 1
+
+
+def test_pooled_requests_carry_their_task_and_results_after_the_older_fields():
+    add = p.AddRequest("r", [1], SamplingParams(), task="embed")
+    assert msgspec.msgpack.decode(msgspec.msgpack.encode(add))[-1] == "embed"
+    assert p.decode(p.encode(Kind.ADD, add))[1].task == "embed"
+    out = p.RequestOutput("r", [], "stop", embedding=b"\x00\x00\x80?", score=0.25)
+    assert msgspec.msgpack.decode(msgspec.msgpack.encode(out))[-2:] == [b"\x00\x00\x80?", 0.25]
+    # An engine of protocol 4 or older sends no tasks: its model is a generation model.
+    info = p.ModelInfo(model_id="m", served_model_name="m", tokenizer_dir="/t", max_model_len=8, block_size=16,
+                       num_kv_blocks=1, vocab_size=4, eos_token_ids=[])
+    assert info.tasks == ["generate"] and info.embedding_dim == 0 and info.matryoshka_dimensions is None
