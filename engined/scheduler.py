@@ -303,9 +303,10 @@ class Scheduler:
             new = emitted.get(req)
             if new is None:  # a prefill chunk short of the end, or a pooled request's whole prompt
                 self._commit(req)
-                if req.pooled and req.num_computed_tokens >= req.num_tokens:
-                    # Its result is on the request (the engine put it there): done, KV freed
-                    # (blocks the prefix cache hashed stay cached).
+                if req.pooled and (req.embedding is not None or req.score is not None):
+                    # Its result is on the request (the engine put it there when this step was
+                    # read; with a later chunk in flight, computed tokens alone would say so too
+                    # early): done, KV freed (blocks the prefix cache hashed stay cached).
                     self.finish(req, "stop")
                     produced.append((req, 0))
                 continue
