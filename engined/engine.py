@@ -20,17 +20,16 @@ from concurrent.futures import FIRST_COMPLETED
 from concurrent.futures import wait as wait_futures
 
 import mlx.core as mx
-from mlx.utils import tree_flatten
 
 import kernels
-from engined import memory_guard
+from engined import memory_guard, model_split, pipeline
 from engined.device import on_cpu
 from engined.draft_model import DraftProposer
 from engined.kv import KVCacheManager
 from engined.launched import LaunchedStep, needs_host_tokens
 from engined.loaders import LoadedModel, load_model
 from engined.metrics import EngineMetrics
-from engined.model_layers import read_layers
+from engined.model_layers import float_dtype, read_layers
 from engined.pooling import matryoshka_dimensions, pooled_results, score_token_ids, store_results
 from engined.request import Request
 from engined.runner import ModelRunner
@@ -56,8 +55,11 @@ class Engine:
         self.max_model_len = config.max_model_len or loaded.context_length
         # An encoder folder runs in engined.encoder_engine instead; auto here is a decoder's generate.
         self.task = "generate" if config.task == "auto" else config.task
-        dtype = _float_dtype(loaded)
+        dtype = float_dtype(loaded.model)
         backend = kernels.resolve_backend(config.attention_backend)
+        pipelined = config.num_ranks > 1
+        if pipelined:
+            model_split.prepare(loaded.model, pipeline.join(config), config)
         specs = read_layers(loaded.model)
         kv = KVCacheManager.build(specs, config, dtype)
         spec = config.speculative
@@ -66,7 +68,9 @@ class Engine:
                 "speculative decoding is not supported for hybrid linear-attention models: a recurrent "
                 "state cannot take rejected draft tokens back", param="speculative_config",
             )
-        self.runner = ModelRunner(loaded.model, specs, kv, backend)
+        self.runner = (pipeline.MirroredRunner(loaded.model, specs, kv, backend, config) if pipelined
+                       else ModelRunner(loaded.model, specs, kv, backend))
+        kv = self.runner.kv  # on a pipeline, the journal the other ranks replay
         self.sampler = Sampler(loaded.vocab_size, loaded.eos_token_ids)
         self.metrics = EngineMetrics(config.served_model_name or loaded.model_id, config.metrics_prefix,
                                      self.max_model_len)
@@ -77,14 +81,17 @@ class Engine:
         stores = [kv] + ([self.drafter] if self.drafter else [])
         self.memory = memory_guard.plan(self.runner, stores, config, self.max_model_len, loaded.vocab_size,
                                         progress)
+        if pipelined:
+            self.memory = self.runner.agree(self.memory)
         log.info("%s", self.memory.describe())
         if self.drafter:
             kv.follow(self.drafter.kv)
         kv.create(self.memory.num_blocks, self.memory.resident_blocks)
         self.scheduler = Scheduler(kv, config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len,
                                    tuple(loaded.eos_token_ids))
-        # Speculation proposes from the last tokens on the host: every step is read before the next.
-        self.async_scheduling = config.async_scheduling and spec is None
+        # Speculation proposes from the last tokens on the host, and a pipeline sends the other ranks
+        # host token ids: both read every step before the next.
+        self.async_scheduling = config.async_scheduling and spec is None and not pipelined
         self.sampler.choose_on_device = self.async_scheduling
         self._inflight: LaunchedStep | None = None  # the step launched whose tokens are not read yet
         # Steps launched, and seconds the host spent blocked reading their tokens (the rest of a
@@ -262,7 +269,9 @@ class Engine:
     def _launch(self, batch: SchedulerOutput) -> LaunchedStep:
         """Build the step's forward and sampling and queue them on the device; the scheduler then
         counts its tokens as computed and its samples as placeholders."""
-        logits, hidden = self.runner.run_pooled(batch, inflight=self._inflight)
+        # Only a ModelRunner takes placeholders: a pipeline's step never finds one in flight.
+        logits, hidden = (self.runner.run_pooled(batch) if self._inflight is None
+                          else self.runner.run_pooled(batch, inflight=self._inflight))
         pooled = (pooled_results(batch, logits, hidden, self.score_ids)
                   if any(r.pooled for r, _ in batch.scheduled) else None)
         launched = self._sample(batch, logits)
@@ -394,11 +403,3 @@ class Engine:
                     if out.finish_reason:
                         pending.discard(out.request_id)
         return [results[rid] for rid in ids]
-
-
-def _float_dtype(loaded: LoadedModel) -> mx.Dtype:
-    """The dtype of the model's floating-point weights (the K/V's dtype)."""
-    return next(
-        (p.dtype for _, p in tree_flatten(loaded.model.parameters()) if mx.issubdtype(p.dtype, mx.floating)),
-        mx.float32,
-    )

@@ -145,12 +145,21 @@ def plan(runner, stores: list, config: EngineConfig, max_model_len: int, vocab_s
     weights = mx.get_active_memory()
     activations = warm_up(runner, config, max_model_len, vocab_size, progress)
     mx.set_cache_limit(activations)
+    return size_pool(weights, activations, stores, config, max_model_len)
+
+
+def size_pool(weights: int, activations: int, stores: list, config: EngineConfig, max_model_len: int) -> MemoryPlan:
+    """The pool that fits the budget beside ``weights`` and ``activations`` (bytes measured on this
+    device); raises MemoryBudgetError when one full-length request cannot fit."""
     needed = -(-max_model_len // config.block_size)
     per_block = sum(s.bytes_per_block for s in stores)
     fixed = sum(s.fixed_bytes for s in stores)
     if config.num_kv_blocks is not None:
         return MemoryPlan(0, weights, activations, config.num_kv_blocks * per_block,
                           config.num_kv_blocks, config.block_size, fixed, min(needed, config.num_kv_blocks))
+    if per_block == 0:  # a pipeline rank of linear layers only: any pool fits beside its fixed ones
+        return MemoryPlan(0, weights, activations, 0, config.max_num_seqs * needed, config.block_size, fixed,
+                          needed)
     memory = device_memory()
     budget = int(config.gpu_memory_utilization * memory)
     if config.kv_cache_memory is not None:

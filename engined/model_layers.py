@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx.utils import tree_flatten
 
 from shared.errors import ModelLoadError
 
@@ -240,9 +241,11 @@ def _kv_source(model: nn.Module, i: int, attn: nn.Module) -> int | None:
 
 
 def transformer_layers(model: nn.Module) -> list[nn.Module]:
+    """The layers this process runs: all of them, or one pipeline rank's run (``engined.pipeline``)."""
     text = text_model(model)
     inner = getattr(text, "model", None)
-    layers = getattr(inner, "layers", None) or getattr(model, "layers", None)
+    layers = (getattr(inner, "pipeline_layers", None) or getattr(inner, "layers", None)
+              or getattr(model, "layers", None))
     if not layers:
         raise ModelLoadError(f"{type(model).__module__}: no transformer layers found")
     return layers
@@ -251,6 +254,9 @@ def transformer_layers(model: nn.Module) -> list[nn.Module]:
 def read_layers(model: nn.Module) -> list[LayerSpec]:
     """Every layer's spec, in layer order; ModelLoadError for a layer mlxd cannot run."""
     specs, hidden = [], None
+    # A pipeline rank's first layer is the model's layer ``first``: settings read per layer
+    # (layer_types) are indexed by the model's numbering, caches by this process's.
+    first = getattr(getattr(text_model(model), "model", None), "start_idx", 0)
     for i, layer in enumerate(transformer_layers(model)):
         if "linear_attn" in layer:
             if hidden is None:
@@ -259,7 +265,8 @@ def read_layers(model: nn.Module) -> list[LayerSpec]:
             specs.append(LayerSpec(i, linear=layer.linear_attn, hidden_size=hidden))
             continue
         attn = getattr(layer, "self_attn", None)
-        spec = LayerSpec(i, settings=layer_settings(model, i, layer, attn), kv_source=_kv_source(model, i, attn))
+        spec = LayerSpec(i, settings=layer_settings(model, first + i, layer, attn),
+                         kv_source=_kv_source(model, i, attn))
         if spec.kv_source is not None:
             source = specs[spec.kv_source]
             mine, theirs = spec.settings, source.settings
@@ -269,3 +276,9 @@ def read_layers(model: nn.Module) -> list[LayerSpec]:
                                      "shape or window; this architecture is not supported yet")
         specs.append(spec)
     return specs
+
+
+def float_dtype(model: nn.Module) -> mx.Dtype:
+    """The dtype of the model's floating-point weights (the K/V's dtype)."""
+    return next((p.dtype for _, p in tree_flatten(model.parameters()) if mx.issubdtype(p.dtype, mx.floating)),
+                mx.float32)

@@ -34,6 +34,12 @@ def run_engine(config: EngineConfig, daemon: DaemonConfig, parent_pid: int | Non
     # Before anything imports mlx.core (engined/device.py says why).
     load_fast_blas()
     _check_mlx()
+    if config.num_ranks > 1:
+        from engined import pipeline
+
+        group = pipeline.join(config)
+        if group.rank() > 0:  # a worker: no socket, no gateways; it mirrors rank 0 until rank 0 is gone
+            return pipeline.serve_worker(config, group)
     from engined.daemon import Daemon
     from engined.encoder_engine import EncoderEngine, encoder_dir
     from engined.engine import Engine

@@ -61,35 +61,48 @@ class ModelRunner:
         self.kv = kv
         self.head = attention.install(model, specs, attention_backend)
 
-    def run(self, batch: SchedulerOutput, num_logits: list[int] | None = None, inflight=None) -> mx.array:
+    def run(self, batch: SchedulerOutput, num_logits: list[int] | None = None) -> mx.array:
         """Forward the batch; logits ``[sum(num_logits), vocab]`` (not yet evaluated).
 
         ``batch.scheduled[b] = (request, n)`` computes ``n`` tokens from the
         request's ``num_computed_tokens`` on: its known tokens, then its drafts
-        (``batch.drafts``) or its placeholder, the token the step in flight
-        (``inflight``, an ``engined.launched.LaunchedStep``) sampled for it, read
-        from the device. ``num_logits`` (default: the rows the batch samples,
+        (``batch.drafts``). ``num_logits`` (default: the rows the batch samples,
         ``batch.num_logits``) says how many of each request's last rows to return.
         """
-        return self.run_pooled(batch, num_logits, inflight)[0]
+        return self.run_pooled(batch, num_logits)[0]
 
     def run_pooled(self, batch: SchedulerOutput, num_logits: list[int] | None = None, inflight=None
                    ) -> tuple[mx.array, mx.array | None]:
         """``run``, plus the final hidden states of the rows ``batch.hidden_rows`` asks for (embed
-        requests' last tokens, in batch order; None when none does)."""
-        pieces, at, rows = [], [], []
-        offset = 0
-        for r, n in batch.scheduled:
-            known = r.token_ids[r.num_computed_tokens : r.num_computed_tokens + n]
-            if len(known) < n and r in batch.drafts:
-                known = known + batch.drafts[r][: n - len(known)]
-            elif len(known) < n:  # one placeholder, the last token
-                at.append(offset + n - 1)
-                rows.append(inflight.row_of(r))
-                known = known + [0]
-            pieces.append(known)
-            offset += n
-        fills = (at, inflight.tokens[mx.array(rows)]) if at else None
+        requests' last tokens, in batch order; None when none does). A request's placeholder (its
+        last token, sampled by the step in flight ``inflight``, an ``engined.launched.LaunchedStep``)
+        is read from the device."""
+        pieces = self.pieces(batch)
+        fills = self.fills(batch, inflight) if inflight is not None else None
         caches = self.kv.step_caches(batch.scheduled)
         return forward_pooled(self.model, self.head, pieces, caches,
                               batch.num_logits if num_logits is None else num_logits, batch.hidden_rows, fills)
+
+    @staticmethod
+    def pieces(batch: SchedulerOutput) -> list[list[int]]:
+        """Each scheduled request's tokens of this step: its known tokens, then its drafts, or a 0
+        where its placeholder goes (``fills``)."""
+        pieces = []
+        for r, n in batch.scheduled:
+            known = r.token_ids[r.num_computed_tokens : r.num_computed_tokens + n]
+            if len(known) < n:
+                known = known + (batch.drafts[r][: n - len(known)] if r in batch.drafts else [0])
+            pieces.append(known)
+        return pieces
+
+    @staticmethod
+    def fills(batch: SchedulerOutput, inflight) -> tuple[list[int], mx.array] | None:
+        """(packed positions, tokens) of the step's placeholders: each the last token of its
+        request's piece, read on the device from the step in flight that sampled it."""
+        at, rows, offset = [], [], 0
+        for r, n in batch.scheduled:
+            offset += n
+            if r.num_computed_tokens + n > r.num_tokens and r not in batch.drafts:
+                at.append(offset - 1)
+                rows.append(inflight.row_of(r))
+        return (at, inflight.tokens[mx.array(rows)]) if at else None

@@ -44,6 +44,12 @@ HELP = {
     "attention_backend": "paged attention implementation: auto, reference, host (numpy, CPU), metal, cuda",
     "async_scheduling": "schedule and build each step while the device runs the one before (default: on for "
                         "a GPU, off on the CPU, where attention reads each layer's inputs on the host)",
+    "pipeline_parallel_size": "ranks the model's layers are split over, each holding only its layers' weights "
+                              "and KV (started on this machine, or by mlx.launch across machines)",
+    "pipeline_split": "layers per rank, rank 0 first (rank 0 runs the last layers; default: an even split)",
+    "tensor_parallel_size": "ranks each layer's heads and MLP are split over (families whose mlx_lm model can "
+                            "shard; the KV heads must divide evenly)",
+    "pipeline_timeout": "seconds a step may wait on the other pipeline ranks before the engine stops",
     "task": "what the model serves: generate, embed (/v1/embeddings, /pooling), score (/v1/score, /rerank "
             "from the yes/no logits), auto (embed for an encoder folder, else generate)",
     "score_tokens": "for --task score: the 'no,yes' tokens whose last-position logits give P(yes)",
@@ -82,6 +88,9 @@ CHOICES = {
     "task": ENGINE_TASKS,
     "metrics_prefix": ("mlxd", "vllm"),
 }
+
+# vLLM's short spellings.
+ALIASES = {"pipeline_parallel_size": "-pp", "tensor_parallel_size": "-tp"}
 
 # Sizes vLLM parses with its human_readable_int: 32k is 32000, 32K is 32768.
 HUMAN_INTS = ("max_model_len", "max_num_batched_tokens", "max_num_seqs", "max_waiting_requests",
@@ -144,17 +153,17 @@ def add_struct_flags(parser: argparse.ArgumentParser, struct: type, skip=()) -> 
     for f in msgspec.structs.fields(struct):
         if f.name in skip:
             continue
-        flag = "--" + f.name.replace("_", "-")
+        flags = ["--" + f.name.replace("_", "-"), *([ALIASES[f.name]] if f.name in ALIASES else [])]
         tp, is_list = _base_type(hints[f.name])
         kw = dict(dest=f.name, default=argparse.SUPPRESS, help=_help(f))
         if f.name in CHOICES:
             kw["choices"] = CHOICES[f.name]
         if tp is bool:
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, **kw)
+            parser.add_argument(*flags, action=argparse.BooleanOptionalAction, **kw)
         elif is_list:
-            parser.add_argument(flag, type=tp, nargs="*", **kw)
+            parser.add_argument(*flags, type=tp, nargs="*", **kw)
         else:
-            parser.add_argument(flag, type=human_readable_int if f.name in HUMAN_INTS else tp, **kw)
+            parser.add_argument(*flags, type=human_readable_int if f.name in HUMAN_INTS else tp, **kw)
 
 
 def build_config(struct: type, ns: argparse.Namespace):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 
+from mlxd import ranks as mlxd_ranks
 from mlxd.flags import build_config
 from mlxd.ports import check_free
 from shared.config import EngineConfig
@@ -28,10 +29,19 @@ def engine(args) -> int:
     from engined.process import run_engine
 
     daemon = build_config(DaemonConfig, args)
+    config = build_config(EngineConfig, args)
     # Found now, not after a load that can take minutes.
     check_free(daemon.metrics_host, daemon.metrics_port, "--metrics-port")
-    return run_engine(build_config(EngineConfig, args), daemon,
-                      parent_pid=args.parent_pid, ready_fd=args.ready_fd)
+    ranks = []
+    if config.num_ranks > 1 and not mlxd_ranks.launched():
+        ranks = mlxd_ranks.start_local(config)
+    try:
+        return run_engine(config, daemon, parent_pid=args.parent_pid, ready_fd=args.ready_fd)
+    finally:
+        for rank in ranks:
+            rank.terminate()
+        for rank in ranks:
+            rank.wait()
 
 
 def gateway(args) -> int:

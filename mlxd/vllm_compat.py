@@ -16,8 +16,6 @@ log = logging.getLogger("mlxd")
 # flag -> (argparse keywords, the value mlxd behaves as, why it has no effect here).
 # A value of None: any value is accepted (the flag changes nothing here).
 FLAGS = {
-    "--tensor-parallel-size": (dict(type=int), 1, "mlxd runs the model on one device"),
-    "--pipeline-parallel-size": (dict(type=int), 1, "mlxd runs the model on one device"),
     "--data-parallel-size": (dict(type=int), 1, "mlxd runs one engine per model"),
     "--enable-chunked-prefill": (dict(action=argparse.BooleanOptionalAction), True,
                                  "mlxd always prefills long prompts in chunks of --max-num-batched-tokens"),
@@ -34,7 +32,7 @@ FLAGS = {
     "--uvicorn-log-level": (dict(), None, "the gateway's HTTP server logs at --log-level"),
 }
 
-_TP_ALIAS = {"--tensor-parallel-size": "-tp", "--pipeline-parallel-size": "-pp", "--data-parallel-size": "-dp"}
+_TP_ALIAS = {"--data-parallel-size": "-dp"}
 
 
 def _dest(flag: str) -> str:

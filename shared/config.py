@@ -86,6 +86,16 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     # Schedule and build step n+1 while the device runs step n, reading step n's tokens after.
     # None: the device's default (on for a GPU, off on MLX's CPU backend).
     async_scheduling: bool | None = None
+    # Ranks the model's layers are split over (engined/pipeline.py); each rank is a process, on
+    # this machine or on others (mlx.launch), and holds only its layers' weights and KV.
+    pipeline_parallel_size: int = 1
+    # Layers per rank, rank 0 first (rank 0 runs the last layers); empty: an even split.
+    pipeline_split: list[int] = []
+    # Ranks each layer's heads and MLP are split over (mlx_lm's ``shard``), each with its share of
+    # the weights and of the KV heads; not combined with a pipeline yet.
+    tensor_parallel_size: int = 1
+    # Seconds a forward may wait on the other ranks before the engine gives up on them.
+    pipeline_timeout: float = 120.0
     # generate: text; embed: last-token pooled, L2-normalised vectors (Qwen3-Embedding) or an
     # encoder's sentence-transformers pooling; score: P(yes) from the last position's logits of
     # the two ``score_tokens`` (Qwen3-Reranker); auto: embed for an encoder folder, else generate.
@@ -113,6 +123,18 @@ class EngineConfig(msgspec.Struct, kw_only=True):
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise InvalidRequestError(f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}",
                                       param="attention_backend")
+        for name in ("pipeline_parallel_size", "tensor_parallel_size"):
+            if getattr(self, name) < 1:
+                raise InvalidRequestError(f"{name} must be positive", param=name)
+        if self.pipeline_parallel_size > 1 and self.tensor_parallel_size > 1:
+            raise InvalidRequestError("pipeline and tensor parallelism cannot be combined yet; pick one",
+                                      param="tensor_parallel_size")
+        if self.pipeline_split and len(self.pipeline_split) != self.pipeline_parallel_size:
+            raise InvalidRequestError(f"pipeline_split names {len(self.pipeline_split)} ranks; "
+                                      f"pipeline_parallel_size is {self.pipeline_parallel_size}",
+                                      param="pipeline_split")
+        if self.pipeline_timeout <= 0:
+            raise InvalidRequestError("pipeline_timeout must be positive", param="pipeline_timeout")
         if self.task not in ENGINE_TASKS:
             raise InvalidRequestError(f"task must be one of {', '.join(ENGINE_TASKS)}", param="task")
         if len(self.score_tokens.split(",")) != 2 or not all(self.score_tokens.split(",")):
@@ -124,6 +146,11 @@ class EngineConfig(msgspec.Struct, kw_only=True):
         """This config with the settings left to the device (None) filled in from DEVICE_DEFAULTS."""
         defaults = DEVICE_DEFAULTS["gpu" if gpu else "cpu"]
         return msgspec.structs.replace(self, **{k: v for k, v in defaults.items() if getattr(self, k) is None})
+
+    @property
+    def num_ranks(self) -> int:
+        """Processes the model runs over (``engined/pipeline.py``); 1: this one alone."""
+        return self.pipeline_parallel_size * self.tensor_parallel_size
 
     @property
     def speculative(self) -> SpeculativeConfig | None:

@@ -61,7 +61,8 @@ class KVCacheManager:
                 others.append(group)
                 left = [s for s in left if s.index not in group.layers]
         main = FullAttentionGroup.claim(left, config, dtype)
-        if not main.layers:
+        # A pipeline rank may hold linear layers only; the pool's blocks then cost it nothing.
+        if not main.layers and config.pipeline_parallel_size == 1:
             raise ModelLoadError("the model has no attention layer: the paged runner needs at least one")
         return cls(main, others, len(specs))
 

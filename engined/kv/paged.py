@@ -25,6 +25,16 @@ class PagedLayerStep:
         self._kv = kv
         self._i = i
 
+    # mlx_lm's pipelined models tie a rank's send of its hidden states to its last layer's cache
+    # (``cache[-1].keys = mx.depends(cache[-1].keys, h)``), so that evaluating the cache sends.
+    @property
+    def keys(self) -> mx.array:
+        return self._kv.k[self._i]
+
+    @keys.setter
+    def keys(self, value: mx.array) -> None:
+        self._kv.k[self._i] = value
+
     @property
     def offset(self) -> mx.array:
         """Each packed token's position: what mlx_lm's model bodies read from a cache's ``offset``

@@ -43,6 +43,15 @@ class StateLayerStep:
         self.plan = plan
         self.arrays = arrays
 
+    # As ``PagedLayerStep.keys``: where mlx_lm's pipelined models tie a rank's send to its last layer.
+    @property
+    def keys(self) -> mx.array:
+        return self.arrays[0]
+
+    @keys.setter
+    def keys(self, value: mx.array) -> None:
+        self.arrays[0] = value
+
 
 class RecurrentStateGroup(KVGroup):
     can_rewind = False

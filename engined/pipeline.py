@@ -1,0 +1,341 @@
+"""Pipeline and tensor parallelism over ``mx.distributed``: rank 0 runs the engine, the other ranks mirror it.
+
+Each rank holds its part of the model (``model_split``: a run of layers, or a
+shard of every layer) and the paged KV pool of that part only. Rank 0 owns
+the scheduler, the block tables and the gateways' socket. Every call it makes
+that changes its KV manager (create, allocate, commit, free, a step's slots)
+is journaled, and once per forward the journal and the step's tokens go to
+every other rank in one message. A worker replays the journal on its own KV
+manager, which, fed the same calls over a pool of the same size, holds the same
+block tables, and runs the same forward: the pipelined model passes hidden
+states rank to rank with ``send``/``recv`` and gathers the last rank's, so the
+step ends with the logits everywhere; rank 0 samples.
+
+The pool size is the smallest any rank affords (each sizes its own from its own
+memory, for its own layers). A rank that dies makes the next step raise on rank
+0 ("connection to a peer was lost"), which ends the engine; a rank that stops
+answering is caught by ``Watchdog``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import faulthandler
+import gc
+import logging
+
+import mlx.core as mx
+import msgspec
+import numpy as np
+
+from engined import memory_guard
+from engined.device import on_cpu
+from engined.kv import KVCacheManager
+from engined.memory_guard import MemoryPlan
+from engined.model_split import hand_off, prepare
+from engined.request import Request
+from engined.runner import ModelRunner, forward, forward_pooled
+from engined.scheduler import SchedulerOutput
+from shared.config import EngineConfig
+from shared.errors import ModelLoadError
+from shared.sampling import SamplingParams
+
+log = logging.getLogger("mlxd.engine")
+
+
+class Op(msgspec.Struct, array_like=True):
+    """One journaled KV call, with the request's progress at the time it was made."""
+
+    kind: str  # create | prefix | allocate | commit | free | sched | step | shrink
+    rid: str = ""
+    computed: int = 0  # the request's num_computed_tokens
+    num_tokens: int = 0  # its len(token_ids)
+    count: int = 0  # allocate: new tokens; sched: tokens this step; create: blocks
+    blocks: list[int] = []  # allocate: the cached prefix's block ids; create: [resident] or []
+    tokens: list[int] = []  # the request's token ids the other ranks do not have yet
+    salt: bytes | None = None  # its cache salt, on its first call (and its first after a free)
+
+
+class Message(msgspec.Struct, array_like=True):
+    """What rank 0 sends the other ranks: the journal since the last message, then a forward or a query."""
+
+    ops: list[Op]
+    pieces: list[list[int]] | None = None  # the forward's token pieces (ModelRunner.run)
+    num_logits: list[int] = []
+    query: str = ""  # "blocks": every rank says the pool it affords (``Link.smallest``)
+
+
+_encode = msgspec.msgpack.Encoder().encode
+_decode = msgspec.msgpack.Decoder(Message).decode
+
+
+def join(config: EngineConfig) -> mx.distributed.Group:
+    """This process's group of ``config.num_ranks`` ranks (the launcher set MLX_RANK and MLX_HOSTFILE).
+
+    Waiting for the other ranks to connect holds the interpreter: a rank that never comes (it
+    failed to start) is caught by the watchdog's C timer, not by any Python thread.
+    """
+    size = config.num_ranks
+    try:
+        with Watchdog(config.pipeline_timeout):
+            group = mx.distributed.init(strict=True)
+    except RuntimeError as e:
+        raise ModelLoadError(f"{size} ranks asked for, but no distributed backend came up ({e}); start the "
+                             "ranks with mlx.launch or let `mlxd engine` start them on this machine") from e
+    if group.size() != size:
+        raise ModelLoadError(f"{size} ranks asked for (--pipeline/--tensor-parallel-size), but {group.size()} "
+                             "were launched")
+    return group
+
+
+class Link:
+    """Rank 0's messages to the other ranks, over the group's own send/recv."""
+
+    def __init__(self, group: mx.distributed.Group):
+        self.group = group
+
+    def send(self, message: Message) -> None:
+        data = np.frombuffer(_encode(message), dtype=np.uint8)
+        head, body = mx.array([data.size], dtype=mx.int64), mx.array(data)
+        # One evaluation per array: sends evaluated together may reach a rank in either order.
+        for a in (head, body):
+            mx.eval([mx.distributed.send(a, r, group=self.group) for r in range(1, self.group.size())])
+
+    def receive(self) -> Message:
+        head = mx.distributed.recv((1,), mx.int64, 0, group=self.group)
+        mx.eval(head)
+        body = mx.distributed.recv((int(head.item()),), mx.uint8, 0, group=self.group)
+        mx.eval(body)
+        return _decode(np.array(body).tobytes())
+
+    def barrier(self) -> None:
+        """Return once every rank has called this (each has loaded its part of the model, say)."""
+        self.smallest(0)
+
+    def smallest(self, value: int) -> int:
+        """The least of every rank's ``value`` (every rank calls this at the same point)."""
+        values = mx.distributed.all_gather(mx.array([value], dtype=mx.int64), group=self.group)
+        return int(mx.min(values).item())
+
+
+class JournaledKV:
+    """Rank 0's KV manager: every call that changes it is recorded for the other ranks to replay."""
+
+    def __init__(self, kv: KVCacheManager, link: Link):
+        self._kv = kv
+        self._link = link
+        self._ops: list[Op] = []
+        self._sent: dict[str, int] = {}  # per request, how many of its token ids the workers have
+
+    def __getattr__(self, name):
+        return getattr(self._kv, name)
+
+    def _note(self, kind: str, req: Request | None = None, count: int = 0, blocks: list[int] = ()) -> None:
+        if req is None:
+            self._ops.append(Op(kind, count=count, blocks=list(blocks)))
+            return
+        rid = req.request_id
+        sent = self._sent.get(rid)
+        self._sent[rid] = req.num_tokens
+        self._ops.append(Op(kind, rid, req.num_computed_tokens, req.num_tokens, count, list(blocks),
+                            req.token_ids[sent or 0:], req.cache_salt if sent is None else None))
+
+    def take(self, **fields) -> Message:
+        """The journal so far as a message (with ``fields``), and a fresh journal."""
+        message = Message(self._ops, **fields)
+        self._ops = []
+        return message
+
+    def flush(self) -> None:
+        """Send what is journaled now (a shrink while idle must not wait for the next request)."""
+        self._link.send(self.take())
+
+    # -- the calls that change the manager -----------------------------------------------------
+
+    def create(self, num_blocks: int, resident: int | None = None) -> None:
+        self._note("create", count=num_blocks, blocks=[] if resident is None else [resident])
+        self._kv.create(num_blocks, resident)
+
+    def cached_prefix(self, req: Request):
+        self._note("prefix", req)  # it grows the request's block hashes, which later calls read
+        return self._kv.cached_prefix(req)
+
+    def allocate(self, req: Request, num_new_tokens: int, prefix=()) -> bool:
+        prefix = list(prefix)
+        if not self._kv.allocate(req, num_new_tokens, prefix):
+            return False  # a refused allocation changes nothing
+        self._note("allocate", req, num_new_tokens, [b.block_id for b in prefix])
+        return True
+
+    def commit(self, req: Request) -> None:
+        self._note("commit", req)
+        self._kv.commit(req)
+
+    def free(self, req: Request) -> None:
+        self._note("free", req)
+        self._sent.pop(req.request_id, None)  # a preempted request is sent whole again when it returns
+        self._kv.free(req)
+
+    def step_caches(self, scheduled: list[tuple[Request, int]]) -> list:
+        for req, n in scheduled:
+            self._note("sched", req, n)
+        self._note("step")
+        return self._kv.step_caches(scheduled)
+
+    def release_idle(self, now: float) -> bool:
+        if not self._kv.release_idle(now):
+            return False
+        self._note("shrink")
+        self.flush()
+        return True
+
+    def follow(self, arrays) -> None:
+        raise ModelLoadError("a draft model cannot be used with pipeline parallelism yet; use ngram speculation")
+
+
+class Mirror:
+    """A worker rank's copy of rank 0's KV manager, kept equal by replaying its journal."""
+
+    def __init__(self, kv: KVCacheManager):
+        self.kv = kv
+        self.requests: dict[str, Request] = {}
+        self._tokens: dict[str, list[int]] = {}  # per request, every token id rank 0 sent
+        self._scheduled: list[tuple[Request, int]] = []
+        self.caches: list | None = None  # the last step's per-layer objects
+
+    def _request(self, op: Op) -> Request:
+        if op.salt is not None:  # rank 0 has not told of this request before (or since its free)
+            self.requests[op.rid] = Request(op.rid, [], SamplingParams(), 0, op.salt)
+            self._tokens[op.rid] = []
+        req = self.requests[op.rid]
+        self._tokens[op.rid] += op.tokens
+        # Token ids as they were when rank 0 made the call: calls read the request's length.
+        req.token_ids = self._tokens[op.rid][: op.num_tokens]
+        req.num_computed_tokens = op.computed
+        return req
+
+    def apply(self, message: Message) -> None:
+        for op in message.ops:
+            self._replay(op)
+
+    def _replay(self, op: Op) -> None:
+        kv, kind = self.kv, op.kind
+        if kind == "create":
+            kv.create(op.count, op.blocks[0] if op.blocks else None)
+        elif kind == "shrink":
+            kv.main.shrink()
+            mx.clear_cache()
+        elif kind == "step":
+            self.caches, self._scheduled = kv.step_caches(self._scheduled), []
+        else:
+            req = self._request(op)
+            if kind == "prefix":
+                kv.cached_prefix(req)
+            elif kind == "allocate":
+                if not kv.allocate(req, op.count, [kv.pool.blocks[i] for i in op.blocks]):
+                    raise RuntimeError(f"pipeline rank out of step with rank 0: allocation for {op.rid} refused")
+            elif kind == "commit":
+                kv.commit(req)
+            elif kind == "sched":
+                self._scheduled.append((req, op.count))
+            elif kind == "free":
+                kv.free(req)
+                del self.requests[op.rid], self._tokens[op.rid]
+
+
+class MirroredRunner(ModelRunner):
+    """Rank 0's runner: each forward first sends the journal and the step's tokens to the other ranks."""
+
+    def __init__(self, model, specs, kv: KVCacheManager, attention_backend: str, config: EngineConfig):
+        super().__init__(model, specs, kv, attention_backend)
+        group = join(config)
+        hand_off(model, group)
+        self.link = Link(group)
+        # The other ranks may still be loading; the warm-up forward, which is watched, must not wait on that.
+        self.link.barrier()
+        self.kv = JournaledKV(kv, self.link)
+        self.watchdog = Watchdog(config.pipeline_timeout)
+        log.info("%d ranks: a step that waits over %gs on them stops the engine (--pipeline-timeout)",
+                 config.num_ranks, config.pipeline_timeout)
+        self.own_blocks = 0  # the pool this rank alone affords (``agree``)
+
+    def run_pooled(self, batch: SchedulerOutput, num_logits: list[int] | None = None
+                   ) -> tuple[mx.array, mx.array | None]:
+        """As ``ModelRunner.run_pooled``, but evaluated here: a rank that stops answering hangs it."""
+        pieces = self.pieces(batch)
+        caches = self.kv.step_caches(batch.scheduled)
+        num_logits = batch.num_logits if num_logits is None else num_logits
+        # Watched from the send on: building the forward may evaluate already (the host attention).
+        with self.watchdog:
+            self.link.send(self.kv.take(pieces=pieces, num_logits=num_logits))
+            logits, hidden = forward_pooled(self.model, self.head, pieces, caches, num_logits, batch.hidden_rows)
+            mx.eval(logits, hidden if hidden is not None else [], self.kv.arrays())
+        return logits, hidden
+
+    def agree(self, plan: MemoryPlan) -> MemoryPlan:
+        """``plan`` with the smallest pool any rank affords (each sizes its own, for its own layers)."""
+        self.link.send(self.kv.take(query="blocks"))
+        self.own_blocks = plan.num_blocks
+        smallest = self.link.smallest(plan.num_blocks)
+        if smallest == plan.num_blocks:
+            return plan
+        log.info("pipeline: the KV pool is %d blocks, the most every rank affords (this one: %d)",
+                 smallest, plan.num_blocks)
+        return dataclasses.replace(plan, num_blocks=smallest, kv_bytes=plan.kv_bytes * smallest // plan.num_blocks,
+                                   initial_blocks=min(plan.initial_blocks, smallest))
+
+
+def serve_worker(config: EngineConfig, group: mx.distributed.Group) -> int:
+    """A rank other than 0: load this rank's layers, then replay rank 0's messages until it is gone."""
+    from engined.loaders import load_model
+    from engined.model_layers import float_dtype, read_layers
+    import kernels
+
+    config = config.for_device(gpu=not on_cpu())  # the same batch limits as rank 0's engine
+    loaded = load_model(config.model, config.dtype)
+    prepare(loaded.model, group, config)
+    specs = read_layers(loaded.model)
+    kv = KVCacheManager.build(specs, config, float_dtype(loaded.model))
+    runner = ModelRunner(loaded.model, specs, kv, kernels.resolve_backend(config.attention_backend))
+    hand_off(loaded.model, group)
+    mirror, link = Mirror(kv), Link(group)
+    link.barrier()  # loaded: rank 0's warm-up forward comes next
+    max_model_len = config.max_model_len or loaded.context_length
+    gc.collect()
+    weights = mx.get_active_memory()
+    mx.reset_peak_memory()
+    while True:
+        try:
+            message = link.receive()
+        except RuntimeError as e:  # rank 0 stopped, or a link broke: the group is over
+            log.info("pipeline rank %d: rank 0 is gone (%s); stopping", group.rank(), e)
+            return 0
+        mirror.apply(message)
+        if message.pieces is not None:
+            mx.eval(forward(runner.model, runner.head, message.pieces, mirror.caches, message.num_logits),
+                    kv.arrays())
+        if message.query == "blocks":
+            # The warm-up forward rank 0 ran has passed through here: its peak is this rank's scratch.
+            activations = max(mx.get_peak_memory() - weights, 0)
+            mx.set_cache_limit(activations)
+            plan = memory_guard.size_pool(weights, activations, [kv], config, max_model_len)
+            log.info("pipeline rank %d: %s", group.rank(), plan.describe())
+            link.smallest(plan.num_blocks)
+
+
+class Watchdog:
+    """Ends rank 0's process when a forward has waited past ``timeout`` seconds on the other ranks.
+
+    A rank that stops answering (a stopped process, a cut link) would otherwise hang the engine in
+    an evaluation that holds the interpreter, so no Python thread could notice: faulthandler's
+    timer runs in C, prints every thread's stack and exits, and the supervisor restarts all ranks.
+    """
+
+    def __init__(self, timeout: float):
+        self.timeout = timeout
+
+    def __enter__(self) -> None:
+        faulthandler.dump_traceback_later(self.timeout, exit=True)
+
+    def __exit__(self, *exc) -> None:
+        faulthandler.cancel_dump_traceback_later()

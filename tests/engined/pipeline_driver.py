@@ -1,0 +1,45 @@
+"""Rank 0 of a pipeline test: the in-process Engine over ranks started on loopback (`mlxd.ranks`).
+
+Run as ``python -m tests.engined.pipeline_driver CONFIG_JSON PROMPTS_JSON``; prints one JSON line:
+each prompt's greedy tokens, the pool size and the cached-token counts.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import msgspec
+
+
+def main() -> int:
+    from mlxd import ranks
+    from shared.config import EngineConfig
+
+    config = msgspec.json.decode(sys.argv[1], type=EngineConfig)
+    prompts = json.loads(sys.argv[2])
+    children = ranks.start_local(config)
+    try:
+        from engined.device import load_fast_blas
+
+        load_fast_blas()
+        from engined.engine import Engine
+        from shared.sampling import SamplingParams
+
+        engine = Engine(config)
+        params = SamplingParams(temperature=0.0, max_tokens=int(sys.argv[3]) if len(sys.argv) > 3 else 8,
+                                ignore_eos=True)
+        first = engine.generate(prompts, params)
+        again = engine.generate(prompts[:2], params)  # their prefixes are cached now
+        print(json.dumps({"tokens": first, "again": again, "num_blocks": engine.memory.num_blocks,
+                          "own_blocks": engine.runner.own_blocks,
+                          "hits": engine.runner.kv.hits}), flush=True)
+    finally:
+        for child in children:
+            child.terminate()
+            child.wait()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

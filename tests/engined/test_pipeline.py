@@ -1,0 +1,102 @@
+"""Pipeline and tensor parallelism (engined/pipeline.py) with real ranks on loopback over MLX's ring backend.
+
+Each case runs ``tests/engined/pipeline_driver.py`` as rank 0 (the in-process
+Engine) with the other ranks started by ``mlxd.ranks`` as `mlxd engine`
+processes, and compares greedy outputs with the single-process Engine on the
+same weights: a mixed batch with a shared prefix (so the second pass hits the
+prefix cache) and prompts longer than the token budget (chunked prefill).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import msgspec
+import numpy as np
+import pytest
+
+from engined.engine import Engine
+from shared.config import EngineConfig
+from shared.sampling import SamplingParams
+from tests.tiny_models import fresh_seed, make_tiny_model, seeded_rng
+
+BASE = dict(max_model_len=512, max_num_batched_tokens=48, max_num_seqs=8, block_size=16, num_kv_blocks=64)
+MAX_TOKENS = 8
+
+
+def _prompts(rng) -> list[list[int]]:
+    shared = rng.integers(0, 250, 40).tolist()
+    return [shared + rng.integers(0, 250, int(k)).tolist() for k in (3, 30, 70)] + [rng.integers(0, 250, 5).tolist()]
+
+
+def _run_pipeline(config: EngineConfig, prompts) -> dict:
+    out = subprocess.run(
+        [sys.executable, "-m", "tests.engined.pipeline_driver", msgspec.json.encode(config).decode(),
+         json.dumps(prompts), str(MAX_TOKENS)],
+        capture_output=True, text=True, timeout=240)
+    assert out.returncode == 0, out.stderr[-4000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def _run_single(config: EngineConfig, prompts) -> tuple[list, list]:
+    engine = Engine(config)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    return engine.generate(prompts, params), engine.generate(prompts[:2], params)
+
+
+@pytest.mark.parametrize("arch,parallel,layers", [
+    ("llama", dict(pipeline_parallel_size=2), 4),  # mlx_lm's llama has no pipeline body: mlxd's hand-offs
+    ("qwen3", dict(pipeline_parallel_size=2), 2),  # nor qwen3's
+    ("qwen3_moe", dict(pipeline_parallel_size=2), 2),  # MoE, mlx_lm's PipelineMixin
+    ("qwen3_next", dict(pipeline_parallel_size=3), 4),  # hybrid: delta nets and gated attention, 2 + 1 + 1 layers
+    ("llama", dict(tensor_parallel_size=2), 2),  # mlx_lm's shard: half the heads and KV heads per rank
+    ("qwen3_moe", dict(tensor_parallel_size=2), 2),
+], ids=["llama-pp2", "qwen3-pp2", "qwen3_moe-pp2", "qwen3_next-pp3", "llama-tp2", "qwen3_moe-tp2"])
+def test_parallel_greedy_outputs_equal_the_single_process_engine(tmp_path, arch, parallel, layers):
+    seed = fresh_seed(f"{arch} weights")
+    path = make_tiny_model(tmp_path / arch, arch, seed=seed, num_hidden_layers=layers)
+    prompts = _prompts(seeded_rng())
+    single = EngineConfig(model=str(path), **BASE)
+    first, again = _run_single(single, prompts)
+    result = _run_pipeline(EngineConfig(model=str(path), **parallel, **BASE), prompts)
+    assert result["tokens"] == first
+    assert result["again"] == again
+    assert result["hits"] > 0  # the second pass was served from the prefix cache on every rank
+
+
+def test_each_rank_sizes_its_pool_for_its_own_layers_and_the_smallest_wins(tmp_path):
+    """Under one --kv-cache-memory, a rank with fewer layers affords more blocks: the pool is what
+    the rank with the most layers affords, whichever rank that is."""
+    path = make_tiny_model(tmp_path / "llama", "llama", seed=fresh_seed("weights"), num_hidden_layers=4)
+    sized = dict(BASE, num_kv_blocks=None, kv_cache_memory=2_000_000, max_num_seqs=32)
+
+    def run(**kw):
+        return _run_pipeline(EngineConfig(model=str(path), pipeline_parallel_size=2, **sized, **kw), [[5, 6, 7, 8]])
+
+    three_on_rank0, three_on_rank1, even = run(pipeline_split=[3, 1]), run(pipeline_split=[1, 3]), run()
+    whole = Engine(EngineConfig(model=str(path), **sized)).memory.num_blocks
+    print(f"blocks: split 3+1 {three_on_rank0['num_blocks']} (rank 0 alone: {three_on_rank0['own_blocks']}), "
+          f"1+3 {three_on_rank1['num_blocks']} (rank 0 alone: {three_on_rank1['own_blocks']}), "
+          f"2+2 {even['num_blocks']}; one process {whole}")
+    # Rank 0 holding 3 layers is the smaller: its own plan stands.
+    assert three_on_rank0["num_blocks"] == three_on_rank0["own_blocks"]
+    # Rank 0 holding 1 layer would afford far more: rank 1's 3 layers decide.
+    assert three_on_rank1["num_blocks"] < three_on_rank1["own_blocks"]
+    assert whole < min(three_on_rank0["num_blocks"], three_on_rank1["num_blocks"])
+    assert max(three_on_rank0["num_blocks"], three_on_rank1["num_blocks"]) < even["num_blocks"]
+
+
+@pytest.mark.parametrize("parallel,message", [
+    (dict(pipeline_parallel_size=3), "2 layers cannot be split over 3 pipeline ranks"),
+    (dict(tensor_parallel_size=3), "4 heads cannot be split over 3 tensor-parallel ranks"),
+])
+def test_a_split_that_does_not_fit_the_model_is_refused_in_one_line(tmp_path, parallel, message):
+    path = make_tiny_model(tmp_path / "llama", "llama", seed=0, num_hidden_layers=2)
+    config = EngineConfig(model=str(path), **parallel, **BASE)
+    out = subprocess.run(
+        [sys.executable, "-m", "tests.engined.pipeline_driver", msgspec.json.encode(config).decode(), "[[1, 2]]"],
+        capture_output=True, text=True, timeout=240)
+    assert out.returncode != 0
+    assert message in out.stderr
