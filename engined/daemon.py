@@ -98,6 +98,7 @@ class Daemon:
         self._stop_deadline = 0.0
         # What a PONG carries: replaced whole by the engine thread, read by the wire thread.
         self._stats_snapshot = p.EngineStats()
+        self._adapter_snapshot: list[p.LoraAdapter] = []
         # When the running step began (monotonic), None between steps.
         self._step_started: float | None = None
         # (identity, kind, message) from gateways, for the engine thread.
@@ -132,7 +133,7 @@ class Daemon:
 
     def _engine_info(self) -> p.EngineInfo:
         return p.EngineInfo(
-            **msgspec.structs.asdict(self.engine.info),
+            **{**msgspec.structs.asdict(self.engine.info), "lora_adapters": list(self.engine.info.lora_adapters)},
             protocol_version=p.PROTOCOL_VERSION,
             engine_version=_version(),
             instance_id=self.instance_id,
@@ -244,7 +245,9 @@ class Daemon:
             log.debug("gateway %s aborted %s (%d in flight)", identity.hex(), msg.request_ids, len(ids))
         elif kind is Kind.PING:
             self._publish_stats()
-            self._send(identity, Kind.PONG, p.Pong(self.instance_id, msg.sent_at, self._stats_snapshot))
+            self._send(identity, Kind.PONG, self._pong(msg.sent_at))
+        elif kind is Kind.LORA:
+            self._update_lora(identity, msg)
         elif kind is Kind.BYE:
             self._forget_gateway(identity, "said goodbye")
         elif kind == _STALLED:
@@ -257,10 +260,13 @@ class Daemon:
                 raise EngineUnavailableError(f"the engine is shutting down: {self.stop_reason}")
             if rid in self.owner:
                 raise InvalidRequestError(f"request id {rid!r} is already in flight")
+            # Only a generation engine serves adapters (an encoder's add_request takes none); the
+            # gateway names one only when the engine listed it.
+            lora = {"lora_name": msg.lora_name} if msg.lora_name is not None else {}
             self.engine.add_request(rid, msg.prompt_token_ids, msg.params, cache_salt=msg.cache_salt,
                                     app=msg.app, priority=msg.priority, group=msg.group,
                                     group_size=msg.group_size, params_n=msg.n if msg.choice == 0 else 0,
-                                    task=msg.task)
+                                    task=msg.task, **lora)
         except MlxdError as e:
             self._send_error(identity, rid, e)
             return
@@ -269,6 +275,30 @@ class Daemon:
             self._send_error(identity, rid, InvalidRequestError(f"request refused: {e}"))
             return
         self.owner[rid] = identity
+
+    def _update_lora(self, identity: bytes, msg: p.LoraUpdate) -> None:
+        """Load or unload an adapter between steps; the answer lists the adapters served after it."""
+        try:
+            if msg.action == "load" and msg.lora_path is not None:
+                self.engine.load_lora(msg.lora_name, msg.lora_path)
+            elif msg.action == "unload":
+                self.engine.unload_lora(msg.lora_name)
+            else:
+                raise InvalidRequestError(f"unknown LoRA update {msg.action!r}")
+        except MlxdError as e:
+            self._send_error(identity, msg.op_id, e)
+            return
+        except Exception as e:
+            log.error("LoRA %s of %s failed:\n%s", msg.action, msg.lora_name, traceback.format_exc())
+            self._send_error(identity, msg.op_id, InvalidRequestError(f"LoRA {msg.action} failed: {e}"))
+            return
+        self._send(identity, Kind.LORA_DONE, p.LoraAdapters(op_id=msg.op_id, adapters=self._adapters()))
+
+    def _adapters(self) -> list[p.LoraAdapter]:
+        return list(self.engine.info.lora_adapters)
+
+    def _pong(self, sent_at: float) -> p.Pong:
+        return p.Pong(self.instance_id, sent_at, self._stats_snapshot, self._adapter_snapshot)
 
     def _send_failures(self) -> None:
         """Requests the engine failed after accepting them (a grammar that did not compile)."""
@@ -307,6 +337,7 @@ class Daemon:
             num_total_blocks=s.num_total_blocks, num_preemptions=s.num_preemptions,
             prefix_cache_queries=s.prefix_cache_queries, prefix_cache_hits=s.prefix_cache_hits,
             step_seconds=self.step_seconds, io_seconds=self.io_seconds, num_steps=self.num_steps)
+        self._adapter_snapshot = self._adapters()
 
     # -- housekeeping --------------------------------------------------------
 
@@ -427,10 +458,10 @@ class Daemon:
                 self.last_seen[identity] = time.monotonic()
             started = self._step_started
             if kind is Kind.PING and started is not None and time.monotonic() - started > _LONG_STEP_S:
-                self._reply(identity, Kind.PONG, p.Pong(self.instance_id, msg.sent_at, self._stats_snapshot))
+                self._reply(identity, Kind.PONG, self._pong(msg.sent_at))
             elif kind is Kind.HELLO:
                 self._hello(identity, msg)
-            elif kind in (Kind.ADD, Kind.ABORT, Kind.BYE, Kind.PING):
+            elif kind in (Kind.ADD, Kind.ABORT, Kind.BYE, Kind.PING, Kind.LORA):
                 self._inbox.put((identity, kind, msg))
             else:
                 log.warning("dropped a %s frame: not a gateway's message", kind.name)
@@ -452,4 +483,5 @@ class Daemon:
             self._greeted.add(identity)
         if first:
             log.info("gateway %s connected (pid %d)", identity.hex(), msg.pid)
-        self._reply(identity, Kind.READY, self.info)
+        # The adapters served now, not those of the start: one may have been loaded since.
+        self._reply(identity, Kind.READY, msgspec.structs.replace(self.info, lora_adapters=self._adapter_snapshot))

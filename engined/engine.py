@@ -28,6 +28,7 @@ from engined.draft_model import DraftProposer
 from engined.kv import KVCacheManager
 from engined.launched import LaunchedStep, needs_host_tokens
 from engined.loaders import LoadedModel, load_model
+from engined.lora.registry import LoraRegistry
 from engined.metrics import EngineMetrics
 from engined.model_layers import float_dtype, read_layers
 from engined.pooling import matryoshka_dimensions, pooled_results, score_token_ids, store_results
@@ -39,8 +40,8 @@ from engined.speculative import Speculator
 from engined.structured import GrammarCompiler
 from engined.waiting_places import WaitingPlaces
 from shared.config import EngineConfig, SpeculativeConfig
-from shared.errors import ContextLengthError, InvalidRequestError, ModelLoadError
-from shared.protocol import TASKS, EngineStats, ModelInfo, RequestOutput
+from shared.errors import ContextLengthError, InvalidRequestError, ModelLoadError, NotFoundError
+from shared.protocol import TASKS, EngineStats, LoraAdapter, ModelInfo, RequestOutput
 from shared.sampling import SamplingParams
 
 log = logging.getLogger("mlxd.engine")
@@ -68,9 +69,12 @@ class Engine:
                 "speculative decoding is not supported for hybrid linear-attention models: a recurrent "
                 "state cannot take rejected draft tokens back", param="speculative_config",
             )
+        # Adapter slots are made before the memory guard measures the weights, so it counts them.
+        self.lora = (LoraRegistry(loaded.model, config.max_loras, config.max_lora_rank, dtype)
+                     if config.enable_lora else None)
         self.runner = (pipeline.MirroredRunner(loaded.model, specs, kv, backend, config) if pipelined
-                       else ModelRunner(loaded.model, specs, kv, backend))
-        kv = self.runner.kv  # on a pipeline, the journal the other ranks replay
+                       else ModelRunner(loaded.model, specs, kv, backend, self.lora))
+        kv = self.runner.kv  # on several ranks, the journal the other ranks replay
         self.sampler = Sampler(loaded.vocab_size, loaded.eos_token_ids)
         self.metrics = EngineMetrics(config.served_model_name or loaded.model_id, config.metrics_prefix,
                                      self.max_model_len)
@@ -88,7 +92,7 @@ class Engine:
             kv.follow(self.drafter.kv)
         kv.create(self.memory.num_blocks, self.memory.resident_blocks)
         self.scheduler = Scheduler(kv, config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len,
-                                   tuple(loaded.eos_token_ids))
+                                   tuple(loaded.eos_token_ids), self.lora)
         # Speculation proposes from the last tokens on the host, and a pipeline sends the other ranks
         # host token ids: both read every step before the next.
         self.async_scheduling = config.async_scheduling and spec is None and not pipelined
@@ -115,12 +119,18 @@ class Engine:
             vocab_size=loaded.vocab_size,
             eos_token_ids=list(loaded.eos_token_ids),
             tasks=[self.task],
+            enable_lora=config.enable_lora,
             # The final norm's width: what an embed row's hidden state has.
             embedding_dim=int(self.runner.head.inner.weight.shape[-1]) if self.task == "embed" else 0,
             matryoshka_dimensions=matryoshka_dimensions(loaded.tokenizer_dir) if self.task == "embed" else None,
         )
         self.score_ids = (score_token_ids(loaded.tokenizer_dir, config.score_tokens)
                           if self.task == "score" else None)
+        for name, path in config.lora_adapters:
+            self.load_lora(name, path)
+        if self.lora is not None:
+            log.info("LoRA: %d slot(s) of rank %d, %.1f MiB; adapters: %s", config.max_loras, config.max_lora_rank,
+                     self.lora.nbytes / 2**20, ", ".join(self.lora.adapters) or "none yet")
         self.grammars = GrammarCompiler(self.info.tokenizer_dir, loaded.vocab_size, loaded.eos_token_ids)
         self.sampler.grammars = self.grammars
         self.metrics.attach(self)
@@ -142,6 +152,7 @@ class Engine:
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
         cache_salt: str | None = None, app: str | None = None, priority: int = 0,
         group: str | None = None, group_size: int = 1, params_n: int = 1, task: str = "generate",
+        lora_name: str | None = None,
     ) -> None:
         """Queue a request; raises at once if it is malformed or can never fit.
 
@@ -152,8 +163,10 @@ class Engine:
         ``group``: see ``WaitingPlaces``. ``params_n``: the client request's n, recorded
         once per prompt (0 on its other choices). ``task`` (``shared.protocol.TASKS``)
         must be the model's; embed and score requests are prefill only (their
-        sampling parameters are ignored) and finish with their result.
+        sampling parameters are ignored) and finish with their result. ``lora_name`` picks a
+        loaded adapter (NotFoundError for another name).
         """
+        adapter = self._adapter(lora_name)
         self.places.take(group, group_size, len(self.scheduler.waiting))
         if task not in self.info.tasks:
             raise InvalidRequestError(f"this model serves {', '.join(self.info.tasks)} requests, not {task}"
@@ -183,12 +196,49 @@ class Engine:
         seed = params.seed if params.seed is not None else self._seeds.getrandbits(63)
         # The app enters the salt: one app can never hit, or time, another's cache.
         salt = f"{app or ''}\x00{cache_salt or ''}".encode() if app or cache_salt else b""
-        req = Request(request_id, prompt_token_ids, params, seed, salt, app or "", priority, params_n, task)
+        if adapter is not None:  # an adapter's K/V differ from the base's for the same tokens
+            salt += f"\x00lora\x00{adapter.uid}".encode()
+        req = Request(request_id, prompt_token_ids, params, seed, salt, app or "", priority, params_n, task, lora_name)
         if params.structured is not None:
             req.grammar = self.grammars.submit(params.structured)
             self._compiling.append(req)
         self.requests[request_id] = req
         self.scheduler.add(req)
+
+    def _adapter(self, name: str | None):
+        if name is None:
+            return None
+        adapter = self.lora.adapters.get(name) if self.lora is not None else None
+        if adapter is None:
+            raise NotFoundError(f"The model `{name}` does not exist; this server serves "
+                                f"`{self.info.served_model_name}`"
+                                + (f" and the LoRA adapters {', '.join(self.lora.adapters)}"
+                                   if self.lora and self.lora.adapters else ""), param="model")
+        return adapter
+
+    # -- LoRA adapters ----------------------------------------------------------------------
+
+    def load_lora(self, name: str, path: str) -> None:
+        """Serve the adapter at ``path`` as model ``name``; raises (400/404) with the reason."""
+        if self.lora is None:
+            raise InvalidRequestError("LoRA adapters are off: start the engine with --enable-lora",
+                                      param="lora_name")
+        if name in (self.info.served_model_name, self.info.model_id):
+            raise InvalidRequestError(f"{name!r} is the base model's name; give the adapter another",
+                                      param="lora_name")
+        adapter = self.lora.register(name, path)
+        self.info.lora_adapters.append(LoraAdapter(name=name, path=adapter.weights.path))
+        log.info("LoRA adapter %s loaded from %s (rank %d, %d modules)", name, path, adapter.weights.rank,
+                 len(adapter.weights.modules))
+
+    def unload_lora(self, name: str) -> None:
+        """Stop serving adapter ``name``; refused while requests still use it."""
+        if self.lora is None:
+            raise InvalidRequestError("LoRA adapters are off: start the engine with --enable-lora",
+                                      param="lora_name")
+        self.lora.unregister(name, sum(r.lora_name == name for r in self.requests.values()))
+        self.info.lora_adapters = [a for a in self.info.lora_adapters if a.name != name]
+        log.info("LoRA adapter %s unloaded", name)
 
     def abort(self, request_ids) -> None:
         """Stop requests now and free their blocks; unknown or finished ids are ignored."""
@@ -264,6 +314,9 @@ class Engine:
         if not self.async_scheduling:
             outputs += self._read_inflight()
         self.metrics.on_step(batch.num_tokens, time.monotonic() - start, self.stats())
+        if self.lora is not None:
+            waiting = sorted({r.lora_name for r in self.scheduler.waiting if r.lora_name})
+            self.metrics.on_lora(self.config.max_loras, self.lora.running(), waiting)
         return outputs
 
     def _launch(self, batch: SchedulerOutput) -> LaunchedStep:
@@ -385,12 +438,13 @@ class Engine:
 
     # -- convenience --------------------------------------------------------------------------
 
-    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[list[int]]:
-        """Run prompts to completion together; returns each one's generated token ids."""
+    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams],
+                 loras: list[str | None] | None = None) -> list[list[int]]:
+        """Run prompts to completion together (``loras[i]``: prompt i's adapter); returns each one's token ids."""
         plist = params if isinstance(params, list) else [params] * len(prompts)
         ids = [f"generate-{os.getpid()}-{id(self)}-{i}" for i in range(len(prompts))]
-        for rid, prompt, p in zip(ids, prompts, plist):
-            self.add_request(rid, prompt, p)
+        for rid, prompt, p, lora in zip(ids, prompts, plist, loras or [None] * len(prompts)):
+            self.add_request(rid, prompt, p, lora_name=lora)
         results: dict[str, list[int]] = {rid: [] for rid in ids}
         pending = set(ids)
         while pending:

@@ -144,6 +144,8 @@ class EngineMetrics:
         self._prefix_seen = (0, 0)
         self._preemptions_seen = 0
         self._spec = None
+        self._lora_info = None
+        self._lora_seen: tuple | None = None
         self._attached = False
         # Running totals for the periodic stats line (StatsLog): prompt tokens prefilled (of
         # which found in the prefix cache) and tokens generated.
@@ -172,7 +174,22 @@ class EngineMetrics:
                     str(config.gpu_memory_utilization), str(stats.num_total_blocks), ENGINE_INDEX).set(1)
         if engine.config.speculative_config is not None:
             self._spec_series()
+        if engine.config.enable_lora:
+            self._lora_info = Gauge(self._name("lora_requests_info"), "Running stats on lora requests.",
+                                    ["max_lora", "waiting_lora_adapters", "running_lora_adapters"],
+                                    registry=self.registry)
+            self.on_lora(engine.config.max_loras, [], [])
         self.on_step(0, 0.0, stats)
+
+    def on_lora(self, max_loras: int, running: list[str], waiting: list[str]) -> None:
+        """vLLM's lora_requests_info: one series, labelled with the adapters running and waiting (comma
+        separated), valued at the time they last changed. Nothing before ``attach``."""
+        labels = (str(max_loras), ",".join(waiting), ",".join(running))
+        if self._lora_info is None or labels == self._lora_seen:
+            return
+        self._lora_seen = labels
+        self._lora_info.clear()  # one series: the state now, not every state seen since the start
+        self._lora_info.labels(*labels).set_to_current_time()
 
     def _size_histograms(self, max_model_len: int) -> None:
         """The per-request token histograms, whose buckets follow max_model_len as vLLM's do."""

@@ -28,13 +28,14 @@ class Request:
         "num_cached_tokens", "status", "finish_reason", "stop_token_id", "seed",
         "arrival_time", "pending_tokens", "pending_logprobs", "block_hashes", "cache_salt",
         "first_scheduled_time", "first_token_time", "last_token_time", "app", "priority", "grammar",
-        "params_n", "task", "embedding", "score", "num_placeholders",
+        "params_n", "task", "embedding", "score", "lora_name", "lora_slot", "num_placeholders",
     )
 
     def __init__(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, seed: int,
         cache_salt: bytes = b"", app: str = "", priority: int = 0, params_n: int = 1,
         task: str = "generate",
+        lora_name: str | None = None,
     ):
         self.request_id = request_id
         self.params = params
@@ -73,6 +74,9 @@ class Request:
         self.task = task
         self.embedding: bytes | None = None
         self.score: float | None = None
+        # The LoRA adapter it runs under (None: the base model), and its slot while running (0: none held).
+        self.lora_name = lora_name
+        self.lora_slot = 0
 
     @property
     def ready(self) -> bool:

@@ -8,6 +8,7 @@ import numpy as np
 
 from engined import attention
 from engined.kv import KVCacheManager
+from engined.lora.registry import LoraRegistry
 from engined.model_layers import LayerSpec
 from engined.scheduler import SchedulerOutput
 
@@ -56,10 +57,13 @@ def forward_pooled(model: nn.Module, head: attention.LastTokenNorm, pieces: list
 class ModelRunner:
     """The model with its attention swapped for paged attention, run over the KV manager's groups."""
 
-    def __init__(self, model: nn.Module, specs: list[LayerSpec], kv: KVCacheManager, attention_backend: str = "auto"):
+    def __init__(self, model: nn.Module, specs: list[LayerSpec], kv: KVCacheManager, attention_backend: str = "auto",
+                 lora: LoraRegistry | None = None):
         self.model = model
         self.kv = kv
         self.head = attention.install(model, specs, attention_backend)
+        # The adapters' slots (their layers are already in the model); None: LoRA is off.
+        self.lora = lora
 
     def run(self, batch: SchedulerOutput, num_logits: list[int] | None = None) -> mx.array:
         """Forward the batch; logits ``[sum(num_logits), vocab]`` (not yet evaluated).
@@ -80,8 +84,15 @@ class ModelRunner:
         pieces = self.pieces(batch)
         fills = self.fills(batch, inflight) if inflight is not None else None
         caches = self.kv.step_caches(batch.scheduled)
-        return forward_pooled(self.model, self.head, pieces, caches,
-                              batch.num_logits if num_logits is None else num_logits, batch.hidden_rows, fills)
+        num_logits = batch.num_logits if num_logits is None else num_logits
+        if self.lora is None:
+            return forward_pooled(self.model, self.head, pieces, caches, num_logits, batch.hidden_rows, fills)
+        step = self.lora.step
+        step.slots = self.lora.token_slots([r.lora_slot for r, _ in batch.scheduled], [n for _, n in batch.scheduled])
+        try:
+            return forward_pooled(self.model, self.head, pieces, caches, num_logits, batch.hidden_rows, fills)
+        finally:
+            step.slots = None
 
     @staticmethod
     def pieces(batch: SchedulerOutput) -> list[list[int]]:

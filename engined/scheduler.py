@@ -76,8 +76,10 @@ def chunk_within(context: int, keys: int) -> int:
 
 class Scheduler:
     def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 max_model_len: int | None = None, eos_token_ids: tuple[int, ...] = ()):
+                 max_model_len: int | None = None, eos_token_ids: tuple[int, ...] = (), lora=None):
         self.kv = kv
+        # engined.lora.LoraRegistry, or None: a request under an adapter runs only while it holds a slot.
+        self.lora = lora
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
@@ -153,10 +155,14 @@ class Scheduler:
 
         # Admit waiting requests only if no running request had to be preempted to grow.
         pressure = len(out.preempted) > len(fair_preempted)
+        no_slot: set[Request] = set()  # their adapter found every slot held: later ones may still run
         while budget > 0 and not pressure and len(self.running) < self.max_num_seqs:
-            req = self._next_waiting()
+            req = self._next_waiting(no_slot)
             if req is None:
                 break
+            if not self._take_lora_slot(req):
+                no_slot.add(req)
+                continue
             prefix = self.kv.cached_prefix(req) if req.num_computed_tokens == 0 else []
             cached = len(prefix) * self.kv.block_size
             num_new = min(req.num_tokens - req.num_computed_tokens - cached, budget)
@@ -164,6 +170,7 @@ class Scheduler:
             if keys is not None and num_new > 1:
                 num_new = self._prefill_chunk(context, num_new, keys)
             if not self.kv.allocate(req, num_new, prefix):
+                self._drop_lora_slot(req)
                 break
             if keys is not None and num_new > 1:
                 keys -= attended_keys(context, num_new)
@@ -234,7 +241,19 @@ class Scheduler:
             free_blocks += held - need
         return victims
 
-    def _next_waiting(self) -> Request | None:
+    def _take_lora_slot(self, req: Request) -> bool:
+        if req.lora_name is None or self.lora is None:
+            return True
+        slot = self.lora.acquire(req.lora_name)
+        req.lora_slot = slot or 0
+        return slot is not None
+
+    def _drop_lora_slot(self, req: Request) -> None:
+        if req.lora_slot:
+            self.lora.release(req.lora_slot)
+            req.lora_slot = 0
+
+    def _next_waiting(self, skip=()) -> Request | None:
         """The waiting request to admit next: best priority, then the app with the fewest running, then queue order.
 
         Fair share: an app flooding the queue gets its next turn only after the
@@ -246,7 +265,7 @@ class Scheduler:
             running_per_app[r.app] = running_per_app.get(r.app, 0) + 1
         best, best_key = None, None
         for pos, req in enumerate(self.waiting):
-            if not req.ready:
+            if not req.ready or req in skip:
                 continue
             key = (req.priority, running_per_app.get(req.app, 0), pos)
             if best_key is None or key < best_key:
@@ -255,6 +274,7 @@ class Scheduler:
 
     def _preempt(self, req: Request) -> None:
         self.kv.free(req)
+        self._drop_lora_slot(req)
         req.num_computed_tokens = 0
         req.status = Status.WAITING
         self.waiting.appendleft(req)
@@ -269,6 +289,7 @@ class Scheduler:
         req.status = Status.FINISHED
         req.finish_reason = reason
         self.kv.free(req)
+        self._drop_lora_slot(req)
 
     def _ends_on_placeholder(self, req: Request) -> bool:
         """Whether the request's token still on the device is its last (max_tokens, or the context full)."""

@@ -74,13 +74,13 @@ class AccessLoggedClient(EngineClient):
     """The engine client, noting each request's outputs in the access record of its HTTP request."""
 
     def add(self, request_id, prompt_ids, params, queue, index=0, cache_salt=None, app=None, priority=0,
-            group=None, task="generate"):
+            group=None, task="generate", lora_name=None):
         record = _current.get()
         if record is not None:
             record.ids.append(request_id)
             record.app = app or "default"
             queue = _Tap(queue, record)
-        super().add(request_id, prompt_ids, params, queue, index, cache_salt, app, priority, group, task)
+        super().add(request_id, prompt_ids, params, queue, index, cache_salt, app, priority, group, task, lora_name)
 
 
 class AccessLog:

@@ -215,6 +215,7 @@ async def messages(request: Request) -> Response:
         raise InvalidRequestError("max_tokens must be at least 1", param="max_tokens")
     inp = chat_input(req)
     inp.app = app
+    inp.lora_name = gw.lora_name(model)
     run = ChatRun(gw, inp)
     await run.start()
     mid = "msg_" + run.id

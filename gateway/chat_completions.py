@@ -50,7 +50,9 @@ async def chat_completions(request: Request) -> Response:
     req = await decode_body(request, t.ChatCompletionRequest)
     gw.require_ready()
     model = gw.check_model(req.model)
-    run = ChatRun(gw, chat_input(req, app))
+    inp = chat_input(req, app)
+    inp.lora_name = gw.lora_name(model)
+    run = ChatRun(gw, inp)
     await run.start()
     rid = "chatcmpl-" + run.id
     created = int(time.time())

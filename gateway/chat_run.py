@@ -73,6 +73,8 @@ class ChatInput:
     speculate: bool = True
     priority: int = 0
     cache_salt: str | None = None
+    # The LoRA adapter the request's model names (GatewayState.lora_name); None: the base model.
+    lora_name: str | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     structured_outputs: dict[str, Any] | None = None
@@ -194,7 +196,8 @@ class ChatRun:
         # Formats whose markers are special tokens need them in the text to be parsed.
         skip_special = inp.skip_special_tokens and not keeps_special_tokens(parser, reasoning_parser)
         self.gen = Generation(gw.client, tok, [prompt.ids], params, n, stops, inp.include_stop_str_in_output,
-                              skip_special, inp.logprobs is not None, inp.cache_salt, inp.app, inp.priority)
+                              skip_special, inp.logprobs is not None, inp.cache_salt, inp.app, inp.priority,
+                              inp.lora_name)
         self.outputs = [ChatOutput(reasoning_parser, prompt.text, parser) for _ in self.gen.choices]
         self.gen.start()
         try:

@@ -45,7 +45,8 @@ async def completions(request: Request) -> Response:
                     ("structured_outputs", structured_outputs_spec(structured_outputs_of(req))))
     params = P.sampling_params(req, max_tokens, req.logprobs, info.vocab_size, n, spec, gw.sampling_defaults)
     gen = Generation(gw.client, tok, prompts, params, n, stops, req.include_stop_str_in_output,
-                     req.skip_special_tokens, req.logprobs is not None, req.cache_salt, app, req.priority)
+                     req.skip_special_tokens, req.logprobs is not None, req.cache_salt, app, req.priority,
+                     gw.lora_name(model))
     gen.start()
     rid = "cmpl-" + gen.id_base
     created = int(time.time())

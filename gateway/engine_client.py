@@ -54,6 +54,8 @@ class EngineClient:
         self._tasks: list[asyncio.Task] = []
         self._sock = None
         self._pong_waiters: list[tuple[float, asyncio.Future]] = []
+        # The LoRA adapters the engine serves (from READY, each PONG and each runtime update).
+        self.lora_adapters: list[p.LoraAdapter] = []
 
     # -- lifecycle ------------------------------------------------------------------------
 
@@ -96,7 +98,7 @@ class EngineClient:
     def add(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
             queue: asyncio.Queue, index: int = 0, cache_salt: str | None = None,
             app: str | None = None, priority: int = 0, group: tuple[str, int, int, int] | None = None,
-            task: str = "generate") -> None:
+            task: str = "generate", lora_name: str | None = None) -> None:
         """Send a request; its outputs (or an MlxdError) arrive on ``queue`` as (index, item).
 
         ``group`` (id, size, n, choice): the requests of one client request, sent one after
@@ -108,7 +110,7 @@ class EngineClient:
         self._streams[request_id] = (queue, index)
         group_id, group_size, n, choice = group if group is not None else (None, 1, 1, 0)
         if not self._send(Kind.ADD, p.AddRequest(request_id, prompt_ids, params, cache_salt, app, priority,
-                                                 group_id, group_size, n, choice, task)):
+                                                 group_id, group_size, n, choice, task, lora_name)):
             del self._streams[request_id]
             raise EngineUnavailableError("the engine is not connected")
 
@@ -118,6 +120,30 @@ class EngineClient:
         if ids and self.ready:
             self._send(Kind.ABORT, p.Abort(ids))
         log.debug("abort %s: sent for %s", request_ids, ids)
+
+    async def update_lora(self, action: str, name: str, path: str | None = None,
+                          timeout: float = 120.0) -> list[p.LoraAdapter]:
+        """Load (``path`` given) or unload an adapter in the engine; the adapters served after it.
+
+        Raises the engine's MlxdError (a bad path: 404, a bad adapter: 400), or
+        EngineUnavailableError when the engine is gone or does not answer in ``timeout``.
+        """
+        if not self.ready:
+            raise EngineUnavailableError(self.unavailable_reason)
+        op_id = "lora-" + uuid.uuid4().hex
+        queue: asyncio.Queue = asyncio.Queue()
+        self._streams[op_id] = (queue, 0)
+        if not self._send(Kind.LORA, p.LoraUpdate(op_id=op_id, action=action, lora_name=name, lora_path=path)):
+            del self._streams[op_id]
+            raise EngineUnavailableError("the engine is not connected")
+        try:
+            _, item = await asyncio.wait_for(queue.get(), timeout)
+        except asyncio.TimeoutError:
+            self._streams.pop(op_id, None)
+            raise EngineUnavailableError(f"the engine did not answer the LoRA {action} in {timeout:.0f}s") from None
+        if isinstance(item, MlxdError):
+            raise item
+        return item.adapters
 
     async def fresh_stats(self, timeout: float = 2.0) -> p.EngineStats | None:
         """Stats from a PONG sent after this call (not the last heartbeat's)."""
@@ -212,6 +238,7 @@ class EngineClient:
                 self._hello()
                 return
             self.stats = msg.stats
+            self.lora_adapters = msg.lora_adapters
             # Only the answer to a waiter's own ping (or a later one) is fresh enough.
             waiting = []
             for sent_at, fut in self._pong_waiters:
@@ -231,6 +258,11 @@ class EngineClient:
             entry = self._streams.pop(msg.request_id, None)
             if entry is not None:
                 entry[0].put_nowait((entry[1], err))
+        elif kind is Kind.LORA_DONE:
+            self.lora_adapters = msg.adapters
+            entry = self._streams.pop(msg.op_id, None)
+            if entry is not None:
+                entry[0].put_nowait((entry[1], msg))
         elif kind is Kind.READY:
             await self._on_ready(msg)
         elif kind is Kind.DEAD:
@@ -250,6 +282,7 @@ class EngineClient:
             if self.on_ready is not None:
                 await self.on_ready(info)
             self.info = info
+            self.lora_adapters = info.lora_adapters
             self.ready = True
             self._last_heard = time.monotonic()
             log.info("engine ready: %s (protocol %d, engine %s)", info.served_model_name,

@@ -83,8 +83,10 @@ class Generation:
 
     def __init__(self, client, tokenizer, prompts: list[list[int]], params: SamplingParams, n: int,
                  stop: list[str], include_stop: bool, skip_special_tokens: bool, want_logprobs: bool,
-                 cache_salt: str | None = None, app: str | None = None, priority: int = 0):
+                 cache_salt: str | None = None, app: str | None = None, priority: int = 0,
+                 lora_name: str | None = None):
         self.client = client
+        self.lora_name = lora_name
         self.cache_salt = cache_salt
         self.app = app
         self.priority = priority
@@ -110,7 +112,8 @@ class Generation:
                 self.client.add(c.request_id, self.prompts[c.index // self.n], params, self.queue, c.index,
                                 self.cache_salt, self.app, self.priority,
                                 (self.id_base, len(self.choices), self.n, c.index % self.n)
-                                if len(self.choices) > 1 else None)
+                                if len(self.choices) > 1 else None,
+                                lora_name=self.lora_name)
         except BaseException:
             self.abort_unfinished()
             raise

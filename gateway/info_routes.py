@@ -52,25 +52,33 @@ async def version(request: Request) -> Response:
 
 def _model_card(info) -> dict:
     return {"id": info.served_model_name, "object": "model", "created": int(time.time()),
-            "owned_by": "mlxd", "root": info.model_id, "max_model_len": info.max_model_len,
+            "owned_by": "mlxd", "root": info.model_id, "parent": None, "max_model_len": info.max_model_len,
             # What it can be asked: generate (chat, completions), embed (/v1/embeddings), score (/rerank).
             "tasks": info.tasks}
+
+
+def _adapter_card(info, adapter) -> dict:
+    """A LoRA adapter as vLLM lists it: its own id, its path as root, the base model as parent."""
+    return {"id": adapter.name, "object": "model", "created": int(time.time()), "owned_by": "mlxd",
+            "root": adapter.path, "parent": info.served_model_name, "max_model_len": info.max_model_len}
 
 
 async def models(request: Request) -> Response:
     gw: GatewayState = request.app.state.gw
     gw.check_auth(request)
     info, _ = gw.require_ready()
-    return JSONResponse({"object": "list", "data": [_model_card(info)]})
+    cards = [_model_card(info)] + [_adapter_card(info, a) for a in gw.client.lora_adapters]
+    return JSONResponse({"object": "list", "data": cards})
 
 
 async def model(request: Request) -> Response:
-    """The openai SDK's ``models.retrieve``: the served model's card, or 404 for any other name."""
+    """The openai SDK's ``models.retrieve``: the served model's or an adapter's card, 404 for any other name."""
     gw: GatewayState = request.app.state.gw
     gw.check_auth(request)
     info, _ = gw.require_ready()
-    gw.check_model(request.path_params["model"])
-    return JSONResponse(_model_card(info))
+    name = gw.check_model(request.path_params["model"])
+    adapter = next((a for a in gw.client.lora_adapters if a.name == name), None)
+    return JSONResponse(_adapter_card(info, adapter) if adapter else _model_card(info))
 
 
 async def tokenize(request: Request) -> Response:

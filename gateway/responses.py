@@ -168,6 +168,7 @@ async def responses(request: Request) -> Response:
     tools = responses_tools(req.tools)
     inp = chat_input(req, tools)
     inp.app = app
+    inp.lora_name = gw.lora_name(model)
     run = ChatRun(gw, inp)
     await run.start()
     shell = _Shell("resp_" + run.id, model, req, tools)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from starlette.routing import Route
 
-from gateway import anthropic, embeddings, info_routes, responses, scoring
+from gateway import anthropic, embeddings, info_routes, lora_routes, responses, scoring
 from gateway.chat_completions import chat_completions
 from gateway.completions import completions
 from gateway.metrics import metrics_endpoint
@@ -30,4 +30,6 @@ ROUTES = [
     Route("/v2/rerank", scoring.rerank, methods=["POST"]),
     Route("/tokenize", info_routes.tokenize, methods=["POST"]),
     Route("/detokenize", info_routes.detokenize, methods=["POST"]),
+    Route("/v1/load_lora_adapter", lora_routes.load_lora_adapter, methods=["POST"]),
+    Route("/v1/unload_lora_adapter", lora_routes.unload_lora_adapter, methods=["POST"]),
 ]

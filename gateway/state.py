@@ -107,9 +107,18 @@ class GatewayState:
         return client.info, self.tokenizer
 
     def check_model(self, name: str | None) -> str:
-        """The name to answer with; NotFoundError (404) for a model this engine does not serve."""
+        """The name to answer with (the base's or a LoRA adapter's); NotFoundError (404) for another."""
         info = self.client.info
         if name is None or name in (info.served_model_name, info.model_id):
             return info.served_model_name
+        adapters = [a.name for a in self.client.lora_adapters]
+        if name in adapters:
+            return name
         raise NotFoundError(f"The model `{name}` does not exist; this server serves "
-                            f"`{info.served_model_name}`.", param="model")
+                            f"`{info.served_model_name}`"
+                            + (f" and the LoRA adapters {', '.join(f'`{a}`' for a in adapters)}" if adapters else "")
+                            + ".", param="model")
+
+    def lora_name(self, model: str) -> str | None:
+        """The adapter a checked model name (``check_model``'s answer) runs under; None for the base."""
+        return None if model == self.client.info.served_model_name else model

@@ -79,6 +79,12 @@ HELP = {
                         "chat template writes it",
     "keys_file": "per-app API keys made by `mlxd keys add` (default: keys.json in the config dir)",
     "curve_keys": "directory of CurveZMQ keys (`mlxd keys curve`); needed for TCP beyond loopback",
+    "enable_lora": "serve LoRA adapters over the base model; a request's model names its adapter",
+    "lora_modules": "adapters served from the start: name=path, or vLLM's JSON '{\"name\": ..., \"path\": ...}' "
+                    "(mlx_lm or PEFT adapter directories)",
+    "max_loras": "LoRA adapters resident at once (the distinct adapters of one batch); others wait, LRU evicted",
+    "max_lora_rank": "largest LoRA rank served (slots are sized for it)",
+    "enable_runtime_lora_updating": "allow POST /v1/load_lora_adapter and /v1/unload_lora_adapter",
 }
 
 # Fields whose values are a closed set: argparse refuses others and --help lists them.

@@ -102,6 +102,13 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     task: str = "auto"
     # score: the tokens "no,yes" whose logits give the score, each one token of the vocabulary.
     score_tokens: str = "no,yes"
+    # LoRA adapters (vLLM's flags): off unless enabled; adapters served from the start, each
+    # "name=path" or vLLM's JSON '{"name": ..., "path": ...}'; how many sit in device slots at once
+    # (the distinct adapters of one batch); the largest rank served (slots are sized for it).
+    enable_lora: bool = False
+    lora_modules: list[str] = []
+    max_loras: int = 1
+    max_lora_rank: int = 16
 
     def __post_init__(self) -> None:
         positive = ("max_num_seqs", "max_num_batched_tokens", "block_size", "max_waiting_requests")
@@ -126,6 +133,9 @@ class EngineConfig(msgspec.Struct, kw_only=True):
         for name in ("pipeline_parallel_size", "tensor_parallel_size"):
             if getattr(self, name) < 1:
                 raise InvalidRequestError(f"{name} must be positive", param=name)
+        if self.enable_lora and self.num_ranks > 1:
+            raise InvalidRequestError("LoRA adapters cannot be served over several ranks yet",
+                                      param="enable_lora")
         if self.pipeline_parallel_size > 1 and self.tensor_parallel_size > 1:
             raise InvalidRequestError("pipeline and tensor parallelism cannot be combined yet; pick one",
                                       param="tensor_parallel_size")
@@ -141,6 +151,37 @@ class EngineConfig(msgspec.Struct, kw_only=True):
             raise InvalidRequestError("score_tokens must be two tokens, 'no,yes'", param="score_tokens")
         if self.dtype not in DTYPES:
             raise InvalidRequestError(f"unknown dtype {self.dtype!r}", param="dtype")
+        if self.max_loras < 1 or self.max_lora_rank < 1:
+            raise InvalidRequestError("max_loras and max_lora_rank must be positive", param="max_loras")
+        if self.lora_modules and not self.enable_lora:
+            raise InvalidRequestError("--lora-modules needs --enable-lora", param="lora_modules")
+        self.lora_adapters  # parse now so a bad entry fails at start-up
+
+    @property
+    def lora_adapters(self) -> list[tuple[str, str]]:
+        """``lora_modules`` as (name, path) pairs, in order; names are unique."""
+        pairs = []
+        for entry in self.lora_modules:
+            if entry.lstrip().startswith("{"):
+                try:
+                    obj = msgspec.json.decode(entry)
+                except msgspec.DecodeError as e:
+                    raise InvalidRequestError(f"--lora-modules: {entry!r} is not JSON: {e}",
+                                              param="lora_modules") from None
+                if not (isinstance(obj, dict) and isinstance(obj.get("name"), str)
+                        and isinstance(obj.get("path"), str)):
+                    raise InvalidRequestError(f"--lora-modules: {entry!r} needs string fields name and path",
+                                              param="lora_modules")
+                pairs.append((obj["name"], obj["path"]))
+            else:
+                name, eq, path = entry.partition("=")
+                if not eq or not name or not path:
+                    raise InvalidRequestError(f"--lora-modules: {entry!r} is not name=path", param="lora_modules")
+                pairs.append((name, path))
+        names = [n for n, _ in pairs]
+        if len(set(names)) != len(names):
+            raise InvalidRequestError("--lora-modules: an adapter name is given twice", param="lora_modules")
+        return pairs
 
     def for_device(self, gpu: bool) -> "EngineConfig":
         """This config with the settings left to the device (None) filled in from DEVICE_DEFAULTS."""

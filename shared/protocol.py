@@ -23,7 +23,8 @@ from shared.sampling import SamplingParams
 # 4: AddRequest gained n and choice.
 # 5: AddRequest gained task; RequestOutput gained embedding and score; ModelInfo gained tasks,
 #    embedding_dim and matryoshka_dimensions.
-PROTOCOL_VERSION = 5
+# 6: LoRA: AddRequest.lora_name, ModelInfo.lora_adapters, Pong.lora_adapters, LORA / LORA_DONE.
+PROTOCOL_VERSION = 6
 
 # What a request asks of the model: tokens (generate), its pooled vector (embed), or a relevance
 # score from its last position's logits (score). Embed and score are prefill only.
@@ -41,6 +42,8 @@ class Kind(bytes, enum.Enum):
     PONG = b"\x08"  # engine -> gateway: Pong
     DEAD = b"\x09"  # engine -> gateway: Dead, the engine's last word
     BYE = b"\x0a"  # gateway -> engine: Bye, a gateway leaving (its requests are aborted)
+    LORA = b"\x0b"  # gateway -> engine: LoraUpdate (load or unload an adapter at runtime)
+    LORA_DONE = b"\x0c"  # engine -> gateway: LoraAdapters, the answer to a LoraUpdate that succeeded
 
 
 class Logprob(msgspec.Struct, array_like=True, gc=False):
@@ -98,6 +101,13 @@ class Hello(msgspec.Struct, kw_only=True):
     pid: int = 0
 
 
+class LoraAdapter(msgspec.Struct, kw_only=True):
+    """An adapter the engine serves: ``name`` is the model name requests use for it."""
+
+    name: str
+    path: str
+
+
 class ModelInfo(msgspec.Struct, kw_only=True):
     """What the engine serves, as the in-process Engine reports it."""
 
@@ -114,6 +124,8 @@ class ModelInfo(msgspec.Struct, kw_only=True):
     tasks: list[str] = msgspec.field(default_factory=lambda: ["generate"])
     embedding_dim: int = 0
     matryoshka_dimensions: list[int] | None = None
+    enable_lora: bool = False
+    lora_adapters: list[LoraAdapter] = []
 
 
 class EngineInfo(ModelInfo, kw_only=True):
@@ -145,6 +157,8 @@ class AddRequest(msgspec.Struct, array_like=True, gc=False):
     n: int = 1
     choice: int = 0
     task: str = "generate"  # one of TASKS
+    # The LoRA adapter to run under (a name of ModelInfo.lora_adapters); None: the base model.
+    lora_name: str | None = None
 
 
 class Abort(msgspec.Struct, array_like=True, gc=False):
@@ -177,6 +191,22 @@ class Pong(msgspec.Struct, array_like=True):
     instance_id: str
     sent_at: float
     stats: EngineStats
+    # The adapters served now: every gateway learns of one loaded through another.
+    lora_adapters: list[LoraAdapter] = []
+
+
+class LoraUpdate(msgspec.Struct, kw_only=True):
+    """Load (``lora_path`` given) or unload an adapter; answered by LoraAdapters, or Error(request_id=op_id)."""
+
+    op_id: str
+    action: str  # "load" | "unload"
+    lora_name: str
+    lora_path: str | None = None
+
+
+class LoraAdapters(msgspec.Struct, kw_only=True):
+    op_id: str
+    adapters: list[LoraAdapter]
 
 
 class Dead(msgspec.Struct, kw_only=True):
@@ -198,6 +228,8 @@ PAYLOAD_TYPES: dict[Kind, type] = {
     Kind.PONG: Pong,
     Kind.DEAD: Dead,
     Kind.BYE: Bye,
+    Kind.LORA: LoraUpdate,
+    Kind.LORA_DONE: LoraAdapters,
 }
 
 _encoder = msgspec.msgpack.Encoder()

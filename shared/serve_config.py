@@ -112,6 +112,8 @@ class GatewayConfig(msgspec.Struct, kw_only=True):
 
     # vLLM's flag (off by default there too): one access line per request in the log.
     enable_log_requests: bool = False
+    # POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM: VLLM_ALLOW_RUNTIME_LORA_UPDATING).
+    enable_runtime_lora_updating: bool = False
 
     @property
     def generation_override(self) -> dict:

@@ -14,15 +14,18 @@ EXAMPLES = {
     Kind.READY: p.EngineInfo(protocol_version=1, engine_version="0.1", instance_id="abc", model_id="m",
                              served_model_name="m", tokenizer_dir="/t", max_model_len=512, block_size=16,
                              num_kv_blocks=8, vocab_size=100, eos_token_ids=[2]),
-    Kind.ADD: p.AddRequest("r1", [1, 2, 3], SamplingParams(max_tokens=4, seed=9, logit_bias={5: -1.0})),
+    Kind.ADD: p.AddRequest("r1", [1, 2, 3], SamplingParams(max_tokens=4, seed=9, logit_bias={5: -1.0}),
+                           lora_name="sql"),
     Kind.ABORT: p.Abort(["r1", "r2"]),
     Kind.OUTPUTS: p.StepOutputs([p.RequestOutput("r1", [7, 2], "stop", [p.Logprob(-0.5, [7], [-0.5])],
                                                  3, 0, 2)]),
     Kind.ERROR: p.Error(request_id="r1", code="invalid_request", message="bad", param="max_tokens"),
     Kind.PING: p.Ping(1.5),
-    Kind.PONG: p.Pong("abc", 1.5, p.EngineStats(1, 2, 3, 4)),
+    Kind.PONG: p.Pong("abc", 1.5, p.EngineStats(1, 2, 3, 4), [p.LoraAdapter(name="sql", path="/a")]),
     Kind.DEAD: p.Dead(reason="bye"),
     Kind.BYE: p.Bye(),
+    Kind.LORA: p.LoraUpdate(op_id="lora-1", action="load", lora_name="sql", lora_path="/a"),
+    Kind.LORA_DONE: p.LoraAdapters(op_id="lora-1", adapters=[p.LoraAdapter(name="sql", path="/a")]),
 }
 
 
@@ -58,18 +61,19 @@ def test_a_shorter_array_from_an_older_peer_still_decodes_with_defaults():
 
 def test_add_request_carries_app_and_priority_after_the_salt():
     add = p.AddRequest("r", [1], SamplingParams(), "salt", "app-a", -3)
-    assert msgspec.msgpack.decode(msgspec.msgpack.encode(add))[3:] == ["salt", "app-a", -3, None, 1, 1, 0, "generate"]
+    assert msgspec.msgpack.decode(msgspec.msgpack.encode(add))[3:] == ["salt", "app-a", -3, None, 1, 1, 0, "generate", None]
     kind, msg = p.decode(p.encode(Kind.ADD, add))
     assert (msg.app, msg.priority) == ("app-a", -3)
     # An AddRequest of protocol 1 (no app, no priority) decodes with the defaults.
     older = msgspec.msgpack.encode(["r", [1], msgspec.msgpack.decode(msgspec.msgpack.encode(SamplingParams())), None])
     kind, msg = p.decode([Kind.ADD.value, older])
     assert msg.app is None and msg.priority == 0 and msg.group is None and msg.group_size == 1
+    assert msg.lora_name is None
 
 
 def test_pooled_requests_carry_their_task_and_results_after_the_older_fields():
     add = p.AddRequest("r", [1], SamplingParams(), task="embed")
-    assert msgspec.msgpack.decode(msgspec.msgpack.encode(add))[-1] == "embed"
+    assert msgspec.msgpack.decode(msgspec.msgpack.encode(add))[-2] == "embed"  # lora_name came after it
     assert p.decode(p.encode(Kind.ADD, add))[1].task == "embed"
     out = p.RequestOutput("r", [], "stop", embedding=b"\x00\x00\x80?", score=0.25)
     assert msgspec.msgpack.decode(msgspec.msgpack.encode(out))[-2:] == [b"\x00\x00\x80?", 0.25]

@@ -1,0 +1,218 @@
+"""LoRA throughput: one batch spread over 4 adapters against the same batch on the base model.
+
+In-process engines on the same model (default: the embedded SmolLM2-135M),
+same prompts, greedy, every request ``--max-tokens`` long. Three systems:
+
+- ``base``: an engine without LoRA, every request on the base model;
+- ``4 adapters``: an engine with ``--enable-lora --max-loras 4``, the requests
+  spread round-robin over four random rank-``--rank`` adapters of every
+  attention and MLP projection (one packed step mixes them all);
+- ``lora on, base requests``: the LoRA engine with requests naming no adapter
+  (what enabling LoRA costs requests that use none).
+
+Each level runs each system once as warm-up, then ``--repeats`` times,
+alternating; reports generated tokens/s (median) and the ratio to ``base``.
+Then one decode step of ``c`` rows (every prefill done) is forwarded
+``--step-repeats`` times with its rows' adapters and as many times with
+every row on the base, alternating step by step: the LoRA term's own cost,
+with far less of a busy machine's noise than whole runs.
+``--shape llama-8b`` runs a model of Llama-3.1-8B's shape with random bf16
+weights instead (no download; both engines share the same arrays), for a GPU.
+
+    python -m bench.lora [--model PATH | --shape NAME] [--levels 8 64] [--max-tokens 32] [--rank 16]
+                         [--prompt-lens 32 256]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+from engined.device import load_fast_blas
+
+# A benchmark script, run as __main__: the fast BLAS before the imports below load mlx.core.
+load_fast_blas()
+import mlx.core as mx
+import numpy as np
+
+from engined.engine import Engine
+from engined.loaders import load_model
+from engined.lora.layers import install
+from shared.config import EngineConfig
+from shared.sampling import SamplingParams
+
+NUM_ADAPTERS = 4
+SHAPES = {
+    "llama-8b": dict(model_type="llama", hidden_size=4096, num_hidden_layers=32, intermediate_size=14336,
+                     num_attention_heads=32, num_key_value_heads=8, vocab_size=128256, rms_norm_eps=1e-5,
+                     rope_theta=500000.0, max_position_embeddings=8192, tie_word_embeddings=False),
+    # The script end to end in seconds on a CPU.
+    "llama-tiny": dict(model_type="llama", hidden_size=128, num_hidden_layers=2, intermediate_size=256,
+                       num_attention_heads=4, num_key_value_heads=2, vocab_size=1024, rms_norm_eps=1e-5,
+                       rope_theta=10000.0, max_position_embeddings=8192, tie_word_embeddings=False),
+}
+
+
+def random_model_maker(name: str):
+    """A maker of LoadedModels of shape ``name`` whose models all share one set of random bf16 arrays."""
+    from mlx_lm.utils import _get_classes
+
+    from engined.loaders import LoadedModel
+
+    shape = SHAPES[name]
+    model_cls, args_cls = _get_classes(shape)
+    mx.random.seed(0)
+
+    def fresh():
+        m = model_cls(args_cls.from_dict(shape))
+        m.set_dtype(mx.bfloat16)
+        return m
+
+    first = fresh()
+    mx.eval(first.parameters())
+
+    def make():
+        m = fresh()
+        m.update(first.parameters())  # the same arrays; its own random ones are never evaluated
+        return LoadedModel(model=m, model_id=f"random-{name}", model_type=shape["model_type"],
+                           tokenizer_dir=Path("."), eos_token_ids=[], bos_token_id=None, context_length=8192,
+                           vocab_size=shape["vocab_size"], num_layers=shape["num_hidden_layers"],
+                           num_kv_heads=shape["num_key_value_heads"],
+                           head_dim=shape["hidden_size"] // shape["num_attention_heads"])
+
+    return make
+
+
+def write_adapters(model, root: Path, rank: int, seed: int = 0) -> list[Path]:
+    """``NUM_ADAPTERS`` random mlx_lm-format adapters of every linear projection of the model's layers."""
+    _, targets = install(model, 1, 1, mx.float32)  # only to list the projections and their sizes
+    rng = np.random.default_rng(seed)
+    dirs = []
+    for k in range(NUM_ADAPTERS):
+        tensors = {}
+        for path, (wrapper, proj) in targets.items():
+            if proj is not None:
+                continue  # experts: this benchmark's models are dense
+            tensors[f"{path}.lora_a"] = mx.array(rng.normal(0, 0.02, (wrapper.input_dims, rank)).astype(np.float32))
+            tensors[f"{path}.lora_b"] = mx.array(rng.normal(0, 0.02, (rank, wrapper.output_dims)).astype(np.float32))
+        d = root / f"adapter{k}"
+        d.mkdir()
+        mx.save_safetensors(str(d / "adapters.safetensors"), tensors)
+        (d / "adapter_config.json").write_text(json.dumps(
+            {"fine_tune_type": "lora", "lora_parameters": {"rank": rank, "scale": 1.0, "dropout": 0.0}}))
+        dirs.append(d)
+    return dirs
+
+
+def step_cost(engine: Engine, prompts: list[list[int]], loras: list[str], repeats: int) -> tuple[float, float]:
+    """Median seconds of one packed decode step's forward: (rows on their adapters, rows on the base)."""
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)  # room for the step measured
+    ids = [f"step-{i}" for i in range(len(prompts))]
+    for rid, prompt, lora in zip(ids, prompts, loras):
+        engine.add_request(rid, prompt, params, lora_name=lora)
+    reqs = [engine.requests[rid] for rid in ids]
+    while any(r.num_output_tokens == 0 for r in reqs):
+        engine.step()
+    batch = engine.scheduler.schedule()
+    slots = [r.lora_slot for r, _ in batch.scheduled]
+    assert len(batch.scheduled) == len(prompts) and all(n == 1 for _, n in batch.scheduled)
+
+    def forward(adapters: bool) -> float:
+        for (r, _), slot in zip(batch.scheduled, slots):
+            r.lora_slot = slot if adapters else 0
+        start = time.perf_counter()
+        mx.eval(engine.runner.run(batch))
+        return time.perf_counter() - start
+
+    times = [(forward(True), forward(False)) for _ in range(repeats + 1)][1:]
+    for (r, _), slot in zip(batch.scheduled, slots):
+        r.lora_slot = slot
+    engine.abort(ids)
+    engine.step()
+    return statistics.median(a for a, _ in times), statistics.median(b for _, b in times)
+
+
+def make_prompts(n: int, vocab: int, seed: int, lengths: tuple[int, int]) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(100, vocab - 100, size=int(k)).tolist()
+            for k in rng.integers(lengths[0], lengths[1] + 1, size=n)]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="")
+    ap.add_argument("--shape", choices=sorted(SHAPES), default=None)
+    ap.add_argument("--levels", type=int, nargs="+", default=[8, 64])
+    ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--rank", type=int, default=16)
+    ap.add_argument("--prompt-lens", type=int, nargs=2, default=[32, 256], metavar=("MIN", "MAX"))
+    ap.add_argument("--repeats", type=int, default=2, help="timed whole runs per system (0: the step alone)")
+    ap.add_argument("--step-repeats", type=int, default=10)
+    args = ap.parse_args()
+
+    top = max(args.levels)
+    common = dict(max_num_seqs=top, max_num_batched_tokens=2048, enable_prefix_caching=False,
+                  num_kv_blocks=top * (args.prompt_lens[1] + args.max_tokens) // 16 + 2 * top)
+    make = random_model_maker(args.shape) if args.shape else (lambda: load_model(args.model))
+    with tempfile.TemporaryDirectory() as tmp:
+        adapters = write_adapters(make().model, Path(tmp), args.rank)
+        base = Engine(EngineConfig(model=args.model, **common), make())
+        lora = Engine(EngineConfig(model=args.model, enable_lora=True, max_loras=NUM_ADAPTERS,
+                                   max_lora_rank=args.rank,
+                                   lora_modules=[f"a{k}={d}" for k, d in enumerate(adapters)], **common), make())
+        print(f"device {mx.default_device()}, model {base.info.model_id}, rank {args.rank}, "
+              f"{NUM_ADAPTERS} adapters, slots {lora.lora.nbytes / 2**20:.1f} MiB", flush=True)
+        params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
+        rows, steps = [], []
+        for level in args.levels:
+            prompts = make_prompts(level, base.info.vocab_size, level, tuple(args.prompt_lens))
+            spread = [f"a{i % NUM_ADAPTERS}" for i in range(level)]
+            systems = {
+                "base": lambda: base.generate(prompts, params),
+                "4 adapters": lambda: lora.generate(prompts, params, spread),
+                "lora on, base requests": lambda: lora.generate(prompts, params),
+            }
+            if not args.repeats:  # the step measurement alone
+                systems = {}
+            for name, run in list(systems.items()):
+                try:
+                    run()  # warm-up
+                except Exception as e:  # report what broke and keep the others' numbers
+                    print(f"c={level}: {name} failed: {type(e).__name__}: {e}", flush=True)
+                    del systems[name]
+            times = {name: [] for name in systems}
+            for _ in range(args.repeats):  # alternating, so that background load falls on all alike
+                for name, run in systems.items():
+                    start = time.perf_counter()
+                    run()
+                    times[name].append(time.perf_counter() - start)
+            tokens = level * args.max_tokens
+            rate = {name: tokens / statistics.median(t) for name, t in times.items()}
+            if "base" in rate:
+                rows.append((level, rate))
+                print(f"c={level}: " + "   ".join(f"{n} {r:.1f} tok/s ({r / rate['base']:.2f}x)"
+                                                 for n, r in rate.items()), flush=True)
+            if args.step_repeats:
+                with_, without = step_cost(lora, prompts, spread, args.step_repeats)
+                steps.append((level, with_, without))
+                print(f"c={level}: one decode step's forward: {with_ * 1e3:.1f} ms on 4 adapters, "
+                      f"{without * 1e3:.1f} ms on the base ({without / with_:.2f}x)", flush=True)
+    print("\n| concurrent requests | base tok/s | 4 adapters tok/s | ratio | LoRA on, base requests tok/s | ratio |")
+    print("|---|---|---|---|---|---|")
+    for level, r in rows:
+        b = r.get("base", float("nan"))
+        a, o = r.get("4 adapters", float("nan")), r.get("lora on, base requests", float("nan"))
+        print(f"| {level} | {b:.1f} | {a:.1f} | {a / b:.2f}x | {o:.1f} | {o / b:.2f}x |")
+    if steps:
+        print("\n| concurrent requests | decode step, 4 adapters (ms) | same step, base rows (ms) | ratio |")
+        print("|---|---|---|---|")
+        for level, a, b in steps:
+            print(f"| {level} | {a * 1e3:.1f} | {b * 1e3:.1f} | {b / a:.2f}x |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1 @@
+"""LoRA adapters: many over one base model, mixed in one packed step (``adapters``, ``layers``, ``registry``)."""

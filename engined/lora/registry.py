@@ -1,0 +1,175 @@
+"""The adapters an engine serves: which are known, which sit in device slots, and each token's slot per step.
+
+``register`` reads an adapter (``adapters.read_adapter``), checks every module
+against the wrapped model (``layers.install``) and keeps its weights in host
+memory. A request names an adapter; when the scheduler admits it, ``acquire``
+gives it a slot (1..``max_loras``), writing the weights into the stacks if the
+adapter is not resident, evicting the least recently used slot that no
+running request holds. When every slot is held by running requests the
+request waits (vLLM's ``max_loras`` bound on the adapters of one batch).
+Slot 0 is the base model. ``token_slots`` is the runner's per-token index.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+
+from engined.device import on_cpu
+from engined.lora import layers
+from engined.lora.adapters import AdapterWeights, read_adapter
+from shared.errors import InvalidRequestError, NotFoundError
+
+
+@dataclass
+class Adapter:
+    name: str
+    weights: AdapterWeights
+    # Enters the prefix-cache salt: a reloaded adapter of the same name never meets the old one's blocks.
+    uid: str
+
+
+class LoraRegistry:
+    def __init__(self, model: nn.Module, max_loras: int, max_lora_rank: int, dtype: mx.Dtype):
+        self.max_loras = max_loras
+        self.max_lora_rank = max_lora_rank
+        # MLX's CPU gather_mm takes float32 only: a half-precision model's adapters run in float32 there.
+        if on_cpu():
+            dtype = mx.float32
+        self.step, self.targets = layers.install(model, max_loras + 1, max_lora_rank, dtype)
+        self.adapters: dict[str, Adapter] = {}
+        # slot -> adapter name (slot 0, the base, is never listed); most recently used last.
+        self._resident: OrderedDict[int, str] = OrderedDict()
+        self._holders: dict[int, int] = {}  # slot -> running requests holding it
+        mx.eval(self.arrays())
+
+    def arrays(self) -> list[mx.array]:
+        return [a for w, _ in self.targets.values() for a in w.parameters().values() if isinstance(a, mx.array)]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the slot stacks (weights the memory guard counts)."""
+        seen, total = set(), 0
+        for wrapper, _ in self.targets.values():
+            if id(wrapper) in seen:
+                continue
+            seen.add(id(wrapper))
+            total += sum(v.nbytes for k, v in wrapper.items() if isinstance(v, mx.array))
+        return total
+
+    # -- the adapters known --------------------------------------------------------------
+
+    def register(self, name: str, path: str) -> Adapter:
+        """Read and check an adapter and serve it as ``name``; errors name the problem (400/404)."""
+        if not name or name in self.adapters:
+            raise InvalidRequestError(f"a LoRA adapter named {name!r} is already loaded" if name else
+                                      "a LoRA adapter needs a name", param="lora_name")
+        weights = read_adapter(path)
+        self._check(weights)
+        adapter = Adapter(name, weights, uuid.uuid4().hex)
+        self.adapters[name] = adapter
+        return adapter
+
+    def unregister(self, name: str, in_use: int) -> None:
+        """Stop serving ``name``; refused while ``in_use`` requests (waiting or running) still name it."""
+        if name not in self.adapters:
+            raise NotFoundError(f"no LoRA adapter named {name!r} is loaded", param="lora_name")
+        if in_use:
+            raise InvalidRequestError(f"LoRA adapter {name!r} is in use by {in_use} request(s); unload it "
+                                      "when they have finished", param="lora_name")
+        del self.adapters[name]
+        for slot, held in list(self._resident.items()):
+            if held == name:
+                del self._resident[slot]
+
+    def _check(self, w: AdapterWeights) -> None:
+        where = f"LoRA adapter {w.path!r}"
+        if w.rank > self.max_lora_rank:
+            raise InvalidRequestError(f"{where} has rank {w.rank}, over --max-lora-rank {self.max_lora_rank}",
+                                      param="lora_path")
+        for path, (a, b) in w.modules.items():
+            target = self.targets.get(path)
+            if target is None:
+                raise InvalidRequestError(f"{where} adapts {path!r}, which is not a linear layer of this model's "
+                                          "transformer layers", param="lora_path")
+            wrapper, proj = target
+            r = a.shape[-1]
+            want = wrapper.expected_shapes(proj, r) if proj else wrapper.expected_shapes(r)
+            experts_fit = proj is None or a.shape[0] <= want[0][0]
+            got = (a.shape[1:], b.shape[1:]) if proj else (a.shape, b.shape)
+            if not experts_fit or got != ((want[0][1:], want[1][1:]) if proj else want):
+                raise InvalidRequestError(f"{where}: {path} has LoRA shapes {a.shape} and {b.shape}; the model "
+                                          f"needs {want[0]} and {want[1]}", param="lora_path")
+
+    # -- slots ----------------------------------------------------------------------------
+
+    def acquire(self, name: str) -> int | None:
+        """A slot holding ``name`` for one more running request, or None while every slot is held."""
+        slot = next((s for s, n in self._resident.items() if n == name), None)
+        if slot is None:
+            free = [s for s in range(1, self.max_loras + 1) if s not in self._resident]
+            idle = [s for s in self._resident if not self._holders.get(s)]
+            if not free and not idle:
+                return None
+            slot = free[0] if free else idle[0]  # _resident is in LRU order
+            self._resident.pop(slot, None)
+            self._write(slot, self.adapters[name].weights)
+            self._resident[slot] = name
+        self._resident.move_to_end(slot)
+        self._holders[slot] = self._holders.get(slot, 0) + 1
+        return slot
+
+    def release(self, slot: int) -> None:
+        """A running request holding ``slot`` finished or was preempted."""
+        if slot:
+            self._holders[slot] -= 1
+
+    def _write(self, slot: int, w: AdapterWeights) -> None:
+        """Put an adapter's weights into ``slot`` of every wrapped layer; zeros where it adapts nothing."""
+        given = {}
+        for path, (a, b) in w.modules.items():
+            wrapper, proj = self.targets[path]
+            given[(id(wrapper), proj)] = (a, b)
+        touched = []
+        for wrapper, proj in self.targets.values():
+            a_name, b_name = (f"{proj}_a", f"{proj}_b") if proj else ("lora_a", "lora_b")
+            stack_a, stack_b = wrapper[a_name], wrapper[b_name]
+            pair = given.get((id(wrapper), proj))
+            if proj:
+                e = wrapper.num_experts
+                rows = slice(slot * e, (slot + 1) * e)
+                new_a = np.zeros((e, *stack_a.shape[1:]), np.float32)
+                new_b = np.zeros((e, *stack_b.shape[1:]), np.float32)
+                if pair is not None:
+                    a, b = pair
+                    new_a[: a.shape[0], :, : a.shape[-1]] = a
+                    new_b[: b.shape[0], : b.shape[1], :] = b
+            else:
+                rows = slot
+                new_a = np.zeros(stack_a.shape[1:], np.float32)
+                new_b = np.zeros(stack_b.shape[1:], np.float32)
+                if pair is not None:
+                    a, b = pair
+                    new_a[:, : a.shape[-1]] = a
+                    new_b[: b.shape[0]] = b
+            stack_a[rows] = mx.array(new_a).astype(stack_a.dtype)
+            stack_b[rows] = mx.array(new_b).astype(stack_b.dtype)
+            touched += [stack_a, stack_b]
+        mx.eval(touched)
+
+    # -- the step -------------------------------------------------------------------------
+
+    def token_slots(self, slots: list[int], lens: list[int]) -> mx.array | None:
+        """Each packed token's slot (requests' ``slots``, ``lens`` tokens each); None when all are base."""
+        if not any(slots):
+            return None
+        return mx.array(np.repeat(np.asarray(slots, np.uint32), lens))
+
+    def running(self) -> list[str]:
+        """Adapters held by running requests now."""
+        return sorted({self._resident[s] for s, n in self._holders.items() if n and s in self._resident})
