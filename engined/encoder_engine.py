@@ -21,6 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from engined import memory_guard
+from engined.device import on_cpu
 from engined.metrics import EngineMetrics
 from engined.pooling import matryoshka_dimensions
 from engined.request import Request, Status
@@ -49,6 +50,7 @@ class EncoderEngine:
 
         if config.task not in ("auto", "embed"):
             raise ModelLoadError(f"{path} is an encoder model: it serves --task embed, not {config.task}")
+        config = config.for_device(gpu=not on_cpu())
         self.config = config
         self.model = EncoderModel.load(path)
         limit = self.model.max_length

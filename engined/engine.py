@@ -1,6 +1,11 @@
 """The in-process engine: requests in, token ids out, one packed step at a time.
 
-    schedule -> run the packed forward -> sample -> postprocess (in the scheduler)
+    schedule -> run the packed forward -> sample (launched) -> postprocess (in the scheduler)
+
+With asynchronous scheduling (``EngineConfig.async_scheduling``) a step's
+sampled tokens stay on the device while the next step is scheduled and built
+(``engined.launched``); they are read after it is launched, or before it is
+scheduled where a request needs them on the host (``_must_read_first``).
 
 The daemon wraps this object; tests and benchmarks use it directly.
 """
@@ -18,8 +23,10 @@ import mlx.core as mx
 
 import kernels
 from engined import memory_guard, model_split, pipeline
+from engined.device import on_cpu
 from engined.draft_model import DraftProposer
 from engined.kv import KVCacheManager
+from engined.launched import LaunchedStep, needs_host_tokens
 from engined.loaders import LoadedModel, load_model
 from engined.lora.registry import LoraRegistry
 from engined.metrics import EngineMetrics
@@ -27,7 +34,7 @@ from engined.model_layers import float_dtype, read_layers
 from engined.pooling import matryoshka_dimensions, pooled_results, score_token_ids, store_results
 from engined.request import Request
 from engined.runner import ModelRunner
-from engined.sampler import Sampler, logprobs_for
+from engined.sampler import Sampler
 from engined.scheduler import Scheduler, SchedulerOutput
 from engined.speculative import Speculator
 from engined.structured import GrammarCompiler
@@ -42,6 +49,7 @@ log = logging.getLogger("mlxd.engine")
 
 class Engine:
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None, progress: bool = False):
+        config = config.for_device(gpu=not on_cpu())
         self.config = config
         loaded = loaded or load_model(config.model, config.dtype)
         self.loaded = loaded
@@ -85,6 +93,15 @@ class Engine:
         kv.create(self.memory.num_blocks, self.memory.resident_blocks)
         self.scheduler = Scheduler(kv, config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len,
                                    tuple(loaded.eos_token_ids), self.lora)
+        # Speculation proposes from the last tokens on the host, and a pipeline sends the other ranks
+        # host token ids: both read every step before the next.
+        self.async_scheduling = config.async_scheduling and spec is None and not pipelined
+        self.sampler.choose_on_device = self.async_scheduling
+        self._inflight: LaunchedStep | None = None  # the step launched whose tokens are not read yet
+        # Steps launched, and seconds the host spent blocked reading their tokens (the rest of a
+        # step's time is the host's own work: benchmarks report both).
+        self.num_steps = 0
+        self.sync_wait_s = 0.0
         self.requests: dict[str, Request] = {}
         self._seeds = random.Random(config.seed)
         self.places = WaitingPlaces(config.max_waiting_requests)
@@ -234,7 +251,8 @@ class Engine:
             self._aborted.append(self._output(req))
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished() or bool(self._aborted) or bool(self._failed)
+        return (self.scheduler.has_unfinished() or bool(self._aborted) or bool(self._failed)
+                or self._inflight is not None)
 
     def take_errors(self) -> list[tuple[str, InvalidRequestError]]:
         """Requests failed since the last call, as (id, error): their grammar did not compile, or
@@ -272,28 +290,64 @@ class Engine:
     # -- the step -----------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
+        """Schedule, run and sample one step; returns the outputs of the step whose tokens were read.
+
+        Synchronous: the step launched here is read before returning.
+        Asynchronous: it stays in flight and the step launched before it is
+        read instead, once this one is queued behind it on the device.
+        """
         start = time.monotonic()
         outputs = self._take_ended()
+        if self._inflight is not None and self._must_read_first():
+            outputs += self._read_inflight()
         drafts = self.speculator.propose(self.scheduler.running)
         self._fail_raised(self.speculator.take_failures(), "its draft could not be proposed")
         batch = self.scheduler.schedule(drafts)
         self.speculator.draft(batch)
         if not batch.scheduled:
-            return outputs + self._idle()
-        logits, hidden = self.runner.run_pooled(batch)
-        pooled = (pooled_results(batch, logits, hidden, self.score_ids)
-                  if any(r.pooled for r, _ in batch.scheduled) else None)
-        emitted = self._sample(batch, logits)
-        if pooled:
-            store_results(pooled)
-        produced = self.scheduler.postprocess(batch, emitted)
-        self._fail_raised(batch.failed, "its grammar could not take the sampled token")
-        outputs += self._outputs(produced)
+            return outputs + (self._read_inflight() if self._inflight is not None else self._idle())
+        launched = self._launch(batch)
+        self.num_steps += 1
+        if self._inflight is not None:
+            outputs += self._read_inflight()
+        self._inflight = launched
+        if not self.async_scheduling:
+            outputs += self._read_inflight()
         self.metrics.on_step(batch.num_tokens, time.monotonic() - start, self.stats())
         if self.lora is not None:
             waiting = sorted({r.lora_name for r in self.scheduler.waiting if r.lora_name})
             self.metrics.on_lora(self.config.max_loras, self.lora.running(), waiting)
         return outputs
+
+    def _launch(self, batch: SchedulerOutput) -> LaunchedStep:
+        """Build the step's forward and sampling and queue them on the device; the scheduler then
+        counts its tokens as computed and its samples as placeholders."""
+        # Only a ModelRunner takes placeholders: a pipeline's step never finds one in flight.
+        logits, hidden = (self.runner.run_pooled(batch) if self._inflight is None
+                          else self.runner.run_pooled(batch, inflight=self._inflight))
+        pooled = (pooled_results(batch, logits, hidden, self.score_ids)
+                  if any(r.pooled for r, _ in batch.scheduled) else None)
+        launched = self._sample(batch, logits)
+        launched.pooled = pooled
+        self.scheduler.advance(batch)
+        return launched
+
+    def _must_read_first(self) -> bool:
+        """Sync point before scheduling: a request of the step in flight needs its token on the host
+        to be stepped again (its grammar's mask, its penalties)."""
+        return any(needs_host_tokens(r) and not r.finished for r, _ in self._inflight.batch.scheduled)
+
+    def _read_inflight(self) -> list[RequestOutput]:
+        """Sync point: wait for the step in flight, read its tokens and postprocess them."""
+        launched, self._inflight = self._inflight, None
+        t0 = time.perf_counter()
+        emitted = launched.read()
+        if launched.pooled:
+            store_results(launched.pooled)
+        self.sync_wait_s += time.perf_counter() - t0
+        produced = self.scheduler.postprocess(launched.batch, emitted)
+        self._fail_raised(launched.batch.failed, "its grammar could not take the sampled token")
+        return self._outputs(produced)
 
     def release_idle_memory(self) -> bool:
         """Cut the KV pool back after a while with no request holding a block (the daemon's idle loop
@@ -318,11 +372,10 @@ class Engine:
             self._check_grammars()
         return outputs
 
-    def _sample(self, batch: SchedulerOutput, logits: mx.array) -> dict:
-        """Sample plain rows and verify draft windows in one evaluation.
+    def _sample(self, batch: SchedulerOutput, logits: mx.array) -> LaunchedStep:
+        """Sample plain rows and verify draft windows in one evaluation, launched (not read).
 
-        Returns {request: (new tokens, their Logprob records or Nones)}. A
-        request whose own sampling setup raises (a parameter MLX cannot take,
+        A request whose own sampling setup raises (a parameter MLX cannot take,
         a grammar that breaks) fails alone: it leaves the batch, its client gets
         the error through ``take_errors``, and the others are sampled again.
         """
@@ -332,7 +385,7 @@ class Engine:
                 rows.append((req, row))
             row += k
         try:
-            return self._sample_rows(batch, rows, logits)
+            return LaunchedStep.sample(batch, rows, logits, self.sampler, self.speculator, self.runner.kv.arrays())
         except Exception as e:
             culprits = {req for req, _ in rows if not self._can_sample(req)}
             if not culprits:
@@ -342,28 +395,8 @@ class Engine:
             for req in culprits:
                 self._fail(req, InvalidRequestError(f"the request could not be sampled: {type(e).__name__}: {e}"))
             batch.scheduled = [(r, n) for r, n in batch.scheduled if r not in culprits]
-            return self._sample_rows(batch, [(r, o) for r, o in rows if r not in culprits], logits)
-
-    def _sample_rows(self, batch: SchedulerOutput, rows: list[tuple[Request, int]], logits: mx.array) -> dict:
-        plain = [(r, o) for r, o in rows if r not in batch.drafts]
-        spec = [(r, o) for r, o in rows if r in batch.drafts]
-        pending = [self.runner.kv.arrays()]
-        if plain:
-            preqs = [r for r, _ in plain]
-            tokens, plp = self.sampler(logits[mx.array([o for _, o in plain])], preqs)
-            pending += [tokens, plp or []]
-        if spec:
-            arrays, spec_results = self.speculator.verify(logits, spec, batch.drafts)
-            pending += arrays
-        mx.eval(pending)
-        emitted = {}
-        if plain:
-            toks = tokens.tolist()
-            lps = logprobs_for(plp, toks, preqs) if plp else [None] * len(preqs)
-            emitted = {req: ([tok], [lp]) for req, tok, lp in zip(preqs, toks, lps)}
-        if spec:
-            emitted.update(spec_results())
-        return emitted
+            return LaunchedStep.sample(batch, [(r, o) for r, o in rows if r not in culprits], logits, self.sampler,
+                                       self.speculator, self.runner.kv.arrays())
 
     def _can_sample(self, req: Request) -> bool:
         """Whether one row of this request alone samples without raising (finds a step's culprits)."""

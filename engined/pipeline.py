@@ -29,6 +29,7 @@ import msgspec
 import numpy as np
 
 from engined import memory_guard
+from engined.device import on_cpu
 from engined.kv import KVCacheManager
 from engined.memory_guard import MemoryPlan
 from engined.model_split import hand_off, prepare
@@ -290,6 +291,7 @@ def serve_worker(config: EngineConfig, group: mx.distributed.Group) -> int:
     from engined.model_layers import float_dtype, read_layers
     import kernels
 
+    config = config.for_device(gpu=not on_cpu())  # the same batch limits as rank 0's engine
     loaded = load_model(config.model, config.dtype)
     prepare(loaded.model, group, config)
     specs = read_layers(loaded.model)

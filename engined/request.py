@@ -28,7 +28,7 @@ class Request:
         "num_cached_tokens", "status", "finish_reason", "stop_token_id", "seed",
         "arrival_time", "pending_tokens", "pending_logprobs", "block_hashes", "cache_salt",
         "first_scheduled_time", "first_token_time", "last_token_time", "app", "priority", "grammar",
-        "params_n", "task", "embedding", "score", "lora_name", "lora_slot",
+        "params_n", "task", "embedding", "score", "lora_name", "lora_slot", "num_placeholders",
     )
 
     def __init__(
@@ -66,6 +66,9 @@ class Request:
         self.params_n = params_n
         # The structured-output matcher (engined.structured.Grammar); None when unconstrained.
         self.grammar = None
+        # Tokens sampled by a step still running on the device (asynchronous scheduling): they
+        # follow ``token_ids`` but the host has not read them yet. At most one.
+        self.num_placeholders = 0
         # generate | embed | score (shared.protocol.TASKS); embed and score requests are prefill
         # only and finish with their pooled vector (float32 bytes) or score.
         self.task = task
@@ -77,8 +80,9 @@ class Request:
 
     @property
     def ready(self) -> bool:
-        """False while its grammar is still compiling: the scheduler leaves it waiting."""
-        return self.grammar is None or self.grammar.ready
+        """False while its grammar is still compiling, or (preempted) while a token it sampled is
+        still on the device: the scheduler leaves it waiting."""
+        return (self.grammar is None or self.grammar.ready) and not self.num_placeholders
 
     @property
     def pooled(self) -> bool:
@@ -88,6 +92,16 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
+
+    @property
+    def num_tokens_with_placeholders(self) -> int:
+        """Known tokens and those still on the device: where the next step's tokens start from."""
+        return len(self.token_ids) + self.num_placeholders
+
+    @property
+    def output_position(self) -> int:
+        """The index among its outputs of the token this request samples next."""
+        return len(self.token_ids) + self.num_placeholders - self.num_prompt_tokens
 
     @property
     def num_output_tokens(self) -> int:

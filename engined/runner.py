@@ -30,17 +30,25 @@ def forward(model: nn.Module, head: attention.LastTokenNorm, pieces: list[list[i
 
 
 def forward_pooled(model: nn.Module, head: attention.LastTokenNorm, pieces: list[list[int]], caches: list,
-                   num_logits: list[int], num_hidden: list[int] | None = None) -> tuple[mx.array, mx.array | None]:
+                   num_logits: list[int], num_hidden: list[int] | None = None,
+                   fills: tuple[list[int], mx.array] | None = None) -> tuple[mx.array, mx.array | None]:
     """``forward``, and when ``num_hidden`` asks for any, the final normed hidden states
-    ``[sum(num_hidden), hidden]`` of each piece's last ``num_hidden[b]`` rows (else None)."""
+    ``[sum(num_hidden), hidden]`` of each piece's last ``num_hidden[b]`` rows (else None).
+
+    ``fills`` = (packed positions, tokens [len]) puts device-side tokens (a
+    step still in flight sampled them) at those positions.
+    """
     lens = [len(p) for p in pieces]
-    tokens = np.fromiter((t for piece in pieces for t in piece), dtype=np.int32, count=sum(lens))
+    tokens = mx.array(np.fromiter((t for piece in pieces for t in piece), dtype=np.int32, count=sum(lens)))
+    if fills is not None:
+        at, values = fills
+        tokens[mx.array(np.array(at, dtype=np.int32))] = values.astype(mx.int32)
     ends = np.cumsum(lens)
     head.rows = _row_index(ends, num_logits)
     if num_hidden and any(num_hidden):
         head.hidden_rows = _row_index(ends, num_hidden)
     try:
-        logits = model(mx.array(tokens)[None], cache=caches)[0]
+        logits = model(tokens[None], cache=caches)[0]
         return logits, (head.hidden[0] if head.hidden is not None else None)
     finally:
         head.rows = head.hidden_rows = head.hidden = None
@@ -67,27 +75,45 @@ class ModelRunner:
         """
         return self.run_pooled(batch, num_logits)[0]
 
-    def run_pooled(self, batch: SchedulerOutput, num_logits: list[int] | None = None
+    def run_pooled(self, batch: SchedulerOutput, num_logits: list[int] | None = None, inflight=None
                    ) -> tuple[mx.array, mx.array | None]:
         """``run``, plus the final hidden states of the rows ``batch.hidden_rows`` asks for (embed
-        requests' last tokens, in batch order; None when none does)."""
+        requests' last tokens, in batch order; None when none does). A request's placeholder (its
+        last token, sampled by the step in flight ``inflight``, an ``engined.launched.LaunchedStep``)
+        is read from the device."""
         pieces = self.pieces(batch)
+        fills = self.fills(batch, inflight) if inflight is not None else None
         caches = self.kv.step_caches(batch.scheduled)
         num_logits = batch.num_logits if num_logits is None else num_logits
         if self.lora is None:
-            return forward_pooled(self.model, self.head, pieces, caches, num_logits, batch.hidden_rows)
+            return forward_pooled(self.model, self.head, pieces, caches, num_logits, batch.hidden_rows, fills)
         step = self.lora.step
         step.slots = self.lora.token_slots([r.lora_slot for r, _ in batch.scheduled], [n for _, n in batch.scheduled])
         try:
-            return forward_pooled(self.model, self.head, pieces, caches, num_logits, batch.hidden_rows)
+            return forward_pooled(self.model, self.head, pieces, caches, num_logits, batch.hidden_rows, fills)
         finally:
             step.slots = None
 
     @staticmethod
     def pieces(batch: SchedulerOutput) -> list[list[int]]:
-        """Each scheduled request's tokens of this step: its known tokens, then its drafts."""
+        """Each scheduled request's tokens of this step: its known tokens, then its drafts, or a 0
+        where its placeholder goes (``fills``)."""
         pieces = []
         for r, n in batch.scheduled:
             known = r.token_ids[r.num_computed_tokens : r.num_computed_tokens + n]
-            pieces.append(known if len(known) == n else known + batch.drafts[r][: n - len(known)])
+            if len(known) < n:
+                known = known + (batch.drafts[r][: n - len(known)] if r in batch.drafts else [0])
+            pieces.append(known)
         return pieces
+
+    @staticmethod
+    def fills(batch: SchedulerOutput, inflight) -> tuple[list[int], mx.array] | None:
+        """(packed positions, tokens) of the step's placeholders: each the last token of its
+        request's piece, read on the device from the step in flight that sampled it."""
+        at, rows, offset = [], [], 0
+        for r, n in batch.scheduled:
+            offset += n
+            if r.num_computed_tokens + n > r.num_tokens and r not in batch.drafts:
+                at.append(offset - 1)
+                rows.append(inflight.row_of(r))
+        return (at, inflight.tokens[mx.array(rows)]) if at else None

@@ -32,6 +32,10 @@ class Sampler:
         self.eos_token_ids = list(eos_token_ids)
         # engined.structured.GrammarCompiler: masks rows of constrained requests.
         self.grammars = grammars
+        # Asynchronous scheduling: the step before may still run, and reading which rows' kept sets
+        # run past their head would wait for it. Those rows are then sampled over the whole sorted
+        # vocabulary on the device as well, and each row takes its answer there.
+        self.choose_on_device = False
 
     def __call__(self, logits: mx.array, reqs: list[Request]) -> tuple[mx.array, list | None]:
         """Sample one token per row of ``logits [S, V]``; returns (tokens [S], logprob parts or None).
@@ -76,12 +80,29 @@ class Sampler:
         order = mx.argsort(-head, axis=-1)
         ids, head = mx.take_along_axis(ids, order, axis=-1), mx.take_along_axis(head, order, axis=-1)
         keep = _kept_prefix(head, mx.logsumexp(scaled, axis=-1, keepdims=True), *self._limits(reqs, top_k, v))
-        # The step's one host sync in sampling: which rows' kept sets run past their head.
-        overflow = np.array(keep[:, -1]).tolist()
-        past = [i for i, (t, o) in enumerate(zip(truncates, overflow)) if o or not t]
         noise = self._noise(reqs, width)
         choice = mx.argmax(mx.where(keep, head, _NEG) + noise, axis=-1)
-        return mx.take_along_axis(ids, choice[:, None], axis=-1)[:, 0], past
+        sampled = mx.take_along_axis(ids, choice[:, None], axis=-1)[:, 0]
+        if self.choose_on_device:
+            return self._overflow_on_device(sampled, keep[:, -1], scaled, reqs, truncates)
+        # The step's one host sync in sampling: which rows' kept sets run past their head.
+        overflow = np.array(keep[:, -1]).tolist()
+        return sampled, [i for i, (t, o) in enumerate(zip(truncates, overflow)) if o or not t]
+
+    def _overflow_on_device(self, sampled: mx.array, overflow: mx.array, scaled: mx.array, reqs: list[Request],
+                            truncates: list[bool]) -> tuple[mx.array, list[int]]:
+        """``_sample_head``'s answer without the host read: sampled rows that truncate are also
+        sampled over their whole sorted row, and those whose kept set runs past the head take that
+        sample (the token the host-checked path gives them). Rows that do not truncate are left to
+        the caller."""
+        untruncated = [i for i, t in enumerate(truncates) if not t]
+        rows = [i for i, (t, r) in enumerate(zip(truncates, reqs)) if t and r.params.temperature > 0.0]
+        if not rows:  # greedy rows keep one token: never past their head
+            return sampled, untruncated
+        sub = [reqs[i] for i in rows]
+        idx = mx.array(rows)
+        full = self._sample_full(self._truncate(scaled[idx], sub, head_first=False), sub)
+        return _put_rows(sampled, idx, mx.where(overflow[idx], full, sampled[idx])), untruncated
 
     def _sample_full(self, processed: mx.array, reqs: list[Request]) -> mx.array:
         """Gumbel-max over the whole vocabulary; greedy rows take the argmax."""
@@ -93,8 +114,9 @@ class Sampler:
 
     @staticmethod
     def _noise(reqs: list[Request], width: int) -> mx.array:
-        # Keyed by the request's seed and output position: a seeded request reproduces whatever else is in the batch.
-        return mx.stack([mx.random.gumbel((width,), key=row_key(r.seed, r.num_output_tokens)) for r in reqs])
+        # Keyed by the request's seed and output position: a seeded request reproduces whatever else is in
+        # the batch, and whether or not its previous token was still on the device (asynchronous scheduling).
+        return mx.stack([mx.random.gumbel((width,), key=row_key(r.seed, r.output_position)) for r in reqs])
 
     @staticmethod
     def raw_logprobs(logits: mx.array, reqs: list[Request]):
@@ -150,7 +172,7 @@ class Sampler:
         s, v = logits.shape
         needs = [
             (r.params.repetition_penalty != 1.0 or r.params.presence_penalty or r.params.frequency_penalty
-             or r.params.logit_bias or r.num_output_tokens < r.params.min_tokens)
+             or r.params.logit_bias or r.output_position < r.params.min_tokens)
             for r in reqs
         ]
         if not any(needs):
@@ -171,7 +193,7 @@ class Sampler:
                 generated.add(i, r.output_token_ids)
             if p.logit_bias:
                 biased.add(i, list(p.logit_bias.keys()), list(p.logit_bias.values()))
-            if r.num_output_tokens < p.min_tokens:
+            if r.output_position < p.min_tokens:
                 stops = set(p.stop_token_ids) | (set() if p.ignore_eos else set(self.eos_token_ids))
                 banned.add(i, sorted(stops))
         if seen:

@@ -10,10 +10,14 @@ its whole prefix, cost the decoding streams no more than its first chunk. When a
 cannot grow, the newest running request is preempted: its blocks are freed and
 it is recomputed later from its prompt and the tokens it already generated.
 
-``postprocess`` takes a step's sampled tokens back: it advances each request,
-appends its tokens, decides whether it stops, and commits or frees its KV.
-Draft tokens (speculative decoding) are lookahead the scheduler only budgets:
-``schedule(drafts)`` keeps what fits and ``postprocess`` counts what was accepted.
+``advance`` counts a launched step's tokens as computed; ``postprocess`` takes
+its sampled tokens back later: it appends them, decides whether each request
+stops, and commits or frees its KV. Between the two (asynchronous scheduling)
+a request's sampled token is a placeholder (``Request.num_placeholders``): the
+next step is scheduled as if it were known, and the runner feeds it from the
+device. Draft tokens (speculative decoding) are lookahead the scheduler only
+budgets: ``schedule(drafts)`` keeps what fits and ``postprocess`` counts what
+was accepted.
 """
 
 from __future__ import annotations
@@ -48,7 +52,7 @@ class SchedulerOutput:
         """Rows needing logits per scheduled request: none for a prefill chunk short of the end,
         the last row otherwise, plus one per draft token; an embed request's last row needs
         its hidden state instead (``hidden_rows``), not logits."""
-        return [len(self.drafts.get(r, ())) + 1 if r.num_computed_tokens + n >= r.num_tokens
+        return [len(self.drafts.get(r, ())) + 1 if r.num_computed_tokens + n >= r.num_tokens_with_placeholders
                 and r.task != "embed" else 0 for r, n in self.scheduled]
 
     @property
@@ -120,11 +124,17 @@ class Scheduler:
         out.preempted += fair_preempted
         # None: nothing decodes, prefills take the whole token budget.
         keys = (self.prefill_attention_budget
-                if any(r.num_tokens - r.num_computed_tokens == 1 for r in self.running) else None)
+                if any(r.num_tokens_with_placeholders - r.num_computed_tokens == 1 for r in self.running) else None)
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            known = req.num_tokens - req.num_computed_tokens
+            if req.num_placeholders and self._ends_on_placeholder(req):
+                i += 1  # it stops on the token still on the device: a step more would be thrown away
+                continue
+            known = req.num_tokens_with_placeholders - req.num_computed_tokens
+            if not known:  # a pooled request whose whole prompt is in the step in flight
+                i += 1
+                continue
             draft = drafts.get(req, ())
             num_new = min(known + len(draft), budget)
             if known > 1 and keys is not None:
@@ -281,32 +291,50 @@ class Scheduler:
         self.kv.free(req)
         self._drop_lora_slot(req)
 
+    def _ends_on_placeholder(self, req: Request) -> bool:
+        """Whether the request's token still on the device is its last (max_tokens, or the context full)."""
+        return (req.output_position >= req.params.max_tokens
+                or (self.max_model_len is not None and req.num_tokens_with_placeholders >= self.max_model_len))
+
     # -- after the step -----------------------------------------------------------------------
+
+    def advance(self, out: SchedulerOutput) -> None:
+        """The step is launched: its known tokens count as computed (their K/V is being written),
+        and each request that samples holds a placeholder for its token until ``postprocess``."""
+        for (req, n), k in zip(out.scheduled, out.num_logits):
+            req.num_computed_tokens += n - len(out.drafts.get(req, ()))
+            if k and not req.pooled:
+                req.num_placeholders += 1
 
     def postprocess(self, out: SchedulerOutput,
                     emitted: dict[Request, tuple[list[int], list[Logprob | None]]]) -> list[tuple[Request, int]]:
-        """Take the step's new tokens back: advance, append, stop, then commit or free the KV.
+        """Take the step's new tokens back (after ``advance``): append, stop, then commit or free the KV.
 
         ``emitted[req]`` holds the tokens (and Logprob records or Nones) a
         request produced: one sampled token, or its accepted drafts and the
-        next token. Returns the requests that produced tokens with how many;
-        a request whose grammar raised is left in ``out.failed`` instead.
+        next token. A request that finished or was aborted while the step ran
+        is passed over; one preempted meanwhile takes its token and waits.
+        Returns the requests that produced tokens with how many; a request
+        whose grammar raised is left in ``out.failed`` instead.
         """
         produced = []
         for req, n in out.scheduled:
+            if req.finished:
+                continue
             new = emitted.get(req)
             if new is None:  # a prefill chunk short of the end, or a pooled request's whole prompt
-                req.num_computed_tokens += n
-                self.kv.commit(req)
-                if req.pooled and req.num_computed_tokens >= req.num_tokens:
-                    # Its result is on the request (the engine put it there): done, KV freed
-                    # (blocks the prefix cache hashed stay cached).
+                self._commit(req)
+                if req.pooled and (req.embedding is not None or req.score is not None):
+                    # Its result is on the request (the engine put it there when this step was
+                    # read; with a later chunk in flight, computed tokens alone would say so too
+                    # early): done, KV freed (blocks the prefix cache hashed stay cached).
                     self.finish(req, "stop")
                     produced.append((req, 0))
                 continue
             tokens, lps = new
-            # Known tokens plus the accepted drafts now have their K/V in the cache.
-            req.num_computed_tokens += n - len(out.drafts.get(req, ())) + len(tokens) - 1
+            req.num_placeholders -= 1
+            # The accepted drafts (all but the last token) now have their K/V in the cache too.
+            req.num_computed_tokens += len(tokens) - 1
             reason = None
             for token, lp in zip(tokens, lps):
                 req.token_ids.append(token)
@@ -327,9 +355,14 @@ class Scheduler:
             if reason:
                 self.finish(req, reason)
             else:
-                self.kv.commit(req)
+                self._commit(req)
             produced.append((req, len(tokens)))
         return produced
+
+    def _commit(self, req: Request) -> None:
+        # A request preempted while its step ran holds no blocks to commit.
+        if req.status is Status.RUNNING:
+            self.kv.commit(req)
 
     def _stop_reason(self, req: Request, token: int) -> str | None:
         p = req.params

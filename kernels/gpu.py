@@ -192,7 +192,7 @@ class _StepPlan:
     """Launch plan of one step, shared by all its layers (same metadata object)."""
 
     __slots__ = ("meta", "dialect", "parts", "part_tokens", "iparams", "has_rows", "has_tiles", "long_chunks",
-                 "_routed", "_layouts", "_in_place")
+                 "_routed", "_layouts", "_in_place", "launches")
 
     def __init__(self, meta: AttentionMetadata, dialect: str):
         self.meta = meta
@@ -206,6 +206,9 @@ class _StepPlan:
         self._routed = None
         self._layouts: dict[tuple[int, int], ContextLayout] = {}
         self._in_place: dict[int, list[tuple[int, int] | None]] = {}
+        # What ``_launch`` derives from the shapes and the layer's settings, once per step for every
+        # layer that shares them (all layers of most models).
+        self.launches: dict[tuple, tuple] = {}
 
     def routed(self):
         """(plan of the kernel's requests or None, their packed rows, SDPA runs) when long chunks
@@ -287,6 +290,27 @@ def _launch(
     sliding_window: int | None, softcap: float | None,
 ) -> mx.array:
     """One attention launch over the whole packed batch, plus the merge pass when decode rows split."""
+    key = (q.shape, q.dtype, k_cache.shape, scale, sliding_window, softcap)
+    spec = plan.launches.get(key)
+    if spec is None:
+        spec = plan.launches[key] = _launch_spec(plan, q, k_cache, scale, sliding_window, softcap)
+    main, fparams, launch, merge = spec
+    meta = plan.meta
+    out, part_o, part_ml = main(
+        inputs=[q, k_cache, v_cache, meta.cu_seqlens_q, meta.seq_lens, meta.block_tables, plan.iparams, fparams],
+        **launch)
+    if merge is None:
+        return out
+    reduce, merge_launch = merge
+    (merged,) = reduce(inputs=[out, part_o, part_ml, meta.cu_seqlens_q, meta.seq_lens, plan.iparams],
+                       **merge_launch)
+    return merged
+
+
+def _launch_spec(plan: _StepPlan, q: mx.array, k_cache: mx.array, scale: float, sliding_window: int | None,
+                 softcap: float | None) -> tuple:
+    """``_launch``'s (kernel, float parameters, launch arguments, merge kernel and its arguments or
+    None) for these shapes and settings."""
     dialect, meta = plan.dialect, plan.meta
     t, h, d = q.shape
     _, bs, hkv, _ = k_cache.shape
@@ -305,9 +329,7 @@ def _launch(
     lpt = lanes_per_token(d)
     fparams = _fparams(float(scale), float(softcap or 0.0), int(sliding_window or 0))
     split = (b * h * p * d,) if p > 1 else (1,)
-    out, part_o, part_ml = main(
-        inputs=[q, k_cache, v_cache, meta.cu_seqlens_q, meta.seq_lens, meta.block_tables,
-                plan.iparams, fparams],
+    launch = dict(
         template=[("T", q.dtype), ("D", d), ("G", g), ("HKV", hkv), ("BS", bs), ("RT", rt),
                   ("BN", bn), ("LPT", lpt), ("U", decode_unroll(lpt)), ("GH", gh), ("NS", g // gh),
                   ("SC", SUBCHUNK[dialect]), ("AS", DECODE_ACC_SHARED), ("SMEM_F", sf), ("SMEM_I", si),
@@ -317,17 +339,11 @@ def _launch(
         output_shapes=[q.shape, split, (b * h * p * 2,) if p > 1 else (1,)],
         output_dtypes=[q.dtype, mx.float32, mx.float32],
     )
-    if p == 1:
-        return out
-    (merged,) = reduce(
-        inputs=[out, part_o, part_ml, meta.cu_seqlens_q, meta.seq_lens, plan.iparams],
-        template=[("T", q.dtype), ("D", d), ("H", h)],
-        grid=(t * NT, h, 1),
-        threadgroup=(NT, 1, 1),
-        output_shapes=[q.shape],
-        output_dtypes=[q.dtype],
-    )
-    return merged
+    merge = None
+    if p > 1:
+        merge = (reduce, dict(template=[("T", q.dtype), ("D", d), ("H", h)], grid=(t * NT, h, 1),
+                              threadgroup=(NT, 1, 1), output_shapes=[q.shape], output_dtypes=[q.dtype]))
+    return main, fparams, launch, merge
 
 
 def gather_runs(

@@ -21,8 +21,9 @@ HELP = {
     "model": "GGUF file, mlx_lm/Hugging Face directory or repo id (default: the embedded SmolLM2)",
     "served_model_name": "the model name clients use (default: derived from the model)",
     "max_model_len": "context length; takes 32k (32000) or 32K (32768) as vLLM does (default: the model's)",
-    "max_num_seqs": "most requests in the running batch",
-    "max_num_batched_tokens": "most tokens computed in one engine step (long prompts are prefilled in chunks of it)",
+    "max_num_seqs": "most requests in the running batch (default: 32 on the CPU, 128 on a GPU)",
+    "max_num_batched_tokens": "most tokens computed in one engine step (long prompts are prefilled in chunks of "
+                              "it; default: 1024 on the CPU, 8192 on a GPU)",
     "max_waiting_requests": "requests queued beyond the running ones; past this new ones get HTTP 429",
     "block_size": "tokens per KV-cache block",
     "enable_prefix_caching": "reuse the KV cache of prompt prefixes seen before",
@@ -41,6 +42,8 @@ HELP = {
     "kv_cache_memory": "KV pool size in bytes (overrides the fraction)",
     "num_kv_blocks": "KV pool size in blocks (overrides both)",
     "attention_backend": "paged attention implementation: auto, reference, host (numpy, CPU), metal, cuda",
+    "async_scheduling": "schedule and build each step while the device runs the one before (default: on for "
+                        "a GPU, off on the CPU, where attention reads each layer's inputs on the host)",
     "pipeline_parallel_size": "ranks the model's layers are split over, each holding only its layers' weights "
                               "and KV (started on this machine, or by mlx.launch across machines)",
     "pipeline_split": "layers per rank, rank 0 first (rank 0 runs the last layers; default: an even split)",

@@ -44,14 +44,25 @@ class SpeculativeConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True
             )
 
 
+# Defaults that depend on the device. A GPU step costs the host about the same whatever its size
+# (graph building and kernel launches: ~15 ms for an 8B model on the H200, bench/gpu_serving_results.md),
+# so a GPU takes larger steps; its attention reads every layer's inputs on the CPU, where nothing
+# would overlap, so only a GPU schedules asynchronously.
+DEVICE_DEFAULTS = {
+    "cpu": dict(max_num_seqs=32, max_num_batched_tokens=1024, async_scheduling=False),
+    "gpu": dict(max_num_seqs=128, max_num_batched_tokens=8192, async_scheduling=True),
+}
+
+
 class EngineConfig(msgspec.Struct, kw_only=True):
     # Model path, GGUF file, mlx_lm directory or Hugging Face repo id; "" serves the embedded SmolLM2.
     model: str = ""
     served_model_name: str | None = None
     # None: the model's own context length.
     max_model_len: int | None = None
-    max_num_seqs: int = 32
-    max_num_batched_tokens: int = 1024
+    # None: the device's default (DEVICE_DEFAULTS, filled in by ``for_device``).
+    max_num_seqs: int | None = None
+    max_num_batched_tokens: int | None = None
     # Requests queued beyond the running ones; past this, new requests are refused (HTTP 429).
     max_waiting_requests: int = 256
     block_size: int = 16
@@ -72,6 +83,9 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     # The paged attention implementation (kernels.BACKENDS): "auto" picks by device (Metal or
     # CUDA kernel on a GPU, numpy "host" path on the CPU); "reference" is the pure-MLX oracle.
     attention_backend: str = "auto"
+    # Schedule and build step n+1 while the device runs step n, reading step n's tokens after.
+    # None: the device's default (on for a GPU, off on MLX's CPU backend).
+    async_scheduling: bool | None = None
     # Ranks the model's layers are split over (engined/pipeline.py); each rank is a process, on
     # this machine or on others (mlx.launch), and holds only its layers' weights and KV.
     pipeline_parallel_size: int = 1
@@ -99,7 +113,7 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     def __post_init__(self) -> None:
         positive = ("max_num_seqs", "max_num_batched_tokens", "block_size", "max_waiting_requests")
         for name in positive:
-            if getattr(self, name) < 1:
+            if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise InvalidRequestError(f"{name} must be positive", param=name)
         if self.max_model_len is not None and self.max_model_len < 1:
             raise InvalidRequestError("max_model_len must be positive", param="max_model_len")
@@ -168,6 +182,11 @@ class EngineConfig(msgspec.Struct, kw_only=True):
         if len(set(names)) != len(names):
             raise InvalidRequestError("--lora-modules: an adapter name is given twice", param="lora_modules")
         return pairs
+
+    def for_device(self, gpu: bool) -> "EngineConfig":
+        """This config with the settings left to the device (None) filled in from DEVICE_DEFAULTS."""
+        defaults = DEVICE_DEFAULTS["gpu" if gpu else "cpu"]
+        return msgspec.structs.replace(self, **{k: v for k, v in defaults.items() if getattr(self, k) is None})
 
     @property
     def num_ranks(self) -> int:

@@ -144,3 +144,22 @@ def test_a_step_mixing_peaked_flat_and_untruncated_rows_samples_each_within_its_
     tokens = np.array(Sampler(vocab, [0])(mx.array(logits), reqs)[0])
     for i, p in enumerate(params):
         assert _oracle_truncate(logits[i], p.top_k, p.top_p, p.min_p)[tokens[i]], i
+
+
+def test_choosing_overflowing_rows_on_the_device_gives_the_host_checks_tokens():
+    """Asynchronous scheduling samples without reading which rows' kept sets overflow their head:
+    every row (peaked, flat, untruncated, greedy) gets the token the host-checked path gives it."""
+    seed = random.randrange(2**32)
+    print("seed", seed)
+    rng = np.random.default_rng(seed)
+    vocab, rows = 2 * _CANDIDATES + 3, 24
+    scales = [3.0, 0.01, 1.0, 2.0] * (rows // 4)
+    logits = mx.array(np.stack([rng.standard_normal(vocab) * s for s in scales]).astype(np.float32))
+    params = [SamplingParams(temperature=1.0, top_p=0.9, top_k=50), SamplingParams(temperature=0.8, top_p=0.99),
+              SamplingParams(temperature=1.0), SamplingParams(temperature=0.0, top_p=0.9)] * (rows // 4)
+    reqs = [Request(f"r{i}", [1], p, seed=int(rng.integers(1 << 30))) for i, p in enumerate(params)]
+    host, device = Sampler(vocab, [0]), Sampler(vocab, [0])
+    device.choose_on_device = True
+    _, past = host._sample_head(logits, reqs)
+    assert set(range(1, rows, 4)) <= set(past), "the flat top-p rows were meant to overflow their head"
+    assert np.array(device(logits, reqs)[0]).tolist() == np.array(host(logits, reqs)[0]).tolist()

@@ -23,6 +23,13 @@ def sample_tokens(out: SchedulerOutput, rng: random.Random) -> dict:
     return {req: ([rng.randrange(1, 50)], [None]) for (req, _), k in zip(out.scheduled, out.num_logits) if k}
 
 
+def complete(sched: Scheduler, out: SchedulerOutput, rng: random.Random) -> list:
+    """The step ran: advance it, then hand postprocess its sampled tokens (as the engine does)."""
+    emitted = sample_tokens(out, rng)
+    sched.advance(out)
+    return sched.postprocess(out, emitted)
+
+
 def check_invariants(sched: Scheduler, kv: KVCacheManager, out, budget: int, max_seqs: int):
     assert out.num_tokens <= budget
     assert len(sched.running) <= max_seqs
@@ -72,7 +79,7 @@ def simulate(seed, num_blocks, block_size, budget, max_seqs, caching, n_requests
             sched.finish(victim, "abort")
         out = sched.schedule()
         check_invariants(sched, kv, out, budget, max_seqs)
-        for req, _ in sched.postprocess(out, sample_tokens(out, rng)):
+        for req, _ in complete(sched, out, rng):
             if req.finished:
                 assert req.finish_reason == "length" and req.num_output_tokens == req.params.max_tokens
                 del live[req.request_id]
@@ -168,7 +175,7 @@ def drain(sched, kv, max_steps=400):
         for req, _ in out.scheduled:
             if req.request_id not in admitted:
                 admitted.append(req.request_id)
-        sched.postprocess(out, sample_tokens(out, rng))
+        complete(sched, out, rng)
         if not sched.has_unfinished():
             break
     kv.pool.check_whole()
@@ -246,7 +253,7 @@ def test_a_long_prefill_beside_decoding_streams_attends_a_bounded_number_of_keys
                for i in range(3)]
     for req in streams:
         sched.add(req)
-    sched.postprocess(out := sched.schedule(), sample_tokens(out, rng))  # their prefills: all now decode
+    complete(sched, out := sched.schedule(), rng)  # their prefills: all now decode
     long = Request("long", [rng.randrange(1, 50) for _ in range(7000)], SamplingParams(max_tokens=4), seed=9)
     sched.add(long)
     steps, largest = 0, 0
@@ -259,7 +266,7 @@ def test_a_long_prefill_beside_decoding_streams_attends_a_bounded_number_of_keys
         keys = attended_keys(long.num_computed_tokens, rows[long]) if long in rows else 0
         largest = max(largest, keys)
         assert keys <= sched.prefill_attention_budget
-        sched.postprocess(out, sample_tokens(out, rng))
+        complete(sched, out, rng)
     # Total work is the prompt's own causal attention; the step count follows from it (no stalling).
     total = attended_keys(0, 7000)
     assert steps <= total // sched.prefill_attention_budget + 7000 // budget + 2
@@ -276,7 +283,7 @@ def test_a_prefill_alone_takes_full_chunks():
     while long.num_computed_tokens < long.num_prompt_tokens:
         out = sched.schedule()
         chunks.append(dict(out.scheduled)[long])
-        sched.postprocess(out, sample_tokens(out, random.Random(0)))
+        complete(sched, out, random.Random(0))
     assert chunks == [1024] * 6 + [7000 - 6 * 1024]
 
 
@@ -286,11 +293,11 @@ def test_a_long_prefill_spending_the_attention_budget_does_not_hold_new_requests
     rng = random.Random(0)
     stream = Request("stream", [1, 2, 3], SamplingParams(max_tokens=500, ignore_eos=True), seed=0)
     sched.add(stream)
-    sched.postprocess(out := sched.schedule(), sample_tokens(out, rng))
+    complete(sched, out := sched.schedule(), rng)
     long = Request("long", list(range(1, 7001)), SamplingParams(max_tokens=1), seed=1)
     sched.add(long)
     for _ in range(5):  # its prefix grows past the point where one chunk spends the whole budget
-        sched.postprocess(out := sched.schedule(), sample_tokens(out, rng))
+        complete(sched, out := sched.schedule(), rng)
     shorts = [Request(f"short{i}", [5 + i] * 300, SamplingParams(max_tokens=1), seed=2 + i) for i in range(2)]
     for short in shorts:
         sched.add(short)

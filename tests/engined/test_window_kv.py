@@ -49,7 +49,7 @@ def test_main_pool_billed_for_global_layers_only(windowed):
     per_layer = 2 * BS * 2 * 16 * 4  # K and V, block of 8, 2 KV heads of 16, float32
     assert kv.bytes_per_block == per_layer
     assert kv.pool.num_blocks == min((1 << 20) // per_layer, 4 * 256 // BS)
-    assert window.num_blocks == window_pool_blocks(WINDOW, BS, 4, config.max_num_batched_tokens)
+    assert window.num_blocks == window_pool_blocks(WINDOW, BS, 4, engine.config.max_num_batched_tokens)
     assert engine.memory.fixed_bytes == window.num_blocks * per_layer
     assert window.kv.k[0].shape[0] == window.num_blocks
     assert kv.main.kv.k[0].shape[0] == kv.pool.num_resident == 256 // BS  # one full request's, at start

@@ -39,7 +39,7 @@ def test_every_serve_flag_says_its_default_and_closed_sets_list_their_choices():
         assert action.help and "default" in action.help, action.option_strings
     text = serve.format_help()
     for shown in ("{auto,float32,float16,bfloat16,quantized}", "{mlxd,vllm}", "{DEBUG,INFO,WARNING,ERROR}",
-                  "(default: 1024)", "(default: on)", "(default: 8000)"):
+                  "CPU, 8192 on a GPU)", "(default: on)", "(default: 8000)"):
         assert shown in text
 
 

@@ -1,0 +1,321 @@
+"""GPU serving: mlxd's in-process Engine against mlx_lm's batch generator on the same random-weight arrays.
+
+The model is built from a real checkpoint's shape with random weights (no
+download): Qwen3-8B in bf16 or 4-bit, or Qwen3-30B-A3B (MoE) in 4-bit. One
+set of arrays serves both sides: mlx_lm's model object runs them as they are,
+mlxd's engine runs a second model object over the same arrays with its paged
+attention swapped in. Every request is greedy and generates exactly
+``--max-tokens`` tokens (random weights never mean to stop; neither side is
+given an end token).
+
+Closed batches (``--workloads mixed,shared``): ``c`` requests at once; mixed
+prompts are uniform in 256-2048 tokens, shared ones are a common 2K prefix and
+128 tokens of their own. mlxd runs ``Engine.generate``, mlx_lm its
+``batch_generate`` (completion batch size ``c``); the sides alternate, one
+untimed run each first, the median of ``--repeats`` is reported as total
+tokens (prompt + generated) per second. Each mlxd run also reports per step
+the host time (inside ``step()``, not waiting) and the time it waited on the
+device (``Engine.sync_wait_s``).
+
+Open loop (``--poisson RATE``): requests arrive at Poisson times, mixed
+prompts, each side in this process (mlx_lm's ``BatchGenerator`` driven as its
+server drives it); TTFT and inter-token latency percentiles.
+
+``--roofline`` measures the bf16 matmul rate and HBM bandwidth and states what
+they allow for the c=64 mixed batch.
+
+    python -m bench.gpu_serving --model qwen3-8b --dtype bf16 --concurrency 1,16,64,128
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import numpy as np
+
+SHAPES = {
+    # A smoke-test shape: the script end to end in seconds on a CPU.
+    "qwen3-tiny": dict(model_type="qwen3", hidden_size=128, num_hidden_layers=2, intermediate_size=256,
+                       num_attention_heads=4, num_key_value_heads=2, head_dim=32, vocab_size=1024,
+                       rms_norm_eps=1e-6, rope_theta=1e6, max_position_embeddings=8192,
+                       tie_word_embeddings=False),
+    "qwen3-8b": dict(model_type="qwen3", hidden_size=4096, num_hidden_layers=36, intermediate_size=12288,
+                     num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=151936,
+                     rms_norm_eps=1e-6, rope_theta=1e6, max_position_embeddings=40960,
+                     tie_word_embeddings=False),
+    "qwen3-30b-a3b": dict(model_type="qwen3_moe", hidden_size=2048, num_hidden_layers=48, intermediate_size=6144,
+                          num_attention_heads=32, num_key_value_heads=4, head_dim=128, vocab_size=151936,
+                          rms_norm_eps=1e-6, rope_theta=1e6, max_position_embeddings=40960,
+                          tie_word_embeddings=False, num_experts=128, num_experts_per_tok=8,
+                          decoder_sparse_step=1, mlp_only_layers=[], moe_intermediate_size=768,
+                          norm_topk_prob=True),
+}
+
+
+def build_models(name: str, dtype: str, seed: int):
+    """mlx_lm's model over random arrays, and a maker of mlxd LoadedModels over the same arrays.
+
+    Each engine swaps its model's attention for paged attention, so each gets
+    a model object of its own; the arrays (the memory) are shared by all.
+    """
+    import mlx.core as mx
+    import mlx.nn as nn
+    from mlx.utils import tree_flatten
+    from mlx_lm.utils import _get_classes
+
+    from engined.loaders import LoadedModel
+
+    shape = SHAPES[name]
+    model_cls, args_cls = _get_classes(shape)
+    mx.random.seed(seed)
+
+    def fresh():
+        m = model_cls(args_cls.from_dict(shape))
+        m.set_dtype(mx.bfloat16)
+        if dtype == "q4":
+            nn.quantize(m, group_size=64, bits=4)
+        return m
+
+    first = fresh()
+    mx.eval(first.parameters())
+
+    def make_loaded() -> LoadedModel:
+        m = fresh()
+        m.update(first.parameters())  # the very same arrays, not copies (its own random ones never evaluated)
+        return LoadedModel(model=m, model_id=f"random-{name}-{dtype}", model_type=shape["model_type"],
+                           tokenizer_dir=Path("."), eos_token_ids=[], bos_token_id=None,
+                           context_length=8192, vocab_size=shape["vocab_size"],
+                           num_layers=shape["num_hidden_layers"], num_kv_heads=shape["num_key_value_heads"],
+                           head_dim=shape["head_dim"])
+
+    n = sum(p.size for _, p in tree_flatten(first.parameters()))
+    return first, make_loaded, n
+
+
+def prompts_for(workload: str, c: int, rng: np.random.Generator, vocab: int) -> list[list[int]]:
+    if workload == "mixed":
+        return [rng.integers(0, vocab, int(n)).tolist() for n in rng.integers(256, 2049, c)]
+    prefix = rng.integers(0, vocab, 2048).tolist()
+    return [prefix + rng.integers(0, vocab, 128).tolist() for _ in range(c)]
+
+
+class _NoText:
+    """What batch_generate asks of a tokenizer: no end token (as mlxd's side has none), no text."""
+
+    eos_token_ids: list[int] = []
+
+    @staticmethod
+    def decode(ids) -> str:
+        return ""
+
+
+# MLX's buffer-cache limit as a process starts with it (set in main): mlx_lm runs under it, as in a
+# process of its own, not under the limit an engine's memory guard sets process-wide.
+DEFAULT_CACHE_LIMIT: list[int] = []
+
+
+def run_mlx_lm(model, prompts, max_tokens: int) -> float:
+    import mlx.core as mx
+    from mlx_lm.generate import batch_generate
+
+    engines_limit = mx.set_cache_limit(DEFAULT_CACHE_LIMIT[0])
+    t0 = time.perf_counter()
+    out = batch_generate(model, _NoText(), prompts, max_tokens=max_tokens, return_token_ids=True,
+                         completion_batch_size=len(prompts))
+    wall = time.perf_counter() - t0
+    assert all(len(t) == max_tokens for t in out.token_ids)
+    mx.clear_cache()
+    mx.set_cache_limit(engines_limit)
+    return wall
+
+
+def engine_for(make_loaded, args, c: int, async_scheduling: bool):
+    from engined.engine import Engine
+    from shared.config import EngineConfig
+
+    cfg = EngineConfig(max_num_seqs=max(c, 1), max_num_batched_tokens=args.max_num_batched_tokens,
+                       num_kv_blocks=args.num_kv_blocks, max_model_len=4096, async_scheduling=async_scheduling)
+    return Engine(cfg, loaded=make_loaded())
+
+
+def run_mlxd(engine, prompts, max_tokens: int) -> tuple[float, dict]:
+    import mlx.core as mx
+
+    from shared.sampling import SamplingParams
+
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    steps0, wait0 = engine.num_steps, engine.sync_wait_s
+    t0 = time.perf_counter()
+    out = engine.generate(prompts, params)
+    wall = time.perf_counter() - t0
+    assert all(len(t) == max_tokens for t in out)
+    steps, wait = engine.num_steps - steps0, engine.sync_wait_s - wait0
+    mx.clear_cache()
+    return wall, dict(steps=steps, host_ms_per_step=1e3 * (wall - wait) / steps, wait_ms_per_step=1e3 * wait / steps)
+
+
+def closed_batches(model, make_loaded, args, rows: list) -> None:
+    rng = np.random.default_rng(args.seed)
+    for workload in args.workloads.split(","):
+        for c in map(int, args.concurrency.split(",")):
+            prompts = prompts_for(workload, c, rng, model.args.vocab_size)
+            total = sum(map(len, prompts)) + c * args.max_tokens
+            engines = {mode: engine_for(make_loaded, args, c, mode == "async") for mode in args.modes.split(",")}
+            times = {"mlx_lm": []} | {m: [] for m in engines}
+            steps = {m: [] for m in engines}
+            for rep in range(args.repeats + 1):  # the first is untimed: kernels compile for new shapes
+                times_rep = {"mlx_lm": run_mlx_lm(model, prompts, args.max_tokens)}
+                modes = list(engines)
+                for mode in modes[rep % len(modes):] + modes[: rep % len(modes)]:  # each goes first in turn
+                    times_rep[mode], st = run_mlxd(engines[mode], prompts, args.max_tokens)
+                    if rep:
+                        steps[mode].append(st)
+                if rep:
+                    for k, v in times_rep.items():
+                        times[k].append(v)
+            med = {k: statistics.median(v) for k, v in times.items()}
+            row = dict(model=args.label, workload=workload, c=c, tokens=total, seconds=med,
+                       tok_s={k: total / v for k, v in med.items()},
+                       ratio={m: med["mlx_lm"] / med[m] for m in engines},
+                       steps={m: steps[m][len(steps[m]) // 2] for m in engines},
+                       budget=args.max_num_batched_tokens)
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+            del engines
+
+
+def _percentiles(xs: list[float]) -> dict:
+    a = np.array(xs) * 1e3
+    return {f"p{q}": round(float(np.percentile(a, q)), 1) for q in (50, 90, 99)}
+
+
+def poisson(model, make_loaded, args, rows: list) -> None:
+    """Open-loop arrivals at ``args.poisson`` requests/s: TTFT and ITL of mlxd and of mlx_lm's generator."""
+    import mlx.core as mx
+    from mlx_lm.generate import BatchGenerator
+
+    from shared.sampling import SamplingParams
+
+    rng = np.random.default_rng(args.seed + 1)
+    n = args.poisson_requests
+    prompts = prompts_for("mixed", n, rng, model.args.vocab_size)
+    arrivals = np.cumsum(rng.exponential(1.0 / args.poisson, n))
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
+
+    def drive(add, step, name):
+        seen: dict[int, list[float]] = {i: [] for i in range(n)}
+        t0, nxt = time.perf_counter(), 0
+        while nxt < n or any(len(v) < args.max_tokens for v in seen.values()):
+            now = time.perf_counter() - t0
+            while nxt < n and arrivals[nxt] <= now:
+                add(nxt)
+                nxt += 1
+            got = step()
+            stamp = time.perf_counter() - t0
+            if not got and nxt < n:
+                time.sleep(max(0.0, min(0.002, arrivals[nxt] - stamp)))
+            for i, k in got:
+                seen[i] += [stamp] * k
+        ttft = [seen[i][0] - arrivals[i] for i in range(n)]
+        itl = [b - a for i in range(n) for a, b in zip(seen[i], seen[i][1:])]
+        row = dict(model=args.label, workload=f"poisson {args.poisson}/s x {n}", side=name,
+                   ttft_ms=_percentiles(ttft), itl_ms=_percentiles(itl),
+                   seconds=round(max(v[-1] for v in seen.values()), 2))
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+
+    gen = BatchGenerator(model, completion_batch_size=args.poisson_batch)
+    uid_of: dict[int, int] = {}
+
+    def lm_add(i):
+        (uid,) = gen.insert([prompts[i]], [args.max_tokens])
+        uid_of[uid] = i
+
+    def lm_step():
+        _, responses = gen.next()
+        return [(uid_of[r.uid], 1) for r in responses]
+
+    drive(lm_add, lm_step, "mlx_lm")
+    gen.close()
+    mx.clear_cache()
+    engine = engine_for(make_loaded, args, args.poisson_batch, True)
+    engine.generate(prompts[:2], params)  # kernels compiled before the clock starts, as mlx_lm's were
+
+    def e_add(i):
+        engine.add_request(f"p{i}", prompts[i], params)
+
+    def e_step():
+        return [(int(o.request_id[1:]), len(o.new_token_ids)) for o in engine.step() if o.new_token_ids]
+
+    drive(e_add, e_step, "mlxd")
+
+
+def roofline(rows: list) -> None:
+    """Measured bf16 matmul rate and HBM copy bandwidth (the bounds the c=64 arithmetic uses)."""
+    import mlx.core as mx
+
+    a = mx.random.normal((8192, 4096)).astype(mx.bfloat16)
+    b = mx.random.normal((4096, 12288)).astype(mx.bfloat16)
+    x = mx.random.normal((1 << 30,)).astype(mx.bfloat16)  # 2 GiB
+    mx.eval(a, b, x)
+
+    def timed(f, reps):
+        for _ in range(3):
+            mx.eval(f())
+        t0 = time.perf_counter()
+        mx.eval([f() for _ in range(reps)])
+        return (time.perf_counter() - t0) / reps
+
+    mm = timed(lambda: a @ b, 20)
+    cp = timed(lambda: x + 1, 20)
+    row = dict(roofline=True, matmul_tflops=round(2 * 8192 * 4096 * 12288 / mm / 1e12, 1),
+               hbm_tb_s=round(2 * x.nbytes / cp / 1e12, 2))
+    rows.append(row)
+    print(json.dumps(row), flush=True)
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="qwen3-8b", choices=sorted(SHAPES))
+    ap.add_argument("--dtype", default="bf16", choices=("bf16", "q4"))
+    ap.add_argument("--workloads", default="mixed,shared")
+    ap.add_argument("--concurrency", default="1,16,64,128")
+    ap.add_argument("--modes", default="async", help="mlxd modes to run: async, sync or both (async,sync)")
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    ap.add_argument("--num-kv-blocks", type=int, default=24576)
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--poisson", type=float, default=0.0, help="open-loop arrival rate, requests/s (0: none)")
+    ap.add_argument("--poisson-requests", type=int, default=64)
+    ap.add_argument("--poisson-batch", type=int, default=64)
+    ap.add_argument("--roofline", action="store_true")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", help="append the rows as JSON lines to this file")
+    args = ap.parse_args(argv)
+    print(f"seed {args.seed}", flush=True)
+    import mlx.core as mx
+
+    DEFAULT_CACHE_LIMIT.append(mx.set_cache_limit(0))
+    mx.set_cache_limit(DEFAULT_CACHE_LIMIT[0])
+    rows: list = []
+    if args.roofline:
+        roofline(rows)
+    model, make_loaded, n = build_models(args.model, args.dtype, args.seed)
+    args.label = f"{args.model} {args.dtype}"
+    print(json.dumps(dict(model=args.label, parameters=n)), flush=True)
+    if args.concurrency:
+        closed_batches(model, make_loaded, args, rows)
+    if args.poisson:
+        poisson(model, make_loaded, args, rows)
+    if args.out:
+        with open(args.out, "a") as f:
+            for row in rows:
+                f.write(json.dumps(row) + "\n")
+
+
+if __name__ == "__main__":
+    main()
