@@ -63,6 +63,45 @@ CORPUS = [
 MARKUP = ("<tool_call", "</tool_call", "[TOOL_CALLS]", "[ARGS]", "<function=", "<parameter=", "<|python_tag|>",
           "<think>", "</think>")
 
+# The families added later (harmony, Gemma 4, GLM-4.5, Mistral 3): the same checks.
+FAMILY_CORPUS = [
+    ("harmony", '<|channel|>analysis<|message|>The user wants the weather.<|end|><|start|>assistant<|channel|>'
+                'commentary to=functions.get_weather <|constrain|>json<|message|>{"city": "Paris", "days": 3}',
+     "", [W]),
+    ("harmony", '<|channel|>analysis<|message|>Easy.<|end|><|start|>assistant<|channel|>final<|message|>'
+                'It is {sunny} <b>.', "It is {sunny} <b>.", []),
+    ("harmony", '<|start|>assistant to=functions.now<|channel|>commentary json<|message|>{"tz": "UTC"}<|call|>',
+     "", [N]),
+    ("harmony", '<|channel|>commentary<|message|>Checking.<|end|><|start|>assistant<|channel|>commentary '
+                'to=functions.get_weather <|constrain|>json<|message|>{"city": "Paris", "days": 3}<|call|>',
+     "Checking.", [W]),
+    ("harmony", "A reply without channels.", "A reply without channels.", []),
+    ("gemma4", 'Let me look.<|tool_call>call:get_weather{city:<|"|>Paris<|"|>,days:3}<tool_call|>',
+     "Let me look.", [W]),
+    ("gemma4", '<|tool_call>call:get_weather{city:<|"|>a {b}, "c" <|"|>,days:3}<tool_call|>'
+               '<|tool_call>call:now{tz:<|"|>UTC<|"|>}<tool_call|>', "",
+     [("get_weather", {"city": 'a {b}, "c" ', "days": 3}), N]),
+    ("gemma4", '<|tool_call>call:get_weather{days:2,city:<|"|>Oslo<|"|>,extra:{deep:[1,{k:true}]}}<tool_call|>',
+     "", [("get_weather", {"days": 2, "city": "Oslo", "extra": {"deep": [1, {"k": True}]}})]),
+    ("gemma4", "Plain text with {braces}, call: and <tags>.", "Plain text with {braces}, call: and <tags>.", []),
+    ("glm45", 'I will check.\n<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Paris</arg_value>\n'
+              '<arg_key>days</arg_key>\n<arg_value>3</arg_value></tool_call>', "I will check.\n", [W]),
+    ("glm45", '<tool_call>get_weather<arg_key>city</arg_key><arg_value>San <b> Jose</arg_value><arg_key>days'
+              '</arg_key><arg_value>10</arg_value></tool_call>\n<tool_call>now<arg_key>tz</arg_key>'
+              '<arg_value>UTC</arg_value></tool_call>', "",
+     [("get_weather", {"city": "San <b> Jose", "days": 10}), N]),
+    ("glm45", "No tools: 2 < 3.", "No tools: 2 < 3.", []),
+    ("mistral3", 'Sure. [TOOL_CALLS]get_weather[ARGS]{"city": "Paris", "days": 3}[TOOL_CALLS]now[ARGS]'
+                 '{"tz": "UTC"}', "Sure. ", [W, N]),
+    ("mistral3", '[TOOL_CALLS]get_weather[ARGS]{"city": "[ARGS]", "days": 3}', "",
+     [("get_weather", {"city": "[ARGS]", "days": 3})]),
+    ("mistral3", "Just [text].", "Just [text].", []),
+]
+
+FAMILY_MARKUP = ("<|channel|>", "<|message|>", "<|start|>", "<|end|>", "<|call|>", "<|tool_call>", "<tool_call|>",
+          '<|"|>', "<tool_call>", "<arg_key>", "<arg_value>", "[TOOL_CALLS]", "[ARGS]")
+
+
 
 def stream(parser_name: str, pieces: list[str]):
     s = ToolStream(TOOL_PARSERS[parser_name](TOOLS))
@@ -101,26 +140,26 @@ def cuts(text: str, points: list[int]) -> list[str]:
     return [text[a:b] for a, b in zip(bounds, bounds[1:])]
 
 
-@pytest.mark.parametrize("name,text,content,expected", CORPUS)
+@pytest.mark.parametrize("name,text,content,expected", CORPUS + FAMILY_CORPUS)
 def test_non_streaming_reads_the_recorded_calls(name, text, content, expected):
     got_content, got_calls = complete(name, text)
     assert got_content == content
     assert [(n, json.loads(a)) for n, a in got_calls] == expected
 
 
-@pytest.mark.parametrize("name,text,content,expected", CORPUS)
+@pytest.mark.parametrize("name,text,content,expected", CORPUS + FAMILY_CORPUS)
 def test_streaming_split_at_every_boundary_equals_non_streaming(name, text, content, expected):
     whole = complete(name, text)
     for i in range(len(text) + 1):
         got = stream(name, cuts(text, [i]))
         assert got == whole, f"split at {i}"
-        assert not any(m in got[0] for m in MARKUP if m not in text[: len(content)])
+        assert not any(m in got[0] for m in MARKUP + FAMILY_MARKUP if m not in text[: len(content)])
     # One character at a time: every intermediate content delta is markup-free too.
     s = ToolStream(TOOL_PARSERS[name](TOOLS))
     sent = ""
     for ch in text:
         sent += s.feed(ch)[0]
-        assert not any(m in sent for m in MARKUP if m not in content)
+        assert not any(m in sent for m in MARKUP + FAMILY_MARKUP if m not in content)
 
 
 @settings(max_examples=60, deadline=None)

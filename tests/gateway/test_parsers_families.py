@@ -17,65 +17,9 @@ import pytest
 from gateway.chat_output import ChatOutput
 from gateway.parsers import REASONING_PARSERS, TOOL_PARSERS, ReasoningStream, choose_parsers
 from gateway.parsers.template_detect import template_parsers
-from tests.gateway.test_parsers import TIME, TOOLS, N, W, complete, cuts, matcher_accepts, stream
+from tests.gateway.test_parsers import TIME, TOOLS, N, W, complete, matcher_accepts
 
 # (parser, recorded text, expected content, expected calls as (name, arguments object))
-CORPUS = [
-    ("harmony", '<|channel|>analysis<|message|>The user wants the weather.<|end|><|start|>assistant<|channel|>'
-                'commentary to=functions.get_weather <|constrain|>json<|message|>{"city": "Paris", "days": 3}',
-     "", [W]),
-    ("harmony", '<|channel|>analysis<|message|>Easy.<|end|><|start|>assistant<|channel|>final<|message|>'
-                'It is {sunny} <b>.', "It is {sunny} <b>.", []),
-    ("harmony", '<|start|>assistant to=functions.now<|channel|>commentary json<|message|>{"tz": "UTC"}<|call|>',
-     "", [N]),
-    ("harmony", '<|channel|>commentary<|message|>Checking.<|end|><|start|>assistant<|channel|>commentary '
-                'to=functions.get_weather <|constrain|>json<|message|>{"city": "Paris", "days": 3}<|call|>',
-     "Checking.", [W]),
-    ("harmony", "A reply without channels.", "A reply without channels.", []),
-    ("gemma4", 'Let me look.<|tool_call>call:get_weather{city:<|"|>Paris<|"|>,days:3}<tool_call|>',
-     "Let me look.", [W]),
-    ("gemma4", '<|tool_call>call:get_weather{city:<|"|>a {b}, "c" <|"|>,days:3}<tool_call|>'
-               '<|tool_call>call:now{tz:<|"|>UTC<|"|>}<tool_call|>', "",
-     [("get_weather", {"city": 'a {b}, "c" ', "days": 3}), N]),
-    ("gemma4", '<|tool_call>call:get_weather{days:2,city:<|"|>Oslo<|"|>,extra:{deep:[1,{k:true}]}}<tool_call|>',
-     "", [("get_weather", {"days": 2, "city": "Oslo", "extra": {"deep": [1, {"k": True}]}})]),
-    ("gemma4", "Plain text with {braces}, call: and <tags>.", "Plain text with {braces}, call: and <tags>.", []),
-    ("glm45", 'I will check.\n<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Paris</arg_value>\n'
-              '<arg_key>days</arg_key>\n<arg_value>3</arg_value></tool_call>', "I will check.\n", [W]),
-    ("glm45", '<tool_call>get_weather<arg_key>city</arg_key><arg_value>San <b> Jose</arg_value><arg_key>days'
-              '</arg_key><arg_value>10</arg_value></tool_call>\n<tool_call>now<arg_key>tz</arg_key>'
-              '<arg_value>UTC</arg_value></tool_call>', "",
-     [("get_weather", {"city": "San <b> Jose", "days": 10}), N]),
-    ("glm45", "No tools: 2 < 3.", "No tools: 2 < 3.", []),
-    ("mistral3", 'Sure. [TOOL_CALLS]get_weather[ARGS]{"city": "Paris", "days": 3}[TOOL_CALLS]now[ARGS]'
-                 '{"tz": "UTC"}', "Sure. ", [W, N]),
-    ("mistral3", '[TOOL_CALLS]get_weather[ARGS]{"city": "[ARGS]", "days": 3}', "",
-     [("get_weather", {"city": "[ARGS]", "days": 3})]),
-    ("mistral3", "Just [text].", "Just [text].", []),
-]
-
-MARKUP = ("<|channel|>", "<|message|>", "<|start|>", "<|end|>", "<|call|>", "<|tool_call>", "<tool_call|>",
-          '<|"|>', "<tool_call>", "<arg_key>", "<arg_value>", "[TOOL_CALLS]", "[ARGS]")
-
-
-@pytest.mark.parametrize("name,text,content,expected", CORPUS)
-def test_non_streaming_reads_the_recorded_calls(name, text, content, expected):
-    got_content, got_calls = complete(name, text)
-    assert got_content == content
-    assert [(n, json.loads(a)) for n, a in got_calls] == expected
-
-
-@pytest.mark.parametrize("name,text,content,expected", CORPUS)
-def test_streaming_split_at_every_boundary_equals_non_streaming(name, text, content, expected):
-    whole = complete(name, text)
-    for i in range(len(text) + 1):
-        got = stream(name, cuts(text, [i]))
-        assert got == whole, f"split at {i}"
-    got = stream(name, list(text))
-    assert got == whole
-    assert not any(m in got[0] for m in MARKUP if m not in content)
-
-
 # -- reasoning ---------------------------------------------------------------------------------
 
 REASONING = [

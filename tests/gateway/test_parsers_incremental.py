@@ -119,7 +119,7 @@ def random_cuts(rng: random.Random, text: str) -> list[str]:
 
 def tool_cases() -> list[tuple[str, str]]:
     rng = random.Random(11)
-    cases = [(name, text) for name, text, _, _ in test_parsers.CORPUS + test_parsers_families.CORPUS]
+    cases = [(name, text) for name, text, _, _ in test_parsers.CORPUS + test_parsers.FAMILY_CORPUS]
     cases += [(name, long_call(name, payload(rng, 400))) for name in FORMATS]
     return cases
 
