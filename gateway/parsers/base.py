@@ -17,7 +17,7 @@ import secrets
 from dataclasses import dataclass, field
 from typing import Callable, ClassVar
 
-from gateway.parsers.scanning import Reader
+from gateway.parsers.scanning import Markers, Reader, drop
 
 # The JSON layout the grammars ask for: compact, one space after separators.
 JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
@@ -82,6 +82,19 @@ class ToolParser(Reader):
     def parse(self, final: bool) -> None:
         """Settle as much of ``buf`` as is decided (all of it when ``final``)."""
         raise NotImplementedError
+
+    def _next_piece(self, final: bool, opening: Markers, ends: dict[str, Markers], first: str
+                    ) -> tuple[str, str, str] | None:
+        """The common head of a block format's loop: outside a block ("content", or "between"
+        blocks, whose text is dropped) stream up to ``opening`` and enter state ``first``; inside,
+        (state, text, the marker that ends it, "" at the end) from ``ends[state]``. None: wait."""
+        while self._state in ("content", "between"):
+            sink = self._content if self._state == "content" else drop
+            if not self._stream_until(opening, final, sink):
+                return None
+            self._state = first
+        got = self._until(ends[self._state], final)
+        return None if got is None else (self._state, *got)
 
     # -- what a state does with the text -------------------------------------------------------
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from gateway.parsers.base import ToolParser
 from gateway.parsers.param_values import json_member, value_term
-from gateway.parsers.scanning import Markers, drop
+from gateway.parsers.scanning import Markers
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 KEY, KEY_END, VALUE, VALUE_END = "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>"
@@ -42,16 +42,10 @@ class Glm45ToolParser(ToolParser):
 
     def parse(self, final: bool) -> None:
         while True:
-            state = self._state
-            if state in ("content", "between"):
-                if not self._stream_until(_OPEN, final, self._content if state == "content" else drop):
-                    return
-                self._state = "name"
-                continue
-            got = self._until(_AFTER[state], final)
+            got = self._next_piece(final, _OPEN, _AFTER, "name")
             if got is None:
                 return
-            text, marker = got
+            state, text, marker = got
             if state == "name":
                 name = text.strip()
                 if not name:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from gateway.parsers.base import ToolParser
 from gateway.parsers.param_values import json_member, value_term
-from gateway.parsers.scanning import Markers, drop
+from gateway.parsers.scanning import Markers
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 FUNCTION, FUNCTION_END, PARAM, PARAM_END = "<function=", "</function>", "<parameter=", "</parameter>"
@@ -45,16 +45,10 @@ class Qwen3CoderToolParser(ToolParser):
 
     def parse(self, final: bool) -> None:
         while True:
-            state = self._state
-            if state in ("content", "between"):
-                if not self._stream_until(_OPEN, final, self._content if state == "content" else drop):
-                    return
-                self._state = "block"
-                continue
-            got = self._until(_AFTER[state], final)
+            got = self._next_piece(final, _OPEN, _AFTER, "block")
             if got is None:
                 return
-            text, marker = got
+            state, text, marker = got
             if state == "block":
                 self._state = "function" if marker == FUNCTION else "between"
             elif state == "function":
