@@ -13,7 +13,7 @@ reasoning parser, the same as ``think``).
 from __future__ import annotations
 
 from gateway.parsers.base import ToolParser
-from gateway.parsers.param_values import json_member, value_term
+from gateway.parsers.param_values import function_rules, json_member, value_term
 from gateway.parsers.scanning import Markers
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
@@ -78,20 +78,11 @@ class Glm45ToolParser(ToolParser):
                 self._state = "value" if marker == VALUE else "args"
 
     def grammar(self, tools, parallel, literal) -> str:
-        rules, names = [], []
-        for i, t in enumerate(tools):
-            f = t["function"]
-            params = f.get("parameters") or {}
-            props = params.get("properties", {})
-            required = set(params.get("required", []))
-            parts = []
-            for j, (k, schema) in enumerate(props.items()):
-                rule = f"p{i}_{j}"
-                rules.append(f'{rule}: "\\n" {literal(KEY)} "{k}" {literal(KEY_END)} "\\n" {literal(VALUE)} '
-                             f'{value_term(schema)} {literal(VALUE_END)}')
-                parts.append(rule if k in required else f"{rule}?")
-            rules.append(f'f{i}: "{f["name"]}" {" ".join(parts)}')
-            names.append(f"f{i}")
+        rules, names = function_rules(
+            tools,
+            lambda k, schema: (f'"\\n" {literal(KEY)} "{k}" {literal(KEY_END)} "\\n" {literal(VALUE)} '
+                               f'{value_term(schema)} {literal(VALUE_END)}'),
+            lambda name, parts: f'"{name}" {parts}')
         more = ' ("\\n" call)*' if parallel else ""
         head = [f"start: call{more}", f'call: {literal(OPEN)} ({" | ".join(names)}) {literal(CLOSE)}']
         return "\n".join(head + rules + ["TEXT: /[^<]+/"]) + "\n"

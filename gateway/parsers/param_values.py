@@ -40,3 +40,21 @@ def value_term(schema: dict) -> str:
     if is_text(schema):
         return "(" + " | ".join(json.dumps(e) for e in schema["enum"]) + ")"
     return json_term(schema or {})
+
+
+def function_rules(tools: list[dict], parameter, function) -> tuple[list[str], list[str]]:
+    """Lark rules for formats that write each parameter as its own tagged piece: per tool, one rule
+    per parameter (``parameter(name, schema)``'s body; optional unless required) and one for the
+    call (``function(name, parts)``'s body). Returns (the rules, the call rules' names)."""
+    rules, names = [], []
+    for i, t in enumerate(tools):
+        f = t["function"]
+        params = f.get("parameters") or {}
+        required = set(params.get("required", []))
+        parts = []
+        for j, (k, schema) in enumerate(params.get("properties", {}).items()):
+            rules.append(f"p{i}_{j}: {parameter(k, schema)}")
+            parts.append(f"p{i}_{j}" if k in required else f"p{i}_{j}?")
+        rules.append(f"f{i}: {function(f['name'], ' '.join(parts))}")
+        names.append(f"f{i}")
+    return rules, names

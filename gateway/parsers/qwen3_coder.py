@@ -16,7 +16,7 @@ time: ``{"city": "Paris"`` then ``, "days": 3`` then ``}`` once the function clo
 from __future__ import annotations
 
 from gateway.parsers.base import ToolParser
-from gateway.parsers.param_values import json_member, value_term
+from gateway.parsers.param_values import function_rules, json_member, value_term
 from gateway.parsers.scanning import Markers
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
@@ -83,19 +83,10 @@ class Qwen3CoderToolParser(ToolParser):
         self._args(sep + json_member(self._key, raw, self._types.get(self._key, {})))
 
     def grammar(self, tools, parallel, literal) -> str:
-        rules, names = [], []
-        for i, t in enumerate(tools):
-            f = t["function"]
-            params = f.get("parameters") or {}
-            props = params.get("properties", {})
-            required = set(params.get("required", []))
-            parts = []
-            for j, (k, schema) in enumerate(props.items()):
-                rule = f"p{i}_{j}"
-                rules.append(f'{rule}: "<parameter={k}>\\n" {value_term(schema)} "\\n</parameter>\\n"')
-                parts.append(rule if k in required else f"{rule}?")
-            rules.append(f'f{i}: "<function={f["name"]}>\\n" {" ".join(parts)} "</function>\\n"')
-            names.append(f"f{i}")
+        rules, names = function_rules(
+            tools,
+            lambda k, schema: f'"<parameter={k}>\\n" {value_term(schema)} "\\n</parameter>\\n"',
+            lambda name, parts: f'"<function={name}>\\n" {parts} "</function>\\n"')
         more = ' ("\\n" call)*' if parallel else ""
         head = [f"start: call{more}", f'call: {literal(OPEN)} "\\n" ({" | ".join(names)}) {literal(CLOSE)}']
         return "\n".join(head + rules + ["TEXT: /[^<\\n]+/"]) + "\n"
