@@ -260,13 +260,10 @@ class Daemon:
                 raise EngineUnavailableError(f"the engine is shutting down: {self.stop_reason}")
             if rid in self.owner:
                 raise InvalidRequestError(f"request id {rid!r} is already in flight")
-            # Only a generation engine serves adapters (an encoder's add_request takes none); the
-            # gateway names one only when the engine listed it.
-            lora = {"lora_name": msg.lora_name} if msg.lora_name is not None else {}
             self.engine.add_request(rid, msg.prompt_token_ids, msg.params, cache_salt=msg.cache_salt,
                                     app=msg.app, priority=msg.priority, group=msg.group,
                                     group_size=msg.group_size, params_n=msg.n if msg.choice == 0 else 0,
-                                    task=msg.task, **lora)
+                                    task=msg.task, lora_name=msg.lora_name)
         except MlxdError as e:
             self._send_error(identity, rid, e)
             return
