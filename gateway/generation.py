@@ -14,7 +14,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from gateway.detokenizer import IncrementalDetokenizer
-from gateway.sse import wait_disconnect
+from gateway.sse import unless_disconnected
 from gateway.stops import StopMatcher
 from shared.errors import MlxdError
 from shared.protocol import Logprob, RequestOutput
@@ -137,20 +137,10 @@ class Generation:
             async for _ in deltas if deltas is not None else self.deltas():
                 pass
 
-        work = asyncio.create_task(drain())
-        gone = asyncio.create_task(wait_disconnect(receive))
         try:
-            await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+            return await unless_disconnected(drain(), receive)
         finally:
-            gone.cancel()
-            if not work.done():
-                work.cancel()
-            await asyncio.gather(work, gone, return_exceptions=True)
             self.abort_unfinished()
-        if work.cancelled():
-            return False  # the client is gone
-        work.result()
-        return True
 
     async def deltas(self, keepalive: float | None = None):
         """Yield ChoiceDeltas until every choice finished; None after ``keepalive`` idle seconds.

@@ -15,7 +15,7 @@ import numpy as np
 from starlette.requests import Request
 
 from gateway import params as P
-from gateway.sse import wait_disconnect
+from gateway.sse import unless_disconnected
 from gateway.state import GatewayState
 from shared.errors import ContextLengthError, InvalidRequestError, MlxdError
 from shared.protocol import EngineInfo, RequestOutput
@@ -102,19 +102,7 @@ async def run_pooled(gw: GatewayState, request: Request, prompts: list[list[int]
     try:
         for i, (rid, prompt) in enumerate(zip(ids, prompts)):
             client.add(rid, prompt, params, queue, i, None, app, P.check_priority(priority), group, task)
-        work = asyncio.create_task(collect())
-        gone = asyncio.create_task(wait_disconnect(request.receive))
-        try:
-            await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            gone.cancel()
-            if not work.done():
-                work.cancel()
-            await asyncio.gather(work, gone, return_exceptions=True)
-        if work.cancelled():
-            return None
-        work.result()
-        return results
+        return results if await unless_disconnected(collect(), request.receive) else None
     finally:
         client.abort([rid for rid, r in zip(ids, results) if r is None])
 

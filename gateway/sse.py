@@ -35,6 +35,25 @@ async def wait_disconnect(receive) -> None:
             return
 
 
+async def unless_disconnected(work, receive) -> bool:
+    """Run the coroutine ``work`` until it ends or the client hangs up (ASGI ``receive`` sees the
+    disconnect), whichever comes first; False if the client went first (``work`` is cancelled).
+    ``work``'s own exception is raised."""
+    task = asyncio.create_task(work)
+    gone = asyncio.create_task(wait_disconnect(receive))
+    try:
+        await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+        if not task.done():
+            task.cancel()
+        await asyncio.gather(task, gone, return_exceptions=True)
+    if task.cancelled():
+        return False
+    task.result()
+    return True
+
+
 class SSEResponse:
     """``on_close`` runs when the response ends however it ends, also when the client left
     before the first event (an async generator closed unstarted never runs its ``finally``)."""
