@@ -209,8 +209,10 @@ class Mirror:
             self._tokens[op.rid] = []
         req = self.requests[op.rid]
         self._tokens[op.rid] += op.tokens
-        # Token ids as they were when rank 0 made the call: calls read the request's length.
-        req.token_ids = self._tokens[op.rid][: op.num_tokens]
+        # Each call carries the ids rank 0 had not sent yet, so the list is the request's token ids
+        # as they were when the call was made (calls read their length): no copy per call.
+        req.token_ids = self._tokens[op.rid]
+        assert len(req.token_ids) == op.num_tokens, "pipeline rank out of step with rank 0"
         req.num_computed_tokens = op.computed
         return req
 
