@@ -18,7 +18,8 @@ from shared.config import EngineConfig
 
 class KVGroup:
     layers: list[int]  # the model layers whose ``cache`` this group provides
-    # A recurrent state cannot take rejected draft tokens back; paged K/V can (it is overwritten).
+    # Whether rejected draft tokens can be taken back: paged K/V is overwritten later; a recurrent
+    # state needs its window slots (``recurrent_state``).
     can_rewind = True
 
     @classmethod

@@ -15,8 +15,16 @@ the boundary that ends a request's longest reusable prefix. A prefill chunk
 that crosses such a boundary is split there inside the linear layers, so no
 scheduling change is needed. A cached prefix is used only up to its last block
 with a snapshot; a request resuming from it starts from a copy of that state.
-Snapshots are evicted least recently used. Speculative decoding is refused for
-these models: rejected drafts cannot be taken back out of a recurrent state.
+Snapshots are evicted least recently used.
+
+Speculative decoding: a recurrent state cannot take rejected draft tokens
+back, so a verification window (the last token and its ``k`` drafts) runs
+through the linear layers one position at a time, all windows of the step
+batched per position, and the state after each of the first ``k`` positions
+is copied to the request's window slots (``k`` per live slot, fixed, billed
+with the pool). Once the verifier's result is known (``commit``), the live
+slot takes the state of the last accepted position (nothing to do when every
+draft was accepted); the copy runs, lazily, at the start of the next step.
 """
 
 from __future__ import annotations
@@ -54,14 +62,17 @@ class StateLayerStep:
 
 
 class RecurrentStateGroup(KVGroup):
-    can_rewind = False
-
     def __init__(self, specs: list[LayerSpec], config: EngineConfig, dtype: mx.Dtype):
         self.layers = [s.index for s in specs]
         self.layer_shapes = [state_shapes(s.linear, s.hidden_size, dtype) for s in specs]
         self.block_size = config.block_size
         self.num_live = config.max_num_seqs
         self.num_snapshots = config.max_num_seqs if config.enable_prefix_caching else 0
+        spec = config.speculative
+        # Window slots per live slot: the states after each draft position but the last.
+        self.window = spec.num_speculative_tokens if spec is not None else 0
+        # Without window slots a rejected draft could not be taken back out of the state.
+        self.can_rewind = self.window > 0
         self.states: list[list[mx.array]] = [[] for _ in specs]
         self._reset(0)
 
@@ -76,7 +87,7 @@ class RecurrentStateGroup(KVGroup):
 
     def create(self, num_blocks: int) -> None:
         """(Re)create the pool, every slot free and zeroed; ``num_blocks == 0`` drops it."""
-        total = self.num_live + self.num_snapshots if num_blocks else 0
+        total = self.num_live * (1 + self.window) + self.num_snapshots if num_blocks else 0
         self.states = [[mx.zeros((total, *shape), dtype=dtype) for shape, dtype in layer]
                        for layer in self.layer_shapes]
         mx.eval(self.states)
@@ -96,8 +107,17 @@ class RecurrentStateGroup(KVGroup):
         self.live: dict[str, int] = {}
         self.snapshots: OrderedDict[bytes, int] = OrderedDict()  # block hash -> slot, oldest use first
         self.pending: dict[str, list[tuple[int, int]]] = {}  # request -> [(boundary, slot)] taken, not yet keyed
-        self.free_live = list(range(min(total, self.num_live) - 1, -1, -1))
-        self.free_snapshots = list(range(total - 1, min(total, self.num_live) - 1, -1))
+        # Slots: live ones, then snapshots, then ``window`` window slots per live slot.
+        live = min(total, self.num_live)
+        snap_end = min(total, self.num_live + self.num_snapshots)
+        self.free_live = list(range(live - 1, -1, -1))
+        self.free_snapshots = list(range(snap_end - 1, live - 1, -1))
+        self.windows: dict[str, tuple[int, int]] = {}  # request -> (first position, length) of its window
+        self.restores: dict[int, int] = {}  # live slot -> window slot it takes at the next step
+
+    def _window_slot(self, live: int, j: int) -> int:
+        """Where the state after window position ``j`` of the request in slot ``live`` is kept."""
+        return self.num_live + self.num_snapshots + live * self.window + j
 
     @property
     def bytes_per_slot(self) -> int:
@@ -106,7 +126,7 @@ class RecurrentStateGroup(KVGroup):
     @property
     def nbytes(self) -> int:
         """Bytes of the whole pool once allocated (what the memory guard sets aside)."""
-        return (self.num_live + self.num_snapshots) * self.bytes_per_slot
+        return (self.num_live * (1 + self.window) + self.num_snapshots) * self.bytes_per_slot
 
     # -- per step -------------------------------------------------------------------------------
 
@@ -114,6 +134,9 @@ class RecurrentStateGroup(KVGroup):
         """Give new requests their slots (zeroed, or a copy of their prefix's snapshot), then plan the groups."""
         bs = self.block_size
         zero, copy_src, copy_dst = [], [], []
+        if self.restores:  # windows verified last step: each live state goes back to its last accepted position
+            copy_dst, copy_src = list(self.restores), list(self.restores.values())
+            self.restores = {}
         for req, _ in scheduled:
             if req.request_id in self.live:
                 continue
@@ -167,23 +190,38 @@ class RecurrentStateGroup(KVGroup):
         lens = np.array([n for _, n in scheduled], dtype=np.int64)
         cu = np.concatenate([[0], np.cumsum(lens)])
         groups, order = [], []
-        decode = np.flatnonzero(lens == 1)
-        if len(decode):
+        # A window (a token and its drafts) runs one position at a time, like decodes, so that
+        # the state after each position can be kept; other multi-token pieces are prefills.
+        windows = [b for b in np.flatnonzero(lens > 1)
+                   if scheduled[b][0].num_computed_tokens + lens[b] > scheduled[b][0].num_tokens_with_placeholders]
+        decode = list(np.flatnonzero(lens == 1))
+        for j in range(max([1 if decode else 0] + [int(lens[b]) for b in windows])):
+            members = (decode if j == 0 else []) + [b for b in windows if lens[b] > j]
             src, dst = [], []
-            for i, b in enumerate(decode):
+            for i, b in enumerate(members):
                 req = scheduled[b][0]
-                for p in self._boundaries(req, req.num_computed_tokens, req.num_computed_tokens + 1):
+                at = req.num_computed_tokens + j
+                for p in self._boundaries(req, at, at + 1):
                     if (slot := self._take(req, p)) is not None:
                         src.append(i)
                         dst.append(slot)
+                if lens[b] > 1 and j < lens[b] - 1:  # a window position with drafts after it
+                    src.append(i)
+                    dst.append(self._window_slot(self.live[req.request_id], j))
+            rows = cu[members] + j
             groups.append(StateGroup(
-                rows=mx.array(cu[decode].astype(np.int32)),
-                slots=mx.array([self.live[scheduled[b][0].request_id] for b in decode]),
-                batch=len(decode), length=1,
+                rows=mx.array(rows.astype(np.int32)),
+                slots=mx.array([self.live[scheduled[b][0].request_id] for b in members]),
+                batch=len(members), length=1,
                 snap_src=mx.array(src) if src else None, snap_dst=mx.array(dst) if dst else None,
             ))
-            order.append(cu[decode])
+            order.append(rows)
+        for b in windows:
+            req = scheduled[b][0]
+            self.windows[req.request_id] = (req.num_computed_tokens, int(lens[b]))
         for b in np.flatnonzero(lens > 1):
+            if b in windows:
+                continue
             req, n = scheduled[b]
             start = req.num_computed_tokens
             slot = mx.array([self.live[req.request_id]])
@@ -220,13 +258,22 @@ class RecurrentStateGroup(KVGroup):
             self.snapshots[key] = slot
 
     def commit(self, req: Request) -> None:
+        window = self.windows.pop(req.request_id, None)
+        if window is not None:
+            start, n = window
+            kept = req.num_computed_tokens - start  # the window's token and its accepted drafts
+            if 0 < kept < n:
+                live = self.live[req.request_id]
+                self.restores[live] = self._window_slot(live, kept - 1)
         if req.request_id in self.pending:
             extend_hashes(req, req.num_computed_tokens // self.block_size, self.block_size)
             self._register(req)
 
     def free(self, req: Request) -> None:
         """Slots go back with the blocks; snapshots taken on the way stay, keyed by their blocks."""
+        self.windows.pop(req.request_id, None)  # its state is dropped: nothing to restore
         self.commit(req)
         slot = self.live.pop(req.request_id, None)
         if slot is not None:
+            self.restores.pop(slot, None)
             self.free_live.append(slot)

@@ -17,7 +17,6 @@ from engined.kv.recurrent_state import RecurrentStateGroup
 from engined.request import Request
 from engined.scheduler import SchedulerOutput
 from shared.config import EngineConfig
-from shared.errors import InvalidRequestError
 from shared.sampling import SamplingParams
 from tests.tiny_models import make_tiny_model, seeded_rng
 
@@ -163,14 +162,6 @@ def test_preempted_hybrid_request_recomputes_its_state(hybrid):
     assert tight.generate(prompts, params) == roomy.generate(prompts, params)
     assert tight.scheduler.num_preemptions > 0
     assert state_group(tight).live == {}
-
-
-def test_speculative_decoding_is_refused_for_hybrids(hybrid):
-    path, _ = hybrid
-    config = EngineConfig(num_kv_blocks=64, block_size=8,
-                          speculative_config='{"method": "ngram", "num_speculative_tokens": 2}')
-    with pytest.raises(InvalidRequestError, match="recurrent state"):
-        Engine(config, loaded=load_model(str(path)))
 
 
 def test_dense_models_get_no_state_pool(tmp_path):
