@@ -9,6 +9,8 @@ there. A preempted request starts over: its blocks may be others by then.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
@@ -81,60 +83,79 @@ class DraftProposer:
 
     def propose(self, reqs: list[Request], drafts: list[list[int]],
                 tables: list[list[int]]) -> tuple[mx.array, dict[Request, np.ndarray]]:
-        """Fill each request's draft (already sized) in place; returns their distributions and masks.
-
-        The distributions have the verifier's row layout: per request ``k`` rows
-        of the draft's distribution and one zero row for the bonus position.
-        Constrained requests draft under their grammar; the masks (packed,
-        ``[k + 1, words]`` per constrained request) are those of the window rows.
-        """
-        ks = [len(d) for d in drafts]
+        """Fill each request's draft (already sized) in place; returns their distributions and masks
+        (``draft_loop``'s). The first pass catches each request's draft K/V up from where it stopped."""
         offsets = [min(self.computed.get(r.request_id, 0), r.num_computed_tokens) for r in reqs]
         pieces = [r.token_ids[o:] for r, o in zip(reqs, offsets)]
-        rows: list[list[mx.array]] = [[] for _ in reqs]
-        vocab = self.sampler.vocab_size
-        walks = {i: DraftWalk(r.grammar.matcher, self.sampler.grammars.new_bits(k + 1))
-                 for i, (r, k) in enumerate(zip(reqs, ks)) if r.grammar is not None}
-        try:
-            for j in range(max(ks)):
-                active = [i for i, k in enumerate(ks) if k > j]
-                logits = self._forward([pieces[i] for i in active], [offsets[i] for i in active],
-                                       [tables[i] for i in active])
-                areqs = [reqs[i] for i in active]
-                processed = self.sampler.process(logits.astype(mx.float32)[:, :vocab], areqs,
-                                                 self._row_masks(j, active, walks))
-                probs = mx.softmax(processed, axis=-1)
-                noise = mx.stack([
-                    mx.random.gumbel((vocab,), key=row_key(r.seed + _DRAFT_SEED_OFFSET, r.num_output_tokens + j))
-                    for r in areqs
-                ])
-                greedy = mx.array([r.params.temperature == 0.0 for r in areqs])
-                tokens = mx.where(greedy, mx.argmax(processed, axis=-1), mx.argmax(processed + noise, axis=-1))
-                mx.eval(tokens, probs, self.kv.arrays())
-                for row, (i, tok) in enumerate(zip(active, tokens.tolist())):
-                    drafts[i][j] = tok
-                    rows[i].append(probs[row])
-                    offsets[i] += len(pieces[i])
-                    pieces[i] = [tok]
-                    if i in walks:
-                        walks[i].push(tok)
-        finally:
-            # The matchers go back to the last accepted token whatever happened.
-            for walk in walks.values():
-                walk.finish()
-        zero = mx.zeros((vocab,), dtype=mx.float32)
-        for req, off in zip(reqs, offsets):
-            self.computed[req.request_id] = off
-        probs = mx.stack([row for per_req in rows for row in per_req + [zero]])
-        return probs, {reqs[i]: walk.bits for i, walk in walks.items()}
 
-    def _row_masks(self, j: int, active: list[int], walks: dict[int, DraftWalk]) -> mx.array | None:
-        """Allowed tokens for draft position ``j`` of the active requests; None when none is constrained."""
-        if not any(i in walks for i in active):
-            return None
-        bits = self.sampler.grammars.new_bits(len(active))
-        for row, i in enumerate(active):
-            if i in walks:
-                walks[i].fill()
-                bits[row] = walks[i].bits[j]
-        return self.sampler.grammars.to_mask(bits)
+        def forward(j: int, active: list[int]) -> mx.array:
+            if j:
+                for i in active:
+                    offsets[i] += len(pieces[i])
+                    pieces[i] = [drafts[i][j - 1]]
+            return self._forward([pieces[i] for i in active], [offsets[i] for i in active],
+                                 [tables[i] for i in active])
+
+        probs, bits = draft_loop(self.sampler, reqs, drafts, forward, self.kv.arrays)
+        for req, off, piece in zip(reqs, offsets, pieces):
+            self.computed[req.request_id] = off + len(piece)
+        return probs, bits
+
+
+def draft_loop(sampler: Sampler, reqs: list[Request], drafts: list[list[int]],
+               forward: Callable[[int, list[int]], mx.array],
+               arrays: Callable[[], list[mx.array]]) -> tuple[mx.array, dict[Request, np.ndarray]]:
+    """Fill each request's draft (already sized) in place, one position at a time, by a drafter's
+    ``forward(j, active)``: the logits of position ``j`` for the requests ``active`` (indices into
+    ``reqs``; their drafts before ``j`` are filled). ``arrays`` are what the forwards write (K/V),
+    evaluated with each position's tokens.
+
+    Returns the distributions in the verifier's row layout (per request ``k``
+    rows of the draft's distribution and one zero row for the bonus position)
+    and, for constrained requests, which draft under their grammar, the packed
+    masks of the window rows (``[k + 1, words]``).
+    """
+    ks = [len(d) for d in drafts]
+    rows: list[list[mx.array]] = [[] for _ in reqs]
+    vocab = sampler.vocab_size
+    walks = {i: DraftWalk(r.grammar.matcher, sampler.grammars.new_bits(k + 1))
+             for i, (r, k) in enumerate(zip(reqs, ks)) if r.grammar is not None}
+    try:
+        for j in range(max(ks)):
+            active = [i for i, k in enumerate(ks) if k > j]
+            logits = forward(j, active)
+            areqs = [reqs[i] for i in active]
+            processed = sampler.process(logits.astype(mx.float32)[:, :vocab], areqs,
+                                        _row_masks(sampler, j, active, walks))
+            probs = mx.softmax(processed, axis=-1)
+            noise = mx.stack([
+                mx.random.gumbel((vocab,), key=row_key(r.seed + _DRAFT_SEED_OFFSET, r.num_output_tokens + j))
+                for r in areqs
+            ])
+            greedy = mx.array([r.params.temperature == 0.0 for r in areqs])
+            tokens = mx.where(greedy, mx.argmax(processed, axis=-1), mx.argmax(processed + noise, axis=-1))
+            mx.eval(tokens, probs, arrays())
+            for row, (i, tok) in enumerate(zip(active, tokens.tolist())):
+                drafts[i][j] = tok
+                rows[i].append(probs[row])
+                if i in walks:
+                    walks[i].push(tok)
+    finally:
+        # The matchers go back to the last accepted token whatever happened.
+        for walk in walks.values():
+            walk.finish()
+    zero = mx.zeros((vocab,), dtype=mx.float32)
+    probs = mx.stack([row for per_req in rows for row in per_req + [zero]])
+    return probs, {reqs[i]: walk.bits for i, walk in walks.items()}
+
+
+def _row_masks(sampler: Sampler, j: int, active: list[int], walks: dict[int, DraftWalk]) -> mx.array | None:
+    """Allowed tokens for draft position ``j`` of the active requests; None when none is constrained."""
+    if not any(i in walks for i in active):
+        return None
+    bits = sampler.grammars.new_bits(len(active))
+    for row, i in enumerate(active):
+        if i in walks:
+            walks[i].fill()
+            bits[row] = walks[i].bits[j]
+    return sampler.grammars.to_mask(bits)
