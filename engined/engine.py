@@ -31,6 +31,8 @@ from engined.loaders import LoadedModel, load_model
 from engined.lora.registry import LoraRegistry
 from engined.metrics import EngineMetrics
 from engined.model_layers import float_dtype, read_layers
+from engined.mtp import MTPProposer
+from engined.mtp import build_layer as build_mtp_layer
 from engined.pooling import matryoshka_dimensions, pooled_results, score_token_ids, store_results
 from engined.request import Request
 from engined.runner import ModelRunner
@@ -80,7 +82,9 @@ class Engine:
                                      self.max_model_len)
         self.drafter = (self._load_drafter(spec, loaded, dtype, backend)
                         if spec and spec.method == "draft_model" else None)
-        self.speculator = Speculator(spec, self.sampler, self.metrics, self.max_model_len, self.drafter,
+        # The checkpoint's MTP layer; its K/V are a group of the KV manager (billed with it).
+        self.mtp = self._load_mtp(loaded, kv, dtype, backend) if spec and spec.method == "mtp" else None
+        self.speculator = Speculator(spec, self.sampler, self.metrics, self.max_model_len, self.drafter or self.mtp,
                                      kv.block_ids)
         stores = [kv] + ([self.drafter] if self.drafter else [])
         self.memory = memory_guard.plan(self.runner, stores, config, self.max_model_len, loaded.vocab_size,
@@ -145,6 +149,17 @@ class Engine:
             )
         return DraftProposer(draft.model, read_layers(draft.model), self.config.block_size, dtype, self.sampler,
                              backend)
+
+    def _load_mtp(self, loaded: LoadedModel, kv, dtype: mx.Dtype, backend: str) -> MTPProposer:
+        if loaded.mtp is None:
+            raise ModelLoadError(f"{loaded.model_id} has no MTP layer (mtp.* weights) for "
+                                 "speculative method 'mtp'", param="speculative_config")
+        if self.config.num_ranks > 1:
+            raise InvalidRequestError("MTP speculation cannot run over several ranks yet",
+                                      param="speculative_config")
+        layer, index = build_mtp_layer(loaded.model, loaded.model_type, loaded.mtp)
+        return MTPProposer(loaded.model, self.runner.head, layer, index, kv, self.sampler, self.config.block_size,
+                           dtype, backend)
 
     # -- requests ---------------------------------------------------------------------------
 

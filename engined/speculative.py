@@ -1,9 +1,9 @@
 """Speculative decoding: draft proposals and their verification inside the packed step.
 
 The step calls one collaborator, ``Speculator``: ``propose`` (before
-scheduling: n-gram drafts, or room for the draft model of ``draft_model``),
-``draft`` (after scheduling: the draft model fills what fits the budget) and
-``verify`` (after the forward). Drafts travel in the scheduler's output, never
+scheduling: n-gram drafts, or room for the draft model of ``draft_model`` or
+the MTP layer of ``mtp``), ``draft`` (after scheduling: the drafter fills what
+fits the budget) and ``verify`` (after the forward). Drafts travel in the scheduler's output, never
 on the request.
 
 A speculating request contributes ``1 + k`` query rows to the step (its last
@@ -125,8 +125,10 @@ class Speculator:
         self.verifier = Verifier(sampler)
         self.metrics = metrics
         self.max_model_len = max_model_len
-        # engined.draft_model.DraftProposer, and the target's block tables by request id it writes through.
+        # engined.draft_model.DraftProposer or engined.mtp.MTPProposer, and the target's block tables
+        # by request id the draft model writes through.
         self.drafter = drafter
+        self.mtp = config is not None and config.method == "mtp"
         self.tables = tables
         self._draft_probs: mx.array | None = None
         # This step's window masks (packed) of constrained requests with drafts.
@@ -188,7 +190,9 @@ class Speculator:
         # A preempted request (perhaps readmitted in the same schedule, into other blocks) drafts anew.
         self.drafter.forget(r.request_id for r in batch.preempted)
         drafting = [r for r, _ in batch.scheduled if r in batch.drafts]
-        if drafting:
+        if self.mtp:  # every step: the MTP layer reads the target's hidden states of each forward
+            self._draft_probs, self._bits = self.drafter.propose(batch, drafting, [batch.drafts[r] for r in drafting])
+        elif drafting:
             self._draft_probs, self._bits = self.drafter.propose(
                 drafting, [batch.drafts[r] for r in drafting], [self.tables(r.request_id) for r in drafting])
 

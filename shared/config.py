@@ -16,20 +16,25 @@ ENGINE_TASKS = ("auto", "generate", "embed", "score")
 class SpeculativeConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """``--speculative-config`` as vLLM spells it (a JSON object).
 
-    ``method`` is "ngram" (prompt lookup) or "draft_model" (a second, smaller
-    model of the same tokenizer); a model's own MTP heads would be a third.
+    ``method`` is "ngram" (prompt lookup), "draft_model" (a second, smaller
+    model of the same tokenizer) or "mtp" (the checkpoint's own
+    multi-token-prediction layer). Omitted, it is "draft_model" when a
+    ``model`` is given, else "mtp", as vLLM infers it; the engine then refuses
+    a checkpoint without MTP layers.
     """
 
-    method: str
+    method: str | None = None
     num_speculative_tokens: int
     prompt_lookup_min: int = 2
     prompt_lookup_max: int = 4
     model: str | None = None
 
     def __post_init__(self) -> None:
-        if self.method not in ("ngram", "draft_model"):
+        if self.method is None:
+            self.method = "draft_model" if self.model is not None else "mtp"
+        if self.method not in SPECULATIVE_METHODS:
             raise InvalidRequestError(
-                f"speculative method {self.method!r} is not one of 'ngram', 'draft_model'",
+                f"speculative method {self.method!r} is not one of {', '.join(map(repr, SPECULATIVE_METHODS))}",
                 param="speculative_config",
             )
         if not 1 <= self.num_speculative_tokens <= 16:
@@ -42,6 +47,9 @@ class SpeculativeConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True
             raise InvalidRequestError(
                 "a draft model is given exactly when method is 'draft_model'", param="speculative_config"
             )
+
+
+SPECULATIVE_METHODS = ("ngram", "draft_model", "mtp")
 
 
 # Defaults that depend on the device. A GPU step costs the host about the same whatever its size

@@ -298,12 +298,38 @@ def _random_weights(config: dict, seed: int) -> dict[str, np.ndarray]:
     return weights
 
 
-def make_tiny_model(directory, arch: str = "llama", seed: int = 0, **overrides) -> Path:
+# Hybrid families whose checkpoints carry a multi-token-prediction layer, and the config key counting them.
+MTP_ARCHS = {"qwen3_next": "num_nextn_predict_layers", "qwen3_5": "mtp_num_hidden_layers",
+             "qwen3_5_moe": "mtp_num_hidden_layers"}
+
+
+def _mtp_weights(config: dict, weights: dict[str, np.ndarray], seed: int) -> dict[str, np.ndarray]:
+    """The ``mtp.*`` tensors a Qwen3-Next / Qwen3.5 checkpoint carries (in the layout of the rest):
+    the two pre-projection norms, ``fc`` [hidden, 2 hidden], one full-attention decoder layer
+    shaped as the model's own (``mtp.layers.0.*``) and the final norm."""
+    text = config.get("text_config", config)
+    hidden = text["hidden_size"]
+    rng = np.random.default_rng(seed + 1)  # the model's own weights stay those of ``seed``
+    layer = f"model.layers.{text['full_attention_interval'] - 1}."
+    out = {}
+    for name, w in weights.items():
+        if layer in name:
+            out["mtp.layers.0." + name.split(layer, 1)[1]] = (
+                1.0 + 0.2 * rng.standard_normal(w.shape) if name.endswith("norm.weight")
+                else rng.standard_normal(w.shape) / np.sqrt(w.shape[-1])).astype(np.float32)
+    for norm in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"):
+        out[f"mtp.{norm}.weight"] = (1.0 + 0.2 * rng.standard_normal(hidden)).astype(np.float32)
+    out["mtp.fc.weight"] = (rng.standard_normal((hidden, 2 * hidden)) / np.sqrt(2 * hidden)).astype(np.float32)
+    return out
+
+
+def make_tiny_model(directory, arch: str = "llama", seed: int = 0, mtp: bool = False, **overrides) -> Path:
     """Write a tiny random-weight mlx_lm/HF model directory; returns its path.
 
     Defaults: hidden 64, 2 layers, 4 heads of 16, 2 KV heads, FFN 128, vocab
     272 (256 bytes, 8 merges, <|endoftext|> <|im_start|> <|im_end|>,
-    reserved). ``overrides`` replace config.json entries.
+    reserved). ``overrides`` replace config.json entries. ``mtp`` (an arch of
+    ``MTP_ARCHS``) adds the checkpoint's multi-token-prediction layer.
     """
     import mlx.core as mx
 
@@ -311,6 +337,9 @@ def make_tiny_model(directory, arch: str = "llama", seed: int = 0, **overrides) 
     out.mkdir(parents=True, exist_ok=True)
     config = tiny_config(arch, **overrides)
     weights = _random_weights(config, seed)
+    if mtp:
+        (config["text_config"] if "text_config" in config else config)[MTP_ARCHS[config["model_type"]]] = 1
+        weights.update(_mtp_weights(config, weights, seed))
     (out / "config.json").write_text(json.dumps(config, indent=2))
     mx.save_safetensors(str(out / "model.safetensors"), {k: mx.array(v) for k, v in weights.items()}, metadata={"format": "mlx"})
     _write_tokenizer(out, config)

@@ -100,6 +100,12 @@ class KVCacheManager:
         for g in self.groups[1:]:
             g.create(num_blocks)
 
+    def add(self, group: KVGroup) -> None:
+        """A group that claims none of the model's layers but keeps K/V per block of the main pool
+        (an MTP layer's, ``kv/mtp_layer.py``): billed with the groups, its arrays following the pool."""
+        self.groups.append(group)
+        self.follow(group.kv)
+
     def follow(self, arrays: PagedArrays) -> None:
         """Keep ``arrays`` (indexed by the main pool's block ids) sized to the main pool's resident blocks."""
         self.main.followers.append(arrays)

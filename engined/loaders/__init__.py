@@ -22,7 +22,7 @@ from engined.device import weight_dtype
 from shared.errors import ModelLoadError
 
 from .gguf import load_gguf
-from .mlx_dir import dense_weights, is_model_dir, load_dir, resolve_hf_repo
+from .mlx_dir import MTPWeights, dense_weights, is_model_dir, load_dir, resolve_hf_repo
 
 __all__ = ["LoadedModel", "default_model_path", "load_model"]
 
@@ -43,6 +43,8 @@ class LoadedModel:
     num_layers: int
     num_kv_heads: int
     head_dim: int
+    # The checkpoint's multi-token-prediction layer (Qwen3-Next / Qwen3.5 ``mtp.*``), if it has one.
+    mtp: MTPWeights | None = None
 
 
 def default_model_path() -> str:
@@ -109,7 +111,7 @@ def load_model(spec: str, dtype: str = "auto") -> LoadedModel:
     spec = spec or default_model_path()
     path = Path(spec).expanduser()
     if path.is_file() and path.suffix.lower() == ".gguf":
-        loaded = load_gguf(path, keep_quantized=weight_dtype(dtype) is None)
+        loaded, mtp = load_gguf(path, keep_quantized=weight_dtype(dtype) is None), None
         model, config, tok_dir = loaded.model, loaded.config, loaded.tokenizer_dir
         stored = loaded.float_dtype
         eos, bos, model_id = loaded.eos_token_ids, loaded.bos_token_id, path.stem
@@ -135,7 +137,7 @@ def load_model(spec: str, dtype: str = "auto") -> LoadedModel:
                 )
         loaded = load_dir(directory)
         model, config, tok_dir, stored = loaded.model, loaded.config, directory, None
-        eos, bos = loaded.eos_token_ids, loaded.bos_token_id
+        eos, bos, mtp = loaded.eos_token_ids, loaded.bos_token_id, loaded.mtp
 
     _apply_dtype(model, dtype, stored)
     layers, kv_heads, head_dim = _shape_facts(model, config)
@@ -152,4 +154,5 @@ def load_model(spec: str, dtype: str = "auto") -> LoadedModel:
         num_layers=layers,
         num_kv_heads=kv_heads,
         head_dim=head_dim,
+        mtp=mtp,
     )

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx_lm.utils import _get_classes
 from mlx_lm.utils import load_model as mlx_lm_load_model
 
 from engined.model_layers import check_model_type
@@ -16,11 +17,51 @@ from shared.hub import cached_snapshot
 
 
 @dataclass
+class MTPWeights:
+    """A checkpoint's multi-token-prediction tensors (``mtp.*``, that prefix cut), as stored and not
+    yet read (MLX loads lazily), and whether the family's loader shifted the model's norms by one
+    (Hugging Face's zero-centred norms of Qwen3-Next / Qwen3.5): the MTP layer's norms need the same."""
+
+    tensors: dict[str, mx.array]
+    shifted_norms: bool
+
+
+@dataclass
 class DirModel:
     model: nn.Module
     config: dict
     eos_token_ids: list[int]
     bos_token_id: int | None
+    mtp: MTPWeights | None = None
+
+
+def _keeping_mtp(found: list[MTPWeights]):
+    """mlx_lm's class lookup, with each family's ``sanitize`` first setting the ``mtp.*`` tensors
+    aside into ``found`` (the engine's MTP speculation builds its layer from them; some families
+    drop them, Qwen3-Next keeps them in a checkpoint whose experts are already stacked, which
+    the strict load would refuse)."""
+
+    def classes(config: dict):
+        model_class, args_class = _get_classes(config)
+        if not hasattr(model_class, "sanitize"):
+            return model_class, args_class
+
+        def sanitize(self, weights):
+            mtp = {k.split("mtp.", 1)[1]: v for k, v in weights.items() if k.startswith("mtp.") or ".mtp." in k}
+            if not mtp:
+                return model_class.sanitize(self, weights)
+            rest = {k: v for k, v in weights.items() if not (k.startswith("mtp.") or ".mtp." in k)}
+            out = model_class.sanitize(self, rest)
+            norm = next((k for k in out if k.endswith("model.norm.weight")), None)
+            # A norm the family shifted is a new array; one it kept is the stored one.
+            found.append(MTPWeights(mtp, norm is not None and all(out[norm] is not v for v in rest.values())))
+            return out
+
+        wrapped = type(model_class.__name__, (model_class,), {"sanitize": sanitize})
+        wrapped.__module__ = model_class.__module__
+        return wrapped, args_class
+
+    return classes
 
 
 def is_model_dir(path: Path) -> bool:
@@ -76,8 +117,9 @@ def load_dir(path: Path) -> DirModel:
     """
     declared = _read_json(path / "config.json")
     check_model_type(declared)
+    mtp: list[MTPWeights] = []
     try:
-        model, config = mlx_lm_load_model(path, lazy=False)
+        model, config = mlx_lm_load_model(path, lazy=False, get_model_classes=_keeping_mtp(mtp))
     except FileNotFoundError as e:
         raise ModelLoadError(f"{path}: {e}") from e
     except ValueError as e:  # mlx_lm's message for an unknown model_type or mismatched weights
@@ -86,7 +128,7 @@ def load_dir(path: Path) -> DirModel:
         raise ModelLoadError(f"{path}: config.json does not describe an mlx_lm {declared['model_type']!r} model "
                              f"({type(e).__name__}: {e})") from e
     eos, bos = _special_token_ids(path)
-    return DirModel(model=model, config=config, eos_token_ids=eos, bos_token_id=bos)
+    return DirModel(model=model, config=config, eos_token_ids=eos, bos_token_id=bos, mtp=mtp[0] if mtp else None)
 
 
 def resolve_hf_repo(repo_id: str) -> Path:

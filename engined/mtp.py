@@ -1,0 +1,283 @@
+"""MTP speculation: the checkpoint's own multi-token-prediction layer drafts ``k`` tokens per request.
+
+Qwen3-Next and Qwen3.5 checkpoints carry one MTP layer (``mtp.*``; mlx_lm's
+loaders drop it, ``engined.loaders`` sets it aside). For position ``t`` it
+reads the embedding of token ``t+1`` and the target's final normed hidden
+state at ``t``, each normed, concatenates them ([embedding | hidden]),
+projects them back to the model's width (``fc``), runs one full-attention
+decoder layer of the family's own mlx_lm class over its own K/V, norms, and
+predicts token ``t+2`` through the target's LM head. Drafting position ``j``
+feeds the layer its own output at ``j-1`` in place of the target's hidden
+state, which does not exist yet.
+
+The step (``MTPProposer.propose``, after scheduling, as the draft model):
+
+1. the target's hidden states of the last forward (kept by ``HiddenTap``) are
+   taken for the rows each request kept (its known tokens and accepted drafts);
+2. one packed MTP forward over every request's new rows writes the layer's
+   K/V at those positions (its next tokens are all known by now), and its last
+   row, the request's last token, drafts the first token;
+3. ``k - 1`` more one-row forwards draft the rest (``draft_loop``: greedy,
+   sampled with the draft distribution kept for rejection sampling, or under
+   a grammar), writing K/V past the computed length that the next step's
+   first pass overwrites.
+
+The layer's K/V live in the main pool (``kv/mtp_layer.py``), indexed by the
+target's block ids; a prefix-cached block carries the MTP K/V its first
+request wrote. Where none was written (a request that ended before its last
+rows were taken), drafts are weaker, never wrong: the target verifies them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+from mlx.utils import tree_flatten
+
+from engined.attention import LastTokenNorm, PagedAttention
+from engined.draft_model import draft_loop
+from engined.kv import KVCacheManager
+from engined.kv.mtp_layer import MTPLayerGroup
+from engined.loaders.mlx_dir import MTPWeights
+from engined.model_layers import LayerSpec, float_dtype, layer_settings, text_model
+from engined.request import Request
+from engined.sampler import Sampler
+from kernels import AttentionMetadata
+from shared.errors import ModelLoadError
+
+FAMILIES = ("qwen3_next", "qwen3_5", "qwen3_5_moe")
+
+
+class MTPLayer(nn.Module):
+    """``norm(layer(fc([norm(embedding) | norm(hidden)])))``: the checkpoint's MTP block, under its names."""
+
+    def __init__(self, layer: nn.Module, hidden: int, eps: float):
+        super().__init__()
+        self.pre_fc_norm_embedding = nn.RMSNorm(hidden, eps=eps)
+        self.pre_fc_norm_hidden = nn.RMSNorm(hidden, eps=eps)
+        self.fc = nn.Linear(2 * hidden, hidden, bias=False)
+        self.layers = [layer]
+        self.norm = nn.RMSNorm(hidden, eps=eps)
+
+    def __call__(self, embeddings: mx.array, hidden: mx.array, mask=None, cache=None) -> mx.array:
+        """``embeddings, hidden [B, T, H]`` -> normed ``[B, T, H]``; ``cache``: the layer's step (paged) or None."""
+        x = self.fc(mx.concatenate([self.pre_fc_norm_embedding(embeddings), self.pre_fc_norm_hidden(hidden)],
+                                   axis=-1))
+        return self.norm(self.layers[0](x, mask, cache))
+
+
+def _decoder_layer(model_type: str, args, moe: bool) -> tuple[nn.Module, int]:
+    """A full-attention decoder layer of the family's own class, and the model layer index it poses as."""
+    index = args.full_attention_interval - 1  # (index + 1) % interval == 0: attention, not a delta net
+    if model_type == "qwen3_next":
+        from mlx_lm.models.qwen3_next import Qwen3NextDecoderLayer
+
+        # Whether it routes experts is the checkpoint's, not the layer index's.
+        args = dataclasses.replace(args, mlp_only_layers=[] if moe else [index], decoder_sparse_step=1)
+        return Qwen3NextDecoderLayer(args, index), index
+    from mlx_lm.models.qwen3_5 import DecoderLayer
+
+    return DecoderLayer(dataclasses.replace(args, num_experts=args.num_experts if moe else 0), index), index
+
+
+def _as_layer_weights(tensors: dict[str, mx.array], shifted_norms: bool) -> dict[str, mx.array]:
+    """The checkpoint's MTP tensors under the layer's parameter names: experts stacked (Qwen3-Next's
+    one tensor per expert, Qwen3.5's fused gate/up), norms shifted as the family shifted the model's."""
+    out, experts = {}, {}
+    for name, w in tensors.items():
+        stem, sep, rest = name.partition(".experts.")
+        if not sep:
+            out[name] = w + 1.0 if shifted_norms and name.endswith("norm.weight") and w.ndim == 1 else w
+            continue
+        expert, _, proj = rest.partition(".")
+        if expert.isdigit():  # Qwen3-Next: mlp.experts.{e}.{proj}.weight, one tensor per expert
+            experts.setdefault(f"{stem}.switch_mlp.{proj}", {})[int(expert)] = w
+        elif rest == "gate_up_proj":  # Qwen3.5 MoE: [E, 2 I, H], gate rows first
+            gate, up = mx.split(w, 2, axis=-2)
+            out[f"{stem}.switch_mlp.gate_proj.weight"], out[f"{stem}.switch_mlp.up_proj.weight"] = gate, up
+        else:  # Qwen3.5 MoE: mlp.experts.down_proj [E, H, I]
+            out[f"{stem}.switch_mlp.{rest}.weight"] = w
+    for name, by_expert in experts.items():
+        out[name] = mx.stack([by_expert[e] for e in sorted(by_expert)])
+    return out
+
+
+def build_layer(model: nn.Module, model_type: str, weights: MTPWeights) -> tuple[MTPLayer, int]:
+    """The MTP layer of ``model``'s checkpoint, weights loaded (strict) in the model's float dtype,
+    and the target layer index its decoder layer was built as (for reading its attention)."""
+    if model_type not in FAMILIES:
+        raise ModelLoadError(f"MTP speculation runs the MTP layers of {', '.join(FAMILIES)}; "
+                             f"this model is {model_type!r}", param="speculative_config")
+    args = text_model(model).args
+    layer_names = {n.split(".", 2)[2] for n in weights.tensors if n.startswith("layers.")}
+    if {n.split(".", 2)[1] for n in weights.tensors if n.startswith("layers.")} != {"0"}:
+        raise ModelLoadError("MTP speculation runs a checkpoint with one MTP layer (mtp.layers.0)",
+                             param="speculative_config")
+    moe = any(n.startswith("mlp.experts.") or n.startswith("mlp.switch_mlp.") for n in layer_names)
+    decoder, index = _decoder_layer(model_type, args, moe)
+    layer = MTPLayer(decoder, args.hidden_size, args.rms_norm_eps)
+    try:
+        layer.load_weights(list(_as_layer_weights(weights.tensors, weights.shifted_norms).items()), strict=True)
+    except ValueError as e:
+        raise ModelLoadError(f"the checkpoint's MTP layer does not match its family's decoder layer: {e}",
+                             param="speculative_config") from e
+    layer.set_dtype(float_dtype(model))
+    mx.eval(layer.parameters())
+    return layer, index
+
+
+class HiddenTap(nn.Module):
+    """In place of the target's final norm: keeps the forward's hidden states (before the norm) for
+    the MTP layer, and hands them on to the row-selecting norm (``LastTokenNorm``) unchanged."""
+
+    def __init__(self, head: LastTokenNorm):
+        super().__init__()
+        self.head = head
+        self.hidden: mx.array | None = None  # [1, T, H] of the last forward
+
+    def __call__(self, h: mx.array) -> mx.array:
+        self.hidden = h
+        return self.head(h)
+
+
+class MTPProposer:
+    """Drafts with the MTP layer; its K/V are an ``MTPLayerGroup`` of the target's KV manager."""
+
+    def __init__(self, model: nn.Module, head: LastTokenNorm, layer: MTPLayer, index: int, kv: KVCacheManager,
+                 sampler: Sampler, block_size: int, dtype: mx.Dtype, backend: str = "auto"):
+        decoder = layer.layers[0]
+        settings = layer_settings(model, index, decoder, decoder.self_attn)
+        decoder.self_attn = PagedAttention(decoder.self_attn, settings, backend)
+        self.group = MTPLayerGroup(LayerSpec(0, settings=settings), block_size, dtype)
+        kv.add(self.group)
+        self.kv = kv
+        self.layer = layer
+        self.head = head
+        text = text_model(model)
+        self.embed = text.model.embed_tokens
+        self.lm_head = text.lm_head if "lm_head" in text else text.model.embed_tokens.as_linear
+        self.tap = HiddenTap(head)
+        text.model.norm = self.tap
+        self.sampler = sampler
+        self.block_size = block_size
+        # Per request, target hidden states [n, H] (normed) of positions start.. whose MTP K/V are
+        # not written yet, or, once written, its last row (its last token's input, to draft from).
+        self.pending: dict[str, tuple[int, mx.array]] = {}
+        # The forward that ran last: (request, its first position, its rows, its first packed row).
+        self._layout: list[tuple[Request, int, int, int]] = []
+
+    @property
+    def nbytes(self) -> int:
+        return self.group.kv.nbytes
+
+    def retain(self, request_ids) -> None:
+        """Forget every request but these (finished or aborted ones, and preempted ones still waiting)."""
+        keep = set(request_ids)
+        self.pending = {rid: p for rid, p in self.pending.items() if rid in keep}
+
+    def forget(self, request_ids) -> None:
+        for rid in request_ids:
+            self.pending.pop(rid, None)
+
+    def propose(self, batch, drafting: list[Request],
+                drafts: list[list[int]]) -> tuple[mx.array | None, dict[Request, np.ndarray]]:
+        """After scheduling ``batch``: take the last forward's hidden states, write the MTP K/V of
+        every request's new positions, fill the drafts of ``drafting`` (sized; their rows in
+        ``draft_loop``'s layout) and note the rows ``batch``'s forward will compute."""
+        fresh = self._take_hidden(set(batch.preempted))
+        ids = {r.request_id for r in drafting}
+        catch_up = [r for r in fresh if r.request_id not in ids]
+        for req in drafting:
+            start, rows = self.pending.get(req.request_id, (0, None))
+            if rows is None or start + len(rows) != req.num_computed_tokens:
+                # No target state for its last token (cannot happen in order): drafts from nothing.
+                self.pending[req.request_id] = (req.num_computed_tokens - 1,
+                                                mx.zeros((1, self.head.inner.weight.shape[-1])))
+        outputs: list[mx.array] = []  # per drafting request, the MTP output of its latest row
+
+        def forward(j: int, active: list[int]) -> mx.array:
+            if j == 0:
+                logits, outs = self._catch_up(drafting + catch_up, len(drafting))
+                outputs[:] = outs
+                return logits
+            pieces = [(drafting[i], drafting[i].num_computed_tokens + j - 1, [drafts[i][j - 1]], outputs[i][None])
+                      for i in active]
+            logits, outs = self._run(pieces, [True] * len(pieces))
+            for i, out in zip(active, outs):
+                outputs[i] = out
+            return logits
+
+        probs, bits = None, {}
+        if drafting:
+            probs, bits = draft_loop(self.sampler, drafting, drafts, forward, self.group.arrays)
+        elif catch_up:
+            self._catch_up(catch_up, 0)
+            mx.eval(self.group.arrays())
+        self._note(batch)
+        return probs, bits
+
+    def _take_hidden(self, preempted: set[Request]) -> list[Request]:
+        """The rows the last forward kept of each request (its known tokens and accepted drafts),
+        pending now; returns those requests."""
+        hidden, layout = self.tap.hidden, self._layout
+        self.tap.hidden, self._layout = None, []
+        if hidden is None:
+            return []
+        kept = [(req, start, min(n, req.num_computed_tokens - start), first) for req, start, n, first in layout
+                if not req.finished and req not in preempted and req.num_computed_tokens > start]
+        if not kept:
+            return []
+        index = np.concatenate([np.arange(first, first + k) for _, _, k, first in kept]).astype(np.int32)
+        normed = self.head.inner(hidden[0, mx.array(index)])
+        at = 0
+        for req, start, k, _ in kept:
+            self.pending[req.request_id] = (start, normed[at : at + k])
+            at += k
+        return [req for req, *_ in kept]
+
+    def _catch_up(self, reqs: list[Request], num_drafting: int) -> tuple[mx.array, list[mx.array]]:
+        """One MTP forward over each request's pending rows (its K/V written); logits and output of
+        the last row of the first ``num_drafting``. Each keeps its last row, for drafting later."""
+        pieces = []
+        for req in reqs:
+            start, rows = self.pending[req.request_id]
+            pieces.append((req, start, req.token_ids[start + 1 : start + 1 + len(rows)], rows))
+        logits, outs = self._run(pieces, [i < num_drafting for i in range(len(pieces))])
+        last = mx.concatenate([rows[-1:] for *_, rows in pieces])  # a copy: no view of the step's rows
+        for i, (req, start, tokens, _) in enumerate(pieces):
+            self.pending[req.request_id] = (start + len(tokens) - 1, last[i : i + 1])
+        return logits, outs
+
+    def _run(self, pieces: list[tuple[Request, int, list[int], mx.array]],
+             want: list[bool]) -> tuple[mx.array, list[mx.array]]:
+        """Forward ``(request, first position, next tokens, hidden [n, H])`` pieces packed; logits
+        ``[sum(want), V]`` and normed outputs ``[H]`` of the last row of each piece that wants them."""
+        lens = [len(t) for _, _, t, _ in pieces]
+        tables = [self.kv.block_ids(r.request_id) for r, *_ in pieces]
+        meta = AttentionMetadata.build(lens, [s + n for (_, s, _, _), n in zip(pieces, lens)], tables,
+                                       self.block_size)
+        caches = [None]
+        self.group.kv.steps(meta, caches)
+        tokens = mx.array(np.fromiter((t for _, _, ts, _ in pieces for t in ts), dtype=np.int32, count=sum(lens)))
+        embeddings = self.embed(tokens[None])
+        hidden = mx.concatenate([h for *_, h in pieces]).astype(embeddings.dtype)
+        out = self.layer(embeddings, hidden[None], None, caches[0])[0]
+        ends = np.cumsum(lens) - 1
+        rows = [int(e) for e, w in zip(ends, want) if w]
+        if not rows:
+            return mx.zeros((0,)), []
+        last = out[mx.array(rows)]
+        return self.lm_head(last[None])[0], [last[i] for i in range(len(rows))]
+
+    def _note(self, batch) -> None:
+        """The rows this batch's forward computes for each request that may speculate."""
+        self._layout, first = [], 0
+        for req, n in batch.scheduled:
+            p = req.params
+            if (not req.pooled and p.speculate and p.repetition_penalty == 1.0 and not p.presence_penalty
+                    and not p.frequency_penalty):
+                self._layout.append((req, req.num_computed_tokens, n, first))
+            first += n
