@@ -1,0 +1,168 @@
+"""MTP speculation: the checkpoint's own MTP layer drafts, the target verifies.
+
+Tiny random-weight Qwen3-Next / Qwen3.5 / Qwen3.5-MoE checkpoints with an MTP
+layer (``make_tiny_model(mtp=True)``). Outputs must not depend on the layer's
+quality (greedy: identical; sampled: the same distribution); a layer trained
+on the model's own continuations must be accepted often enough that the
+target runs fewer forwards than it emits tokens.
+"""
+
+import json
+import shutil
+
+import mlx.core as mx
+import mlx.nn as nn
+import mlx.optimizers as optim
+import numpy as np
+import pytest
+from mlx.utils import tree_flatten
+
+from engined.engine import Engine
+from engined.kv.mtp_layer import MTPLayerGroup
+from engined.loaders import load_model
+from engined.model_layers import text_model
+from engined.mtp import build_layer
+from shared.config import EngineConfig
+from shared.errors import ModelLoadError
+from shared.sampling import SamplingParams
+from tests.engined.test_speculative import CHI2_999, chi2_two_sample
+from tests.tiny_models import make_tiny_model, seeded_rng
+
+KW = dict(num_kv_blocks=256, block_size=8, max_num_seqs=8, max_num_batched_tokens=64)
+
+
+def mtp_config(k: int) -> str:
+    return json.dumps({"method": "mtp", "num_speculative_tokens": k})
+
+
+def spec_counts(engine: Engine) -> tuple[float, float]:
+    return engine.metrics.spec_draft_tokens._value.get(), engine.metrics.spec_accepted._value.get()
+
+
+@pytest.fixture(scope="module", params=["qwen3_next", "qwen3_5", "qwen3_5_moe"])
+def family(request, tmp_path_factory):
+    seed = np.random.randint(1 << 30)
+    print(f"{request.param}: model seed {seed}")
+    return make_tiny_model(tmp_path_factory.mktemp(request.param), request.param, seed=seed, mtp=True)
+
+
+def test_greedy_outputs_with_mtp_equal_plain_decoding_on_mixed_batches(family):
+    rng = seeded_rng()
+    plain = Engine(EngineConfig(**KW), loaded=load_model(str(family)))
+    spec = Engine(EngineConfig(**KW, speculative_config=mtp_config(3)), loaded=load_model(str(family)))
+    prompts = [rng.integers(0, 256, size=int(n)).tolist() for n in (5, 12, 23, 70)]  # 70: chunked prefill
+    shared = prompts[2][:17]
+    prompts += [shared + [3, 4, 5], shared + [9, 9]]
+    params = [SamplingParams(max_tokens=int(rng.integers(6, 14)), temperature=0.0, ignore_eos=True,
+                             speculate=i != 1) for i in range(len(prompts))]
+    expected = plain.generate(prompts, params)
+    assert spec.generate(prompts, params) == expected
+    hits = spec.stats().prefix_cache_hits
+    for i in (4, 5):  # 5 resumes from 4's cached prefix (K/V, state snapshot, MTP K/V)
+        assert spec.generate([prompts[i]], params[i]) == [expected[i]]
+    assert spec.stats().prefix_cache_hits >= hits + 16
+    drafted, _ = spec_counts(spec)
+    assert drafted > 0
+    # The MTP layer's K/V are a group of the KV manager, billed per block of the main pool.
+    kv = spec.scheduler.kv
+    (group,) = [g for g in kv.groups if isinstance(g, MTPLayerGroup)]
+    assert kv.bytes_per_block == plain.scheduler.kv.bytes_per_block + group.bytes_per_block > 0
+    assert group.kv.num_blocks == kv.pool.num_resident
+    spec.step()
+    assert not spec.mtp.pending  # finished requests are forgotten at the next step
+    kv.pool.check_whole()
+
+
+def test_mtp_is_refused_for_a_checkpoint_without_mtp_layers(tmp_path):
+    d = make_tiny_model(tmp_path / "m", "qwen3_5", seed=1)
+    with pytest.raises(ModelLoadError, match="no MTP layer"):
+        Engine(EngineConfig(**KW, speculative_config='{"num_speculative_tokens": 2}'), loaded=load_model(str(d)))
+
+
+# -- a trained MTP layer: real acceptance ------------------------------------------------------------------
+
+ACCEPTANCE_FLOOR = 0.5  # an untrained layer's drafts are accepted about 1 time in 272 (the vocabulary)
+
+
+def train_mtp(model_dir, out_dir, prompts: list[list[int]], continuations: list[list[int]], steps: int):
+    """Train the checkpoint's MTP layer to predict token t+2 from token t+1 and the model's hidden
+    state at t on the model's own greedy continuations; write a checkpoint with the trained layer."""
+    loaded = load_model(str(model_dir))
+    layer, _ = build_layer(loaded.model, loaded.model_type, loaded.mtp)
+    text = text_model(loaded.model)
+    seqs = [p + c for p, c in zip(prompts, continuations)]
+    length = min(len(s) for s in seqs)
+    tokens = mx.array([s[:length] for s in seqs])
+    hidden = mx.stop_gradient(text.model(tokens))  # the target's final normed hidden states [B, L, H]
+    embeddings = mx.stop_gradient(text.model.embed_tokens(tokens[:, 1:-1]))
+    targets = tokens[:, 2:]
+    # Only the continuation's tokens are the model's to predict; the prompts are random.
+    weight = mx.array([[float(t + 2 >= len(p)) for t in range(length - 2)] for p in prompts])
+
+    def loss_fn(layer):
+        out = layer(embeddings, hidden[:, :-2], "causal")
+        ce = nn.losses.cross_entropy(text.lm_head(out), targets, reduction="none")
+        return (ce * weight).sum() / weight.sum()
+
+    opt = optim.Adam(learning_rate=1e-2)
+    step = nn.value_and_grad(layer, loss_fn)
+    for _ in range(steps):
+        loss, grads = step(layer)
+        opt.update(layer, grads)
+        mx.eval(layer.parameters(), opt.state)
+    shutil.copytree(model_dir, out_dir)
+    weights = dict(mx.load(str(out_dir / "model.safetensors")))
+    weights.update({f"mtp.{k}": v for k, v in tree_flatten(layer.parameters())})
+    mx.save_safetensors(str(out_dir / "model.safetensors"), weights, metadata={"format": "mlx"})
+    return loss.item()
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """A tiny Qwen3.5 whose MTP layer was trained on its greedy continuations of 8 prompts:
+    (checkpoint, prompts, continuations)."""
+    tmp = tmp_path_factory.mktemp("trained")
+    rng = seeded_rng()
+    d = make_tiny_model(tmp / "m", "qwen3_5", seed=int(rng.integers(1 << 30)), mtp=True)
+    plain = Engine(EngineConfig(**KW), loaded=load_model(str(d)))
+    prompts = [rng.integers(0, 256, size=6).tolist() for _ in range(8)]
+    continuations = plain.generate(prompts, GREEDY_32)
+    loss = train_mtp(d, tmp / "trained", prompts, continuations, steps=300)
+    print(f"MTP training loss {loss:.3f}")
+    return tmp / "trained", prompts, continuations
+
+
+GREEDY_32 = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
+
+
+def test_a_trained_mtp_layer_is_accepted_and_saves_target_forwards(trained):
+    path, prompts, continuations = trained
+    spec = Engine(EngineConfig(**KW, speculative_config=mtp_config(2)), loaded=load_model(str(path)))
+    assert spec.generate(prompts, GREEDY_32) == continuations
+    drafted, accepted = spec_counts(spec)
+    print(f"accepted {accepted:.0f} of {drafted:.0f} drafts")
+    assert accepted / drafted > ACCEPTANCE_FLOOR
+    # One request alone: each target forward verifies its drafts, so it emits more than one token.
+    steps = spec.num_steps
+    assert spec.generate(prompts[:1], GREEDY_32) == continuations[:1]
+    assert spec.num_steps - steps < len(continuations[0])
+
+
+def test_mtp_sampling_keeps_the_target_distribution(trained):
+    path, prompts, _ = trained
+    kw = dict(num_kv_blocks=1024, block_size=8, max_num_seqs=64, max_num_batched_tokens=1024)
+    plain = Engine(EngineConfig(**kw), loaded=load_model(str(path)))
+    spec = Engine(EngineConfig(**kw, speculative_config=mtp_config(2)), loaded=load_model(str(path)))
+    results = {}
+    for name, eng in (("plain", plain), ("spec", spec)):
+        outs = []
+        for start in range(0, 512, 64):
+            params = [SamplingParams(max_tokens=3, temperature=0.8, top_k=12, seed=s, ignore_eos=True)
+                      for s in range(start, start + 64)]
+            outs += eng.generate([prompts[0]] * 64, params)
+        results[name] = np.array(outs)
+    drafted, accepted = spec_counts(spec)
+    assert 0 < accepted < drafted  # the trained layer's drafts are often, not always, accepted
+    for pos in range(3):
+        stat, dof = chi2_two_sample(results["plain"][:, pos], results["spec"][:, pos])
+        assert stat < CHI2_999.get(dof, dof + 4 * np.sqrt(2 * dof)), (pos, stat, dof)
