@@ -166,3 +166,47 @@ def test_mtp_sampling_keeps_the_target_distribution(trained):
     for pos in range(3):
         stat, dof = chi2_two_sample(results["plain"][:, pos], results["spec"][:, pos])
         assert stat < CHI2_999.get(dof, dof + 4 * np.sqrt(2 * dof)), (pos, stat, dof)
+
+
+# -- Hugging Face's layout ----------------------------------------------------------------------------------
+
+def hf_layout(weights: dict, fused_experts: bool) -> dict:
+    """The tiny checkpoint as Hugging Face stores Qwen3-Next / Qwen3.5: zero-centred norms, convolutions
+    [C, 1, K], experts one tensor each (Qwen3-Next) or gate/up fused per layer (Qwen3.5-MoE)."""
+    out = {}
+    for k, w in weights.items():
+        if "conv1d.weight" in k:
+            w = w.moveaxis(2, 1)
+        elif k.endswith("norm.weight") and w.ndim == 1 and "linear_attn.norm" not in k:
+            w = w - 1.0
+        stem, sep, proj = k.partition(".switch_mlp.")
+        if not sep:
+            out[k] = w
+        elif fused_experts:
+            if proj == "down_proj.weight":
+                out[f"{stem}.experts.down_proj"] = w
+            elif proj == "gate_proj.weight":
+                out[f"{stem}.experts.gate_up_proj"] = mx.concatenate(
+                    [w, weights[f"{stem}.switch_mlp.up_proj.weight"]], axis=-2)
+        else:
+            for e in range(w.shape[0]):
+                out[f"{stem}.experts.{e}.{proj}"] = w[e]
+    return out
+
+
+@pytest.mark.parametrize("arch", ["qwen3_next", "qwen3_5_moe"])
+def test_an_mtp_layer_in_hugging_face_layout_loads_as_in_mlx_layout(arch, tmp_path):
+    d = make_tiny_model(tmp_path / "mlx", arch, seed=5, mtp=True)
+    hf = tmp_path / "hf"
+    shutil.copytree(d, hf)
+    weights = hf_layout(dict(mx.load(str(d / "model.safetensors"))), fused_experts=arch == "qwen3_5_moe")
+    assert any(k.startswith("mtp.") and ".experts." in k for k in weights)
+    mx.save_safetensors(str(hf / "model.safetensors"), weights)
+    layers = []
+    for path in (d, hf):
+        loaded = load_model(str(path))
+        assert loaded.mtp.shifted_norms == (path == hf)
+        layers.append(dict(tree_flatten(build_layer(loaded.model, loaded.model_type, loaded.mtp)[0].parameters())))
+    assert layers[0].keys() == layers[1].keys()
+    for name, w in layers[0].items():
+        assert mx.allclose(w, layers[1][name], atol=1e-6).item(), name
