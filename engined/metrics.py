@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from dataclasses import dataclass, field, replace
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import mlx.core as mx
@@ -54,6 +55,20 @@ def build_1_2_5_buckets(max_value: int) -> list[int]:
 N_BUCKETS = [1, 2, 5, 10, 20]
 # Bucket lists of the per-request token histograms before the engine says its max_model_len.
 DEFAULT_MAX_MODEL_LEN = 2048
+
+
+@dataclass
+class SpecTotals:
+    """Running spec-decode totals for the stats line (the Prometheus counters hold the same)."""
+
+    drafts: int = 0
+    draft_tokens: int = 0
+    accepted: int = 0
+    accepted_per_pos: list[int] = field(default_factory=list)
+
+
+def _copy(totals: SpecTotals) -> SpecTotals:
+    return replace(totals, accepted_per_pos=list(totals.accepted_per_pos))
 
 
 class EngineMetrics:
@@ -152,6 +167,7 @@ class EngineMetrics:
         self.total_prompt_tokens = 0
         self.total_cached_tokens = 0
         self.total_generation_tokens = 0
+        self.spec: SpecTotals | None = None  # set when the engine speculates
 
     def attach(self, engine) -> None:
         """Once the engine is built: KV gauges and cache_config_info set now (not at the first
@@ -172,8 +188,12 @@ class EngineMetrics:
                       "num_gpu_blocks", "engine"], registry=self.registry)
         info.labels(str(config.block_size), "auto", str(config.enable_prefix_caching),
                     str(config.gpu_memory_utilization), str(stats.num_total_blocks), ENGINE_INDEX).set(1)
-        if engine.config.speculative_config is not None:
-            self._spec_series()
+        spec = engine.config.speculative
+        if spec is not None:
+            per_pos = self._spec_series()[3]
+            for pos in range(spec.num_speculative_tokens):  # every position's series from the start, as vLLM
+                per_pos(pos)
+            self.spec = SpecTotals(accepted_per_pos=[0] * spec.num_speculative_tokens)
         if engine.config.enable_lora:
             self._lora_info = Gauge(self._name("lora_requests_info"), "Running stats on lora requests.",
                                     ["max_lora", "waiting_lora_adapters", "running_lora_adapters"],
@@ -329,6 +349,14 @@ class EngineMetrics:
         for n in accepted:
             for pos in range(n):
                 per_pos(pos).inc()
+        totals = self.spec
+        if totals is not None:
+            totals.drafts += len(drafted)
+            totals.draft_tokens += sum(drafted)
+            totals.accepted += sum(accepted)
+            for n in accepted:
+                for pos in range(n):
+                    totals.accepted_per_pos[pos] += 1
 
     def on_pooled(self, req: Request, now: float) -> None:
         """After a step finished an embed or score request's prompt (its result is its only output):
@@ -363,7 +391,9 @@ class EngineMetrics:
 
 
 class StatsLog:
-    """vLLM's periodic stats line: throughput since the last line, the batch, KV usage, prefix hits.
+    """vLLM's periodic stats line: throughput since the last line, the batch, KV usage, prefix hits;
+    and, when drafts were verified since, vLLM's SpecDecoding line: mean acceptance length (the
+    bonus token included), accepted and drafted tokens, per-position and overall acceptance rates.
 
     INFO while there is work (this interval or the one before it), DEBUG when idle, as in vLLM.
     """
@@ -372,6 +402,7 @@ class StatsLog:
         self.metrics = metrics
         self._last_at: float | None = None
         self._last_totals = (0, 0, 0)
+        self._last_spec = _copy(metrics.spec) if metrics.spec is not None else None
         self._was_busy = False
 
     def maybe_log(self, now: float, stats, interval: float) -> str | None:
@@ -397,4 +428,23 @@ class StatsLog:
                 f"{gen_tps:.1f} tokens/s, Running: {stats.num_running} reqs, Waiting: {stats.num_waiting} reqs, "
                 f"GPU KV cache usage: {usage * 100:.1f}%, Prefix cache hit rate: {hit_rate * 100:.1f}%")
         log.log(level, "%s", line)
+        spec = self._spec_line(elapsed)
+        if spec:
+            log.log(level, "%s", spec)
+            line += "\n" + spec
         return line
+
+    def _spec_line(self, elapsed: float) -> str | None:
+        now, before = self.metrics.spec, self._last_spec
+        if now is None:
+            return None
+        self._last_spec = _copy(now)
+        drafts, drafted, accepted = now.drafts - before.drafts, now.draft_tokens - before.draft_tokens, \
+            now.accepted - before.accepted
+        if not drafts:
+            return None
+        rates = ", ".join(f"{(a - b) / drafts:.3f}" for a, b in zip(now.accepted_per_pos, before.accepted_per_pos))
+        return (f"SpecDecoding metrics: Mean acceptance length: {1 + accepted / drafts:.2f}, Accepted throughput: "
+                f"{accepted / elapsed:.2f} tokens/s, Drafted throughput: {drafted / elapsed:.2f} tokens/s, "
+                f"Accepted: {accepted} tokens, Drafted: {drafted} tokens, Per-position acceptance rate: {rates}, "
+                f"Avg Draft acceptance rate: {accepted / drafted * 100:.1f}%")

@@ -19,6 +19,7 @@ from mlx.utils import tree_flatten
 
 from engined.engine import Engine
 from engined.kv.mtp_layer import MTPLayerGroup
+from engined.metrics import StatsLog
 from engined.loaders import load_model
 from engined.model_layers import text_model
 from engined.mtp import build_layer
@@ -138,10 +139,22 @@ GREEDY_32 = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
 def test_a_trained_mtp_layer_is_accepted_and_saves_target_forwards(trained):
     path, prompts, continuations = trained
     spec = Engine(EngineConfig(**KW, speculative_config=mtp_config(2)), loaded=load_model(str(path)))
+    stats_log = StatsLog(spec.metrics)
+    stats_log.maybe_log(0.0, spec.stats(), 10.0)
     assert spec.generate(prompts, GREEDY_32) == continuations
     drafted, accepted = spec_counts(spec)
     print(f"accepted {accepted:.0f} of {drafted:.0f} drafts")
     assert accepted / drafted > ACCEPTANCE_FLOOR
+    # vLLM's SpecDecoding stats line: mean acceptance length counts the bonus token.
+    line = stats_log.maybe_log(10.0, spec.stats(), 10.0).splitlines()[1]
+    totals = spec.metrics.spec
+    assert totals.draft_tokens == drafted and totals.accepted == accepted
+    rates = ", ".join(f"{n / totals.drafts:.3f}" for n in totals.accepted_per_pos)
+    assert line == (f"SpecDecoding metrics: Mean acceptance length: {1 + accepted / totals.drafts:.2f}, "
+                    f"Accepted throughput: {accepted / 10:.2f} tokens/s, Drafted throughput: {drafted / 10:.2f} "
+                    f"tokens/s, Accepted: {accepted:.0f} tokens, Drafted: {drafted:.0f} tokens, Per-position "
+                    f"acceptance rate: {rates}, Avg Draft acceptance rate: {accepted / drafted * 100:.1f}%")
+    assert totals.accepted_per_pos[0] >= totals.accepted_per_pos[1] > 0
     # One request alone: each target forward verifies its drafts, so it emits more than one token.
     steps = spec.num_steps
     assert spec.generate(prompts[:1], GREEDY_32) == continuations[:1]
