@@ -1,11 +1,16 @@
-"""n-gram speculative decoding on a code-editing workload, against no speculation, in one run.
+"""Speculative decoding against no speculation, in one run.
 
-The prompt holds the code to be rewritten, so the answer largely copies it:
-the case prompt lookup exists for. Reports end-to-end latency (median over
-requests) at each concurrency with and without speculation, their ratio, and
-the acceptance rate (accepted / drafted tokens).
+``--method ngram`` (the default): a code-editing workload on the embedded
+model. The prompt holds the code to be rewritten, so the answer largely
+copies it: the case prompt lookup exists for. Reports end-to-end latency
+(median over requests) at each concurrency with and without speculation,
+their ratio, and the acceptance rate (accepted / drafted tokens).
+
+``--method mtp``: a random-weight hybrid model with its MTP layer, drafts
+forced to agree with the target at the rates ``--p`` (``bench.speculative_mtp``).
 
     python -m bench.speculative [--levels 1 8] [--max-tokens 128] [--k 4]
+    python -m bench.speculative --method mtp --shape qwen3_5-8b --levels 1 4 16 --k 3 --p 0 0.5 0.7 0.9 1
 """
 
 from __future__ import annotations
@@ -19,9 +24,7 @@ from engined.device import load_fast_blas
 
 # A benchmark script, run as __main__: the fast BLAS before the imports below load mlx.core.
 load_fast_blas()
-from transformers import AutoTokenizer  # noqa: E402
-
-from engined.engine import Engine
+from engined.engine import Engine  # noqa: E402
 from engined.loaders import load_model
 from shared.config import EngineConfig
 from shared.sampling import SamplingParams
@@ -72,7 +75,19 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--k", type=int, default=4)
     ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--method", choices=("ngram", "mtp"), default="ngram")
+    ap.add_argument("--shape", default="qwen3_5-8b", help="mtp: the random model's shape (bench.speculative_mtp)")
+    ap.add_argument("--p", type=float, nargs="+", default=[0.0, 0.5, 0.7, 0.9, 1.0],
+                    help="mtp: the rates at which draft tokens are made to agree with the target")
+    ap.add_argument("--prompt-tokens", type=int, default=256, help="mtp: random prompt length")
+    ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
+    if args.method == "mtp":
+        from bench import speculative_mtp
+
+        speculative_mtp.main(args)
+        return
+    from transformers import AutoTokenizer
 
     spec_cfg = json.dumps({"method": "ngram", "num_speculative_tokens": args.k,
                            "prompt_lookup_min": 2, "prompt_lookup_max": 4})

@@ -1,0 +1,170 @@
+"""MTP speculation on a random-weight hybrid model: the speed-up curve against the acceptance rate.
+
+No trained MTP weights can be downloaded here, so the drafts are forced to
+agree with the target at a rate the benchmark sets: the engine's MTP layer
+runs in full every step (its cost is real), then each draft token is replaced
+by the target's own greedy token (known from the run without speculation)
+with probability ``p``, else by another one. Greedy verification then accepts
+a draft's first ``n`` tokens with probability ``p^n`` (the rate reported is
+the one measured: accepted / drafted tokens).
+
+Reported per concurrency ``c`` and ``p``: wall time and output tokens/s
+without speculation (the device's default scheduling) and with MTP
+(``num_speculative_tokens`` = ``--k``), their ratio, the acceptance measured,
+the MTP proposal's time per step and the whole step's.
+
+    python -m bench.speculative --method mtp --shape qwen3_5-8b --levels 1 4 16 --p 0 0.5 0.7 0.9 1
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+
+# Random hybrid shapes (Qwen3.5's layout: gated delta nets, every 4th layer full attention).
+SHAPES = {
+    # A smoke-test shape: the script end to end in seconds on a CPU.
+    "qwen3_5-tiny": dict(model_type="qwen3_5", hidden_size=128, num_hidden_layers=4, intermediate_size=256,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=32, vocab_size=1024,
+                         linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=32,
+                         linear_value_head_dim=32, linear_conv_kernel_dim=4, full_attention_interval=4,
+                         rms_norm_eps=1e-6, tie_word_embeddings=False, max_position_embeddings=8192),
+    # 8.1 G parameters: Qwen3-8B's width and vocabulary, 32 layers of which 8 attend (32 heads of 128,
+    # 8 KV heads, an output gate), 24 gated delta nets (16 key and 32 value heads of 128).
+    "qwen3_5-8b": dict(model_type="qwen3_5", hidden_size=4096, num_hidden_layers=32, intermediate_size=12288,
+                       num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=151936,
+                       linear_num_value_heads=32, linear_num_key_heads=16, linear_key_head_dim=128,
+                       linear_value_head_dim=128, linear_conv_kernel_dim=4, full_attention_interval=4,
+                       rms_norm_eps=1e-6, tie_word_embeddings=False, max_position_embeddings=40960),
+}
+
+
+def build(shape_name: str, seed: int):
+    """A maker of LoadedModels over one set of random bf16 arrays, each with a random MTP layer."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+    from mlx_lm.models.qwen3_5 import DecoderLayer
+    from mlx_lm.utils import _get_classes
+
+    from engined.loaders import LoadedModel
+    from engined.loaders.mlx_dir import MTPWeights
+    from engined.mtp import MTPLayer
+
+    shape = SHAPES[shape_name]
+    model_cls, args_cls = _get_classes(shape)
+    mx.random.seed(seed)
+
+    def fresh():
+        m = model_cls(args_cls.from_dict(shape))
+        m.set_dtype(mx.bfloat16)
+        return m
+
+    first = fresh()
+    args = first.language_model.args
+    mtp = MTPLayer(DecoderLayer(args, args.full_attention_interval - 1), args.hidden_size, args.rms_norm_eps)
+    mtp.set_dtype(mx.bfloat16)
+    mx.eval(first.parameters(), mtp.parameters())
+    mtp_weights = MTPWeights(dict(tree_flatten(mtp.parameters())), shifted_norms=False)
+
+    def make_loaded() -> LoadedModel:
+        m = fresh()
+        m.update(first.parameters())  # the same arrays: each engine swaps attention in its own model object
+        return LoadedModel(model=m, model_id=f"random-{shape_name}", model_type="qwen3_5", tokenizer_dir=Path("."),
+                           eos_token_ids=[], bos_token_id=None, context_length=8192,
+                           vocab_size=shape["vocab_size"], num_layers=shape["num_hidden_layers"],
+                           num_kv_heads=shape["num_key_value_heads"], head_dim=shape["head_dim"], mtp=mtp_weights)
+
+    return make_loaded, shape["vocab_size"]
+
+
+class ForcedDrafts:
+    """The engine's MTP proposer, run in full, its drafts then made to agree with the target's greedy
+    tokens (``truth``, by prompt) with probability ``p`` per token; times each proposal."""
+
+    def __init__(self, inner, truth: dict[tuple, list[int]], p: float, vocab: int, seed: int):
+        self.inner, self.truth, self.p, self.vocab = inner, truth, p, vocab
+        self.rng = np.random.default_rng(seed)
+        self.seconds, self.calls = 0.0, 0
+
+    def retain(self, request_ids) -> None:
+        self.inner.retain(request_ids)
+
+    def forget(self, request_ids) -> None:
+        self.inner.forget(request_ids)
+
+    def propose(self, batch, drafting, drafts):
+        t0 = time.perf_counter()
+        out = self.inner.propose(batch, drafting, drafts)  # evaluates its drafts: synchronous
+        self.seconds += time.perf_counter() - t0
+        self.calls += 1
+        for req, draft in zip(drafting, drafts):
+            truth = self.truth[tuple(req.token_ids[: req.num_prompt_tokens])]
+            at = req.num_output_tokens  # draft j stands for output token at + j
+            for j in range(len(draft)):
+                if at + j < len(truth):
+                    right = self.rng.random() < self.p
+                    draft[j] = truth[at + j] if right else (truth[at + j] + 1) % self.vocab
+        return out
+
+
+def timed(engine, prompts, params) -> tuple[float, list[list[int]], int]:
+    """Wall seconds, outputs and target forwards of one closed batch."""
+    import mlx.core as mx
+
+    steps = engine.num_steps
+    t0 = time.perf_counter()
+    out = engine.generate(prompts, params)
+    wall = time.perf_counter() - t0
+    mx.clear_cache()
+    return wall, out, engine.num_steps - steps
+
+
+def main(args) -> None:
+    from engined.engine import Engine
+    from shared.config import EngineConfig
+    from shared.sampling import SamplingParams
+
+    make_loaded, vocab = build(args.shape, args.seed)
+    rng = np.random.default_rng(args.seed)
+    base = dict(max_num_seqs=max(args.levels), max_num_batched_tokens=4096, max_model_len=4096,
+                num_kv_blocks=max(args.levels) * (args.prompt_tokens + args.max_tokens + 64) // 16 + 64)
+    plain = Engine(EngineConfig(**base), loaded=make_loaded())
+    spec = Engine(EngineConfig(**base, speculative_config=json.dumps(
+        {"method": "mtp", "num_speculative_tokens": args.k})), loaded=make_loaded())
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
+    rows = []
+    for c in args.levels:
+        prompts = [rng.integers(0, vocab, args.prompt_tokens).tolist() for _ in range(c)]
+        timed(plain, prompts, params)  # untimed: kernels compile for new shapes
+        t_plain, truth, steps_plain = timed(plain, prompts, params)
+        truths = {tuple(p): t for p, t in zip(prompts, truth)}
+        for p in args.p:
+            forced = ForcedDrafts(spec.mtp, truths, p, vocab, args.seed)
+            spec.speculator.drafter = forced
+            timed(spec, prompts, params)  # untimed, as above
+            m = spec.metrics
+            drafted0, accepted0 = m.spec_draft_tokens._value.get(), m.spec_accepted._value.get()
+            forced.seconds, forced.calls = 0.0, 0
+            t_spec, out, steps_spec = timed(spec, prompts, params)
+            drafted = m.spec_draft_tokens._value.get() - drafted0
+            accepted = m.spec_accepted._value.get() - accepted0
+            tokens = c * args.max_tokens
+            row = dict(c=c, p=p, k=args.k, plain_s=round(t_plain, 3), mtp_s=round(t_spec, 3),
+                       plain_tok_s=round(tokens / t_plain, 1), mtp_tok_s=round(tokens / t_spec, 1),
+                       speedup=round(t_plain / t_spec, 3), acceptance=round(accepted / max(drafted, 1), 3),
+                       same_tokens=out == truth, steps_plain=steps_plain, steps_mtp=steps_spec,
+                       step_ms_plain=round(1e3 * t_plain / steps_plain, 2),
+                       step_ms_mtp=round(1e3 * t_spec / steps_spec, 2),
+                       mtp_propose_ms=round(1e3 * forced.seconds / max(forced.calls, 1), 2))
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    print(f"\n| c | p | acceptance | no spec s | MTP k={args.k} s | speed-up | tok/s no spec | tok/s MTP | "
+          "step ms (no spec / MTP) | MTP proposal ms/step |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['c']} | {r['p']} | {r['acceptance']:.0%} | {r['plain_s']:.2f} | {r['mtp_s']:.2f} | "
+              f"{r['speedup']:.2f}x | {r['plain_tok_s']:.0f} | {r['mtp_tok_s']:.0f} | "
+              f"{r['step_ms_plain']:.1f} / {r['step_ms_mtp']:.1f} | {r['mtp_propose_ms']:.1f} |")
