@@ -68,8 +68,8 @@ class Engine:
         spec = config.speculative
         if spec is not None and not kv.can_rewind:
             raise InvalidRequestError(
-                "speculative decoding is not supported for hybrid linear-attention models: a recurrent "
-                "state cannot take rejected draft tokens back", param="speculative_config",
+                "speculative decoding is not supported for this model: one of its caches cannot take "
+                "rejected draft tokens back", param="speculative_config",
             )
         # Adapter slots are made before the memory guard measures the weights, so it counts them.
         self.lora = (LoraRegistry(loaded.model, config.max_loras, config.max_lora_rank, dtype)

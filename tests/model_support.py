@@ -70,18 +70,17 @@ FAMILIES: tuple[Family, ...] = (
     Family("gemma4", "Gemma 4 E2B, E4B", "sliding + global layers, shared K/V, per-layer inputs, "
            "proportional partial RoPE, final soft cap", "dense (double-wide in shared layers)",
            text_model_type="gemma4_text"),
-    # Recurrent state cannot take rejected drafts back: speculation is refused for hybrids.
-    Family("qwen3_next", "Qwen3-Next-80B-A3B", "gated delta net + gated full attention (hybrid)", "MoE + shared expert",
-           speculative=False),
-    Family("qwen3_5", "Qwen3.5 (text)", "gated delta net + gated full attention (hybrid)", "dense",
-           speculative=False),
+    # Hybrids speculate with a verification window run position by position through the delta nets
+    # (the state after each kept, the accepted one restored); n-gram, draft model and their MTP layer.
+    Family("qwen3_next", "Qwen3-Next-80B-A3B", "gated delta net + gated full attention (hybrid)", "MoE + shared expert"),
+    Family("qwen3_5", "Qwen3.5 (text)", "gated delta net + gated full attention (hybrid)", "dense"),
     Family("qwen3_5_moe", "Qwen3.5 MoE (text)", "gated delta net + gated full attention (hybrid)",
-           "MoE + shared expert", speculative=False),
+           "MoE + shared expert"),
     # The same text models as their vision-language checkpoints hold them: the layout is what is tested.
     Family("qwen3_5_vl", "Qwen3.5 (vision checkpoint)", "as qwen3_5", "dense", weights=("float32",),
-           prefix_caching=False, speculative=False, model_type="qwen3_5", text_model_type="qwen3_5_text"),
+           prefix_caching=False, model_type="qwen3_5", text_model_type="qwen3_5_text"),
     Family("qwen3_5_moe_vl", "Qwen3.5 MoE (vision checkpoint)", "as qwen3_5_moe", "MoE + shared expert",
-           weights=("float32",), prefix_caching=False, speculative=False, model_type="qwen3_5_moe",
+           weights=("float32",), prefix_caching=False, model_type="qwen3_5_moe",
            text_model_type="qwen3_5_moe_text"),
 )
 
