@@ -1,7 +1,8 @@
 """MTP speculation: the checkpoint's own multi-token-prediction layer drafts ``k`` tokens per request.
 
-Qwen3-Next and Qwen3.5 checkpoints carry one MTP layer (``mtp.*``; mlx_lm's
-loaders drop it, ``engined.loaders`` sets it aside). For position ``t`` it
+Qwen3-Next and Qwen3.5 checkpoints carry one MTP layer (``mtp.*``), GLM-4.5
+too (DeepSeek-V3's layout: the model's layer ``num_hidden_layers``); mlx_lm's
+loaders drop it, ``engined.loaders`` sets it aside. For position ``t`` it
 reads the embedding of token ``t+1`` and the target's final normed hidden
 state at ``t``, each normed, concatenates them ([embedding | hidden]),
 projects them back to the model's width (``fc``), runs one full-attention
@@ -48,7 +49,13 @@ from engined.sampler import Sampler
 from kernels import AttentionMetadata
 from shared.errors import ModelLoadError
 
-FAMILIES = ("qwen3_next", "qwen3_5", "qwen3_5_moe")
+FAMILIES = ("qwen3_next", "qwen3_5", "qwen3_5_moe", "glm4_moe")
+
+# GLM-4.5's names for the block's parts (DeepSeek-V3's layout), as this layer names them; its own
+# copies of the embedding and head are the target's and are not loaded.
+_GLM_NAMES = {"enorm.weight": "pre_fc_norm_embedding.weight", "hnorm.weight": "pre_fc_norm_hidden.weight",
+              "eh_proj.weight": "fc.weight", "shared_head.norm.weight": "norm.weight"}
+_GLM_SHARED = ("embed_tokens.", "shared_head.head.")
 
 
 class MTPLayer(nn.Module):
@@ -71,6 +78,10 @@ class MTPLayer(nn.Module):
 
 def _decoder_layer(model_type: str, args, moe: bool) -> tuple[nn.Module, int]:
     """A full-attention decoder layer of the family's own class, and the model layer index it poses as."""
+    if model_type == "glm4_moe":
+        from mlx_lm.models.glm4_moe import DecoderLayer
+
+        return DecoderLayer(args, args.num_hidden_layers), args.num_hidden_layers  # past the dense first layers
     index = args.full_attention_interval - 1  # (index + 1) % interval == 0: attention, not a delta net
     if model_type == "qwen3_next":
         from mlx_lm.models.qwen3_next import Qwen3NextDecoderLayer
@@ -83,9 +94,16 @@ def _decoder_layer(model_type: str, args, moe: bool) -> tuple[nn.Module, int]:
     return DecoderLayer(dataclasses.replace(args, num_experts=args.num_experts if moe else 0), index), index
 
 
+def _glm_names(tensors: dict[str, mx.array]) -> dict[str, mx.array]:
+    """GLM-4.5's MTP layer tensors under Qwen's names: the block's parts renamed, its decoder layer's
+    under ``layers.0.``, the copies of the embedding and head dropped."""
+    return {_GLM_NAMES.get(name, f"layers.0.{name}"): w for name, w in tensors.items()
+            if not name.startswith(_GLM_SHARED)}
+
+
 def _as_layer_weights(tensors: dict[str, mx.array], shifted_norms: bool) -> dict[str, mx.array]:
     """The checkpoint's MTP tensors under the layer's parameter names: experts stacked (Qwen3-Next's
-    one tensor per expert, Qwen3.5's fused gate/up), norms shifted as the family shifted the model's."""
+    and GLM's one tensor per expert, Qwen3.5's fused gate/up), norms shifted as the family shifted the model's."""
     out, experts = {}, {}
     for name, w in tensors.items():
         stem, sep, rest = name.partition(".experts.")
@@ -112,15 +130,16 @@ def build_layer(model: nn.Module, model_type: str, weights: MTPWeights) -> tuple
         raise ModelLoadError(f"MTP speculation runs the MTP layers of {', '.join(FAMILIES)}; "
                              f"this model is {model_type!r}", param="speculative_config")
     args = text_model(model).args
-    layer_names = {n.split(".", 2)[2] for n in weights.tensors if n.startswith("layers.")}
-    if {n.split(".", 2)[1] for n in weights.tensors if n.startswith("layers.")} != {"0"}:
+    tensors = _glm_names(weights.tensors) if model_type == "glm4_moe" else weights.tensors
+    layer_names = {n.split(".", 2)[2] for n in tensors if n.startswith("layers.")}
+    if {n.split(".", 2)[1] for n in tensors if n.startswith("layers.")} != {"0"}:
         raise ModelLoadError("MTP speculation runs a checkpoint with one MTP layer (mtp.layers.0)",
                              param="speculative_config")
     moe = any(n.startswith("mlp.experts.") or n.startswith("mlp.switch_mlp.") for n in layer_names)
     decoder, index = _decoder_layer(model_type, args, moe)
     layer = MTPLayer(decoder, args.hidden_size, args.rms_norm_eps)
     try:
-        layer.load_weights(list(_as_layer_weights(weights.tensors, weights.shifted_norms).items()), strict=True)
+        layer.load_weights(list(_as_layer_weights(tensors, weights.shifted_norms).items()), strict=True)
     except ValueError as e:
         raise ModelLoadError(f"the checkpoint's MTP layer does not match its family's decoder layer: {e}",
                              param="speculative_config") from e

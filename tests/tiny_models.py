@@ -298,28 +298,43 @@ def _random_weights(config: dict, seed: int) -> dict[str, np.ndarray]:
     return weights
 
 
-# Hybrid families whose checkpoints carry a multi-token-prediction layer, and the config key counting them.
+# Families whose checkpoints carry a multi-token-prediction layer, and the config key counting them.
 MTP_ARCHS = {"qwen3_next": "num_nextn_predict_layers", "qwen3_5": "mtp_num_hidden_layers",
-             "qwen3_5_moe": "mtp_num_hidden_layers"}
+             "qwen3_5_moe": "mtp_num_hidden_layers", "glm4_moe": "num_nextn_predict_layers"}
 
 
 def _mtp_weights(config: dict, weights: dict[str, np.ndarray], seed: int) -> dict[str, np.ndarray]:
-    """The ``mtp.*`` tensors a Qwen3-Next / Qwen3.5 checkpoint carries (in the layout of the rest):
-    the two pre-projection norms, ``fc`` [hidden, 2 hidden], one full-attention decoder layer
-    shaped as the model's own (``mtp.layers.0.*``) and the final norm."""
+    """The MTP tensors a checkpoint of the family carries (in the layout of the rest): the two norms
+    before the projection of [embedding | hidden] (``fc`` [hidden, 2 hidden]), one decoder layer
+    shaped as the model's own full-attention (Qwen) or last (GLM) layer, and the final norm.
+
+    Qwen3-Next / Qwen3.5: ``mtp.{pre_fc_norm_embedding,pre_fc_norm_hidden,fc,layers.0.*,norm}``.
+    GLM-4.5 (DeepSeek-V3's layout): layer ``num_hidden_layers`` of the model,
+    ``model.layers.N.{enorm,hnorm,eh_proj,<decoder layer>,shared_head.norm}`` with copies of the
+    embedding and head (``embed_tokens``, ``shared_head.head``).
+    """
     text = config.get("text_config", config)
     hidden = text["hidden_size"]
     rng = np.random.default_rng(seed + 1)  # the model's own weights stay those of ``seed``
-    layer = f"model.layers.{text['full_attention_interval'] - 1}."
+    glm = config["model_type"] == "glm4_moe"
+    n = text["num_hidden_layers"]
+    layer = f"model.layers.{n - 1 if glm else text['full_attention_interval'] - 1}."
+    at = f"model.layers.{n}." if glm else "mtp.layers.0."
+    names = (("enorm", "hnorm", "eh_proj", "shared_head.norm") if glm
+             else ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "fc", "norm"))
     out = {}
     for name, w in weights.items():
         if layer in name:
-            out["mtp.layers.0." + name.split(layer, 1)[1]] = (
+            out[at + name.split(layer, 1)[1]] = (
                 1.0 + 0.2 * rng.standard_normal(w.shape) if name.endswith("norm.weight")
                 else rng.standard_normal(w.shape) / np.sqrt(w.shape[-1])).astype(np.float32)
-    for norm in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"):
-        out[f"mtp.{norm}.weight"] = (1.0 + 0.2 * rng.standard_normal(hidden)).astype(np.float32)
-    out["mtp.fc.weight"] = (rng.standard_normal((hidden, 2 * hidden)) / np.sqrt(2 * hidden)).astype(np.float32)
+    prefix = f"model.layers.{n}." if glm else "mtp."
+    for norm in (names[0], names[1], names[3]):
+        out[f"{prefix}{norm}.weight"] = (1.0 + 0.2 * rng.standard_normal(hidden)).astype(np.float32)
+    out[f"{prefix}{names[2]}.weight"] = (rng.standard_normal((hidden, 2 * hidden)) / np.sqrt(2 * hidden)).astype(np.float32)
+    if glm:
+        out[f"{prefix}embed_tokens.weight"] = weights["model.embed_tokens.weight"]
+        out[f"{prefix}shared_head.head.weight"] = weights["lm_head.weight"]
     return out
 
 

@@ -35,10 +35,24 @@ class DirModel:
     mtp: MTPWeights | None = None
 
 
+def _mtp_name(key: str, config: dict) -> str | None:
+    """The name, within the MTP layer's tensors, of checkpoint tensor ``key``; None if not one of them.
+
+    Qwen3-Next / Qwen3.5 store the layer under ``mtp.``; GLM-4.5 (DeepSeek-V3's layout) as the
+    model's layer ``num_hidden_layers``, one past its last.
+    """
+    if config.get("model_type") == "glm4_moe":
+        prefix = f"model.layers.{config['num_hidden_layers']}."
+        return key[len(prefix):] if key.startswith(prefix) else None
+    if key.startswith("mtp.") or ".mtp." in key:
+        return key.split("mtp.", 1)[1]
+    return None
+
+
 def _keeping_mtp(found: list[MTPWeights]):
-    """mlx_lm's class lookup, with each family's ``sanitize`` first setting the ``mtp.*`` tensors
-    aside into ``found`` (the engine's MTP speculation builds its layer from them; some families
-    drop them, Qwen3-Next keeps them in a checkpoint whose experts are already stacked, which
+    """mlx_lm's class lookup, with each family's ``sanitize`` first setting the MTP layer's tensors
+    aside into ``found`` (the engine's MTP speculation builds its layer from them; the families
+    drop them, but Qwen3-Next keeps them in a checkpoint whose experts are already stacked, which
     the strict load would refuse)."""
 
     def classes(config: dict):
@@ -47,10 +61,11 @@ def _keeping_mtp(found: list[MTPWeights]):
             return model_class, args_class
 
         def sanitize(self, weights):
-            mtp = {k.split("mtp.", 1)[1]: v for k, v in weights.items() if k.startswith("mtp.") or ".mtp." in k}
+            names = {k: _mtp_name(k, config) for k in weights}
+            mtp = {names[k]: v for k, v in weights.items() if names[k] is not None}
             if not mtp:
                 return model_class.sanitize(self, weights)
-            rest = {k: v for k, v in weights.items() if not (k.startswith("mtp.") or ".mtp." in k)}
+            rest = {k: v for k, v in weights.items() if names[k] is None}
             out = model_class.sanitize(self, rest)
             norm = next((k for k in out if k.endswith("model.norm.weight")), None)
             # A norm the family shifted is a new array; one it kept is the stored one.

@@ -1,7 +1,8 @@
 """MTP speculation: the checkpoint's own MTP layer drafts, the target verifies.
 
-Tiny random-weight Qwen3-Next / Qwen3.5 / Qwen3.5-MoE checkpoints with an MTP
-layer (``make_tiny_model(mtp=True)``). Outputs must not depend on the layer's
+Tiny random-weight Qwen3-Next / Qwen3.5 / Qwen3.5-MoE (hybrid) and GLM-4.5
+(plain attention, DeepSeek-V3's MTP layout) checkpoints with an MTP layer
+(``make_tiny_model(mtp=True)``). Outputs must not depend on the layer's
 quality (greedy: identical; sampled: the same distribution); a layer trained
 on the model's own continuations must be accepted often enough that the
 target runs fewer forwards than it emits tokens.
@@ -40,7 +41,7 @@ def spec_counts(engine: Engine) -> tuple[float, float]:
     return engine.metrics.spec_draft_tokens._value.get(), engine.metrics.spec_accepted._value.get()
 
 
-@pytest.fixture(scope="module", params=["qwen3_next", "qwen3_5", "qwen3_5_moe"])
+@pytest.fixture(scope="module", params=["qwen3_next", "qwen3_5", "qwen3_5_moe", "glm4_moe"])
 def family(request, tmp_path_factory):
     seed = np.random.randint(1 << 30)
     print(f"{request.param}: model seed {seed}")
@@ -59,7 +60,7 @@ def test_greedy_outputs_with_mtp_equal_plain_decoding_on_mixed_batches(family):
     expected = plain.generate(prompts, params)
     assert spec.generate(prompts, params) == expected
     hits = spec.stats().prefix_cache_hits
-    for i in (4, 5):  # 5 resumes from 4's cached prefix (K/V, state snapshot, MTP K/V)
+    for i in (4, 5):  # 5 resumes from 4's cached prefix (K/V, a hybrid's state snapshot, MTP K/V)
         assert spec.generate([prompts[i]], params[i]) == [expected[i]]
     assert spec.stats().prefix_cache_hits >= hits + 16
     drafted, _ = spec_counts(spec)
