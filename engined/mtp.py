@@ -46,6 +46,7 @@ from engined.loaders.mlx_dir import MTPWeights
 from engined.model_layers import LayerSpec, float_dtype, layer_settings, text_model
 from engined.request import Request
 from engined.sampler import Sampler
+from engined.speculative import may_speculate
 from kernels import AttentionMetadata
 from shared.errors import ModelLoadError
 
@@ -187,10 +188,7 @@ class MTPProposer:
         self.pending: dict[str, tuple[int, mx.array]] = {}
         # The forward that ran last: (request, its first position, its rows, its first packed row).
         self._layout: list[tuple[Request, int, int, int]] = []
-
-    @property
-    def nbytes(self) -> int:
-        return self.group.kv.nbytes
+        self._kept = mx.zeros((0,))  # the last catch-up's kept rows, evaluated with its K/V
 
     def retain(self, request_ids) -> None:
         """Forget every request but these (finished or aborted ones, and preempted ones still waiting)."""
@@ -229,12 +227,16 @@ class MTPProposer:
                 outputs[i] = out
             return logits
 
+        # The kept rows are evaluated with the K/V, so that nothing holds the last forward's hidden states.
+        def written() -> list[mx.array]:
+            return self.group.arrays() + [self._kept]
+
         probs, bits = None, {}
         if drafting:
-            probs, bits = draft_loop(self.sampler, drafting, drafts, forward, self.group.arrays)
+            probs, bits = draft_loop(self.sampler, drafting, drafts, forward, written)
         elif catch_up:
             self._catch_up(catch_up, 0)
-            mx.eval(self.group.arrays())
+            mx.eval(written())
         self._note(batch)
         return probs, bits
 
@@ -265,7 +267,8 @@ class MTPProposer:
             start, rows = self.pending[req.request_id]
             pieces.append((req, start, req.token_ids[start + 1 : start + 1 + len(rows)], rows))
         logits, outs = self._run(pieces, [i < num_drafting for i in range(len(pieces))])
-        last = mx.concatenate([rows[-1:] for *_, rows in pieces])  # a copy: no view of the step's rows
+        # A copy (not a view of the step's rows), so the last forward's hidden states can go.
+        self._kept = last = mx.concatenate([rows[-1:] for *_, rows in pieces])
         for i, (req, start, tokens, _) in enumerate(pieces):
             self.pending[req.request_id] = (start + len(tokens) - 1, last[i : i + 1])
         return logits, outs
@@ -295,8 +298,6 @@ class MTPProposer:
         """The rows this batch's forward computes for each request that may speculate."""
         self._layout, first = [], 0
         for req, n in batch.scheduled:
-            p = req.params
-            if (not req.pooled and p.speculate and p.repetition_penalty == 1.0 and not p.presence_penalty
-                    and not p.frequency_penalty):
+            if not req.pooled and may_speculate(req.params):
                 self._layout.append((req, req.num_computed_tokens, n, first))
             first += n

@@ -54,14 +54,12 @@ def can_speculate(req: Request) -> bool:
     Grammars are history-dependent too, but their masks per draft position are
     computed by walking the matcher (``Grammar.check_draft``, ``DraftWalk``).
     """
-    p = req.params
-    return (
-        p.speculate
-        and p.repetition_penalty == 1.0
-        and not p.presence_penalty
-        and not p.frequency_penalty
-        and req.num_output_tokens >= p.min_tokens
-    )
+    return may_speculate(req.params) and req.num_output_tokens >= req.params.min_tokens
+
+
+def may_speculate(p) -> bool:
+    """Whether a request of these sampling parameters ever speculates (``can_speculate`` less min_tokens)."""
+    return p.speculate and p.repetition_penalty == 1.0 and not p.presence_penalty and not p.frequency_penalty
 
 
 class Verifier:
