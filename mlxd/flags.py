@@ -29,7 +29,8 @@ HELP = {
     "enable_prefix_caching": "reuse the KV cache of prompt prefixes seen before",
     "dtype": "weights' dtype: auto is float32 on MLX's CPU backend, the checkpoint's own on a GPU",
     "seed": "seed of the sampling of requests that give none",
-    "speculative_config": "JSON, e.g. '{\"method\": \"ngram\", \"num_speculative_tokens\": 4}' "
+    "speculative_config": "JSON, e.g. '{\"method\": \"ngram\", \"num_speculative_tokens\": 4}'; methods "
+                          "ngram, draft_model (with \"model\"), mtp (the checkpoint's MTP layer) "
                           "(default: no speculation)",
     "metrics_prefix": "metric name prefix: vllm makes dashboards written for vLLM work unchanged",
     "metrics_host": "address of the engine's /metrics",
