@@ -78,9 +78,9 @@ FAMILIES: tuple[Family, ...] = (
            "MoE + shared expert"),
     # The same text models as their vision-language checkpoints hold them: the layout is what is tested.
     Family("qwen3_5_vl", "Qwen3.5 (vision checkpoint)", "as qwen3_5", "dense", weights=("float32",),
-           prefix_caching=False, model_type="qwen3_5", text_model_type="qwen3_5_text"),
+           prefix_caching=False, speculative=False, model_type="qwen3_5", text_model_type="qwen3_5_text"),
     Family("qwen3_5_moe_vl", "Qwen3.5 MoE (vision checkpoint)", "as qwen3_5_moe", "MoE + shared expert",
-           weights=("float32",), prefix_caching=False, model_type="qwen3_5_moe",
+           weights=("float32",), prefix_caching=False, speculative=False, model_type="qwen3_5_moe",
            text_model_type="qwen3_5_moe_text"),
 )
 
