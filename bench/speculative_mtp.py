@@ -32,6 +32,12 @@ SHAPES = {
                          linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=32,
                          linear_value_head_dim=32, linear_conv_kernel_dim=4, full_attention_interval=4,
                          rms_norm_eps=1e-6, tie_word_embeddings=False, max_position_embeddings=8192),
+    # A CPU-sized shape (~75 M parameters, Qwen-like vocabulary of 32K).
+    "qwen3_5-small": dict(model_type="qwen3_5", hidden_size=512, num_hidden_layers=8, intermediate_size=1536,
+                          num_attention_heads=8, num_key_value_heads=2, head_dim=64, vocab_size=32000,
+                          linear_num_value_heads=8, linear_num_key_heads=4, linear_key_head_dim=64,
+                          linear_value_head_dim=64, linear_conv_kernel_dim=4, full_attention_interval=4,
+                          rms_norm_eps=1e-6, tie_word_embeddings=False, max_position_embeddings=8192),
     # 8.1 G parameters: Qwen3-8B's width and vocabulary, 32 layers of which 8 attend (32 heads of 128,
     # 8 KV heads, an output gate), 24 gated delta nets (16 key and 32 value heads of 128).
     "qwen3_5-8b": dict(model_type="qwen3_5", hidden_size=4096, num_hidden_layers=32, intermediate_size=12288,

@@ -3,8 +3,8 @@
 The step calls one collaborator, ``Speculator``: ``propose`` (before
 scheduling: n-gram drafts, or room for the draft model of ``draft_model`` or
 the MTP layer of ``mtp``), ``draft`` (after scheduling: the drafter fills what
-fits the budget) and ``verify`` (after the forward). Drafts travel in the scheduler's output, never
-on the request.
+fits the budget) and ``verify`` (after the forward). Drafts travel in the
+scheduler's output, never on the request.
 
 A speculating request contributes ``1 + k`` query rows to the step (its last
 token plus ``k`` draft tokens); the target model scores them all in the same

@@ -331,7 +331,8 @@ def _mtp_weights(config: dict, weights: dict[str, np.ndarray], seed: int) -> dic
     prefix = f"model.layers.{n}." if glm else "mtp."
     for norm in (names[0], names[1], names[3]):
         out[f"{prefix}{norm}.weight"] = (1.0 + 0.2 * rng.standard_normal(hidden)).astype(np.float32)
-    out[f"{prefix}{names[2]}.weight"] = (rng.standard_normal((hidden, 2 * hidden)) / np.sqrt(2 * hidden)).astype(np.float32)
+    fc = rng.standard_normal((hidden, 2 * hidden)) / np.sqrt(2 * hidden)
+    out[f"{prefix}{names[2]}.weight"] = fc.astype(np.float32)
     if glm:
         out[f"{prefix}embed_tokens.weight"] = weights["model.embed_tokens.weight"]
         out[f"{prefix}shared_head.head.weight"] = weights["lm_head.weight"]

@@ -43,7 +43,7 @@ class LoadedModel:
     num_layers: int
     num_kv_heads: int
     head_dim: int
-    # The checkpoint's multi-token-prediction layer (Qwen3-Next / Qwen3.5 ``mtp.*``), if it has one.
+    # The checkpoint's multi-token-prediction layer (Qwen3-Next / Qwen3.5 / GLM-4.5), if it has one.
     mtp: MTPWeights | None = None
 
 
