@@ -29,6 +29,12 @@ class StateGroup:
     # After the group: state of sequence snap_src[i] is also copied to slot snap_dst[i] (prefix snapshots).
     snap_src: mx.array | None = None
     snap_dst: mx.array | None = None
+    # Ragged sequences: each one's valid length ([batch]); the rows past it are padding, masked as
+    # mlx_lm masks a batch's right padding (its state is the one after its last valid row).
+    lengths: mx.array | None = None
+    # Where each sequence's state goes afterwards, when not back to ``slots`` (a verification
+    # window's copies, each cut at one of its positions: ``engined.kv.recurrent_state``).
+    write_slots: mx.array | None = None
 
 
 @dataclass(frozen=True)
@@ -36,7 +42,9 @@ class StatePlan:
     """The step's groups, in the order every linear layer runs them, and how to restore packed order."""
 
     groups: list[StateGroup]
-    inverse: mx.array | None  # packed row -> row of the concatenated group outputs; None if identical
+    # packed row -> row of the concatenated group outputs (which may hold extra rows: a window's
+    # cut copies); None if identical
+    inverse: mx.array | None
 
 
 class SlottedLinearAttention(nn.Module):
@@ -57,9 +65,14 @@ class SlottedLinearAttention(nn.Module):
             c = ArraysCache(len(arrays))
             for e, a in enumerate(arrays):
                 c[e] = a[g.slots]
-            y = self.inner(x[0, g.rows].reshape(g.batch, g.length, hidden), None, c)
+            mask = None
+            if g.lengths is not None:
+                c.lengths = mx.array(g.lengths)  # a copy: the layer's cache.advance decrements it in place
+                mask = mx.arange(g.length)[None, :] < g.lengths[:, None]
+            y = self.inner(x[0, g.rows].reshape(g.batch, g.length, hidden), mask, c)
+            dst = g.slots if g.write_slots is None else g.write_slots
             for e in range(len(arrays)):
-                arrays[e][g.slots] = c[e].astype(arrays[e].dtype)
+                arrays[e][dst] = c[e].astype(arrays[e].dtype)
                 if g.snap_src is not None:
                     arrays[e][g.snap_dst] = c[e][g.snap_src].astype(arrays[e].dtype)
             outs.append(y.reshape(g.batch * g.length, hidden))

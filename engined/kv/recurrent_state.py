@@ -18,11 +18,12 @@ with a snapshot; a request resuming from it starts from a copy of that state.
 Snapshots are evicted least recently used.
 
 Speculative decoding: a recurrent state cannot take rejected draft tokens
-back, so a verification window (the last token and its ``k`` drafts) runs
-through the linear layers one position at a time, all windows of the step
-batched per position, and the state after each of the first ``k`` positions
-is copied to the request's window slots (``k`` per live slot, fixed, billed
-with the pool). Once the verifier's result is known (``commit``), the live
+back, so each verification window (the last token and its ``k`` drafts)
+runs through the linear layers as ``k + 1`` copies, copy ``j`` masked after
+position ``j`` (mlx_lm's right padding), all windows of the step in one run:
+copy ``j``'s final state is the state after position ``j``. The first ``k``
+go to the request's window slots (``k`` per live slot, fixed, billed with the
+pool), the last back to its live slot. Once the verifier's result is known (``commit``), the live
 slot takes the state of the last accepted position (nothing to do when every
 draft was accepted); the copy runs, lazily, at the start of the next step.
 """
@@ -189,36 +190,29 @@ class RecurrentStateGroup(KVGroup):
     def _plan(self, scheduled: list[tuple[Request, int]]) -> StatePlan:
         lens = np.array([n for _, n in scheduled], dtype=np.int64)
         cu = np.concatenate([[0], np.cumsum(lens)])
-        groups, order = [], []
-        # A window (a token and its drafts) runs one position at a time, like decodes, so that
-        # the state after each position can be kept; other multi-token pieces are prefills.
+        groups = []
+        ids = []  # per row of the concatenated group outputs, the packed row it is (-1: an extra row)
+        # A window (a token and its drafts) is not a prefill: its states after each position are kept.
         windows = [b for b in np.flatnonzero(lens > 1)
                    if scheduled[b][0].num_computed_tokens + lens[b] > scheduled[b][0].num_tokens_with_placeholders]
-        decode = list(np.flatnonzero(lens == 1))
-        for j in range(max([1 if decode else 0] + [int(lens[b]) for b in windows])):
-            members = (decode if j == 0 else []) + [b for b in windows if lens[b] > j]
+        decode = np.flatnonzero(lens == 1)
+        if len(decode):
             src, dst = [], []
-            for i, b in enumerate(members):
+            for i, b in enumerate(decode):
                 req = scheduled[b][0]
-                at = req.num_computed_tokens + j
-                for p in self._boundaries(req, at, at + 1):
+                for p in self._boundaries(req, req.num_computed_tokens, req.num_computed_tokens + 1):
                     if (slot := self._take(req, p)) is not None:
                         src.append(i)
                         dst.append(slot)
-                if lens[b] > 1 and j < lens[b] - 1:  # a window position with drafts after it
-                    src.append(i)
-                    dst.append(self._window_slot(self.live[req.request_id], j))
-            rows = cu[members] + j
             groups.append(StateGroup(
-                rows=mx.array(rows.astype(np.int32)),
-                slots=mx.array([self.live[scheduled[b][0].request_id] for b in members]),
-                batch=len(members), length=1,
+                rows=mx.array(cu[decode].astype(np.int32)),
+                slots=mx.array([self.live[scheduled[b][0].request_id] for b in decode]),
+                batch=len(decode), length=1,
                 snap_src=mx.array(src) if src else None, snap_dst=mx.array(dst) if dst else None,
             ))
-            order.append(rows)
-        for b in windows:
-            req = scheduled[b][0]
-            self.windows[req.request_id] = (req.num_computed_tokens, int(lens[b]))
+            ids.append(cu[decode])
+        if windows:
+            groups.append(self._window_group(scheduled, windows, lens, cu, ids))
         for b in np.flatnonzero(lens > 1):
             if b in windows:
                 continue
@@ -235,13 +229,44 @@ class RecurrentStateGroup(KVGroup):
                     snap_src=mx.array([0]) if snap is not None else None,
                     snap_dst=mx.array([snap]) if snap is not None else None,
                 ))
-                order.append(rows)
-        packed = np.concatenate(order)
-        if (packed == np.arange(len(packed))).all():
+                ids.append(rows)
+        ids = np.concatenate(ids)
+        if len(ids) == cu[-1] and (ids == np.arange(len(ids))).all():
             return StatePlan(groups, None)
-        inverse = np.empty(len(packed), dtype=np.int32)
-        inverse[packed] = np.arange(len(packed), dtype=np.int32)
+        real = np.flatnonzero(ids >= 0)
+        inverse = np.empty(cu[-1], dtype=np.int32)
+        inverse[ids[real]] = real
         return StatePlan(groups, mx.array(inverse))
+
+    def _window_group(self, scheduled, windows, lens, cu, ids: list) -> StateGroup:
+        """Every window of the step in one run of the layer: a window of ``n`` positions runs as ``n``
+        copies, copy ``j`` cut after position ``j`` (the rows past it masked as padding), so its final
+        state is the state after ``j``: the last copy's goes back to the live slot, the others' to the
+        window slots, and the last copy's rows are the window's outputs."""
+        width = int(max(lens[b] for b in windows))
+        rows, slots, write, lengths, src, dst = [], [], [], [], [], []
+        for b in windows:
+            req, n = scheduled[b][0], int(lens[b])
+            live = self.live[req.request_id]
+            start = req.num_computed_tokens
+            self.windows[req.request_id] = (start, n)
+            window_rows = cu[b] + np.minimum(np.arange(width), n - 1)  # padding repeats the last row
+            for j in range(n):
+                copy = len(lengths)
+                rows.append(window_rows)
+                slots.append(live)
+                write.append(live if j == n - 1 else self._window_slot(live, j))
+                lengths.append(j + 1)
+                for p in self._boundaries(req, start + j, start + j + 1):
+                    if (slot := self._take(req, p)) is not None:
+                        src.append(copy)
+                        dst.append(slot)
+                ids.append(np.where(np.arange(width) < n, window_rows, -1) if j == n - 1 else np.full(width, -1))
+        return StateGroup(
+            rows=mx.array(np.concatenate(rows).astype(np.int32)), slots=mx.array(slots), batch=len(lengths),
+            length=width, snap_src=mx.array(src) if src else None, snap_dst=mx.array(dst) if dst else None,
+            lengths=mx.array(lengths), write_slots=mx.array(write),
+        )
 
     # -- after the step, and at the end of a request ----------------------------------------------
 
