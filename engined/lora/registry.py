@@ -7,7 +7,7 @@ gives it a slot (1..``max_loras``), writing the weights into the stacks if the
 adapter is not resident, evicting the least recently used slot that no
 running request holds. When every slot is held by running requests the
 request waits (vLLM's ``max_loras`` bound on the adapters of one batch).
-Slot 0 is the base model. ``token_slots`` is the runner's per-token index.
+Slot 0 is the base model. ``set_step`` gives the layers the runner's per-token slots.
 """
 
 from __future__ import annotations
@@ -164,11 +164,9 @@ class LoraRegistry:
 
     # -- the step -------------------------------------------------------------------------
 
-    def token_slots(self, slots: list[int], lens: list[int]) -> mx.array | None:
-        """Each packed token's slot (requests' ``slots``, ``lens`` tokens each); None when all are base."""
-        if not any(slots):
-            return None
-        return mx.array(np.repeat(np.asarray(slots, np.uint32), lens))
+    def set_step(self, slots: list[int], lens: list[int]) -> None:
+        """Set the step's per-token slots from its requests' ``slots`` (``lens`` tokens each); [] clears it."""
+        self.step.set(np.repeat(np.asarray(slots, np.uint32), lens))
 
     def running(self) -> list[str]:
         """Adapters held by running requests now."""
