@@ -22,8 +22,10 @@ round-robin order (unsorted slot indices, the layers' per-row path).
 ``--shape llama-8b`` runs a model of Llama-3.1-8B's shape with random bf16
 weights instead (no download; both engines share the same arrays), for a GPU.
 ``--term`` times only the LoRA term of one projection of the shape (its
-q_proj's and gate_proj's sizes), unsorted against sorted indices, beside the
-base matmul: seconds, not minutes, on a GPU.
+q_proj's and gate_proj's sizes), unsorted against sorted indices and against
+two dense matmuls over every slot's A and B concatenated (each row's other
+slots' columns masked to zero: no gather, more arithmetic), beside the base
+matmul: seconds, not minutes, on a GPU.
 
     python -m bench.lora [--model PATH | --shape NAME] [--levels 8 64] [--max-tokens 32] [--rank 16]
                          [--prompt-lens 32 256] [--term]
@@ -161,8 +163,9 @@ def term_cost(shape: str, rank: int, repeats: int) -> None:
     """One projection's LoRA term alone, rows spread round-robin over 4 adapters (+ the base slot)."""
     dims = SHAPES[shape]
     dtype = mx.float32 if mx.default_device() == mx.cpu else mx.bfloat16  # MLX's CPU gather_mm: float32 only
-    print("\n| projection (in x out) | rows | base matmul (us) | + term, unsorted (us) | + term, sorted (us) |")
-    print("|---|---|---|---|---|")
+    print("\n| projection (in x out) | rows | base matmul (us) | + term, unsorted (us) | + term, sorted (us) "
+          "| + term, dense masked (us) |")
+    print("|---|---|---|---|---|---|")
     for d_in, d_out in ((dims["hidden_size"], dims["hidden_size"]), (dims["hidden_size"], dims["intermediate_size"])):
         w = mx.random.normal((d_out, d_in)).astype(dtype) * 0.02
         a = mx.random.normal((NUM_ADAPTERS + 1, d_in, rank)).astype(dtype) * 0.02
@@ -171,11 +174,16 @@ def term_cost(shape: str, rank: int, repeats: int) -> None:
             x = mx.random.normal((rows, d_in)).astype(dtype)
             spread = np.arange(rows) % NUM_ADAPTERS + 1
             unsorted, ordered = mx.array(spread.astype(np.uint32)), mx.array(np.sort(spread).astype(np.uint32))
-            mx.eval(w, a, b, x, unsorted, ordered)
+            # Dense: x @ [A_0 .. A_S] -> [rows, S * rank], zero but each row's own slot's columns, @ [B_0; ..; B_S].
+            a_all = a.transpose(1, 0, 2).reshape(d_in, -1)
+            b_all = b.reshape(-1, d_out)
+            mask = mx.array(np.repeat(np.eye(NUM_ADAPTERS + 1)[spread], rank, axis=1)).astype(dtype)
+            mx.eval(w, a, b, x, unsorted, ordered, a_all, b_all, mask)
             runs = {
                 "base": lambda: x @ w.T,
                 "unsorted": lambda: x @ w.T + _lora(x[:, None], a, b, unsorted).squeeze(1),
                 "sorted": lambda: x @ w.T + _lora(x[:, None], a, b, ordered, True).squeeze(1),
+                "dense": lambda: x @ w.T + ((x @ a_all) * mask) @ b_all,
             }
             times = {k: [] for k in runs}
             for i in range(repeats + 1):  # alternating; the first round warms up
@@ -185,8 +193,8 @@ def term_cost(shape: str, rank: int, repeats: int) -> None:
                     if i:
                         times[k].append(time.perf_counter() - start)
             us = {k: statistics.median(t) * 1e6 for k, t in times.items()}
-            print(f"| {d_in} x {d_out} | {rows} | {us['base']:.0f} | {us['unsorted']:.0f} | {us['sorted']:.0f} |",
-                  flush=True)
+            print(f"| {d_in} x {d_out} | {rows} | {us['base']:.0f} | {us['unsorted']:.0f} | {us['sorted']:.0f} "
+                  f"| {us['dense']:.0f} |", flush=True)
 
 
 def make_prompts(n: int, vocab: int, seed: int, lengths: tuple[int, int]) -> list[list[int]]:
