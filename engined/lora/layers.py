@@ -47,7 +47,7 @@ class LoraStep:
         self.sorted = bool((slots[1:] >= slots[:-1]).all())
         self.first = int(np.argmax(slots > 0)) if self.sorted else 0
         self.slots = mx.array(slots)
-        self.adapted = self.slots[self.first:] if self.first else self.slots
+        self.adapted = mx.array(slots[self.first:]) if self.first else self.slots
 
 
 def _lora(x: mx.array, a: mx.array, b: mx.array, index: mx.array, sorted_indices: bool = False) -> mx.array:
@@ -79,7 +79,9 @@ class SlottedLoraLinear(nn.Module):
         step = self.step
         if step.slots is None:
             return y
-        rows = x.reshape(-1, 1, self.input_dims)[step.first:]
+        rows = x.reshape(-1, 1, self.input_dims)
+        if step.first:
+            rows = rows[step.first:]
         z = _lora(rows, self.lora_a, self.lora_b, step.adapted, step.sorted).reshape(-1, self.output_dims).astype(y.dtype)
         if step.first:  # the base's rows (first in a sorted step) add nothing
             z = mx.pad(z, [(step.first, 0), (0, 0)])
