@@ -49,7 +49,7 @@ import numpy as np
 
 from engined.engine import Engine
 from engined.loaders import load_model
-from engined.lora.layers import _lora, install
+from engined.lora.layers import install, lora_term
 from engined.runner import forward
 from shared.config import EngineConfig
 from shared.sampling import SamplingParams
@@ -181,8 +181,8 @@ def term_cost(shape: str, rank: int, repeats: int) -> None:
             mx.eval(w, a, b, x, unsorted, ordered, a_all, b_all, mask)
             runs = {
                 "base": lambda: x @ w.T,
-                "unsorted": lambda: x @ w.T + _lora(x[:, None], a, b, unsorted).squeeze(1),
-                "sorted": lambda: x @ w.T + _lora(x[:, None], a, b, ordered, True).squeeze(1),
+                "unsorted": lambda: x @ w.T + lora_term(x[:, None], a, b, unsorted).squeeze(1),
+                "sorted": lambda: x @ w.T + lora_term(x[:, None], a, b, ordered, True).squeeze(1),
                 "dense": lambda: x @ w.T + ((x @ a_all) * mask) @ b_all,
             }
             times = {k: [] for k in runs}
@@ -273,8 +273,8 @@ def main() -> None:
         a, o = r.get("4 adapters", float("nan")), r.get("lora on, base requests", float("nan"))
         print(f"| {level} | {b:.1f} | {a:.1f} | {a / b:.2f}x | {o:.1f} | {o / b:.2f}x |")
     if steps:
-        print("\n| concurrent requests | decode step, 4 adapters (ms) | same, unsorted (ms) | same step, base rows (ms) "
-              "| ratio | ratio unsorted |")
+        print("\n| concurrent requests | decode step, 4 adapters (ms) | same, unsorted (ms) "
+              "| same step, base rows (ms) | ratio | ratio unsorted |")
         print("|---|---|---|---|---|---|")
         for level, a, u, b in steps:
             print(f"| {level} | {a * 1e3:.1f} | {u * 1e3:.1f} | {b * 1e3:.1f} | {b / a:.2f}x | {b / u:.2f}x |")

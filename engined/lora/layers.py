@@ -50,7 +50,8 @@ class LoraStep:
         self.adapted = mx.array(slots[self.first:]) if self.first else self.slots
 
 
-def _lora(x: mx.array, a: mx.array, b: mx.array, index: mx.array, sorted_indices: bool = False) -> mx.array:
+def lora_term(x: mx.array, a: mx.array, b: mx.array, index: mx.array, sorted_indices: bool = False
+              ) -> mx.array:
     """``x @ a[index] @ b[index]`` per row, ``index`` broadcast against ``x``'s batch dims (in ``a``'s dtype)."""
     h = mx.gather_mm(x.astype(a.dtype), a, rhs_indices=index, sorted_indices=sorted_indices)
     return mx.gather_mm(h, b, rhs_indices=index, sorted_indices=sorted_indices)
@@ -82,7 +83,8 @@ class SlottedLoraLinear(nn.Module):
         rows = x.reshape(-1, 1, self.input_dims)
         if step.first:
             rows = rows[step.first:]
-        z = _lora(rows, self.lora_a, self.lora_b, step.adapted, step.sorted).reshape(-1, self.output_dims).astype(y.dtype)
+        z = lora_term(rows, self.lora_a, self.lora_b, step.adapted, step.sorted)
+        z = z.reshape(-1, self.output_dims).astype(y.dtype)
         if step.first:  # the base's rows (first in a sorted step) add nothing
             z = mx.pad(z, [(step.first, 0), (0, 0)])
         return y + z.reshape(y.shape)
@@ -134,7 +136,7 @@ class SlottedLoraSwitchGLU(nn.Module):
             rows = slots.reshape(indices.shape[:-1] + (1,)) * self.num_experts + idx
 
         def project(name, h):
-            return getattr(inner, name)(h, idx, sorted_indices=do_sort) + _lora(
+            return getattr(inner, name)(h, idx, sorted_indices=do_sort) + lora_term(
                 h, self[f"{name}_a"], self[f"{name}_b"], rows).astype(h.dtype)
 
         h = inner.activation(project("up_proj", x), project("gate_proj", x))

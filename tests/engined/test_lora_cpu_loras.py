@@ -64,7 +64,8 @@ def test_the_memory_guard_sets_aside_max_cpu_loras_full_rank_copies(setups):
     # Every projection of every layer at --max-lora-rank 8, float32, per adapter (on the CPU host and device
     # memory are one).
     rank = 8
-    one = sum((d_in + d_out) * rank * 4 for d_in, d_out, _ in _module_shapes(_load(model_dir, "float32").model).values())
+    shapes = _module_shapes(_load(model_dir, "float32").model)
+    one = sum((d_in + d_out) * rank * 4 for d_in, d_out, _ in shapes.values())
     assert engine.lora.fixed_bytes == 3 * one
     assert engine.memory.fixed_bytes == engine.runner.kv.fixed_bytes + 3 * one
     assert engine.lora.host_bytes <= engine.lora.fixed_bytes
