@@ -39,3 +39,26 @@ def test_slot_ordered_steps_give_each_request_its_single_run(setups, extra):
     assert engine.generate(prompts, params, loras) == want
     if "speculative_config" in extra:  # steps with several logits rows per request were ordered and restored
         assert engine.metrics.spec_draft_tokens._value.get() > 0
+
+
+def test_embeddings_of_a_slot_ordered_step_are_each_requests_own(setups):
+    """The hidden rows (an embed request's result) are put back in batch order too."""
+    model_dir, a_dir, b_dir, _ = setups("llama")
+    engine = Engine(EngineConfig(num_kv_blocks=64, block_size=8, max_num_batched_tokens=256, task="embed",
+                                 enable_lora=True, max_loras=2, max_lora_rank=8,
+                                 lora_modules=[f"A={a_dir}", f"B={b_dir}"]), _load(model_dir, "float32"))
+    prompts, loras = _prompts(4), ["B", None, "A", "B"]
+
+    def embed(pairs):
+        for i, (prompt, lora) in enumerate(pairs):
+            engine.add_request(f"e{i}", prompt, SamplingParams(max_tokens=1), lora_name=lora, task="embed")
+        got = {}
+        while engine.has_unfinished():
+            got.update({o.request_id: np.frombuffer(o.embedding, "<f4") for o in engine.step() if o.embedding})
+        return [got[f"e{i}"] for i in range(len(pairs))]
+
+    together = embed(list(zip(prompts, loras)))
+    alone = [embed([(p, lora)])[0] for p, lora in zip(prompts, loras)]
+    for got, want in zip(together, alone):
+        np.testing.assert_allclose(got, want, atol=1e-5)
+    assert not np.allclose(together[0], together[1], atol=1e-3)
