@@ -10,11 +10,10 @@ from starlette.responses import Response
 
 from gateway import openai_types as t
 from gateway import params as P
-from gateway.chat_output import finish_reason
-from gateway.chat_run import ChatInput, ChatRun
+from gateway.chat_run import ChatInput, ChatRun, finish_reason
 from gateway.errors import sse_error_event
 from gateway.request_body import decode_body
-from gateway.sse import DONE, KEEPALIVE, SSEResponse, event
+from gateway.generation import DONE, KEEPALIVE, SSEResponse, event
 from gateway.state import GatewayState
 from gateway.structured import structured_outputs_of
 from gateway.tokenizer import message_dicts

@@ -14,7 +14,7 @@ import json
 
 import pytest
 
-from gateway.chat_output import ChatOutput
+from gateway.chat_run import ChatOutput
 from gateway.parsers import REASONING_PARSERS, TOOL_PARSERS, ReasoningStream, choose_parsers
 from gateway.parsers.template_detect import template_parsers
 from tests.gateway.test_parsers import TIME, TOOLS, N, W, complete, matcher_accepts
