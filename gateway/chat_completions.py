@@ -12,8 +12,8 @@ from gateway import openai_types as t
 from gateway import params as P
 from gateway.chat_run import ChatInput, ChatRun, finish_reason
 from gateway.errors import sse_error_event
-from gateway.request_body import decode_body
 from gateway.generation import DONE, KEEPALIVE, SSEResponse, event
+from gateway.http_guards import decode_body
 from gateway.state import GatewayState
 from gateway.structured import structured_outputs_of
 from gateway.tokenizer import message_dicts

@@ -13,7 +13,7 @@ from gateway import openai_types as t
 from gateway import params as P
 from gateway.errors import sse_error_event
 from gateway.generation import DONE, KEEPALIVE, Generation, SSEResponse, event
-from gateway.request_body import decode_body
+from gateway.http_guards import decode_body
 from gateway.state import GatewayState
 from gateway.structured import one_spec, response_format_spec, structured_outputs_of, structured_outputs_spec
 from shared.errors import MlxdError
