@@ -27,7 +27,7 @@ from gateway.generation import Generation
 from gateway.parsers import (REASONING_PARSERS, ReasoningStream, ToolParser, ToolStream, keeps_special_tokens,
                              parse_complete)
 from gateway.state import GatewayState
-from gateway.structured import (ToolPlan, marker_literal, one_spec, reasoning_aware, response_format_spec,
+from gateway.structured import (NO_TOOLS, ToolPlan, marker_literal, one_spec, reasoning_aware, response_format_spec,
                                 structured_outputs_spec, tool_plan)
 from shared.errors import MlxdError
 from shared.protocol import Logprob
@@ -112,8 +112,10 @@ async def render(gw: GatewayState, inp: ChatInput, check_length: bool = True) ->
     P.check_chat(inp.messages, inp.param, add_generation_prompt, inp.continue_final, inp.chat_template,
                  cfg.trust_request_chat_template)
     max_tokens = P.requested_max_tokens(inp.max_tokens, inp.max_tokens_param)
-    plan = tool_plan(inp.tools, inp.tool_choice, inp.parallel_tool_calls, gw.parsers.tool,
-                     cfg.enable_auto_tool_choice, marker_literal(tok), gw.parsers.tool_format)
+    plan = NO_TOOLS
+    if inp.tools or inp.tool_choice is not None:
+        plan = tool_plan(inp.tools, inp.tool_choice, inp.parallel_tool_calls, gw.parsers.tool,
+                         cfg.enable_auto_tool_choice, marker_literal(tok), gw.parsers.tool_format)
 
     def template_and_tokenize() -> tuple[str, list[int]]:
         # None rather than []: templates test ``if tools``.
@@ -244,16 +246,19 @@ class ChatRun:
         P.check_priority(inp.priority)
         stops = P.stop_list(inp.stop)
         self.prompt = prompt = await render(gw, inp)
-        spec = one_spec(("response_format", response_format_spec(inp.response_format)),
-                        ("structured_outputs", structured_outputs_spec(inp.structured_outputs)),
-                        ("tool_choice", prompt.tools.spec))
         reasoning_parser = gw.parsers.reasoning
-        spec = reasoning_aware(spec, reasoning_parser, prompt.text, marker_literal(tok))
+        spec = None
+        if inp.response_format or inp.structured_outputs or prompt.tools.spec is not None:
+            spec = one_spec(("response_format", response_format_spec(inp.response_format)),
+                            ("structured_outputs", structured_outputs_spec(inp.structured_outputs)),
+                            ("tool_choice", prompt.tools.spec))
+            spec = reasoning_aware(spec, reasoning_parser, prompt.text, marker_literal(tok))
         params = P.sampling_params(inp, prompt.max_tokens, inp.logprobs, info.vocab_size, n, spec,
                                    gw.sampling_defaults)
         parser = prompt.tools.parser
-        # Formats whose markers are special tokens need them in the text to be parsed.
-        skip_special = inp.skip_special_tokens and not keeps_special_tokens(parser, reasoning_parser)
+        # Formats whose markers are special tokens need them in the text to be parsed (no parser, no markers).
+        parsed = parser is not None or reasoning_parser is not None
+        skip_special = inp.skip_special_tokens and not (parsed and keeps_special_tokens(parser, reasoning_parser))
         self.gen = Generation(gw.client, tok, [prompt.ids], params, n, stops, inp.include_stop_str_in_output,
                               skip_special, inp.logprobs is not None, inp.cache_salt, inp.app, inp.priority,
                               inp.lora_name)

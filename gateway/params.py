@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass
+from typing import Any
 
 from shared.errors import ContextLengthError, InvalidRequestError, MlxdError
 from shared.protocol import EngineInfo
@@ -210,6 +211,22 @@ def engine_error(err: MlxdError, prompt_param: str, max_tokens_param: str | None
     if isinstance(err, ContextLengthError):
         err.param = max_tokens_param or prompt_param
     return err
+
+
+_GUIDED = (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"),
+           ("guided_grammar", "grammar"))
+
+
+def structured_outputs_of(req) -> dict[str, Any] | None:
+    """``structured_outputs``, or the same constraint under vLLM's older ``guided_*`` names."""
+    guided = {new: getattr(req, old) for old, new in _GUIDED if getattr(req, old) is not None}
+    if guided and req.structured_outputs:
+        raise InvalidRequestError("structured_outputs and guided_* cannot both constrain the output",
+                                  param="structured_outputs")
+    if len(guided) > 1:
+        raise InvalidRequestError("give at most one of guided_json, guided_regex, guided_choice, guided_grammar",
+                                  param=next(old for old, new in _GUIDED if new in guided))
+    return guided or req.structured_outputs
 
 
 def sampling_params(req, max_tokens: int, logprobs: int | None, vocab_size: int, n: int = 1,
