@@ -22,8 +22,8 @@ from functools import lru_cache
 import mlx.core as mx
 import numpy as np
 
-from kernels import source
-from kernels.metadata import AttentionMetadata, in_packed_order
+from kernels import reference, source
+from kernels.paged_kv import AttentionMetadata, in_packed_order
 
 HEAD_DIMS = (64, 80, 96, 128, 256)
 # Threadgroup memory a Metal thread group may use; CUDA takes dynamic shared memory up to this.
@@ -446,3 +446,16 @@ def paged_attention(
         pieces.append(_sdpa_run(q, k, v, int(cu[b0]), ql, scale))
         order.append(np.arange(cu[b0], cu[b0 + n]))
     return in_packed_order(pieces, order, meta.num_tokens)
+
+
+def attention(
+    dialect: str, q: mx.array, k_cache: mx.array, v_cache: mx.array, meta: AttentionMetadata,
+    scale: float, sliding_window: int | None = None, softcap: float | None = None, sinks: mx.array | None = None,
+) -> mx.array:
+    """``reference.paged_attention``'s contract on a GPU: the kernel where it applies (no sinks yet), else
+    the reference."""
+    out = None if sinks is not None else paged_attention(dialect, q, k_cache, v_cache, meta, scale,
+                                                         sliding_window, softcap)
+    if out is None:
+        out = reference.paged_attention(q, k_cache, v_cache, meta, scale, sliding_window, softcap, sinks)
+    return out

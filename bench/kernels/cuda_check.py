@@ -30,7 +30,7 @@ import numpy as np  # noqa: E402
 
 from kernels import gpu, reference  # noqa: E402
 from tests.kernels.cases import dense_attention, host_gather_runs, make_case, rel_error  # noqa: E402
-from kernels.metadata import AttentionMetadata  # noqa: E402
+from kernels.paged_kv import AttentionMetadata, write_kv  # noqa: E402
 
 TOL = {mx.float32: 1e-4, mx.float16: 3e-3, mx.bfloat16: 1.2e-2}
 S = 1  # size divisor (only the CPU dry run shrinks the problems)
@@ -425,7 +425,7 @@ def main() -> int:
     v_new = mx.random.normal((nseq, hkv, d)).astype(dt)
     # Slots of each sequence's last position (overwritten: same cost as a new token).
     slots = meta.slot_mapping
-    sec_keep, _ = bench(lambda: reference.write_kv(kc, vc, k_new, v_new, slots), iters=5, reps=3)
+    sec_keep, _ = bench(lambda: write_kv(kc, vc, k_new, v_new, slots), iters=5, reps=3)
     # The engine's pattern: the layer's cache is replaced by the scatter's result, so no
     # other reference holds the old buffer and MLX may update it in place.
     state = [kc, vc]
@@ -435,7 +435,7 @@ def main() -> int:
         mx.synchronize()
         t0 = time.perf_counter()
         for _ in range(20):
-            state[0], state[1] = reference.write_kv(state[0], state[1], k_new, v_new, slots)
+            state[0], state[1] = write_kv(state[0], state[1], k_new, v_new, slots)
         mx.eval(state)
         mx.synchronize()
         chain.append((time.perf_counter() - t0) / 20)

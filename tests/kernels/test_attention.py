@@ -14,7 +14,7 @@ import pytest
 import kernels
 from kernels import gpu, numpy_attention, reference, source
 from tests.kernels.cases import dense_attention, host_gather_runs, make_case, rel_error
-from kernels.metadata import AttentionMetadata
+from kernels.paged_kv import AttentionMetadata
 
 TOL = {mx.float32: 2e-5, mx.float16: 3e-3, mx.bfloat16: 2e-2}
 
