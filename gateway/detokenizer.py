@@ -73,6 +73,9 @@ class IncrementalDetokenizer:
 
 
 class StopMatcher:
+    """Feed text as it is decoded; get the part that is safe to emit (held back while it may still
+    begin a stop string, cut where one completes)."""
+
     __slots__ = ("stops", "include", "_held", "stopped", "matched")
 
     def __init__(self, stops: list[str], include_stop: bool = False):

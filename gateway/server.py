@@ -91,6 +91,8 @@ def build_app(config: GatewayConfig) -> Starlette:
 
 
 class GatewayMetrics:
+    """The app's own Prometheus registry and its HTTP series (see the module docstring)."""
+
     def __init__(self):
         self.registry = CollectorRegistry()
         self.requests = Counter("http_requests_total", "HTTP requests by route, method and status.",
