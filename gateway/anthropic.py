@@ -20,8 +20,8 @@ from starlette.responses import Response
 
 from gateway.chat_run import ChatInput, ChatRun, render
 from gateway.errors import anthropic_sse_error_event
-from gateway.request_body import decode_body
-from gateway.sse import KEEPALIVE, SSEResponse, named_event
+from gateway.generation import KEEPALIVE, SSEResponse, named_event
+from gateway.http_guards import decode_body
 from gateway.state import GatewayState
 from shared.errors import InvalidRequestError, MlxdError
 

@@ -1,4 +1,4 @@
-"""The routes around generation: /health, /version, /v1/models, /tokenize and /detokenize."""
+"""The routes around generation: /health, /metrics, /version, /v1/models, /tokenize and /detokenize."""
 
 from __future__ import annotations
 
@@ -6,12 +6,13 @@ import asyncio
 import time
 
 import msgspec
+from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from gateway import openai_types as t
 from gateway import params as P
-from gateway.request_body import decode_body
+from gateway.http_guards import decode_body
 from gateway.state import GatewayState
 from gateway.tokenizer import message_dicts
 from shared.errors import InvalidRequestError
@@ -42,6 +43,11 @@ async def health(request: Request) -> Response:
     if stats is not None:
         body["engine"] = msgspec.structs.asdict(stats)
     return JSONResponse(body)
+
+
+async def metrics_endpoint(request: Request) -> Response:
+    """GET /metrics: Prometheus's text format (no key: like /health, it says nothing of the prompts)."""
+    return Response(request.app.state.metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
 
 
 async def version(request: Request) -> Response:

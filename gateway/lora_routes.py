@@ -14,7 +14,7 @@ import msgspec
 from starlette.requests import Request
 from starlette.responses import PlainTextResponse, Response
 
-from gateway.request_body import decode_body
+from gateway.http_guards import decode_body
 from gateway.state import GatewayState
 from shared.errors import ForbiddenError, InvalidRequestError
 

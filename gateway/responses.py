@@ -19,9 +19,9 @@ from starlette.responses import Response
 
 from gateway.chat_run import ChatInput, ChatRun
 from gateway.errors import error_body, to_mlxd_error
-from gateway.request_body import decode_body, loads
+from gateway.generation import KEEPALIVE, SSEResponse, named_event
+from gateway.http_guards import decode_body, loads
 from gateway.responses_tools import ResponsesTools, responses_tools
-from gateway.sse import KEEPALIVE, SSEResponse, named_event
 from gateway.state import GatewayState
 from shared.errors import InvalidRequestError, MlxdError
 

@@ -23,8 +23,8 @@ from starlette.responses import Response
 
 from gateway import params as P
 from gateway import pooling_types as t
+from gateway.http_guards import decode_body
 from gateway.pooled import MAX_INPUTS, check_ids, input_ids, run_pooled, vectors
-from gateway.request_body import decode_body
 from gateway.state import GatewayState
 from shared.errors import InvalidRequestError
 

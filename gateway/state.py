@@ -11,7 +11,7 @@ from starlette.requests import Request
 
 from gateway.access_log import AccessLoggedClient
 from gateway.engine_client import EngineClient
-from gateway.generation_defaults import SamplingDefaults, sampling_defaults
+from gateway.params import SamplingDefaults, sampling_defaults
 from gateway.parsers import choose_parsers
 from gateway.tokenizer import Tokenizer, load_chat_template
 from shared.errors import AuthenticationError, EngineUnavailableError, InvalidRequestError, NotFoundError
