@@ -4,7 +4,7 @@
 
 With asynchronous scheduling (``EngineConfig.async_scheduling``) a step's
 sampled tokens stay on the device while the next step is scheduled and built
-(``engined.launched``); they are read after it is launched, or before it is
+(``sampler.LaunchedStep``); they are read after it is launched, or before it is
 scheduled where a request needs them on the host (``_must_read_first``).
 
 The daemon wraps this object; tests and benchmarks use it directly.
@@ -26,19 +26,17 @@ from engined import memory_guard, model_split, pipeline
 from engined.device import on_cpu
 from engined.draft_model import DraftProposer
 from engined.kv import KVCacheManager
-from engined.launched import LaunchedStep, needs_host_tokens
 from engined.loaders import LoadedModel, load_model
 from engined.lora.registry import LoraRegistry
 from engined.metrics import EngineMetrics
 from engined.model_layers import float_dtype, read_layers
 from engined.pooling import matryoshka_dimensions, pooled_results, score_token_ids, store_results
-from engined.request import Request
+from engined.request import Request, WaitingPlaces
 from engined.runner import ModelRunner
-from engined.sampler import Sampler
+from engined.sampler import LaunchedStep, Sampler, needs_host_tokens
 from engined.scheduler import Scheduler, SchedulerOutput
 from engined.speculative import Speculator
 from engined.structured import GrammarCompiler
-from engined.waiting_places import WaitingPlaces
 from shared.config import EngineConfig, SpeculativeConfig
 from shared.errors import ContextLengthError, InvalidRequestError, ModelLoadError, NotFoundError
 from shared.protocol import TASKS, EngineStats, LoraAdapter, ModelInfo, RequestOutput
@@ -80,8 +78,9 @@ class Engine:
                                      self.max_model_len)
         self.drafter = (self._load_drafter(spec, loaded, dtype, backend)
                         if spec and spec.method == "draft_model" else None)
-        self.speculator = Speculator(spec, self.sampler, self.metrics, self.max_model_len, self.drafter,
-                                     kv.block_ids)
+        # None when speculation is off: a plain step never enters engined.speculative.
+        self.speculator = (Speculator(spec, self.sampler, self.metrics, self.max_model_len, self.drafter,
+                                      kv.block_ids) if spec is not None else None)
         stores = [kv] + ([self.drafter] if self.drafter else []) + ([self.lora] if self.lora else [])
         self.memory = memory_guard.plan(self.runner, stores, config, self.max_model_len, loaded.vocab_size,
                                         progress)
@@ -300,12 +299,15 @@ class Engine:
         outputs = self._take_ended()
         if self._inflight is not None and self._must_read_first():
             outputs += self._read_inflight()
-        drafts = self.speculator.propose(self.scheduler.running)
-        self._fail_raised(self.speculator.take_failures(), "its draft could not be proposed")
+        speculator = self.speculator
+        drafts = speculator.propose(self.scheduler.running) if speculator else None
+        if speculator:
+            self._fail_raised(speculator.take_failures(), "its draft could not be proposed")
         batch = self.scheduler.schedule(drafts)
         for req, error in self.scheduler.take_lora_failures():
             self._fail(req, error)
-        self.speculator.draft(batch)
+        if speculator:
+            speculator.draft(batch)
         if not batch.scheduled:
             return outputs + (self._read_inflight() if self._inflight is not None else self._idle())
         launched = self._launch(batch)
