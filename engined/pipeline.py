@@ -82,12 +82,21 @@ def join(config: EngineConfig) -> mx.distributed.Group:
     """This process's group of ``config.num_ranks`` ranks (the launcher set MLX_RANK and MLX_HOSTFILE).
 
     Waiting for the other ranks to connect holds the interpreter: a rank that never comes (it
-    failed to start) is caught by the watchdog's C timer, not by any Python thread.
+    failed to start) is caught by the watchdog's C timer, not by any Python thread. The ring
+    backend gives up connecting to a rank still loading after about 30 s; that is tried again
+    within the same timeout.
     """
     size = config.num_ranks
     try:
         with Watchdog(config.pipeline_timeout):
-            group = mx.distributed.init(strict=True)
+            while True:
+                try:
+                    group = mx.distributed.init(strict=True)
+                    break
+                except RuntimeError as e:
+                    if "Couldn't connect" not in str(e):
+                        raise
+                    log.info("pipeline: a rank is not listening yet (%s); trying again", e)
     except RuntimeError as e:
         raise ModelLoadError(f"{size} ranks asked for, but no distributed backend came up ({e}); start the "
                              "ranks with mlx.launch or let `mlxd engine` start them on this machine") from e
