@@ -31,6 +31,7 @@ import dataclasses
 import faulthandler
 import gc
 import logging
+import time
 from collections import deque
 
 import mlx.core as mx
@@ -84,9 +85,10 @@ def join(config: EngineConfig) -> mx.distributed.Group:
     Waiting for the other ranks to connect holds the interpreter: a rank that never comes (it
     failed to start) is caught by the watchdog's C timer, not by any Python thread. The ring
     backend gives up connecting to a rank still loading after about 30 s; that is tried again
-    within the same timeout.
+    for the first half of the timeout (the error then says why, before the watchdog must).
     """
     size = config.num_ranks
+    deadline = time.monotonic() + config.pipeline_timeout / 2
     try:
         with Watchdog(config.pipeline_timeout):
             while True:
@@ -94,7 +96,7 @@ def join(config: EngineConfig) -> mx.distributed.Group:
                     group = mx.distributed.init(strict=True)
                     break
                 except RuntimeError as e:
-                    if "Couldn't connect" not in str(e):
+                    if "Couldn't connect" not in str(e) or time.monotonic() > deadline:
                         raise
                     log.info("pipeline: a rank is not listening yet (%s); trying again", e)
     except RuntimeError as e:
