@@ -109,23 +109,37 @@ def join(config: EngineConfig) -> mx.distributed.Group:
 
 
 class Link:
-    """Rank 0's messages to the other ranks, over the group's own send/recv."""
+    """Rank 0's messages to the other ranks, over the group's own send/recv.
+
+    Each message is passed along the ring: rank 0 to the last rank (the first
+    layers, which starts computing once it has passed it on), that one to the
+    one before it, and so on down to rank 1. Every hop is between neighbours,
+    all MLX's ring backend can send over, and each rank gets a message before
+    the hidden states of its forward (the same channel, in that order).
+    """
 
     def __init__(self, group: mx.distributed.Group):
         self.group = group
+        rank, size = group.rank(), group.size()
+        self.source = (rank + 1) % size  # where this rank's messages come from (a worker's)
+        self.onward = size - 1 if rank == 0 else rank - 1 if rank > 1 else None  # where they go on to
 
     def send(self, message: Message) -> None:
         data = np.frombuffer(_encode(message), dtype=np.uint8)
-        head, body = mx.array([data.size], dtype=mx.int64), mx.array(data)
+        self._pass_on(mx.array([data.size], dtype=mx.int64), mx.array(data))
+
+    def _pass_on(self, head: mx.array, body: mx.array) -> None:
         # One evaluation per array: sends evaluated together may reach a rank in either order.
         for a in (head, body):
-            mx.eval([mx.distributed.send(a, r, group=self.group) for r in range(1, self.group.size())])
+            mx.eval(mx.distributed.send(a, self.onward, group=self.group))
 
     def receive(self) -> Message:
-        head = mx.distributed.recv((1,), mx.int64, 0, group=self.group)
+        head = mx.distributed.recv((1,), mx.int64, self.source, group=self.group)
         mx.eval(head)
-        body = mx.distributed.recv((int(head.item()),), mx.uint8, 0, group=self.group)
+        body = mx.distributed.recv((int(head.item()),), mx.uint8, self.source, group=self.group)
         mx.eval(body)
+        if self.onward is not None:
+            self._pass_on(head, body)
         return _decode(np.array(body).tobytes())
 
     def barrier(self) -> None:

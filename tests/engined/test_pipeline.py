@@ -49,13 +49,14 @@ def _run_single(config: EngineConfig, prompts) -> tuple[list, list]:
 @pytest.mark.parametrize("arch,parallel,layers", [
     ("llama", dict(pipeline_parallel_size=2), 4),  # mlx_lm's llama has no pipeline body: mlxd's hand-offs
     ("llama", dict(pipeline_parallel_size=3), 3),  # three batches in flight, one per rank
+    ("llama", dict(pipeline_parallel_size=4), 4),  # rank 0's messages passed on round the ring
     ("llama", dict(pipeline_parallel_size=2, pipeline_batches=1), 2),  # one batch at a time
     ("qwen3", dict(pipeline_parallel_size=3), 3),  # nor qwen3's
     ("qwen3_moe", dict(pipeline_parallel_size=2), 2),  # MoE, mlx_lm's PipelineMixin
     ("qwen3_next", dict(pipeline_parallel_size=3), 4),  # hybrid: delta nets and gated attention, 2 + 1 + 1 layers
     ("llama", dict(tensor_parallel_size=2), 2),  # mlx_lm's shard: half the heads and KV heads per rank
     ("qwen3_moe", dict(tensor_parallel_size=2), 2),
-], ids=["llama-pp2", "llama-pp3", "llama-pp2-one-batch", "qwen3-pp3", "qwen3_moe-pp2", "qwen3_next-pp3",
+], ids=["llama-pp2", "llama-pp3", "llama-pp4", "llama-pp2-one-batch", "qwen3-pp3", "qwen3_moe-pp2", "qwen3_next-pp3",
         "llama-tp2", "qwen3_moe-tp2"])
 def test_parallel_greedy_outputs_equal_the_single_process_engine(tmp_path, arch, parallel, layers):
     """Mixed batches (a shared prefix, prompts past the token budget) over real ranks; a pipeline
