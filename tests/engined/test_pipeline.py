@@ -112,3 +112,10 @@ def test_a_split_that_does_not_fit_the_model_is_refused_in_one_line(tmp_path, pa
         capture_output=True, text=True, timeout=240)
     assert out.returncode != 0
     assert message in out.stderr
+
+
+def test_pipeline_with_tensor_parallelism_is_refused_in_one_line():
+    out = subprocess.run([sys.executable, "-m", "mlxd", "engine", "-pp", "2", "-tp", "2"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode != 0
+    assert out.stderr.strip() == "mlxd: pipeline and tensor parallelism cannot be combined yet; pick one"
