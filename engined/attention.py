@@ -2,9 +2,10 @@
 
 Each attention module is swapped for a ``PagedAttention`` that keeps the
 original projections, norms and RoPE, writes this step's K/V into the paged
-cache by ``slot_mapping`` and calls ``kernels.paged_attention`` over the packed
-batch. Everything token-wise (embeddings, norms, MLP, MoE, head) runs unchanged
-on the packed ``[1, T, hidden]`` activations.
+cache by ``slot_mapping`` and runs the ``kernels.paged_attention``
+implementation chosen at start-up over the packed batch. Everything
+token-wise (embeddings, norms, MLP, MoE, head) runs unchanged on the packed
+``[1, T, hidden]`` activations.
 
 Per-step data arrives as mlx_lm's own ``cache`` argument: the runner passes
 the model one step object per layer (``engined.kv``: this step's metadata and
@@ -41,8 +42,8 @@ class PagedAttention(nn.Module):
         self.settings = settings
         # Reads the K/V an earlier layer wrote in this forward (its step object is this layer's cache).
         self.shares_kv = shares_kv
-        # Which kernels.paged_attention implementation runs (EngineConfig.attention_backend, resolved).
-        self.backend = backend
+        # The kernels.paged_attention implementation (EngineConfig.attention_backend), chosen once here.
+        self.attend = kernels.implementation(backend)
 
     def _rope(self, x: mx.array, positions: mx.array) -> mx.array:
         # Each token is its own "batch" row so RoPE takes a per-token offset.
@@ -62,7 +63,7 @@ class PagedAttention(nn.Module):
         return self._rope(k, positions), v
 
     def __call__(self, x: mx.array, *args, mask=None, cache=None, shared_kv=None, offset=None):
-        """``cache``: this layer's ``engined.kv.paged.PagedLayerStep`` (metadata, K/V arrays).
+        """``cache``: this layer's ``engined.kv.full_attention.PagedLayerStep`` (metadata, K/V arrays).
 
         mlx_lm's families call their attention as ``(x, mask, cache)``, with an extra leading
         input (Ministral 3's query scale) or trailing ones (Gemma 4's ``shared_kv`` and
@@ -101,10 +102,8 @@ class PagedAttention(nn.Module):
                 k = self.k_proj(x)
                 v = None if s.k_is_v else self.v_proj(x)
             kc, vc = cache.write(*self._kv(k, v, meta.positions))
-        out = kernels.paged_attention(
-            q, kc, vc, meta, s.scale, sliding_window=s.sliding_window, softcap=s.softcap,
-            sinks=self.sinks if "sinks" in self else None, backend=self.backend,
-        )
+        out = self.attend(q, kc, vc, meta, s.scale, s.sliding_window, s.softcap,
+                          self.sinks if "sinks" in self else None)
         out = out.reshape(1, t, -1)
         if s.output_gate:
             out = out * mx.sigmoid(gate.reshape(1, t, -1))

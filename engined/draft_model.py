@@ -14,7 +14,7 @@ import mlx.nn as nn
 import numpy as np
 
 from engined import attention
-from engined.kv.paged import PagedArrays
+from engined.kv.full_attention import PagedArrays
 from engined.model_layers import LayerSpec
 from engined.request import Request
 from engined.runner import forward

@@ -70,7 +70,7 @@ class Engine:
                 "state cannot take rejected draft tokens back", param="speculative_config",
             )
         # Adapter slots are made before the memory guard measures the weights, so it counts them.
-        self.lora = (LoraRegistry(loaded.model, config.max_loras, config.max_lora_rank, dtype)
+        self.lora = (LoraRegistry(loaded.model, config.max_loras, config.max_lora_rank, dtype, config.max_cpu_loras)
                      if config.enable_lora else None)
         self.runner = (pipeline.MirroredRunner(loaded.model, specs, kv, backend, config) if pipelined
                        else ModelRunner(loaded.model, specs, kv, backend, self.lora))
@@ -82,7 +82,7 @@ class Engine:
                         if spec and spec.method == "draft_model" else None)
         self.speculator = Speculator(spec, self.sampler, self.metrics, self.max_model_len, self.drafter,
                                      kv.block_ids)
-        stores = [kv] + ([self.drafter] if self.drafter else [])
+        stores = [kv] + ([self.drafter] if self.drafter else []) + ([self.lora] if self.lora else [])
         self.memory = memory_guard.plan(self.runner, stores, config, self.max_model_len, loaded.vocab_size,
                                         progress)
         if pipelined:
@@ -231,9 +231,9 @@ class Engine:
             raise InvalidRequestError(f"{name!r} is the base model's name; give the adapter another",
                                       param="lora_name")
         adapter = self.lora.register(name, path)
-        self.info.lora_adapters.append(LoraAdapter(name=name, path=adapter.weights.path))
-        log.info("LoRA adapter %s loaded from %s (rank %d, %d modules)", name, path, adapter.weights.rank,
-                 len(adapter.weights.modules))
+        self.info.lora_adapters.append(LoraAdapter(name=name, path=adapter.path))
+        log.info("LoRA adapter %s loaded from %s (rank %d, %d modules)", name, path, adapter.rank,
+                 adapter.num_modules)
 
     def unload_lora(self, name: str) -> None:
         """Stop serving adapter ``name``; refused while requests still use it."""
@@ -309,6 +309,8 @@ class Engine:
         drafts = self.speculator.propose(self.scheduler.running)
         self._fail_raised(self.speculator.take_failures(), "its draft could not be proposed")
         batch = self.scheduler.schedule(drafts)
+        for req, error in self.scheduler.take_lora_failures():
+            self._fail(req, error)
         self.speculator.draft(batch)
         if not batch.scheduled:
             return outputs + (self._read_inflight() if self._inflight is not None else self._idle())
