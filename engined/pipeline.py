@@ -38,11 +38,10 @@ import mlx.core as mx
 import msgspec
 import numpy as np
 
-from engined import memory_guard
+from engined import memory_guard, model_split
 from engined.device import on_cpu
 from engined.kv import KVCacheManager
 from engined.memory_guard import MemoryPlan
-from engined import model_split
 from engined.request import Request
 from engined.runner import ModelRunner, forward, forward_pooled
 from engined.scheduler import SchedulerOutput
