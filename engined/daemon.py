@@ -1,15 +1,11 @@
 """The engine daemon: one Engine, serving any number of gateways over a ZeroMQ ROUTER socket.
 
-Two threads. The wire thread owns the socket: it answers HELLO itself, and
-PING too while a step has run for over a second (a 60 s prefill is not a
-dead engine), notes when each gateway was last heard from, hands every other
-message to the engine thread's inbox in order (so a PING answered there
-reflects all that its gateway sent before it), and forwards what the engine
-thread sends (over an inproc socket: ZeroMQ sockets are not shared between
-threads). The engine thread never waits on a gateway: between steps it takes
-what the inbox holds and runs the next step. Bad frames are logged and
-dropped. A gateway that stops pinging is declared gone and its requests are
-aborted, freeing their blocks.
+Two threads. The wire thread (``engined.wire``) owns the socket and answers
+what needs no engine (HELLO; PING while a step runs long). The engine thread,
+here, never waits on a gateway: between steps it takes what the wire's inbox
+holds, runs the next step and queues the outputs for the wire. A gateway that
+stops pinging is declared gone and its requests are aborted, freeing their
+blocks.
 """
 
 from __future__ import annotations
@@ -18,20 +14,17 @@ import logging
 import os
 import queue
 import signal
-import threading
 import time
 import traceback
 import uuid
 from collections import defaultdict
 
 import msgspec
-import zmq
 
 from engined.metrics import StatsLog
+from engined.wire import MAX_DRAIN, SEND_HWM, STALLED, Wire
 from shared import protocol as p
-from shared.curve import secure_server
 from shared.errors import EngineUnavailableError, InvalidRequestError, MlxdError
-from shared.paths import check_ipc_endpoint, refuse_live_ipc
 from shared.protocol import Kind
 
 log = logging.getLogger("mlxd.engine")
@@ -39,20 +32,7 @@ log = logging.getLogger("mlxd.engine")
 # How long the engine thread waits for a message when no request is running (s): bounds
 # how late housekeeping (gateway timeouts, SIGTERM) is noticed when idle.
 _IDLE_WAIT_S = 0.1
-# Messages taken per drain before the next step, so a flood cannot starve decoding.
-_MAX_DRAIN = 4096
 _HOUSEKEEPING_S = 0.5
-# The wire thread's poll timeout (ms): how late it notices that it must stop.
-_WIRE_POLL_MS = 100
-# A step running this long (s) gets its PINGs answered by the wire thread, from the last stats.
-_LONG_STEP_S = 1.0
-# Messages queued for one gateway before sends to it fail: a gateway that stops reading
-# (while it still writes, so it never looks silent) must not grow the engine without bound.
-_SEND_HWM = 1000
-# PONGs dropped in a row (its queue full) after which a gateway counts as gone.
-_MAX_DROPPED_PONGS = 100
-# What the wire thread hands the engine thread for a gateway whose queue stayed full.
-_STALLED = "stalled"
 # Seconds between the periodic stats lines (vLLM's line, at INFO while there is work).
 _STATS_LOG_S = 5.0
 
@@ -81,12 +61,6 @@ class Daemon:
         self.info = self._engine_info()
         # request id -> identity of the gateway that sent it (engine thread only)
         self.owner: dict[str, bytes] = {}
-        # gateway identity -> monotonic time it was last heard from (written by the wire thread)
-        self.last_seen: dict[bytes, float] = {}
-        # Gateways whose connection was logged: a gateway repeats HELLO until it hears READY (a
-        # queue of them when it waited for the engine to load), and one line says it.
-        self._greeted: set[bytes] = set()
-        self._seen_lock = threading.Lock()
         self._stats_log = StatsLog(engine.metrics) if log_stats else None
         self.stop_reason: str | None = None
         # When the engine thread last looked for messages: silence is measured up to then, so the
@@ -96,40 +70,8 @@ class Daemon:
         self.io_seconds = 0.0
         self.num_steps = 0
         self._stop_deadline = 0.0
-        # What a PONG carries: replaced whole by the engine thread, read by the wire thread.
-        self._stats_snapshot = p.EngineStats()
-        self._adapter_snapshot: list[p.LoraAdapter] = []
-        # When the running step began (monotonic), None between steps.
-        self._step_started: float | None = None
-        # (identity, kind, message) from gateways, for the engine thread.
-        self._inbox: queue.Queue = queue.Queue()
-        self.ctx = zmq.Context.instance()
-        self.sock = self.ctx.socket(zmq.ROUTER)
-        # A gateway's send queue is bounded; a send past it fails at once (mandatory routing) and the
-        # wire thread decides: a PONG is dropped, anything else (or many PONGs) ends the gateway.
-        self.sock.setsockopt(zmq.SNDHWM, _SEND_HWM)
-        self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
-        self.sock.setsockopt(zmq.RCVHWM, 0)
-        self.sock.setsockopt(zmq.LINGER, 1000)
-        # A socket directory others can write, or TCP beyond loopback without keys, is refused.
-        check_ipc_endpoint(endpoint)
-        self._auth = secure_server(self.ctx, self.sock, endpoint, curve_keys)
-        refuse_live_ipc(endpoint)
-        self.sock.bind(endpoint)
-        if endpoint.startswith("ipc://"):
-            os.chmod(endpoint[len("ipc://"):], 0o600)
-        self.endpoint = self.sock.getsockopt_string(zmq.LAST_ENDPOINT) or endpoint
-        # The engine thread's frames reach the wire thread through this pair, in order.
-        outbox = f"inproc://mlxd-outbox-{self.instance_id}"
-        self._outbox_in = self.ctx.socket(zmq.PULL)
-        self._outbox_in.bind(outbox)
-        self._outbox = self.ctx.socket(zmq.PUSH)
-        self._outbox.setsockopt(zmq.SNDHWM, 0)
-        self._outbox.connect(outbox)
-        self._wire = threading.Thread(target=self._wire_loop, name="engine-wire", daemon=True)
-        # Wire thread only: PONGs dropped in a row per gateway, and gateways reported stalled.
-        self._dropped: dict[bytes, int] = {}
-        self._stalled: set[bytes] = set()
+        self.wire = Wire(endpoint, curve_keys, self.info)
+        self.endpoint = self.wire.endpoint
 
     def _engine_info(self) -> p.EngineInfo:
         return p.EngineInfo(
@@ -166,12 +108,12 @@ class Daemon:
     def run(self) -> int:
         log.info("engine serving %s on %s", self.info.served_model_name, self.endpoint)
         self._publish_stats()
-        self._wire.start()
+        self.wire.start()
         next_housekeeping = time.monotonic() + _HOUSEKEEPING_S
         clock = time.perf_counter
         try:
             while True:
-                if not self._wire.is_alive():
+                if not self.wire.is_alive():
                     raise RuntimeError("the engine's wire thread stopped (see the log above)")
                 busy = self.engine.has_unfinished()
                 t0 = clock()
@@ -179,9 +121,9 @@ class Daemon:
                 self._drain(wait=0.0 if busy else _IDLE_WAIT_S)
                 if self.engine.has_unfinished():
                     t1 = clock()
-                    self._step_started = time.monotonic()
+                    self.wire.step_started = time.monotonic()
                     outputs = self.engine.step()
-                    self._step_started = None
+                    self.wire.step_started = None
                     t2 = clock()
                     self._send_failures()
                     self._send_outputs(outputs)
@@ -207,22 +149,14 @@ class Daemon:
             self._broadcast_dead(f"engine failed: {type(e).__name__}: {e}")
             return 1
         finally:
-            # The wire thread forwards what is queued (DEAD, the per-request errors) before it
-            # closes the socket; terminating the context then waits (up to LINGER) until those
-            # last frames are on the wire. Exiting without both would drop them.
-            self._outbox.send_multipart([b""])  # the end marker, after every real frame
-            self._wire.join()
-            self._outbox.close(linger=0)  # the wire thread has read everything (or is gone)
-            if self._auth is not None:
-                self._auth.stop()  # its ZAP socket would keep ctx.term() waiting
-            self.ctx.term()
+            self.wire.close()  # after the frames queued above (DEAD, the per-request errors) are sent
 
     def _drain(self, wait: float) -> None:
         """Act on what the wire thread handed over, waiting up to ``wait`` seconds for the first."""
-        for i in range(_MAX_DRAIN):
+        inbox = self.wire.inbox
+        for i in range(MAX_DRAIN):
             try:
-                identity, kind, msg = self._inbox.get(timeout=wait) if i == 0 and wait else \
-                    self._inbox.get_nowait()
+                identity, kind, msg = inbox.get(timeout=wait) if i == 0 and wait else inbox.get_nowait()
             except queue.Empty:
                 return
             try:
@@ -245,13 +179,13 @@ class Daemon:
             log.debug("gateway %s aborted %s (%d in flight)", identity.hex(), msg.request_ids, len(ids))
         elif kind is Kind.PING:
             self._publish_stats()
-            self._send(identity, Kind.PONG, self._pong(msg.sent_at))
+            self._send(identity, Kind.PONG, self.wire.pong(msg.sent_at))
         elif kind is Kind.LORA:
             self._update_lora(identity, msg)
         elif kind is Kind.BYE:
             self._forget_gateway(identity, "said goodbye")
-        elif kind == _STALLED:
-            self._forget_gateway(identity, f"stopped reading (over {_SEND_HWM} messages queued for it)")
+        elif kind == STALLED:
+            self._forget_gateway(identity, f"stopped reading (over {SEND_HWM} messages queued for it)")
 
     def _add(self, identity: bytes, msg: p.AddRequest) -> None:
         rid = msg.request_id
@@ -294,9 +228,6 @@ class Daemon:
     def _adapters(self) -> list[p.LoraAdapter]:
         return list(self.engine.info.lora_adapters)
 
-    def _pong(self, sent_at: float) -> p.Pong:
-        return p.Pong(self.instance_id, sent_at, self._stats_snapshot, self._adapter_snapshot)
-
     def _send_failures(self) -> None:
         """Requests the engine failed after accepting them (a grammar that did not compile)."""
         for rid, err in self.engine.take_errors():
@@ -320,8 +251,7 @@ class Daemon:
             self._send(identity, Kind.OUTPUTS, p.StepOutputs(outs))
 
     def _send(self, identity: bytes, kind: Kind, payload) -> None:
-        """Queue a frame for the wire thread (never blocks: the inproc pipe has no limit)."""
-        self._outbox.send_multipart([identity, *p.encode(kind, payload)])
+        self.wire.send(identity, kind, payload)
 
     def _send_error(self, identity: bytes, request_id: str | None, e: MlxdError) -> None:
         self._send(identity, Kind.ERROR, p.Error(request_id=request_id, code=e.code,
@@ -329,29 +259,24 @@ class Daemon:
 
     def _publish_stats(self) -> None:
         s = self.engine.stats()
-        self._stats_snapshot = p.EngineStats(
+        self.wire.publish(p.EngineStats(
             num_running=s.num_running, num_waiting=s.num_waiting, num_free_blocks=s.num_free_blocks,
             num_total_blocks=s.num_total_blocks, num_preemptions=s.num_preemptions,
             prefix_cache_queries=s.prefix_cache_queries, prefix_cache_hits=s.prefix_cache_hits,
-            step_seconds=self.step_seconds, io_seconds=self.io_seconds, num_steps=self.num_steps)
-        self._adapter_snapshot = self._adapters()
+            step_seconds=self.step_seconds, io_seconds=self.io_seconds, num_steps=self.num_steps),
+            self._adapters())
 
     # -- housekeeping --------------------------------------------------------
 
     def _housekeeping(self) -> None:
-        at = self._drained_at
-        with self._seen_lock:
-            silent = [(g, at - seen) for g, seen in self.last_seen.items() if at - seen > self.gateway_timeout]
-        for identity, quiet in silent:
+        for identity, quiet in self.wire.silent(self._drained_at, self.gateway_timeout):
             self._forget_gateway(identity, f"silent for {quiet:.1f}s")
         if self.parent_pid is not None and self.stop_reason is None and os.getppid() != self.parent_pid:
             self.request_stop("its parent process exited")
         self.engine.release_idle_memory()
 
     def _forget_gateway(self, identity: bytes, why: str) -> None:
-        with self._seen_lock:
-            self.last_seen.pop(identity, None)
-            self._greeted.discard(identity)
+        self.wire.forget(identity)
         ids = [r for r, g in self.owner.items() if g == identity]
         for r in ids:
             del self.owner[r]
@@ -371,114 +296,5 @@ class Daemon:
             self._send_error(self.owner.pop(rid), rid, e)
 
     def _broadcast_dead(self, reason: str) -> None:
-        with self._seen_lock:
-            gateways = list(self.last_seen)
-        for identity in gateways:
+        for identity in self.wire.gateways():
             self._send(identity, Kind.DEAD, p.Dead(reason=reason))
-
-    # -- the wire thread -----------------------------------------------------
-
-    def _wire_loop(self) -> None:
-        poller = zmq.Poller()
-        poller.register(self.sock, zmq.POLLIN)
-        poller.register(self._outbox_in, zmq.POLLIN)
-        try:
-            while True:
-                ready = dict(poller.poll(_WIRE_POLL_MS))
-                if self._outbox_in in ready and not self._forward_outbox():
-                    return
-                if self.sock in ready:
-                    self._read_gateways()
-        except Exception:
-            log.error("the engine's wire thread failed:\n%s", traceback.format_exc())
-        finally:
-            self.sock.close()
-            self._outbox_in.close()
-
-    def _forward_outbox(self) -> bool:
-        """Put the engine thread's frames on the socket; False at its end marker."""
-        for _ in range(_MAX_DRAIN):
-            try:
-                frames = self._outbox_in.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
-                return True
-            if frames == [b""]:
-                return False
-            self._put(frames)
-        return True
-
-    def _put(self, frames: list[bytes]) -> None:
-        """Send ``[identity, kind, payload]`` without blocking; a gateway whose queue is full loses it.
-
-        A lost PONG only delays liveness, so PONGs are dropped up to a bound;
-        a lost OUTPUTS or ERROR would leave a stream with a hole, so its
-        gateway is reported stalled at once and the engine thread aborts its
-        requests. The gateway's next successful send clears the count.
-        """
-        identity = frames[0]
-        try:
-            self.sock.send_multipart(frames, zmq.NOBLOCK)
-        except zmq.Again:
-            dropped = self._dropped.get(identity, 0) + 1
-            self._dropped[identity] = dropped
-            if frames[1] != Kind.PONG.value or dropped >= _MAX_DROPPED_PONGS:
-                if identity not in self._stalled:
-                    self._stalled.add(identity)
-                    log.warning("gateway %s does not read: dropped %d frame(s), the last a %s", identity.hex(),
-                                dropped, Kind(frames[1]).name)
-                    self._inbox.put((identity, _STALLED, None))
-            return
-        except zmq.ZMQError as e:
-            if e.errno != zmq.EHOSTUNREACH:
-                raise
-            return  # that gateway has disconnected: nobody to tell
-        if identity in self._dropped:
-            del self._dropped[identity]
-            self._stalled.discard(identity)
-
-    def _read_gateways(self) -> None:
-        for _ in range(_MAX_DRAIN):
-            try:
-                frames = self.sock.recv_multipart(zmq.NOBLOCK, copy=True)
-            except zmq.Again:
-                return
-            if len(frames) < 2:
-                log.warning("dropped a frame without identity or kind")
-                continue
-            identity, body = frames[0], frames[1:]
-            try:
-                kind, msg = p.decode(body)
-            except p.MalformedFrame as e:
-                log.warning("dropped a malformed frame from gateway %s: %s", identity.hex(), e)
-                continue
-            with self._seen_lock:
-                self.last_seen[identity] = time.monotonic()
-            started = self._step_started
-            if kind is Kind.PING and started is not None and time.monotonic() - started > _LONG_STEP_S:
-                self._reply(identity, Kind.PONG, self._pong(msg.sent_at))
-            elif kind is Kind.HELLO:
-                self._hello(identity, msg)
-            elif kind in (Kind.ADD, Kind.ABORT, Kind.BYE, Kind.PING, Kind.LORA):
-                self._inbox.put((identity, kind, msg))
-            else:
-                log.warning("dropped a %s frame: not a gateway's message", kind.name)
-
-    def _reply(self, identity: bytes, kind: Kind, payload) -> None:
-        self._put([identity, *p.encode(kind, payload)])
-
-    def _hello(self, identity: bytes, msg: p.Hello) -> None:
-        if msg.protocol_version != p.PROTOCOL_VERSION:
-            self._reply(identity, Kind.ERROR, p.Error(
-                request_id=None, code="protocol_mismatch",
-                message=f"engine speaks protocol {p.PROTOCOL_VERSION}, gateway "
-                        f"{msg.protocol_version}; upgrade the older one"))
-            with self._seen_lock:
-                self.last_seen.pop(identity, None)
-            return
-        with self._seen_lock:
-            first = identity not in self._greeted
-            self._greeted.add(identity)
-        if first:
-            log.info("gateway %s connected (pid %d)", identity.hex(), msg.pid)
-        # The adapters served now, not those of the start: one may have been loaded since.
-        self._reply(identity, Kind.READY, msgspec.structs.replace(self.info, lora_adapters=self._adapter_snapshot))

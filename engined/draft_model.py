@@ -15,11 +15,10 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from engined import attention
-from engined.kv.paged import PagedArrays
+from engined.kv.full_attention import PagedArrays
 from engined.model_layers import LayerSpec
 from engined.request import Request
-from engined.runner import forward
+from engined.runner import forward, install
 from engined.sampler import Sampler, row_key
 from engined.structured import DraftWalk
 from kernels import AttentionMetadata
@@ -37,7 +36,7 @@ class DraftProposer:
                                  "state cannot take rejected draft tokens back")
         self.model = model
         self.kv = PagedArrays(specs, block_size, dtype)
-        self.head = attention.install(model, specs, attention_backend)
+        self.head = install(model, specs, attention_backend)
         self.block_size = block_size
         self.num_layers = len(specs)
         self.sampler = sampler

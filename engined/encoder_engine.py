@@ -24,8 +24,7 @@ from engined import memory_guard
 from engined.device import on_cpu
 from engined.metrics import EngineMetrics
 from engined.pooling import matryoshka_dimensions
-from engined.request import Request, Status
-from engined.waiting_places import WaitingPlaces
+from engined.request import Request, Status, WaitingPlaces
 from shared.config import EngineConfig
 from shared.errors import ContextLengthError, InvalidRequestError, ModelLoadError
 from shared.protocol import TASKS, EngineStats, ModelInfo, RequestOutput

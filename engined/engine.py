@@ -4,7 +4,7 @@
 
 With asynchronous scheduling (``EngineConfig.async_scheduling``) a step's
 sampled tokens stay on the device while the next step is scheduled and built
-(``engined.launched``); they are read after it is launched, or before it is
+(``sampler.LaunchedStep``); they are read after it is launched, or before it is
 scheduled where a request needs them on the host (``_must_read_first``).
 
 The daemon wraps this object; tests and benchmarks use it directly.
@@ -26,7 +26,6 @@ from engined import memory_guard, model_split, pipeline
 from engined.device import on_cpu
 from engined.draft_model import DraftProposer
 from engined.kv import KVCacheManager
-from engined.launched import LaunchedStep, needs_host_tokens
 from engined.loaders import LoadedModel, load_model
 from engined.lora.registry import LoraRegistry
 from engined.metrics import EngineMetrics
@@ -34,13 +33,12 @@ from engined.model_layers import float_dtype, read_layers
 from engined.mtp import MTPProposer
 from engined.mtp import build_layer as build_mtp_layer
 from engined.pooling import matryoshka_dimensions, pooled_results, score_token_ids, store_results
-from engined.request import Request
+from engined.request import Request, WaitingPlaces
 from engined.runner import ModelRunner
-from engined.sampler import Sampler
+from engined.sampler import LaunchedStep, Sampler, needs_host_tokens
 from engined.scheduler import Scheduler, SchedulerOutput
 from engined.speculative import Speculator
 from engined.structured import GrammarCompiler
-from engined.waiting_places import WaitingPlaces
 from shared.config import EngineConfig, SpeculativeConfig
 from shared.errors import ContextLengthError, InvalidRequestError, ModelLoadError, NotFoundError
 from shared.protocol import TASKS, EngineStats, LoraAdapter, ModelInfo, RequestOutput
@@ -72,7 +70,7 @@ class Engine:
                 "rejected draft tokens back", param="speculative_config",
             )
         # Adapter slots are made before the memory guard measures the weights, so it counts them.
-        self.lora = (LoraRegistry(loaded.model, config.max_loras, config.max_lora_rank, dtype)
+        self.lora = (LoraRegistry(loaded.model, config.max_loras, config.max_lora_rank, dtype, config.max_cpu_loras)
                      if config.enable_lora else None)
         self.runner = (pipeline.MirroredRunner(loaded.model, specs, kv, backend, config) if pipelined
                        else ModelRunner(loaded.model, specs, kv, backend, self.lora))
@@ -84,9 +82,10 @@ class Engine:
                         if spec and spec.method == "draft_model" else None)
         # The checkpoint's MTP layer; its K/V are a group of the KV manager (billed with it).
         self.mtp = self._load_mtp(loaded, kv, dtype, backend) if spec and spec.method == "mtp" else None
-        self.speculator = Speculator(spec, self.sampler, self.metrics, self.max_model_len, self.drafter or self.mtp,
-                                     kv.block_ids)
-        stores = [kv] + ([self.drafter] if self.drafter else [])
+        # None when speculation is off: a plain step never enters engined.speculative.
+        self.speculator = (Speculator(spec, self.sampler, self.metrics, self.max_model_len, self.drafter or self.mtp,
+                                      kv.block_ids) if spec is not None else None)
+        stores = [kv] + ([self.drafter] if self.drafter else []) + ([self.lora] if self.lora else [])
         self.memory = memory_guard.plan(self.runner, stores, config, self.max_model_len, loaded.vocab_size,
                                         progress)
         if pipelined:
@@ -95,8 +94,12 @@ class Engine:
         if self.drafter:
             kv.follow(self.drafter.kv)
         kv.create(self.memory.num_blocks, self.memory.resident_blocks)
+        # A pipeline keeps a batch per lane in flight (engined/pipeline.py); speculation proposes from
+        # every running request's host tokens, so it keeps one.
+        self.num_lanes = ((config.pipeline_batches or config.pipeline_parallel_size)
+                          if config.pipeline_parallel_size > 1 and spec is None else 1)
         self.scheduler = Scheduler(kv, config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len,
-                                   tuple(loaded.eos_token_ids), self.lora)
+                                   tuple(loaded.eos_token_ids), self.lora, self.num_lanes)
         # Speculation proposes from the last tokens on the host, and a pipeline sends the other ranks
         # host token ids: both read every step before the next.
         self.async_scheduling = config.async_scheduling and spec is None and not pipelined
@@ -242,9 +245,9 @@ class Engine:
             raise InvalidRequestError(f"{name!r} is the base model's name; give the adapter another",
                                       param="lora_name")
         adapter = self.lora.register(name, path)
-        self.info.lora_adapters.append(LoraAdapter(name=name, path=adapter.weights.path))
-        log.info("LoRA adapter %s loaded from %s (rank %d, %d modules)", name, path, adapter.weights.rank,
-                 len(adapter.weights.modules))
+        self.info.lora_adapters.append(LoraAdapter(name=name, path=adapter.path))
+        log.info("LoRA adapter %s loaded from %s (rank %d, %d modules)", name, path, adapter.rank,
+                 adapter.num_modules)
 
     def unload_lora(self, name: str) -> None:
         """Stop serving adapter ``name``; refused while requests still use it."""
@@ -267,7 +270,7 @@ class Engine:
 
     def has_unfinished(self) -> bool:
         return (self.scheduler.has_unfinished() or bool(self._aborted) or bool(self._failed)
-                or self._inflight is not None)
+                or self._inflight is not None or (self.num_lanes > 1 and bool(self.runner.sent)))
 
     def take_errors(self) -> list[tuple[str, InvalidRequestError]]:
         """Requests failed since the last call, as (id, error): their grammar did not compile, or
@@ -313,12 +316,19 @@ class Engine:
         """
         start = time.monotonic()
         outputs = self._take_ended()
+        if self.num_lanes > 1:
+            return outputs + self._step_lanes(start)
         if self._inflight is not None and self._must_read_first():
             outputs += self._read_inflight()
-        drafts = self.speculator.propose(self.scheduler.running)
-        self._fail_raised(self.speculator.take_failures(), "its draft could not be proposed")
+        speculator = self.speculator
+        drafts = speculator.propose(self.scheduler.running) if speculator else None
+        if speculator:
+            self._fail_raised(speculator.take_failures(), "its draft could not be proposed")
         batch = self.scheduler.schedule(drafts)
-        self.speculator.draft(batch)
+        for req, error in self.scheduler.take_lora_failures():
+            self._fail(req, error)
+        if speculator:
+            speculator.draft(batch)
         if not batch.scheduled:
             return outputs + (self._read_inflight() if self._inflight is not None else self._idle())
         launched = self._launch(batch)
@@ -332,6 +342,22 @@ class Engine:
         if self.lora is not None:
             waiting = sorted({r.lora_name for r in self.scheduler.waiting if r.lora_name})
             self.metrics.on_lora(self.config.max_loras, self.lora.running(), waiting)
+        return outputs
+
+    def _step_lanes(self, start: float) -> list[RequestOutput]:
+        """A pipeline's step: a batch sent down for each lane with none out, then the oldest one's
+        last stage run here and read, while the other ranks compute the later ones."""
+        out = {s.lane for s in self.runner.sent}
+        for lane in range(self.num_lanes):
+            if lane not in out and (batch := self.scheduler.schedule(lane=lane)).scheduled:
+                self.runner.send(batch, lane)
+        if not self.runner.sent:
+            return self._idle()
+        batch = self.runner.sent[0].batch
+        self._inflight = self._launch(batch)
+        self.num_steps += 1
+        outputs = self._read_inflight()
+        self.metrics.on_step(batch.num_tokens, time.monotonic() - start, self.stats())
         return outputs
 
     def _launch(self, batch: SchedulerOutput) -> LaunchedStep:

@@ -38,13 +38,13 @@ import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten
 
-from engined.attention import LastTokenNorm, PagedAttention
 from engined.draft_model import draft_loop
 from engined.kv import KVCacheManager
 from engined.kv.mtp_layer import MTPLayerGroup
 from engined.loaders.mlx_dir import MTPWeights
 from engined.model_layers import LayerSpec, float_dtype, layer_settings, text_model
 from engined.request import Request
+from engined.runner import LastTokenNorm, PagedAttention
 from engined.sampler import Sampler
 from engined.speculative import may_speculate
 from kernels import AttentionMetadata

@@ -1,4 +1,20 @@
-"""Runs one packed step: the tokens and each layer's step object in, the sampled rows' logits out."""
+"""Runs one packed step: the tokens and each layer's step object in, the sampled rows' logits out.
+
+The one change mlxd makes to an mlx_lm model, made here (``install``): its
+attention modules read the paged KV. Each attention module is swapped for a
+``PagedAttention`` that keeps the original projections, norms and RoPE,
+writes this step's K/V into the paged cache by ``slot_mapping`` and runs the
+``kernels.paged_attention`` implementation chosen at start-up over the packed
+batch. Everything token-wise (embeddings, norms, MLP, MoE, head) runs
+unchanged on the packed ``[1, T, hidden]`` activations.
+
+Per-step data arrives as mlx_lm's own ``cache`` argument: the runner passes
+the model one step object per layer (``engined.kv``: this step's metadata and
+that layer's arrays), which mlx_lm hands to each layer's attention. What
+differs between families is read once from each layer (``model_layers``).
+Hybrid models' linear-attention layers are wrapped to run on per-request
+state slots (``linear_attention``).
+"""
 
 from __future__ import annotations
 
@@ -6,11 +22,14 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from engined import attention
+import kernels
 from engined.kv import KVCacheManager
+from engined.linear_attention import SlottedLinearAttention
 from engined.lora.registry import LoraRegistry
-from engined.model_layers import LayerSpec
+from engined.lora.step_order import SlotOrder
+from engined.model_layers import LayerSettings, LayerSpec, text_model, transformer_layers
 from engined.scheduler import SchedulerOutput
+from shared.errors import ModelLoadError
 
 
 def _row_index(ends: np.ndarray, counts: list[int]) -> mx.array:
@@ -19,7 +38,7 @@ def _row_index(ends: np.ndarray, counts: list[int]) -> mx.array:
     return mx.array(np.concatenate(rows).astype(np.int32) if rows else np.zeros(0, np.int32))
 
 
-def forward(model: nn.Module, head: attention.LastTokenNorm, pieces: list[list[int]], caches: list,
+def forward(model: nn.Module, head: LastTokenNorm, pieces: list[list[int]], caches: list,
             num_logits: list[int]) -> mx.array:
     """Forward token ``pieces`` packed as one sequence; logits of each piece's last ``num_logits[b]`` rows.
 
@@ -29,7 +48,7 @@ def forward(model: nn.Module, head: attention.LastTokenNorm, pieces: list[list[i
     return forward_pooled(model, head, pieces, caches, num_logits)[0]
 
 
-def forward_pooled(model: nn.Module, head: attention.LastTokenNorm, pieces: list[list[int]], caches: list,
+def forward_pooled(model: nn.Module, head: LastTokenNorm, pieces: list[list[int]], caches: list,
                    num_logits: list[int], num_hidden: list[int] | None = None,
                    fills: tuple[list[int], mx.array] | None = None) -> tuple[mx.array, mx.array | None]:
     """``forward``, and when ``num_hidden`` asks for any, the final normed hidden states
@@ -61,7 +80,7 @@ class ModelRunner:
                  lora: LoraRegistry | None = None):
         self.model = model
         self.kv = kv
-        self.head = attention.install(model, specs, attention_backend)
+        self.head = install(model, specs, attention_backend)
         # The adapters' slots (their layers are already in the model); None: LoRA is off.
         self.lora = lora
 
@@ -79,20 +98,24 @@ class ModelRunner:
                    ) -> tuple[mx.array, mx.array | None]:
         """``run``, plus the final hidden states of the rows ``batch.hidden_rows`` asks for (embed
         requests' last tokens, in batch order; None when none does). A request's placeholder (its
-        last token, sampled by the step in flight ``inflight``, an ``engined.launched.LaunchedStep``)
+        last token, sampled by the step in flight ``inflight``, an ``engined.sampler.LaunchedStep``)
         is read from the device."""
+        num_logits = batch.num_logits if num_logits is None else num_logits
+        order = None
+        if self.lora is not None:  # requests by adapter slot: each layer's slot indices sorted
+            order = SlotOrder(batch, num_logits)
+            batch, num_logits = order.batch, order.num_logits
         pieces = self.pieces(batch)
         fills = self.fills(batch, inflight) if inflight is not None else None
         caches = self.kv.step_caches(batch.scheduled)
-        num_logits = batch.num_logits if num_logits is None else num_logits
         if self.lora is None:
             return forward_pooled(self.model, self.head, pieces, caches, num_logits, batch.hidden_rows, fills)
-        step = self.lora.step
-        step.slots = self.lora.token_slots([r.lora_slot for r, _ in batch.scheduled], [n for _, n in batch.scheduled])
+        self.lora.set_step([r.lora_slot for r, _ in batch.scheduled], [n for _, n in batch.scheduled])
         try:
-            return forward_pooled(self.model, self.head, pieces, caches, num_logits, batch.hidden_rows, fills)
+            return order.restore(*forward_pooled(self.model, self.head, pieces, caches, num_logits,
+                                                 batch.hidden_rows, fills))
         finally:
-            step.slots = None
+            self.lora.set_step([], [])
 
     @staticmethod
     def pieces(batch: SchedulerOutput) -> list[list[int]]:
@@ -117,3 +140,131 @@ class ModelRunner:
                 at.append(offset - 1)
                 rows.append(inflight.row_of(r))
         return (at, inflight.tokens[mx.array(rows)]) if at else None
+
+
+# The modules of an mlx_lm attention that the paged form keeps, under the same names (so parameter
+# paths, quantization and adapters stay as mlx_lm has them); each is there only in some families.
+_KEPT = ("q_proj", "k_proj", "v_proj", "qkv_proj", "o_proj", "q_norm", "k_norm", "v_norm", "rope")
+
+
+class PagedAttention(nn.Module):
+    def __init__(self, inner: nn.Module, settings: LayerSettings, backend: str = "auto", shares_kv: bool = False):
+        super().__init__()
+        for name in _KEPT:
+            if name in inner:
+                setattr(self, name, inner[name])
+        if settings.has_sinks:
+            self.sinks = inner.sinks  # same parameter path as the original module's
+        self.settings = settings
+        # Reads the K/V an earlier layer wrote in this forward (its step object is this layer's cache).
+        self.shares_kv = shares_kv
+        # The kernels.paged_attention implementation (EngineConfig.attention_backend), chosen once here.
+        self.attend = kernels.implementation(backend)
+
+    def _rope(self, x: mx.array, positions: mx.array) -> mx.array:
+        # Each token is its own "batch" row so RoPE takes a per-token offset.
+        return self.rope(x[:, :, None, :], offset=positions)[:, :, 0, :]
+
+    def _kv(self, k: mx.array, v: mx.array | None, positions: mx.array) -> tuple[mx.array, mx.array]:
+        """This step's ``k, v [T, H_kv, D]`` from the projections' outputs (``v`` None: V is K's)."""
+        s, t = self.settings, k.shape[1]
+        v = k if v is None else v
+        if s.qk_norm_whole:
+            k = self.k_norm(k)
+        k, v = k.reshape(t, s.n_kv_heads, -1), v.reshape(t, s.n_kv_heads, -1)
+        if "k_norm" in self and not s.qk_norm_whole:
+            k = self.k_norm(k)
+        if "v_norm" in self:
+            v = self.v_norm(v)
+        return self._rope(k, positions), v
+
+    def __call__(self, x: mx.array, *args, mask=None, cache=None, shared_kv=None, offset=None):
+        """``cache``: this layer's ``engined.kv.full_attention.PagedLayerStep`` (metadata, K/V arrays).
+
+        mlx_lm's families call their attention as ``(x, mask, cache)``, with an extra leading
+        input (Ministral 3's query scale) or trailing ones (Gemma 4's ``shared_kv`` and
+        ``offset``): the cache is the keyword or the last positional argument. The mask and
+        those inputs are not used: the kernel masks by the step's metadata, the query scale is
+        recomputed from each token's position, and shared K/V are read from the pool.
+        """
+        if cache is None and args:
+            cache = args[-1]
+        if not hasattr(cache, "meta"):
+            raise RuntimeError("a paged attention layer ran without its step: run the model through "
+                               "engined.runner.ModelRunner")
+        s, meta = self.settings, cache.meta
+        _, t, _ = x.shape
+        if s.fused_qkv:
+            q_width, kv_width = s.n_heads * s.head_dim, s.n_kv_heads * s.head_dim
+            q, k, v = mx.split(self.qkv_proj(x), [q_width, q_width + kv_width], axis=-1)
+        else:
+            q = self.q_proj(x)
+        if s.qk_norm_whole:
+            q = self.q_norm(q)
+        q = q.reshape(t, s.n_heads, -1)
+        if s.output_gate:
+            q, gate = mx.split(q, 2, axis=-1)
+        if "q_norm" in self and not s.qk_norm_whole:
+            q = self.q_norm(q)
+        q = self._rope(q, meta.positions)
+        if s.query_position_scale is not None:
+            beta, length = s.query_position_scale
+            scale = 1 + beta * mx.log(1 + mx.floor(meta.positions.astype(mx.float32) / length))
+            q = q * scale.astype(q.dtype)[:, None, None]
+        if self.shares_kv:
+            kc, vc = cache.read()
+        else:
+            if not s.fused_qkv:
+                k = self.k_proj(x)
+                v = None if s.k_is_v else self.v_proj(x)
+            kc, vc = cache.write(*self._kv(k, v, meta.positions))
+        out = self.attend(q, kc, vc, meta, s.scale, s.sliding_window, s.softcap,
+                          self.sinks if "sinks" in self else None)
+        out = out.reshape(1, t, -1)
+        if s.output_gate:
+            out = out * mx.sigmoid(gate.reshape(1, t, -1))
+        out = self.o_proj(out)
+        # K/V pass between layers through the pool, never as arrays: a sharing layer reads its
+        # source's step object, so the K/V and offset handed back are None.
+        return (out, None, None) if s.returns_kv else out
+
+
+class LastTokenNorm(nn.Module):
+    """The final norm, applied only to the rows whose logits are sampled (saves the LM head's work).
+
+    The norm takes no ``cache`` argument, so the runner sets ``rows`` for the
+    forward it is about to run and clears it after.
+    """
+
+    def __init__(self, inner: nn.Module):
+        super().__init__()
+        self.inner = inner
+        self.rows: mx.array | None = None
+        # Rows whose normed hidden state is itself the result (embed requests' last tokens):
+        # kept aside in ``hidden`` and never sent through the LM head.
+        self.hidden_rows: mx.array | None = None
+        self.hidden: mx.array | None = None
+
+    def __call__(self, h: mx.array) -> mx.array:
+        if self.hidden_rows is not None:
+            self.hidden = self.inner(h[:, self.hidden_rows])
+        return self.inner(h[:, self.rows])
+
+
+def install(model: nn.Module, specs: list[LayerSpec], backend: str = "auto") -> LastTokenNorm:
+    """Swap every attention for a PagedAttention and every linear layer for its slotted form.
+
+    ``specs`` are ``model_layers.read_layers(model)``; returns the wrapped final norm.
+    """
+    layers = transformer_layers(model)
+    for spec, layer in zip(specs, layers):
+        if spec.linear is not None:
+            layer.linear_attn = SlottedLinearAttention(spec.linear)
+        else:
+            layer.self_attn = PagedAttention(layer.self_attn, spec.settings, backend, spec.kv_source is not None)
+    inner_model = text_model(model).model
+    norm = getattr(inner_model, "norm", None)
+    if norm is None:
+        raise ModelLoadError(f"{type(model).__module__}: no final norm found")
+    inner_model.norm = LastTokenNorm(norm)
+    return inner_model.norm

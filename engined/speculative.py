@@ -113,10 +113,10 @@ class Verifier:
 class Speculator:
     """The step's one speculation collaborator: propose before scheduling, draft after it, verify after the forward.
 
-    With ``config`` None it proposes nothing and the step runs plainly.
+    The engine makes one only when speculation is on; without it the step runs plainly.
     """
 
-    def __init__(self, config: SpeculativeConfig | None, sampler: Sampler, metrics, max_model_len: int,
+    def __init__(self, config: SpeculativeConfig, sampler: Sampler, metrics, max_model_len: int,
                  drafter=None, tables=None):
         self.config = config
         self.sampler = sampler
@@ -145,8 +145,6 @@ class Speculator:
         """
         cfg = self.config
         self._bits = {}
-        if cfg is None:
-            return {}
         if self.drafter:
             self.drafter.retain(r.request_id for r in running)
         drafts = {}

@@ -20,8 +20,8 @@ from starlette.responses import Response
 
 from gateway.chat_run import ChatInput, ChatRun, render
 from gateway.errors import anthropic_sse_error_event
-from gateway.request_body import decode_body
-from gateway.sse import KEEPALIVE, SSEResponse, named_event
+from gateway.generation import KEEPALIVE, SSEResponse, named_event
+from gateway.http_guards import decode_body
 from gateway.state import GatewayState
 from shared.errors import InvalidRequestError, MlxdError
 
@@ -200,7 +200,7 @@ async def _decode(request: Request, typ):
     app = gw.check_auth(request)
     req = await decode_body(request, typ)
     gw.require_ready()
-    return gw, app, req, gw.check_model(req.model)
+    return gw, app, req, gw.check_model(req.model, app)
 
 
 async def count_tokens(request: Request) -> Response:

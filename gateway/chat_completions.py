@@ -10,13 +10,11 @@ from starlette.responses import Response
 
 from gateway import openai_types as t
 from gateway import params as P
-from gateway.chat_output import finish_reason
-from gateway.chat_run import ChatInput, ChatRun
+from gateway.chat_run import ChatInput, ChatRun, finish_reason
 from gateway.errors import sse_error_event
-from gateway.request_body import decode_body
-from gateway.sse import DONE, KEEPALIVE, SSEResponse, event
+from gateway.generation import DONE, KEEPALIVE, SSEResponse, event
+from gateway.http_guards import decode_body
 from gateway.state import GatewayState
-from gateway.structured import structured_outputs_of
 from gateway.tokenizer import message_dicts
 from shared.errors import MlxdError
 
@@ -39,7 +37,7 @@ def chat_input(req: t.ChatCompletionRequest, app: str | None) -> ChatInput:
         stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos, speculate=req.speculate,
         priority=req.priority, cache_salt=req.cache_salt,
         include_stop_str_in_output=req.include_stop_str_in_output,
-        skip_special_tokens=req.skip_special_tokens, structured_outputs=structured_outputs_of(req),
+        skip_special_tokens=req.skip_special_tokens, structured_outputs=P.structured_outputs_of(req),
         truncate_prompt_tokens=req.truncate_prompt_tokens,
         chat_template=req.chat_template, chat_template_kwargs=req.chat_template_kwargs)
 
@@ -49,7 +47,7 @@ async def chat_completions(request: Request) -> Response:
     app = gw.check_auth(request)
     req = await decode_body(request, t.ChatCompletionRequest)
     gw.require_ready()
-    model = gw.check_model(req.model)
+    model = gw.check_model(req.model, app)
     inp = chat_input(req, app)
     inp.lora_name = gw.lora_name(model)
     run = ChatRun(gw, inp)

@@ -6,6 +6,12 @@ function tools, a tool_choice, sampling fields) and drive a ``ChatRun``: one
 template, tool-choice grammar, stop strings, parsers and engine requests for
 all three, with only the output's shape left to the caller. Rendering and
 tokenizing run in a worker thread, off the event loop.
+
+Each choice's text is split by a ``ChatOutput`` into reasoning, content and
+tool calls. Reasoning is split off first (``<think>…</think>``); what remains
+goes to the tool-call parser. Both read incrementally, and non-streaming is
+one feed of the whole text, so a streamed choice adds up to exactly the
+non-streamed one.
 """
 
 from __future__ import annotations
@@ -17,11 +23,11 @@ from typing import Any
 from starlette.requests import Request
 
 from gateway import params as P
-from gateway.chat_output import ChatOutput, finish_reason
 from gateway.generation import Generation
-from gateway.parsers import keeps_special_tokens
+from gateway.parsers import (REASONING_PARSERS, ReasoningStream, ToolParser, ToolStream, keeps_special_tokens,
+                             parse_complete)
 from gateway.state import GatewayState
-from gateway.structured import (ToolPlan, marker_literal, one_spec, reasoning_aware, response_format_spec,
+from gateway.structured import (NO_TOOLS, ToolPlan, marker_literal, one_spec, reasoning_aware, response_format_spec,
                                 structured_outputs_spec, tool_plan)
 from shared.errors import MlxdError
 from shared.protocol import Logprob
@@ -106,8 +112,10 @@ async def render(gw: GatewayState, inp: ChatInput, check_length: bool = True) ->
     P.check_chat(inp.messages, inp.param, add_generation_prompt, inp.continue_final, inp.chat_template,
                  cfg.trust_request_chat_template)
     max_tokens = P.requested_max_tokens(inp.max_tokens, inp.max_tokens_param)
-    plan = tool_plan(inp.tools, inp.tool_choice, inp.parallel_tool_calls, gw.parsers.tool,
-                     cfg.enable_auto_tool_choice, marker_literal(tok), gw.parsers.tool_format)
+    plan = NO_TOOLS
+    if inp.tools or inp.tool_choice is not None:
+        plan = tool_plan(inp.tools, inp.tool_choice, inp.parallel_tool_calls, gw.parsers.tool,
+                         cfg.enable_auto_tool_choice, marker_literal(tok), gw.parsers.tool_format)
 
     def template_and_tokenize() -> tuple[str, list[int]]:
         # None rather than []: templates test ``if tools``.
@@ -127,6 +135,59 @@ async def render(gw: GatewayState, inp: ChatInput, check_length: bool = True) ->
     if inp.clamp_max_tokens and max_tokens is not None and room >= 1:
         max_tokens = min(max_tokens, room)
     return Prompt(text, ids, P.check_prompt(ids, info, max_tokens, inp.param, inp.max_tokens_param), plan)
+
+
+class ChatOutput:
+    """Splits one choice; ``feed`` per streamed text delta, ``finish`` at its end, or ``whole`` at once."""
+
+    def __init__(self, reasoning_parser: str | None, prompt_text: str, tool_parser: ToolParser | None):
+        self.reasoning = None
+        if reasoning_parser:
+            cls = REASONING_PARSERS[reasoning_parser]
+            self.reasoning = cls(starts_inside=cls.prompt_opens_reasoning(prompt_text))
+        self.tool_parser = tool_parser
+        self._rstream = ReasoningStream(self.reasoning) if self.reasoning else None
+        self._tstream = ToolStream(tool_parser) if tool_parser else None
+        # The choice's finish_reason once read whole (tool_calls when it called tools).
+        self.final_reason: str | None = None
+
+    @property
+    def active(self) -> bool:
+        return self.reasoning is not None or self.tool_parser is not None
+
+    def feed(self, text: str, final: bool = False) -> tuple[str, str, list[dict]]:
+        """(reasoning delta, content delta, tool-call deltas) for a text delta."""
+        reasoning = ""
+        if self._rstream is not None:
+            reasoning, text = self._rstream.feed(text, final)
+        if self._tstream is None:
+            return reasoning, text, []
+        content, calls = self._tstream.feed(text, final)
+        return reasoning, content, calls
+
+    def finish(self) -> tuple[str, str, list[dict]]:
+        return self.feed("", final=True)
+
+    @property
+    def called_tools(self) -> bool:
+        return self._tstream is not None and self._tstream.num_calls > 0
+
+    def whole(self, text: str) -> tuple[str | None, str | None, list[dict]]:
+        """Non-streaming: (reasoning or None, content or None, tool_calls)."""
+        reasoning = None
+        if self.reasoning is not None:
+            reasoning, text = self.reasoning.split(text)
+        calls: list[dict] = []
+        if self.tool_parser is not None:
+            text, calls = parse_complete(self.tool_parser, text)
+            if calls and not text.strip():
+                text = None
+        return reasoning, text, calls
+
+
+def finish_reason(reason: str | None, called_tools: bool) -> str | None:
+    """A choice that ended by itself after tool calls reports ``tool_calls``."""
+    return "tool_calls" if called_tools and reason == "stop" else reason
 
 
 @dataclass
@@ -185,16 +246,19 @@ class ChatRun:
         P.check_priority(inp.priority)
         stops = P.stop_list(inp.stop)
         self.prompt = prompt = await render(gw, inp)
-        spec = one_spec(("response_format", response_format_spec(inp.response_format)),
-                        ("structured_outputs", structured_outputs_spec(inp.structured_outputs)),
-                        ("tool_choice", prompt.tools.spec))
         reasoning_parser = gw.parsers.reasoning
-        spec = reasoning_aware(spec, reasoning_parser, prompt.text, marker_literal(tok))
+        spec = None
+        if inp.response_format or inp.structured_outputs or prompt.tools.spec is not None:
+            spec = one_spec(("response_format", response_format_spec(inp.response_format)),
+                            ("structured_outputs", structured_outputs_spec(inp.structured_outputs)),
+                            ("tool_choice", prompt.tools.spec))
+            spec = reasoning_aware(spec, reasoning_parser, prompt.text, marker_literal(tok))
         params = P.sampling_params(inp, prompt.max_tokens, inp.logprobs, info.vocab_size, n, spec,
                                    gw.sampling_defaults)
         parser = prompt.tools.parser
-        # Formats whose markers are special tokens need them in the text to be parsed.
-        skip_special = inp.skip_special_tokens and not keeps_special_tokens(parser, reasoning_parser)
+        # Formats whose markers are special tokens need them in the text to be parsed (no parser, no markers).
+        parsed = parser is not None or reasoning_parser is not None
+        skip_special = inp.skip_special_tokens and not (parsed and keeps_special_tokens(parser, reasoning_parser))
         self.gen = Generation(gw.client, tok, [prompt.ids], params, n, stops, inp.include_stop_str_in_output,
                               skip_special, inp.logprobs is not None, inp.cache_salt, inp.app, inp.priority,
                               inp.lora_name)

@@ -12,11 +12,10 @@ from starlette.responses import Response
 from gateway import openai_types as t
 from gateway import params as P
 from gateway.errors import sse_error_event
-from gateway.generation import Generation
-from gateway.request_body import decode_body
-from gateway.sse import DONE, KEEPALIVE, SSEResponse, event
+from gateway.generation import DONE, KEEPALIVE, Generation, SSEResponse, event
+from gateway.http_guards import decode_body
 from gateway.state import GatewayState
-from gateway.structured import one_spec, response_format_spec, structured_outputs_of, structured_outputs_spec
+from gateway.structured import one_spec, response_format_spec, structured_outputs_spec
 from shared.errors import MlxdError
 
 # OpenAI's default for completions.
@@ -30,7 +29,7 @@ async def completions(request: Request) -> Response:
     P.check_stream_options(req)
     P.refuse_unsupported(req)
     info, tok = gw.require_ready()
-    model = gw.check_model(req.model)
+    model = gw.check_model(req.model, app)
     P.check_task(info, "generate")
     n = P.check_n(req.n)
     P.check_completion(req, n)
@@ -42,7 +41,7 @@ async def completions(request: Request) -> Response:
     max_tokens = min(P.check_prompt(p, info, DEFAULT_MAX_TOKENS if requested is None else requested, "prompt")
                      for p in prompts)
     spec = one_spec(("response_format", response_format_spec(req.response_format)),
-                    ("structured_outputs", structured_outputs_spec(structured_outputs_of(req))))
+                    ("structured_outputs", structured_outputs_spec(P.structured_outputs_of(req))))
     params = P.sampling_params(req, max_tokens, req.logprobs, info.vocab_size, n, spec, gw.sampling_defaults)
     gen = Generation(gw.client, tok, prompts, params, n, stops, req.include_stop_str_in_output,
                      req.skip_special_tokens, req.logprobs is not None, req.cache_salt, app, req.priority,

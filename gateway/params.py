@@ -6,14 +6,29 @@ InvalidRequestError naming the offending field, before anything reaches the
 engine. The ranges of the sampling fields themselves are
 ``SamplingParams.validate``'s, which the engine applies again at its end of
 the wire.
+
+Sampling fields a request leaves out take defaults as vLLM's
+``--generation-config`` gives them (``SamplingDefaults``, resolved once per
+loaded model): ``auto`` reads the model's ``generation_config.json`` (beside
+its tokenizer), ``vllm`` ignores it, and any other value names a folder
+holding one. The operator's ``--override-generation-config`` JSON object is
+laid on top. Of a generation config only the sampling keys count, with
+Hugging Face's names (``max_new_tokens`` caps every request's max_tokens, as
+in vLLM); a request's own value always wins over a default, except that the
+cap still applies.
 """
 
 from __future__ import annotations
 
-from gateway.generation_defaults import SamplingDefaults
+import json
+import os
+from dataclasses import dataclass
+from typing import Any
+
 from shared.errors import ContextLengthError, InvalidRequestError, MlxdError
 from shared.protocol import EngineInfo
 from shared.sampling import INT64_MAX, INT64_MIN, SamplingParams, StructuredSpec
+from shared.serve_config import generation_sampling_keys
 
 MAX_STOP_STRINGS = 16
 MAX_N = 64
@@ -25,6 +40,44 @@ CHAT_ROLES = ("system", "user", "assistant", "tool")
 # Python steps a request-supplied chat template may take to render (a long
 # conversation through a model's own template takes a few hundred thousand).
 TEMPLATE_MAX_STEPS = 5_000_000
+
+
+@dataclass(frozen=True)
+class SamplingDefaults:
+    """What an omitted sampling field means (OpenAI's defaults unless the model or operator says)."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    # None: no cap beyond the room the prompt leaves.
+    max_tokens: int | None = None
+
+    def cap(self, max_tokens: int) -> int:
+        """``max_tokens`` within the operator's or model's ``max_new_tokens``."""
+        return max_tokens if self.max_tokens is None else min(max_tokens, self.max_tokens)
+
+
+def sampling_defaults(setting: str, model_dir: str, override: dict) -> SamplingDefaults:
+    """The defaults for one model: ``setting`` is auto, vllm or a folder; ``override`` the operator's
+    (GatewayConfig.generation_override)."""
+    found: dict = {}
+    if setting != "vllm":
+        folder = model_dir if setting == "auto" else setting
+        path = os.path.join(folder, "generation_config.json")
+        if os.path.isfile(path):
+            try:
+                with open(path, encoding="utf-8") as f:
+                    config = json.load(f)
+            except ValueError as e:
+                raise InvalidRequestError(f"{path} is not JSON: {e}", param="generation_config") from None
+            if isinstance(config, dict):
+                found = generation_sampling_keys(config, path)
+        elif setting != "auto":
+            raise InvalidRequestError(f"--generation-config {setting}: no generation_config.json there",
+                                      param="generation_config")
+    return SamplingDefaults(**{**found, **override})
 
 
 def stop_list(stop: str | list[str] | None) -> list[str]:
@@ -158,6 +211,22 @@ def engine_error(err: MlxdError, prompt_param: str, max_tokens_param: str | None
     if isinstance(err, ContextLengthError):
         err.param = max_tokens_param or prompt_param
     return err
+
+
+_GUIDED = (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"),
+           ("guided_grammar", "grammar"))
+
+
+def structured_outputs_of(req) -> dict[str, Any] | None:
+    """``structured_outputs``, or the same constraint under vLLM's older ``guided_*`` names."""
+    guided = {new: getattr(req, old) for old, new in _GUIDED if getattr(req, old) is not None}
+    if guided and req.structured_outputs:
+        raise InvalidRequestError("structured_outputs and guided_* cannot both constrain the output",
+                                  param="structured_outputs")
+    if len(guided) > 1:
+        raise InvalidRequestError("give at most one of guided_json, guided_regex, guided_choice, guided_grammar",
+                                  param=next(old for old, new in _GUIDED if new in guided))
+    return guided or req.structured_outputs
 
 
 def sampling_params(req, max_tokens: int, logprobs: int | None, vocab_size: int, n: int = 1,

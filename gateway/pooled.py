@@ -15,7 +15,7 @@ import numpy as np
 from starlette.requests import Request
 
 from gateway import params as P
-from gateway.sse import unless_disconnected
+from gateway.generation import unless_disconnected
 from gateway.state import GatewayState
 from shared.errors import ContextLengthError, InvalidRequestError, MlxdError
 from shared.protocol import EngineInfo, RequestOutput

@@ -19,9 +19,9 @@ from starlette.responses import Response
 
 from gateway.chat_run import ChatInput, ChatRun
 from gateway.errors import error_body, to_mlxd_error
-from gateway.request_body import decode_body, loads
+from gateway.generation import KEEPALIVE, SSEResponse, named_event
+from gateway.http_guards import decode_body, loads
 from gateway.responses_tools import ResponsesTools, responses_tools
-from gateway.sse import KEEPALIVE, SSEResponse, named_event
 from gateway.state import GatewayState
 from shared.errors import InvalidRequestError, MlxdError
 
@@ -159,7 +159,7 @@ async def responses(request: Request) -> Response:
     app = gw.check_auth(request)
     req = await decode_body(request, ResponsesRequest)
     gw.require_ready()
-    model = gw.check_model(req.model)
+    model = gw.check_model(req.model, app)
     if req.previous_response_id is not None:
         raise InvalidRequestError("previous_response_id needs stored responses, which this stateless server "
                                   "does not keep; send the whole conversation as input", param="previous_response_id")

@@ -7,11 +7,10 @@ from starlette.routing import Route
 from gateway import anthropic, embeddings, info_routes, lora_routes, responses, scoring
 from gateway.chat_completions import chat_completions
 from gateway.completions import completions
-from gateway.metrics import metrics_endpoint
 
 ROUTES = [
     Route("/health", info_routes.health, methods=["GET"]),
-    Route("/metrics", metrics_endpoint, methods=["GET"]),
+    Route("/metrics", info_routes.metrics_endpoint, methods=["GET"]),
     Route("/version", info_routes.version, methods=["GET"]),
     Route("/v1/models", info_routes.models, methods=["GET"]),
     # Model ids may hold slashes (Hugging Face repo ids).

@@ -1,19 +1,48 @@
-"""`mlxd gateway`: the Starlette app under uvicorn, and how it shuts down.
+"""`mlxd gateway`: the Starlette app (routes, error handling, the guards, HTTP metrics) under uvicorn,
+and how it shuts down.
 
 On SIGTERM/SIGINT the gateway stops accepting connections and gives open
 requests ``shutdown_timeout`` seconds to finish; then it ends each one that
 is left with an error its client can read (a JSON error body, or an SSE
 error event and ``[DONE]``) and aborts it in the engine, and exits.
 uvicorn's own grace only has to cover writing those last words.
+
+The HTTP metrics, served on the gateway's own ``/metrics``: requests by route
+and status, their duration, those in progress and the event streams still
+open. The names and labels are those of prometheus-fastapi-instrumentator,
+which vLLM's API server serves (``http_requests_total{handler,method,status}``,
+``http_request_duration_seconds``, ``http_requests_inprogress``), so a query
+written for vLLM's HTTP series reads these; ``status`` is the exact code
+("429", not its grouped "4xx"). ``handler`` is the route's template
+(``/v1/models/{model:path}``), or ``none`` for a path no route matches: a
+scanner's stream of made-up paths cannot grow the series without bound. Each
+app builds its own registry (several gateways may live in one test process).
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 import signal
 import sys
 import time
 
+import msgspec
+import uvicorn
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
+from starlette.routing import Match
+
+from gateway.errors import handle_exception
+from gateway.http_guards import BrowserGuard, protocol_with_deadline
+from gateway.parsers import check_names
+from gateway.routes import ROUTES
+from gateway.state import GatewayState
+from shared.errors import MlxdError
 from shared.serve_config import GatewayConfig
 
 log = logging.getLogger("mlxd.gateway")
@@ -21,6 +50,110 @@ log = logging.getLogger("mlxd.gateway")
 # Seconds after the drain deadline for the error bodies and events to reach their clients.
 _FLUSH_GRACE_S = 5.0
 _TICK_S = 0.2
+# Seconds: metadata routes answer in milliseconds, a long generation streams for minutes.
+DURATION_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+UNMATCHED = "none"
+
+
+def build_app(config: GatewayConfig) -> Starlette:
+    check_names(config.tool_call_parser, config.reasoning_parser)
+    state = GatewayState(config)
+    metrics = GatewayMetrics()
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        await state.client.start()
+        try:
+            yield
+        finally:
+            await state.client.close()
+
+    # Metrics see every request, a refused one too; then the guard: a refused browser request
+    # never reaches CORS or a route.
+    middleware = [Middleware(HTTPMetrics, metrics=metrics, routes=ROUTES),
+                  Middleware(BrowserGuard, bind_host=config.host, allowed_hosts=config.allowed_hosts,
+                               allowed_origins=config.allowed_origins)]
+    if config.allowed_origins:
+        middleware.append(Middleware(CORSMiddleware, allow_origins=config.allowed_origins,
+                                     allow_methods=["*"], allow_headers=["*"]))
+    app = Starlette(
+        routes=ROUTES,
+        exception_handlers={Exception: handle_exception, HTTPException: handle_exception,
+                            MlxdError: handle_exception,
+                            msgspec.ValidationError: handle_exception,
+                            msgspec.DecodeError: handle_exception},
+        middleware=middleware,
+        lifespan=lifespan,
+    )
+    app.state.gw = state
+    app.state.metrics = metrics
+    return app
+
+
+class GatewayMetrics:
+    """The app's own Prometheus registry and its HTTP series (see the module docstring)."""
+
+    def __init__(self):
+        self.registry = CollectorRegistry()
+        self.requests = Counter("http_requests_total", "HTTP requests by route, method and status.",
+                                ["handler", "method", "status"], registry=self.registry)
+        self.duration = Histogram("http_request_duration_seconds", "HTTP request duration, until the last "
+                                  "byte of the body (a stream's whole length).", ["handler", "method"],
+                                  buckets=DURATION_BUCKETS, registry=self.registry)
+        self.in_progress = Gauge("http_requests_inprogress", "HTTP requests being answered.",
+                                 ["handler", "method"], registry=self.registry)
+        self.streams = Gauge("mlxd_gateway_streams_in_flight", "Server-sent event streams still open.",
+                             ["handler"], registry=self.registry)
+
+    def exposition(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class HTTPMetrics:
+    """ASGI middleware that measures every HTTP request; pure ASGI so streamed bodies pass through as they go."""
+
+    def __init__(self, app, metrics: GatewayMetrics, routes):
+        self.app = app
+        self.metrics = metrics
+        self.routes = routes
+
+    def _handler(self, scope) -> str:
+        for route in self.routes:
+            match, _ = route.matches(scope)
+            if match != Match.NONE:  # PARTIAL: the path's route, answered 405 for the method
+                return route.path
+        return UNMATCHED
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        m = self.metrics
+        handler, method = self._handler(scope), scope["method"]
+        status = 500  # an exception before any response is answered 500 further out
+        stream = None
+        started = time.perf_counter()
+        in_progress = m.in_progress.labels(handler, method)
+        in_progress.inc()
+
+        async def measured_send(message) -> None:
+            nonlocal status, stream
+            if message["type"] == "http.response.start":
+                status = message["status"]
+                headers = dict(message.get("headers") or ())
+                if headers.get(b"content-type", b"").startswith(b"text/event-stream"):
+                    stream = m.streams.labels(handler)
+                    stream.inc()
+            await send(message)
+
+        try:
+            await self.app(scope, receive, measured_send)
+        finally:
+            in_progress.dec()
+            if stream is not None:
+                stream.dec()
+            m.requests.labels(handler, method, str(status)).inc()
+            m.duration.labels(handler, method).observe(time.perf_counter() - started)
 
 
 def run_gateway(config: GatewayConfig, supervisor=None) -> int:
@@ -29,13 +162,6 @@ def run_gateway(config: GatewayConfig, supervisor=None) -> int:
     ``supervisor`` (under `mlxd serve`; see mlxd/serve.py) is polled while the
     gateway runs: a non-None answer is the exit code serve ends with.
     """
-    import asyncio
-
-    import uvicorn
-
-    from gateway.app import build_app
-    from gateway.http_protocol import protocol_with_deadline
-
     if config.api_key_file is not None:
         config.api_key = _read_key_file(config.api_key_file)
     app = build_app(config)

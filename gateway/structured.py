@@ -26,6 +26,10 @@ class ToolPlan:
     spec: StructuredSpec | None
 
 
+# A request without tools: no parser, no constraint.
+NO_TOOLS = ToolPlan(None, None)
+
+
 def check_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]]:
     """OpenAI function tools, checked; InvalidRequestError naming the bad one."""
     out = []
@@ -58,14 +62,14 @@ def tool_plan(tools: list[dict[str, Any]] | None, tool_choice: str | dict | None
     if not tools:
         if tool_choice not in (None, "none"):
             raise InvalidRequestError("tool_choice needs tools", param="tool_choice")
-        return ToolPlan(None, None)
+        return NO_TOOLS
     parallel = True if parallel is None else parallel
     if tool_choice is None:
         # OpenAI's default with tools is "auto"; without a parser to read calls
         # it degrades to "none" rather than refusing every request with tools.
         tool_choice = "auto" if auto_enabled else "none"
     if tool_choice == "none":
-        return ToolPlan(None, None)
+        return NO_TOOLS
     if tool_choice == "auto":
         if not auto_enabled:
             raise InvalidRequestError(
@@ -138,22 +142,6 @@ def structured_outputs_spec(so: dict[str, Any] | None) -> StructuredSpec | None:
     elif isinstance(value, str) and value:
         return StructuredSpec(key, value)
     raise InvalidRequestError(f"structured_outputs.{key} has the wrong type", param=f"structured_outputs.{key}")
-
-
-_GUIDED = (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"),
-           ("guided_grammar", "grammar"))
-
-
-def structured_outputs_of(req) -> dict[str, Any] | None:
-    """``structured_outputs``, or the same constraint under vLLM's older ``guided_*`` names."""
-    guided = {new: getattr(req, old) for old, new in _GUIDED if getattr(req, old) is not None}
-    if guided and req.structured_outputs:
-        raise InvalidRequestError("structured_outputs and guided_* cannot both constrain the output",
-                                  param="structured_outputs")
-    if len(guided) > 1:
-        raise InvalidRequestError("give at most one of guided_json, guided_regex, guided_choice, guided_grammar",
-                                  param=next(old for old, new in _GUIDED if new in guided))
-    return guided or req.structured_outputs
 
 
 def one_spec(*specs: tuple[str, StructuredSpec | None]) -> StructuredSpec | None:

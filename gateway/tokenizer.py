@@ -11,7 +11,7 @@ import os
 import sys
 from typing import Any
 
-from gateway.request_body import loads
+from gateway.http_guards import loads
 from shared.errors import InvalidRequestError
 from shared.hub import load_tokenizer
 

@@ -4,16 +4,20 @@
 ``--attention-backend``): the Metal kernel on a Metal GPU, the CUDA kernel on a
 CUDA GPU, the numpy path on the CPU (``host``, float32), or the pure-MLX
 reference. ``auto`` picks by the current default device. Any of them falls back
-to the reference for a shape or dtype it does not cover.
+to the reference for a shape or dtype it does not cover. The engine picks once,
+at start-up (``implementation``), and its layers call the chosen function
+directly.
 """
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
+
 import mlx.core as mx
 
 from kernels import gpu, numpy_attention, reference
-from kernels.metadata import AttentionMetadata
-from kernels.reference import write_kv
+from kernels.paged_kv import AttentionMetadata, write_kv
 
 __all__ = ["BACKENDS", "AttentionMetadata", "paged_attention", "resolve_backend", "write_kv"]
 
@@ -35,6 +39,17 @@ def resolve_backend(requested: str = "auto") -> str:
     return "reference"
 
 
+def implementation(backend: str = "auto") -> Callable[..., mx.array]:
+    """The function ``paged_attention(..., backend=backend)`` runs: ``paged_attention``'s signature
+    without ``backend``, falling back to the reference by itself for what it does not cover."""
+    which = resolve_backend(backend)
+    if which == "host":
+        return numpy_attention.paged_attention
+    if which in ("metal", "cuda"):
+        return functools.partial(gpu.attention, which)
+    return reference.paged_attention
+
+
 def paged_attention(
     q: mx.array,
     k_cache: mx.array,
@@ -52,11 +67,4 @@ def paged_attention(
     in ``q``'s dtype. The GPU kernels do not take ``sinks`` yet: with sinks the
     reference runs. ``backend`` is one of BACKENDS (see ``resolve_backend``).
     """
-    which = resolve_backend(backend)
-    if which == "host" and numpy_attention.supported(q, k_cache):
-        return numpy_attention.paged_attention(q, k_cache, v_cache, meta, scale, sliding_window, softcap, sinks)
-    if which in ("metal", "cuda") and sinks is None:
-        out = gpu.paged_attention(which, q, k_cache, v_cache, meta, scale, sliding_window, softcap)
-        if out is not None:
-            return out
-    return reference.paged_attention(q, k_cache, v_cache, meta, scale, sliding_window, softcap, sinks)
+    return implementation(backend)(q, k_cache, v_cache, meta, scale, sliding_window, softcap, sinks)

@@ -1,17 +1,18 @@
 """Paged attention through the custom GPU kernel, Metal or CUDA (``source.py``).
 
 The host side plans the launch once per step from the host metadata (grid
-size, KV partitions, which paths the batch needs) and picks tile shapes that
-fit the dialect's shared memory. Decode rows and short chunks (speculative
-verification windows, small prefill chunks) run in one launch; long fp16/bf16
-prefill chunks without window or softcap go to MLX's fused SDPA instead,
-because the kernel's scalar tile path is far slower than matrix-unit attention
-(numbers in ``bench/kernels/RESULTS.md``): adjacent chunks of one shape share
-one SDPA call over their paged context, read in place where the blocks are
-consecutive (``_StepPlan.in_place``) and otherwise from a head-major copy
-(``gather_runs``, one launch for all of a step's runs), reading q and writing
-the output in packed order without copies. A configuration the kernel does not
-cover returns ``None`` so the caller falls back to the reference.
+size, KV partitions, which paths the batch needs), with the tile shapes and
+shared memory that ``gpu_geometry`` fits to the dialect. Decode rows and
+short chunks (speculative verification windows, small prefill chunks) run in
+one launch; long fp16/bf16 prefill chunks without window or softcap go to
+MLX's fused SDPA instead, because the kernel's scalar tile path is far slower
+than matrix-unit attention (numbers in ``bench/kernels/RESULTS.md``):
+adjacent chunks of one shape share one SDPA call over their paged context,
+read in place where the blocks are consecutive (``_StepPlan.in_place``) and
+otherwise from a head-major copy (``gather_runs``, one launch for all of a
+step's runs), reading q and writing the output in packed order without
+copies. ``paged_attention`` returns ``None`` for a configuration the kernel
+does not cover; ``attention`` then runs the reference.
 """
 
 from __future__ import annotations
@@ -22,103 +23,14 @@ from functools import lru_cache
 import mlx.core as mx
 import numpy as np
 
-from kernels import source
-from kernels.metadata import AttentionMetadata, in_packed_order
+from kernels import gpu_geometry as geo
+from kernels import reference, source
+from kernels.paged_kv import AttentionMetadata, in_packed_order
 
-HEAD_DIMS = (64, 80, 96, 128, 256)
-# Threadgroup memory a Metal thread group may use; CUDA takes dynamic shared memory up to this.
-SHARED_BYTES = {"metal": 32 * 1024, "cuda": 160 * 1024}
-# Block-table entries a decode partition stages in shared memory.
-TABLE_SLOTS = {"metal": 256, "cuda": 512}
-PARTITION_TOKENS = 512  # KV tokens per decode partition before the table limit stretches it
-SUBCHUNK = {"metal": 256, "cuda": 512}  # keys whose scores a decode group holds in shared memory at once
-ROW_REGISTERS = 64  # query-head elements per lane on the decode path (q and the accumulators each)
 SDPA_CHUNK_TOKENS = 64  # prefill chunks at least this long may take MLX's fused SDPA (see chunks_take_sdpa)
 NO_SKIP = 1 << 30
-# Decode accumulators wait in shared memory while a group computes scores: fewer registers
-# per thread, so more groups (and more loads in flight) per multiprocessor.
-DECODE_ACC_SHARED = True
 # Groups per multiprocessor a decode-only CUDA launch asks the compiler to fit (0: its choice).
 DECODE_MIN_GROUPS = 0
-NT = source.NUM_THREADS
-NW = NT // 32
-
-
-def tile_shape(dialect: str, head_dim: int) -> tuple[int, int]:
-    """(rows, keys) of the prefill score tile: rows = query tokens x GQA heads."""
-    if dialect == "cuda":
-        return 32, 32
-    # Metal's 32 KB: fewer rows for the wide heads.
-    if head_dim <= 128:
-        return 16, 32
-    return 8, 16
-
-
-def lanes_per_token(head_dim: int) -> int:
-    """Lanes sharing one KV row in the decode path: 8 elements (16 bytes of fp16) per lane where possible."""
-    return {64: 8, 80: 16, 96: 16, 128: 16, 256: 32}[head_dim]
-
-
-def decode_unroll(lanes: int) -> int:
-    """K (or V) rows each lane group loads per decode step before using them: bytes in flight."""
-    return 8
-
-
-def tile_floats(dialect: str, head_dim: int) -> int:
-    rt, bn = tile_shape(dialect, head_dim)
-    return head_dim * (rt + 4) + head_dim * (bn + 1) + rt * (bn + 1) + 2 * rt
-
-
-def row_floats(dialect: str, head_dim: int, heads: int) -> int:
-    acc = heads * head_dim // lanes_per_token(head_dim) * NT if DECODE_ACC_SHARED else 0
-    return 4 * heads + max(heads * SUBCHUNK[dialect], NW * heads * head_dim) + acc
-
-
-def row_heads(dialect: str, head_dim: int, group: int) -> int:
-    """Query heads one decode group serves (a divisor of the GQA group): as many as fit in
-    registers and shared memory, so K/V are read once per group of them."""
-    el = head_dim // lanes_per_token(head_dim)
-    limit = (SHARED_BYTES[dialect] // 4) - TABLE_SLOTS[dialect]
-    for gh in range(group, 0, -1):
-        if group % gh == 0 and (gh * el <= ROW_REGISTERS or gh == 1) and row_floats(dialect, head_dim, gh) <= limit:
-            return gh
-    return 1
-
-
-def shared_floats(dialect: str, head_dim: int, group: int, rows: bool = True, tiles: bool = True) -> int:
-    need = 0
-    if rows:
-        need = row_floats(dialect, head_dim, row_heads(dialect, head_dim, group))
-    if tiles:
-        need = max(need, tile_floats(dialect, head_dim))
-    return need
-
-
-def supported(dialect: str, q: mx.array, k_cache: mx.array) -> bool:
-    _, h, d = q.shape
-    hkv = k_cache.shape[2]
-    if d not in HEAD_DIMS or h % hkv or k_cache.shape[3] != d:
-        return False
-    g = h // hkv
-    rt, bn = tile_shape(dialect, d)
-    if g > rt:
-        return False
-    smem = 4 * (shared_floats(dialect, d, g) + max(TABLE_SLOTS[dialect], bn))
-    return smem <= SHARED_BYTES[dialect]
-
-
-def plan_partitions(meta: AttentionMetadata, dialect: str) -> tuple[int, int]:
-    """(P, tokens per partition) for the decode rows of this step; P = 1 means no merge pass."""
-    bs = meta.block_size
-    decode = meta.query_lens_np == 1
-    longest = int(meta.seq_lens_np[decode].max()) if decode.any() else 0
-    ps = -(-PARTITION_TOKENS // bs) * bs
-    if longest <= ps:
-        return 1, ps
-    # Very long contexts stretch the partition until its table slice fits in shared memory.
-    ps = max(ps, -(-longest // (TABLE_SLOTS[dialect] * bs)) * bs)
-    ps = min(ps, TABLE_SLOTS[dialect] * bs)
-    return -(-longest // ps), ps
 
 
 @lru_cache(maxsize=None)
@@ -197,7 +109,7 @@ class _StepPlan:
     def __init__(self, meta: AttentionMetadata, dialect: str):
         self.meta = meta
         self.dialect = dialect
-        self.parts, self.part_tokens = plan_partitions(meta, dialect)
+        self.parts, self.part_tokens = geo.plan_partitions(meta, dialect)
         width = meta.block_tables.shape[1]
         self.iparams = _iparams(meta.num_seqs, width, self.parts, self.part_tokens, NO_SKIP)
         self.has_rows = bool((meta.query_lens_np == 1).any())
@@ -315,34 +227,34 @@ def _launch_spec(plan: _StepPlan, q: mx.array, k_cache: mx.array, scale: float, 
     t, h, d = q.shape
     _, bs, hkv, _ = k_cache.shape
     g = h // hkv
-    gh = row_heads(dialect, d, g)
-    rt, bn = tile_shape(dialect, d)
+    gh = geo.row_heads(dialect, d, g)
+    rt, bn = geo.tile_shape(dialect, d)
     # Shared memory sized for the paths this batch uses: a decode-only launch keeps it small,
     # so more groups fit on a multiprocessor.
-    sf = shared_floats(dialect, d, g, plan.has_rows, plan.has_tiles)
-    si = max(TABLE_SLOTS[dialect], bn)
+    sf = geo.shared_floats(dialect, d, g, plan.has_rows, plan.has_tiles)
+    si = max(geo.TABLE_SLOTS[dialect], bn)
     min_groups = DECODE_MIN_GROUPS if dialect == "cuda" and not plan.has_tiles else 0
     main, reduce, _ = _kernels(dialect, 4 * (sf + si) if dialect == "cuda" else 0, min_groups)
     b = meta.num_seqs
     p = plan.parts
     nqb = t // (rt // g) + b
-    lpt = lanes_per_token(d)
+    lpt = geo.lanes_per_token(d)
     fparams = _fparams(float(scale), float(softcap or 0.0), int(sliding_window or 0))
     split = (b * h * p * d,) if p > 1 else (1,)
     launch = dict(
         template=[("T", q.dtype), ("D", d), ("G", g), ("HKV", hkv), ("BS", bs), ("RT", rt),
-                  ("BN", bn), ("LPT", lpt), ("U", decode_unroll(lpt)), ("GH", gh), ("NS", g // gh),
-                  ("SC", SUBCHUNK[dialect]), ("AS", DECODE_ACC_SHARED), ("SMEM_F", sf), ("SMEM_I", si),
+                  ("BN", bn), ("LPT", lpt), ("U", geo.decode_unroll(lpt)), ("GH", gh), ("NS", g // gh),
+                  ("SC", geo.SUBCHUNK[dialect]), ("AS", geo.DECODE_ACC_SHARED), ("SMEM_F", sf), ("SMEM_I", si),
                   ("ROWS", plan.has_rows), ("TILES", plan.has_tiles)],
-        grid=(nqb * p * hkv * (g // gh) * NT, 1, 1),
-        threadgroup=(NT, 1, 1),
+        grid=(nqb * p * hkv * (g // gh) * geo.NT, 1, 1),
+        threadgroup=(geo.NT, 1, 1),
         output_shapes=[q.shape, split, (b * h * p * 2,) if p > 1 else (1,)],
         output_dtypes=[q.dtype, mx.float32, mx.float32],
     )
     merge = None
     if p > 1:
-        merge = (reduce, dict(template=[("T", q.dtype), ("D", d), ("H", h)], grid=(t * NT, h, 1),
-                              threadgroup=(NT, 1, 1), output_shapes=[q.shape], output_dtypes=[q.dtype]))
+        merge = (reduce, dict(template=[("T", q.dtype), ("D", d), ("H", h)], grid=(t * geo.NT, h, 1),
+                              threadgroup=(geo.NT, 1, 1), output_shapes=[q.shape], output_dtypes=[q.dtype]))
     return main, fparams, launch, merge
 
 
@@ -356,8 +268,8 @@ def gather_runs(
         inputs=[k_cache, v_cache, meta.block_tables, layout.work, layout.dst,
                 _iparams(meta.block_tables.shape[1])],
         template=[("T", k_cache.dtype), ("D", d), ("HKV", hkv), ("BS", bs), ("W", 16 // k_cache.dtype.size)],
-        grid=(layout.groups * NT, 1, 1),
-        threadgroup=(NT, 1, 1),
+        grid=(layout.groups * geo.NT, 1, 1),
+        threadgroup=(geo.NT, 1, 1),
         output_shapes=[(layout.rows, d)] * 2,
         output_dtypes=[k_cache.dtype] * 2,
     )
@@ -424,7 +336,7 @@ def paged_attention(
 
     ``route_chunks=False`` keeps long chunks on the tile path (one launch for the whole batch).
     """
-    if not supported(dialect, q, k_cache):
+    if not geo.supported(dialect, q, k_cache):
         return None
     plan = _plan(meta, dialect)
     if not (route_chunks and chunks_take_sdpa(plan, q, sliding_window, softcap)):
@@ -446,3 +358,16 @@ def paged_attention(
         pieces.append(_sdpa_run(q, k, v, int(cu[b0]), ql, scale))
         order.append(np.arange(cu[b0], cu[b0 + n]))
     return in_packed_order(pieces, order, meta.num_tokens)
+
+
+def attention(
+    dialect: str, q: mx.array, k_cache: mx.array, v_cache: mx.array, meta: AttentionMetadata,
+    scale: float, sliding_window: int | None = None, softcap: float | None = None, sinks: mx.array | None = None,
+) -> mx.array:
+    """``reference.paged_attention``'s contract on a GPU: the kernel where it applies (no sinks yet), else
+    the reference."""
+    out = None if sinks is not None else paged_attention(dialect, q, k_cache, v_cache, meta, scale,
+                                                         sliding_window, softcap)
+    if out is None:
+        out = reference.paged_attention(q, k_cache, v_cache, meta, scale, sliding_window, softcap, sinks)
+    return out

@@ -17,7 +17,8 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 
-from kernels.metadata import AttentionMetadata
+from kernels import reference
+from kernels.paged_kv import AttentionMetadata
 
 # Query rows scored at once in a prefill chunk: bounds the [H, rows, keys] score block
 # (9 MB at 2K keys and 9 heads) and lets each block skip the keys after its last row.
@@ -149,10 +150,13 @@ def paged_attention(
     q: mx.array, k_cache: mx.array, v_cache: mx.array, meta: AttentionMetadata, scale: float,
     sliding_window: int | None = None, softcap: float | None = None, sinks: mx.array | None = None,
 ) -> mx.array:
-    """``reference.paged_attention``'s contract, computed on the host (float32 only: see ``supported``).
+    """``reference.paged_attention``'s contract, computed on the host (float32 only: see ``supported``;
+    the reference answers other dtypes).
 
     Evaluates ``q`` and the caches (this layer's inputs) and returns a new array.
     """
+    if not supported(q, k_cache):
+        return reference.paged_attention(q, k_cache, v_cache, meta, scale, sliding_window, softcap, sinks)
     # numpy views of MLX's buffers: the caches are read in place, never copied whole.
     qn, kn, vn = np.asarray(q), np.asarray(k_cache), np.asarray(v_cache)
     plan = _plan(meta)

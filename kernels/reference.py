@@ -11,19 +11,7 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 
-from kernels.metadata import AttentionMetadata, in_packed_order
-
-
-def write_kv(
-    k_cache: mx.array, v_cache: mx.array, k: mx.array, v: mx.array, slot_mapping: mx.array
-) -> tuple[mx.array, mx.array]:
-    """Scatter new rows ``k, v [T, H_kv, D]`` into the caches at ``slot_mapping``; returns the new caches."""
-    nb, bs, hkv, d = k_cache.shape
-    kf = k_cache.reshape(nb * bs, hkv, d)
-    vf = v_cache.reshape(nb * bs, hkv, d)
-    kf[slot_mapping] = k.astype(kf.dtype)
-    vf[slot_mapping] = v.astype(vf.dtype)
-    return kf.reshape(nb, bs, hkv, d), vf.reshape(nb, bs, hkv, d)
+from kernels.paged_kv import AttentionMetadata, in_packed_order
 
 
 def _attend(q, k, v, mask, scale, softcap, sinks=None):

@@ -50,6 +50,8 @@ HELP = {
     "pipeline_split": "layers per rank, rank 0 first (rank 0 runs the last layers; default: an even split)",
     "tensor_parallel_size": "ranks each layer's heads and MLP are split over (families whose mlx_lm model can "
                             "shard; the KV heads must divide evenly)",
+    "pipeline_batches": "scheduler batches in flight down a pipeline at once, each with its own requests "
+                        "(vLLM's virtual engines; default: one per pipeline rank; 1: one at a time)",
     "pipeline_timeout": "seconds a step may wait on the other pipeline ranks before the engine stops",
     "task": "what the model serves: generate, embed (/v1/embeddings, /pooling), score (/v1/score, /rerank "
             "from the yes/no logits), auto (embed for an encoder folder, else generate)",
@@ -85,6 +87,8 @@ HELP = {
                     "(mlx_lm or PEFT adapter directories)",
     "max_loras": "LoRA adapters resident at once (the distinct adapters of one batch); others wait, LRU evicted",
     "max_lora_rank": "largest LoRA rank served (slots are sized for it)",
+    "max_cpu_loras": "LoRA adapters kept in host memory (LRU, counted by the memory guard where host and device "
+                     "share it); others are read again from disk when they next take a slot (default: --max-loras)",
     "enable_runtime_lora_updating": "allow POST /v1/load_lora_adapter and /v1/unload_lora_adapter",
 }
 

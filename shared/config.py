@@ -102,6 +102,9 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     # Ranks each layer's heads and MLP are split over (mlx_lm's ``shard``), each with its share of
     # the weights and of the KV heads; not combined with a pipeline yet.
     tensor_parallel_size: int = 1
+    # Scheduler batches in flight down a pipeline at once, each with its own requests (vLLM's
+    # virtual engines); None: one per pipeline rank, so every rank has one to compute.
+    pipeline_batches: int | None = None
     # Seconds a forward may wait on the other ranks before the engine gives up on them.
     pipeline_timeout: float = 120.0
     # generate: text; embed: last-token pooled, L2-normalised vectors (Qwen3-Embedding) or an
@@ -112,11 +115,13 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     score_tokens: str = "no,yes"
     # LoRA adapters (vLLM's flags): off unless enabled; adapters served from the start, each
     # "name=path" or vLLM's JSON '{"name": ..., "path": ...}'; how many sit in device slots at once
-    # (the distinct adapters of one batch); the largest rank served (slots are sized for it).
+    # (the distinct adapters of one batch); the largest rank served (slots are sized for it); how
+    # many keep a host copy (LRU; None: max_loras, as vLLM), the others are read again from disk.
     enable_lora: bool = False
     lora_modules: list[str] = []
     max_loras: int = 1
     max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
 
     def __post_init__(self) -> None:
         positive = ("max_num_seqs", "max_num_batched_tokens", "block_size", "max_waiting_requests")
@@ -151,6 +156,8 @@ class EngineConfig(msgspec.Struct, kw_only=True):
             raise InvalidRequestError(f"pipeline_split names {len(self.pipeline_split)} ranks; "
                                       f"pipeline_parallel_size is {self.pipeline_parallel_size}",
                                       param="pipeline_split")
+        if self.pipeline_batches is not None and self.pipeline_batches < 1:
+            raise InvalidRequestError("pipeline_batches must be positive", param="pipeline_batches")
         if self.pipeline_timeout <= 0:
             raise InvalidRequestError("pipeline_timeout must be positive", param="pipeline_timeout")
         if self.task not in ENGINE_TASKS:
@@ -161,6 +168,9 @@ class EngineConfig(msgspec.Struct, kw_only=True):
             raise InvalidRequestError(f"unknown dtype {self.dtype!r}", param="dtype")
         if self.max_loras < 1 or self.max_lora_rank < 1:
             raise InvalidRequestError("max_loras and max_lora_rank must be positive", param="max_loras")
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise InvalidRequestError(f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras})",
+                                      param="max_cpu_loras")
         if self.lora_modules and not self.enable_lora:
             raise InvalidRequestError("--lora-modules needs --enable-lora", param="lora_modules")
         self.lora_adapters  # parse now so a bad entry fails at start-up

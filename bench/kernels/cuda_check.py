@@ -29,8 +29,9 @@ import mlx.core as mx  # noqa: E402
 import numpy as np  # noqa: E402
 
 from kernels import gpu, reference  # noqa: E402
+from kernels import gpu_geometry as geo  # noqa: E402
 from tests.kernels.cases import dense_attention, host_gather_runs, make_case, rel_error  # noqa: E402
-from kernels.metadata import AttentionMetadata  # noqa: E402
+from kernels.paged_kv import AttentionMetadata, write_kv  # noqa: E402
 
 TOL = {mx.float32: 1e-4, mx.float16: 3e-3, mx.bfloat16: 1.2e-2}
 S = 1  # size divisor (only the CPU dry run shrinks the problems)
@@ -111,7 +112,7 @@ def correctness(rng, rows, log):
             reference.paged_attention(case.q, case.k_cache, case.v_cache, case.meta, case.scale, window, softcap), ref)
         ok = mine == mine and mine < TOL[dtype]
         worst = max(worst, mine if mine == mine else float("inf"))
-        p, _ = gpu.plan_partitions(case.meta, "cuda")
+        p, _ = geo.plan_partitions(case.meta, "cuda")
         rows.append([name, len(qlens), int(sum(qlens)), int(max(slens)), p, f"{mine:.2e}", f"{theirs:.2e}",
                      f"{TOL[dtype]:.0e}", "ok" if ok else "FAIL"])
         log.append({"case": name, "rel_err": mine, "reference_rel_err": theirs, "ok": ok,
@@ -361,22 +362,22 @@ def main() -> int:
     err = rel_error(kernel(q, kc, vc, meta, scale), reference.paged_attention(q, kc, vc, meta, scale))
     drows = []
     dlog = []
-    saved = (gpu.lanes_per_token, gpu.decode_unroll, gpu.PARTITION_TOKENS, gpu.DECODE_ACC_SHARED,
+    saved = (geo.lanes_per_token, geo.decode_unroll, geo.PARTITION_TOKENS, geo.DECODE_ACC_SHARED,
              gpu.DECODE_MIN_GROUPS)
-    default = (gpu.lanes_per_token(d), gpu.decode_unroll(gpu.lanes_per_token(d)), gpu.PARTITION_TOKENS,
-               gpu.DECODE_ACC_SHARED, gpu.DECODE_MIN_GROUPS)
+    default = (geo.lanes_per_token(d), geo.decode_unroll(geo.lanes_per_token(d)), geo.PARTITION_TOKENS,
+               geo.DECODE_ACC_SHARED, gpu.DECODE_MIN_GROUPS)
     variants = [default] + [v for v in [(16, 8, 512, False, 0), (16, 8, 1024, True, 0), (16, 4, 512, True, 0),
                                         (16, 8, 1024, True, 5), (16, 4, 512, True, 6), (16, 16, 512, True, 0),
                                         (16, 16, 1024, True, 0), (8, 8, 512, True, 0), (8, 4, 512, True, 0),
                                         (8, 4, 1024, True, 0)] if v != default]
     for lpt, u, part_tokens, acc_shared, min_groups in variants:
-        gpu.lanes_per_token = lambda _d, _v=lpt: _v
-        gpu.decode_unroll = lambda _l, _v=u: _v
-        gpu.PARTITION_TOKENS = part_tokens
-        gpu.DECODE_ACC_SHARED = acc_shared
+        geo.lanes_per_token = lambda _d, _v=lpt: _v
+        geo.decode_unroll = lambda _l, _v=u: _v
+        geo.PARTITION_TOKENS = part_tokens
+        geo.DECODE_ACC_SHARED = acc_shared
         gpu.DECODE_MIN_GROUPS = min_groups
         meta.plans.clear()
-        p, _ = gpu.plan_partitions(meta, "cuda")
+        p, _ = geo.plan_partitions(meta, "cuda")
         try:
             sec, spread = bench(lambda: kernel(q, kc, vc, meta, scale))
             e = rel_error(kernel(q, kc, vc, meta, scale), reference.paged_attention(q, kc, vc, meta, scale))
@@ -392,7 +393,7 @@ def main() -> int:
         dlog.append({"lpt": lpt, "u": u, "partition": part_tokens, "acc_shared": acc_shared, "min_groups": min_groups, "P": p, "sec": sec,
                      "spread": spread, "err": e})
         print(drows[-1], flush=True)
-    (gpu.lanes_per_token, gpu.decode_unroll, gpu.PARTITION_TOKENS, gpu.DECODE_ACC_SHARED,
+    (geo.lanes_per_token, geo.decode_unroll, geo.PARTITION_TOKENS, geo.DECODE_ACC_SHARED,
      gpu.DECODE_MIN_GROUPS) = saved
     meta.plans.clear()
     sec, _ = bench(lambda: reference.paged_attention(q, kc, vc, meta, scale), iters=5, reps=3)
@@ -425,7 +426,7 @@ def main() -> int:
     v_new = mx.random.normal((nseq, hkv, d)).astype(dt)
     # Slots of each sequence's last position (overwritten: same cost as a new token).
     slots = meta.slot_mapping
-    sec_keep, _ = bench(lambda: reference.write_kv(kc, vc, k_new, v_new, slots), iters=5, reps=3)
+    sec_keep, _ = bench(lambda: write_kv(kc, vc, k_new, v_new, slots), iters=5, reps=3)
     # The engine's pattern: the layer's cache is replaced by the scatter's result, so no
     # other reference holds the old buffer and MLX may update it in place.
     state = [kc, vc]
@@ -435,7 +436,7 @@ def main() -> int:
         mx.synchronize()
         t0 = time.perf_counter()
         for _ in range(20):
-            state[0], state[1] = reference.write_kv(state[0], state[1], k_new, v_new, slots)
+            state[0], state[1] = write_kv(state[0], state[1], k_new, v_new, slots)
         mx.eval(state)
         mx.synchronize()
         chain.append((time.perf_counter() - t0) / 20)

@@ -14,7 +14,7 @@ import tempfile
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 
-from kernels import gpu, source  # noqa: E402
+from kernels import gpu, gpu_geometry, source  # noqa: E402
 
 SIZES = {"float32": 4, "float16": 2, "bfloat16": 2}
 CUDA_TYPES = {"float32": "float", "float16": "__half", "bfloat16": "__nv_bfloat16", "int32": "int32_t"}
@@ -45,7 +45,7 @@ def wrap(name, header, body, inputs, outputs, template):
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--arch", default="sm_90")
-    ap.add_argument("--unroll", type=int, default=gpu.decode_unroll(16))
+    ap.add_argument("--unroll", type=int, default=gpu_geometry.decode_unroll(16))
     ap.add_argument("--acc-registers", action="store_true", help="decode accumulators stay in registers")
     ap.add_argument("--quick", action="store_true", help="one half and one float configuration only")
     args = ap.parse_args()
@@ -61,10 +61,10 @@ def main() -> int:
         ins = [("q", dt), ("k_cache", dt), ("v_cache", dt), ("cu_seqlens_q", "int32"),
                ("seq_lens", "int32"), ("block_tables", "int32"), ("iparams", "int32"), ("fparams", "float32")]
         outs = [("out", dt), ("part_o", "float32"), ("part_ml", "float32")]
-        gh = gpu.row_heads("cuda", d, g)
+        gh = gpu_geometry.row_heads("cuda", d, g)
         common = [("T", dt), ("D", d), ("G", g), ("HKV", 8), ("BS", 16), ("RT", 32), ("BN", 32),
-                  ("LPT", gpu.lanes_per_token(d)), ("U", args.unroll), ("GH", gh), ("NS", g // gh),
-                  ("SC", gpu.SUBCHUNK["cuda"]), ("AS", not args.acc_registers), ("SMEM_F", 10000), ("SMEM_I", 512)]
+                  ("LPT", gpu_geometry.lanes_per_token(d)), ("U", args.unroll), ("GH", gh), ("NS", g // gh),
+                  ("SC", gpu_geometry.SUBCHUNK["cuda"]), ("AS", not args.acc_registers), ("SMEM_F", 10000), ("SMEM_I", 512)]
         tmpl = common + [("ROWS", True), ("TILES", True)]
         src = wrap("attn", h, b, ins, outs, tmpl)
         rows_only = wrap("attn_rows", h, b, ins, outs, common + [("ROWS", True), ("TILES", False)])

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import mlx.core as mx
 
+from engined.kv.full_attention import PagedArrays
 from engined.kv.group import KVGroup
-from engined.kv.paged import PagedArrays
 from engined.model_layers import LayerSpec
 
 

@@ -20,8 +20,8 @@ from __future__ import annotations
 import mlx.core as mx
 
 from engined.kv.block_pool import Block, BlockPool
+from engined.kv.full_attention import PagedArrays
 from engined.kv.group import KVGroup
-from engined.kv.paged import PagedArrays
 from engined.model_layers import LayerSpec
 from engined.request import Request
 from kernels import AttentionMetadata

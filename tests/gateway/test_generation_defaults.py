@@ -9,7 +9,7 @@ import pytest
 
 from gateway import openai_types as t
 from gateway import params as P
-from gateway.generation_defaults import SamplingDefaults, sampling_defaults
+from gateway.params import SamplingDefaults, sampling_defaults
 from shared.errors import InvalidRequestError
 from shared.serve_config import GatewayConfig
 

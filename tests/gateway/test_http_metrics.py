@@ -7,7 +7,7 @@ import socket
 from prometheus_client.parser import text_string_to_metric_families
 from starlette.testclient import TestClient
 
-from gateway.app import build_app
+from gateway.server import build_app
 from shared.serve_config import GatewayConfig
 
 

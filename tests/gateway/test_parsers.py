@@ -258,7 +258,7 @@ def test_required_grammar_admits_the_format_and_parses_back(name, ll_tokenizer, 
 
 
 def test_an_unknown_parser_name_stops_the_gateway_before_it_serves():
-    from gateway.app import build_app
+    from gateway.server import build_app
     from shared.errors import InvalidRequestError
     from shared.serve_config import GatewayConfig
 

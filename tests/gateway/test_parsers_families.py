@@ -14,7 +14,7 @@ import json
 
 import pytest
 
-from gateway.chat_output import ChatOutput
+from gateway.chat_run import ChatOutput
 from gateway.parsers import REASONING_PARSERS, TOOL_PARSERS, ReasoningStream, choose_parsers
 from gateway.parsers.template_detect import template_parsers
 from tests.gateway.test_parsers import TIME, TOOLS, N, W, complete, matcher_accepts
@@ -157,7 +157,7 @@ def test_auto_flags_resolve_from_the_template_and_unset_flags_keep_their_meaning
 
 
 def test_auto_is_a_parser_name_the_gateway_starts_with():
-    from gateway.app import build_app
+    from gateway.server import build_app
     from shared.serve_config import GatewayConfig
 
     app = build_app(GatewayConfig(enable_auto_tool_choice=True, tool_call_parser="auto", reasoning_parser="auto"))

@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from gateway.request_body import MAX_JSON_DEPTH, decode, json_depth, loads
+from gateway.http_guards import MAX_JSON_DEPTH, decode, json_depth, loads
 from gateway.tokenizer import TemplateStepsExceeded, step_capped
 from shared.errors import InvalidRequestError
 

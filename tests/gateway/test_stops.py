@@ -5,7 +5,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gateway.stops import StopMatcher
+from gateway.detokenizer import StopMatcher
 
 
 def reference(text: str, stops: list[str], include: bool) -> tuple[str, bool]:

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from gateway.chat_output import ChatOutput, finish_reason
+from gateway.chat_run import ChatOutput, finish_reason
 from gateway.parsers import TOOL_PARSERS
 from gateway.structured import (marker_literal, one_spec, response_format_spec, structured_outputs_spec,
                                 tool_plan)

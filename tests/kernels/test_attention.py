@@ -13,8 +13,9 @@ import pytest
 
 import kernels
 from kernels import gpu, numpy_attention, reference, source
+from kernels import gpu_geometry as geo
 from tests.kernels.cases import dense_attention, host_gather_runs, make_case, rel_error
-from kernels.metadata import AttentionMetadata
+from kernels.paged_kv import AttentionMetadata
 
 TOL = {mx.float32: 2e-5, mx.float16: 3e-3, mx.bfloat16: 2e-2}
 
@@ -145,7 +146,7 @@ def test_kernel_grid_covers_every_query_row_once(rng, group):
         slens = [q + int(rng.integers(0, 50)) for q in qlens]
         meta = AttentionMetadata.build(qlens, slens, [[0] * (-(-s // 16)) for s in slens], 16)
         for dialect in source.DIALECTS:
-            rt, _ = gpu.tile_shape(dialect, 128)
+            rt, _ = geo.tile_shape(dialect, 128)
             if group > rt:
                 continue
             seen = np.zeros(meta.num_tokens, int)
@@ -214,34 +215,34 @@ def test_kernel_chunk_route_batches_equal_chunks_and_keeps_packed_order(rng, mon
 
 @pytest.mark.parametrize("dialect", source.DIALECTS)
 def test_kernel_decode_heads_divide_the_group_and_fit(dialect):
-    for d in gpu.HEAD_DIMS:
+    for d in geo.HEAD_DIMS:
         for g in (1, 2, 4, 7, 8, 16, 32):
-            gh = gpu.row_heads(dialect, d, g)
+            gh = geo.row_heads(dialect, d, g)
             assert g % gh == 0 and gh >= 1
-            el = d // gpu.lanes_per_token(d)
-            assert gh * el <= gpu.ROW_REGISTERS or gh == 1
-            assert 4 * (gpu.row_floats(dialect, d, gh) + gpu.TABLE_SLOTS[dialect]) <= gpu.SHARED_BYTES[dialect]
+            el = d // geo.lanes_per_token(d)
+            assert gh * el <= geo.ROW_REGISTERS or gh == 1
+            assert 4 * (geo.row_floats(dialect, d, gh) + geo.TABLE_SLOTS[dialect]) <= geo.SHARED_BYTES[dialect]
 
 
 def test_kernel_partitions_cover_the_longest_decode_context():
     for longest in [1, 511, 512, 513, 4096, 100_000, 1_000_000]:
         meta = AttentionMetadata.build([1, 7], [longest, 7], [[0] * (-(-longest // 16)), [0]], 16)
         for dialect in source.DIALECTS:
-            p, ps = gpu.plan_partitions(meta, dialect)
+            p, ps = geo.plan_partitions(meta, dialect)
             assert p * ps >= longest and (p - 1) * ps < longest
-            assert ps % 16 == 0 and ps // 16 <= gpu.TABLE_SLOTS[dialect]
+            assert ps % 16 == 0 and ps // 16 <= geo.TABLE_SLOTS[dialect]
 
 
 def test_kernel_shapes_fit_shared_memory():
     for dialect in source.DIALECTS:
-        for d in gpu.HEAD_DIMS:
+        for d in geo.HEAD_DIMS:
             q = mx.zeros((1, 8, d))
             cache = mx.zeros((1, 16, 4, d))
-            assert gpu.supported(dialect, q, cache)  # GQA 2 at every head dim
-            rt, bn = gpu.tile_shape(dialect, d)
+            assert geo.supported(dialect, q, cache)  # GQA 2 at every head dim
+            rt, bn = geo.tile_shape(dialect, d)
             # Whole work per thread: score rows (S phase), output rows and columns (P @ V).
             assert rt * bn % source.NUM_THREADS == 0 and rt * 16 % source.NUM_THREADS == 0
-            assert d % 16 == 0 and d % gpu.lanes_per_token(d) == 0
+            assert d % 16 == 0 and d % geo.lanes_per_token(d) == 0
 
 
 # ---- the kernel source -----------------------------------------------------------------------

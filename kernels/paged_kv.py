@@ -1,4 +1,5 @@
-"""Per-step attention metadata: built once per step on the host, read by every layer."""
+"""The paged KV layout every implementation shares: the step's ``AttentionMetadata`` (built once per
+step on the host, read by every layer) and ``write_kv``, which puts the step's new K/V into their slots."""
 
 from __future__ import annotations
 
@@ -72,6 +73,18 @@ class AttentionMetadata:
             cu_seqlens_q_np=cu,
             block_size=block_size,
         )
+
+
+def write_kv(
+    k_cache: mx.array, v_cache: mx.array, k: mx.array, v: mx.array, slot_mapping: mx.array
+) -> tuple[mx.array, mx.array]:
+    """Scatter new rows ``k, v [T, H_kv, D]`` into the caches at ``slot_mapping``; returns the new caches."""
+    nb, bs, hkv, d = k_cache.shape
+    kf = k_cache.reshape(nb * bs, hkv, d)
+    vf = v_cache.reshape(nb * bs, hkv, d)
+    kf[slot_mapping] = k.astype(kf.dtype)
+    vf[slot_mapping] = v.astype(vf.dtype)
+    return kf.reshape(nb, bs, hkv, d), vf.reshape(nb, bs, hkv, d)
 
 
 def in_packed_order(pieces: list[mx.array], rows: list[np.ndarray], num_tokens: int) -> mx.array:
