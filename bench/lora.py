@@ -16,11 +16,19 @@ Then one decode step of ``c`` rows (every prefill done) is forwarded
 ``--step-repeats`` times with its rows' adapters and as many times with
 every row on the base, alternating step by step: the LoRA term's own cost,
 with far less of a busy machine's noise than whole runs.
+The step is timed as the engine runs it (requests ordered by adapter slot,
+``gather_mm``'s grouped path) and, for comparison, in the batch's own
+round-robin order (unsorted slot indices, the layers' per-row path).
 ``--shape llama-8b`` runs a model of Llama-3.1-8B's shape with random bf16
 weights instead (no download; both engines share the same arrays), for a GPU.
+``--term`` times only the LoRA term of one projection of the shape (its
+q_proj's and gate_proj's sizes), unsorted against sorted indices and against
+two dense matmuls over every slot's A and B concatenated (each row's other
+slots' columns masked to zero: no gather, more arithmetic), beside the base
+matmul: seconds, not minutes, on a GPU.
 
     python -m bench.lora [--model PATH | --shape NAME] [--levels 8 64] [--max-tokens 32] [--rank 16]
-                         [--prompt-lens 32 256]
+                         [--prompt-lens 32 256] [--term]
 """
 
 from __future__ import annotations
@@ -41,7 +49,8 @@ import numpy as np
 
 from engined.engine import Engine
 from engined.loaders import load_model
-from engined.lora.layers import install
+from engined.lora.layers import install, lora_term
+from engined.runner import forward
 from shared.config import EngineConfig
 from shared.sampling import SamplingParams
 
@@ -108,8 +117,9 @@ def write_adapters(model, root: Path, rank: int, seed: int = 0) -> list[Path]:
     return dirs
 
 
-def step_cost(engine: Engine, prompts: list[list[int]], loras: list[str], repeats: int) -> tuple[float, float]:
-    """Median seconds of one packed decode step's forward: (rows on their adapters, rows on the base)."""
+def step_cost(engine: Engine, prompts: list[list[int]], loras: list[str], repeats: int) -> tuple[float, float, float]:
+    """Median seconds of one packed decode step's forward: (rows on their adapters as the engine orders them,
+    the same in the batch's own order, rows on the base)."""
     params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)  # room for the step measured
     ids = [f"step-{i}" for i in range(len(prompts))]
     for rid, prompt, lora in zip(ids, prompts, loras):
@@ -120,20 +130,71 @@ def step_cost(engine: Engine, prompts: list[list[int]], loras: list[str], repeat
     batch = engine.scheduler.schedule()
     slots = [r.lora_slot for r, _ in batch.scheduled]
     assert len(batch.scheduled) == len(prompts) and all(n == 1 for _, n in batch.scheduled)
+    runner = engine.runner
 
-    def forward(adapters: bool) -> float:
-        for (r, _), slot in zip(batch.scheduled, slots):
-            r.lora_slot = slot if adapters else 0
+    def timed(run) -> float:
         start = time.perf_counter()
-        mx.eval(engine.runner.run(batch))
+        mx.eval(run())
         return time.perf_counter() - start
 
-    times = [(forward(True), forward(False)) for _ in range(repeats + 1)][1:]
+    def engine_order(adapters: bool) -> float:
+        for (r, _), slot in zip(batch.scheduled, slots):
+            r.lora_slot = slot if adapters else 0
+        return timed(lambda: runner.run(batch))
+
+    def batch_order() -> mx.array:
+        """The forward without the runner's ordering: the slot indices as the batch has them."""
+        engine.lora.set_step(slots, [1] * len(slots))
+        try:
+            return forward(runner.model, runner.head, runner.pieces(batch), runner.kv.step_caches(batch.scheduled),
+                           batch.num_logits)
+        finally:
+            engine.lora.set_step([], [])
+
+    times = [(engine_order(True), timed(batch_order), engine_order(False)) for _ in range(repeats + 1)][1:]
     for (r, _), slot in zip(batch.scheduled, slots):
         r.lora_slot = slot
     engine.abort(ids)
     engine.step()
-    return statistics.median(a for a, _ in times), statistics.median(b for _, b in times)
+    return tuple(statistics.median(t[k] for t in times) for k in range(3))
+
+
+def term_cost(shape: str, rank: int, repeats: int) -> None:
+    """One projection's LoRA term alone, rows spread round-robin over 4 adapters (+ the base slot)."""
+    dims = SHAPES[shape]
+    dtype = mx.float32 if mx.default_device() == mx.cpu else mx.bfloat16  # MLX's CPU gather_mm: float32 only
+    print("\n| projection (in x out) | rows | base matmul (us) | + term, unsorted (us) | + term, sorted (us) "
+          "| + term, dense masked (us) |")
+    print("|---|---|---|---|---|---|")
+    for d_in, d_out in ((dims["hidden_size"], dims["hidden_size"]), (dims["hidden_size"], dims["intermediate_size"])):
+        w = mx.random.normal((d_out, d_in)).astype(dtype) * 0.02
+        a = mx.random.normal((NUM_ADAPTERS + 1, d_in, rank)).astype(dtype) * 0.02
+        b = mx.random.normal((NUM_ADAPTERS + 1, rank, d_out)).astype(dtype) * 0.02
+        for rows in (8, 64, 512):
+            x = mx.random.normal((rows, d_in)).astype(dtype)
+            spread = np.arange(rows) % NUM_ADAPTERS + 1
+            unsorted, ordered = mx.array(spread.astype(np.uint32)), mx.array(np.sort(spread).astype(np.uint32))
+            # Dense: x @ [A_0 .. A_S] -> [rows, S * rank], zero but each row's own slot's columns, @ [B_0; ..; B_S].
+            a_all = a.transpose(1, 0, 2).reshape(d_in, -1)
+            b_all = b.reshape(-1, d_out)
+            mask = mx.array(np.repeat(np.eye(NUM_ADAPTERS + 1)[spread], rank, axis=1)).astype(dtype)
+            mx.eval(w, a, b, x, unsorted, ordered, a_all, b_all, mask)
+            runs = {
+                "base": lambda: x @ w.T,
+                "unsorted": lambda: x @ w.T + lora_term(x[:, None], a, b, unsorted).squeeze(1),
+                "sorted": lambda: x @ w.T + lora_term(x[:, None], a, b, ordered, True).squeeze(1),
+                "dense": lambda: x @ w.T + ((x @ a_all) * mask) @ b_all,
+            }
+            times = {k: [] for k in runs}
+            for i in range(repeats + 1):  # alternating; the first round warms up
+                for k, run in runs.items():
+                    start = time.perf_counter()
+                    mx.eval(run())
+                    if i:
+                        times[k].append(time.perf_counter() - start)
+            us = {k: statistics.median(t) * 1e6 for k, t in times.items()}
+            print(f"| {d_in} x {d_out} | {rows} | {us['base']:.0f} | {us['unsorted']:.0f} | {us['sorted']:.0f} "
+                  f"| {us['dense']:.0f} |", flush=True)
 
 
 def make_prompts(n: int, vocab: int, seed: int, lengths: tuple[int, int]) -> list[list[int]]:
@@ -152,7 +213,10 @@ def main() -> None:
     ap.add_argument("--prompt-lens", type=int, nargs=2, default=[32, 256], metavar=("MIN", "MAX"))
     ap.add_argument("--repeats", type=int, default=2, help="timed whole runs per system (0: the step alone)")
     ap.add_argument("--step-repeats", type=int, default=10)
+    ap.add_argument("--term", action="store_true", help="time one projection's LoRA term only (of --shape)")
     args = ap.parse_args()
+    if args.term:
+        return term_cost(args.shape or "llama-8b", args.rank, args.step_repeats)
 
     top = max(args.levels)
     common = dict(max_num_seqs=top, max_num_batched_tokens=2048, enable_prefix_caching=False,
@@ -197,10 +261,11 @@ def main() -> None:
                 print(f"c={level}: " + "   ".join(f"{n} {r:.1f} tok/s ({r / rate['base']:.2f}x)"
                                                  for n, r in rate.items()), flush=True)
             if args.step_repeats:
-                with_, without = step_cost(lora, prompts, spread, args.step_repeats)
-                steps.append((level, with_, without))
-                print(f"c={level}: one decode step's forward: {with_ * 1e3:.1f} ms on 4 adapters, "
-                      f"{without * 1e3:.1f} ms on the base ({without / with_:.2f}x)", flush=True)
+                with_, unsorted, without = step_cost(lora, prompts, spread, args.step_repeats)
+                steps.append((level, with_, unsorted, without))
+                print(f"c={level}: one decode step's forward: {with_ * 1e3:.1f} ms on 4 adapters "
+                      f"({unsorted * 1e3:.1f} ms unsorted), {without * 1e3:.1f} ms on the base "
+                      f"({without / with_:.2f}x)", flush=True)
     print("\n| concurrent requests | base tok/s | 4 adapters tok/s | ratio | LoRA on, base requests tok/s | ratio |")
     print("|---|---|---|---|---|---|")
     for level, r in rows:
@@ -208,10 +273,11 @@ def main() -> None:
         a, o = r.get("4 adapters", float("nan")), r.get("lora on, base requests", float("nan"))
         print(f"| {level} | {b:.1f} | {a:.1f} | {a / b:.2f}x | {o:.1f} | {o / b:.2f}x |")
     if steps:
-        print("\n| concurrent requests | decode step, 4 adapters (ms) | same step, base rows (ms) | ratio |")
-        print("|---|---|---|---|")
-        for level, a, b in steps:
-            print(f"| {level} | {a * 1e3:.1f} | {b * 1e3:.1f} | {b / a:.2f}x |")
+        print("\n| concurrent requests | decode step, 4 adapters (ms) | same, unsorted (ms) "
+              "| same step, base rows (ms) | ratio | ratio unsorted |")
+        print("|---|---|---|---|---|---|")
+        for level, a, u, b in steps:
+            print(f"| {level} | {a * 1e3:.1f} | {u * 1e3:.1f} | {b * 1e3:.1f} | {b / a:.2f}x | {b / u:.2f}x |")
 
 
 if __name__ == "__main__":

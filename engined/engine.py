@@ -68,7 +68,7 @@ class Engine:
                 "state cannot take rejected draft tokens back", param="speculative_config",
             )
         # Adapter slots are made before the memory guard measures the weights, so it counts them.
-        self.lora = (LoraRegistry(loaded.model, config.max_loras, config.max_lora_rank, dtype)
+        self.lora = (LoraRegistry(loaded.model, config.max_loras, config.max_lora_rank, dtype, config.max_cpu_loras)
                      if config.enable_lora else None)
         self.runner = (pipeline.MirroredRunner(loaded.model, specs, kv, backend, config) if pipelined
                        else ModelRunner(loaded.model, specs, kv, backend, self.lora))
@@ -81,7 +81,7 @@ class Engine:
         # None when speculation is off: a plain step never enters engined.speculative.
         self.speculator = (Speculator(spec, self.sampler, self.metrics, self.max_model_len, self.drafter,
                                       kv.block_ids) if spec is not None else None)
-        stores = [kv] + ([self.drafter] if self.drafter else [])
+        stores = [kv] + ([self.drafter] if self.drafter else []) + ([self.lora] if self.lora else [])
         self.memory = memory_guard.plan(self.runner, stores, config, self.max_model_len, loaded.vocab_size,
                                         progress)
         if pipelined:
@@ -226,9 +226,9 @@ class Engine:
             raise InvalidRequestError(f"{name!r} is the base model's name; give the adapter another",
                                       param="lora_name")
         adapter = self.lora.register(name, path)
-        self.info.lora_adapters.append(LoraAdapter(name=name, path=adapter.weights.path))
-        log.info("LoRA adapter %s loaded from %s (rank %d, %d modules)", name, path, adapter.weights.rank,
-                 len(adapter.weights.modules))
+        self.info.lora_adapters.append(LoraAdapter(name=name, path=adapter.path))
+        log.info("LoRA adapter %s loaded from %s (rank %d, %d modules)", name, path, adapter.rank,
+                 adapter.num_modules)
 
     def unload_lora(self, name: str) -> None:
         """Stop serving adapter ``name``; refused while requests still use it."""
@@ -304,6 +304,8 @@ class Engine:
         if speculator:
             self._fail_raised(speculator.take_failures(), "its draft could not be proposed")
         batch = self.scheduler.schedule(drafts)
+        for req, error in self.scheduler.take_lora_failures():
+            self._fail(req, error)
         if speculator:
             speculator.draft(batch)
         if not batch.scheduled:

@@ -92,7 +92,8 @@ class MemoryPlan:
             f"(buffer cache capped there); KV cache {gb(self.kv_bytes)} = {self.num_blocks} blocks "
             f"x {self.block_size} = {self.kv_tokens} tokens, {self.resident_blocks} of them resident at start "
             f"(grown as load needs, cut back after idle)"
-            + (f"; fixed pools (state slots, window K/V) {gb(self.fixed_bytes)}" if self.fixed_bytes else "")
+            + (f"; fixed pools (state slots, window K/V, LoRA host copies) {gb(self.fixed_bytes)}"
+               if self.fixed_bytes else "")
         )
 
 

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 
 from engined.kv import KVCacheManager
 from engined.request import Request, Status
+from shared.errors import InvalidRequestError
 from shared.protocol import EngineStats, Logprob
 
 
@@ -80,6 +81,7 @@ class Scheduler:
         self.kv = kv
         # engined.lora.LoraRegistry, or None: a request under an adapter runs only while it holds a slot.
         self.lora = lora
+        self.lora_failures: list[tuple[Request, InvalidRequestError]] = []
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
@@ -244,9 +246,18 @@ class Scheduler:
     def _take_lora_slot(self, req: Request) -> bool:
         if req.lora_name is None or self.lora is None:
             return True
-        slot = self.lora.acquire(req.lora_name)
+        try:
+            slot = self.lora.acquire(req.lora_name)
+        except InvalidRequestError as e:  # its adapter's files could not be read again: it fails alone
+            self.lora_failures.append((req, e))
+            return False
         req.lora_slot = slot or 0
         return slot is not None
+
+    def take_lora_failures(self) -> list[tuple[Request, InvalidRequestError]]:
+        """Waiting requests whose adapter could not be put in a slot since the last call: the engine fails them."""
+        failed, self.lora_failures = self.lora_failures, []
+        return failed
 
     def _drop_lora_slot(self, req: Request) -> None:
         if req.lora_slot:

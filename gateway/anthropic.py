@@ -200,7 +200,7 @@ async def _decode(request: Request, typ):
     app = gw.check_auth(request)
     req = await decode_body(request, typ)
     gw.require_ready()
-    return gw, app, req, gw.check_model(req.model)
+    return gw, app, req, gw.check_model(req.model, app)
 
 
 async def count_tokens(request: Request) -> Response:

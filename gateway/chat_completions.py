@@ -47,7 +47,7 @@ async def chat_completions(request: Request) -> Response:
     app = gw.check_auth(request)
     req = await decode_body(request, t.ChatCompletionRequest)
     gw.require_ready()
-    model = gw.check_model(req.model)
+    model = gw.check_model(req.model, app)
     inp = chat_input(req, app)
     inp.lora_name = gw.lora_name(model)
     run = ChatRun(gw, inp)

@@ -29,7 +29,7 @@ async def completions(request: Request) -> Response:
     P.check_stream_options(req)
     P.refuse_unsupported(req)
     info, tok = gw.require_ready()
-    model = gw.check_model(req.model)
+    model = gw.check_model(req.model, app)
     P.check_task(info, "generate")
     n = P.check_n(req.n)
     P.check_completion(req, n)

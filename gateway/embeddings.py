@@ -61,7 +61,7 @@ async def _pooled_vectors(request: Request, app: str | None, req: t.EmbeddingReq
     """(info, model name, vectors [n, dim] or None when the client left, prompt tokens)."""
     gw: GatewayState = request.app.state.gw
     info, tok = gw.require_ready()
-    model = gw.check_model(req.model)
+    model = gw.check_model(req.model, app)
     P.check_task(info, "embed")
     check_dimensions(req.dimensions, info)
     prompts = await asyncio.to_thread(input_ids, req.input, tok, info, "input", req.add_special_tokens,

@@ -71,28 +71,28 @@ def _adapter_card(info, adapter) -> dict:
 
 async def models(request: Request) -> Response:
     gw: GatewayState = request.app.state.gw
-    gw.check_auth(request)
+    app = gw.check_auth(request)
     info, _ = gw.require_ready()
-    cards = [_model_card(info)] + [_adapter_card(info, a) for a in gw.client.lora_adapters]
+    cards = [_model_card(info)] + [_adapter_card(info, a) for a in gw.adapters_for(app)]
     return JSONResponse({"object": "list", "data": cards})
 
 
 async def model(request: Request) -> Response:
     """The openai SDK's ``models.retrieve``: the served model's or an adapter's card, 404 for any other name."""
     gw: GatewayState = request.app.state.gw
-    gw.check_auth(request)
+    app = gw.check_auth(request)
     info, _ = gw.require_ready()
-    name = gw.check_model(request.path_params["model"])
+    name = gw.check_model(request.path_params["model"], app)
     adapter = next((a for a in gw.client.lora_adapters if a.name == name), None)
     return JSONResponse(_adapter_card(info, adapter) if adapter else _model_card(info))
 
 
 async def tokenize(request: Request) -> Response:
     gw: GatewayState = request.app.state.gw
-    gw.check_auth(request)
+    app = gw.check_auth(request)
     req = await decode_body(request, t.TokenizeRequest)
     info, tok = gw.require_ready()
-    gw.check_model(req.model)
+    gw.check_model(req.model, app)
     if (req.prompt is None) == (req.messages is None):
         raise InvalidRequestError("give exactly one of prompt and messages", param="prompt")
     if req.messages is not None:
@@ -115,10 +115,10 @@ async def tokenize(request: Request) -> Response:
 
 async def detokenize(request: Request) -> Response:
     gw: GatewayState = request.app.state.gw
-    gw.check_auth(request)
+    app = gw.check_auth(request)
     req = await decode_body(request, t.DetokenizeRequest)
     info, tok = gw.require_ready()
-    gw.check_model(req.model)
+    gw.check_model(req.model, app)
     if any(not 0 <= i < info.vocab_size for i in req.tokens):
         raise InvalidRequestError(f"token ids must be in [0, {info.vocab_size})", param="tokens")
     text = await asyncio.to_thread(tok.decode, req.tokens, skip_special_tokens=False)

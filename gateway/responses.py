@@ -159,7 +159,7 @@ async def responses(request: Request) -> Response:
     app = gw.check_auth(request)
     req = await decode_body(request, ResponsesRequest)
     gw.require_ready()
-    model = gw.check_model(req.model)
+    model = gw.check_model(req.model, app)
     if req.previous_response_id is not None:
         raise InvalidRequestError("previous_response_id needs stored responses, which this stateless server "
                                   "does not keep; send the whole conversation as input", param="previous_response_id")

@@ -96,7 +96,7 @@ async def score(request: Request) -> Response:
     app = gw.check_auth(request)
     req = await decode_body(request, t.ScoreRequest)
     gw.require_ready()
-    model = gw.check_model(req.model)
+    model = gw.check_model(req.model, app)
     pairs = score_pairs(req.text_1, req.text_2)
     scores, tokens = await pair_scores(request, app, pairs, req.truncate_prompt_tokens, req.priority, "text_2")
     if scores is None:
@@ -124,7 +124,7 @@ async def rerank(request: Request) -> Response:
     app = gw.check_auth(request)
     req = await decode_body(request, t.RerankRequest)
     gw.require_ready()
-    model = gw.check_model(req.model)
+    model = gw.check_model(req.model, app)
     if not req.documents:
         raise InvalidRequestError("documents must not be empty", param="documents")
     if req.top_n is not None and req.top_n < 0:

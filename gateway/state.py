@@ -106,16 +106,23 @@ class GatewayState:
             raise EngineUnavailableError(f"the engine is not available: {client.unavailable_reason}")
         return client.info, self.tokenizer
 
-    def check_model(self, name: str | None) -> str:
-        """The name to answer with (the base's or a LoRA adapter's); NotFoundError (404) for another."""
+    def adapters_for(self, app: str | None) -> list:
+        """The LoRA adapters served that ``app`` (``check_auth``'s answer) may use, in order."""
+        allowed = self.keys.loras_of(app)
+        return [a for a in self.client.lora_adapters if allowed is None or a.name in allowed]
+
+    def check_model(self, name: str | None, app: str | None) -> str:
+        """The name to answer with (the base's or a LoRA adapter ``app`` may use); NotFoundError (404) for
+        another. An adapter the app's key does not allow is answered as OpenAI answers a model a key has
+        no access to: 404, never saying whether it exists."""
         info = self.client.info
         if name is None or name in (info.served_model_name, info.model_id):
             return info.served_model_name
-        adapters = [a.name for a in self.client.lora_adapters]
+        adapters = [a.name for a in self.adapters_for(app)]
         if name in adapters:
             return name
-        raise NotFoundError(f"The model `{name}` does not exist; this server serves "
-                            f"`{info.served_model_name}`"
+        raise NotFoundError(f"The model `{name}` does not exist or you do not have access to it; this server "
+                            f"serves `{info.served_model_name}`"
                             + (f" and the LoRA adapters {', '.join(f'`{a}`' for a in adapters)}" if adapters else "")
                             + ".", param="model")
 

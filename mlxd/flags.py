@@ -84,6 +84,8 @@ HELP = {
                     "(mlx_lm or PEFT adapter directories)",
     "max_loras": "LoRA adapters resident at once (the distinct adapters of one batch); others wait, LRU evicted",
     "max_lora_rank": "largest LoRA rank served (slots are sized for it)",
+    "max_cpu_loras": "LoRA adapters kept in host memory (LRU, counted by the memory guard where host and device "
+                     "share it); others are read again from disk when they next take a slot (default: --max-loras)",
     "enable_runtime_lora_updating": "allow POST /v1/load_lora_adapter and /v1/unload_lora_adapter",
 }
 

@@ -104,11 +104,13 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     score_tokens: str = "no,yes"
     # LoRA adapters (vLLM's flags): off unless enabled; adapters served from the start, each
     # "name=path" or vLLM's JSON '{"name": ..., "path": ...}'; how many sit in device slots at once
-    # (the distinct adapters of one batch); the largest rank served (slots are sized for it).
+    # (the distinct adapters of one batch); the largest rank served (slots are sized for it); how
+    # many keep a host copy (LRU; None: max_loras, as vLLM), the others are read again from disk.
     enable_lora: bool = False
     lora_modules: list[str] = []
     max_loras: int = 1
     max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
 
     def __post_init__(self) -> None:
         positive = ("max_num_seqs", "max_num_batched_tokens", "block_size", "max_waiting_requests")
@@ -153,6 +155,9 @@ class EngineConfig(msgspec.Struct, kw_only=True):
             raise InvalidRequestError(f"unknown dtype {self.dtype!r}", param="dtype")
         if self.max_loras < 1 or self.max_lora_rank < 1:
             raise InvalidRequestError("max_loras and max_lora_rank must be positive", param="max_loras")
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise InvalidRequestError(f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras})",
+                                      param="max_cpu_loras")
         if self.lora_modules and not self.enable_lora:
             raise InvalidRequestError("--lora-modules needs --enable-lora", param="lora_modules")
         self.lora_adapters  # parse now so a bad entry fails at start-up

@@ -11,6 +11,13 @@ the old one, so a gateway reading it never sees half a file; gateways reload
 it when its modification time or size changes, so a revoked key stops working
 at once, without a restart.
 
+An app's key may name the LoRA adapters it may use (``mlxd keys add APP
+--loras A B``, changed later with ``mlxd keys loras APP ...``): for it the
+gateway answers any other adapter as a model that does not exist (404, as
+OpenAI answers a model a key has no access to) and ``/v1/models`` lists only
+those; the base model is always its to use. A key naming none may use every
+adapter.
+
 Once an app has had a key, authentication stays on: revoking the last key
 leaves an empty file (nobody gets in without ``--api-key`` until a key is
 added), and a marker beside the file (``keys.json.required``) keeps it on when
@@ -47,6 +54,8 @@ class AppKey(msgspec.Struct, kw_only=True):
     salt: str  # hex
     hash: str  # hex sha256(salt bytes + secret)
     created: float
+    # The LoRA adapters the app may use; None: every one (the base model is always allowed).
+    loras: list[str] | None = None
 
 
 class KeyFile(msgspec.Struct, kw_only=True):
@@ -106,9 +115,11 @@ def _write_keys(path: str, keys: KeyFile) -> None:
         raise
 
 
-def add_key(path: str, app: str) -> str:
-    """Create the key of ``app`` and return it; the only time the secret is seen."""
+def add_key(path: str, app: str, loras: list[str] | None = None) -> str:
+    """Create the key of ``app`` (limited to the adapters ``loras``, None: any) and return it; the only
+    time the secret is seen."""
     check_app_name(app)
+    loras = _check_loras(loras)
     keys = read_keys(path)
     if any(k.app == app for k in keys.keys):
         raise InvalidRequestError(f"app {app!r} has a key already; revoke it first to make a new one",
@@ -117,7 +128,7 @@ def add_key(path: str, app: str) -> str:
     secret = secrets.token_urlsafe(32)
     salt = secrets.token_bytes(16)
     keys.keys.append(AppKey(app=app, key_id=key_id, salt=salt.hex(), hash=_digest(salt, secret),
-                            created=time.time()))
+                            created=time.time(), loras=loras))
     _write_keys(path, keys)
     # Made after the file: a crash in between leaves a key file, which requires keys on its own.
     fd = os.open(required_marker(path), os.O_WRONLY | os.O_CREAT, 0o600)
@@ -132,6 +143,27 @@ def revoke_key(path: str, app: str) -> bool:
     if len(kept) == len(keys.keys):
         return False
     keys.keys = kept
+    _write_keys(path, keys)
+    return True
+
+
+def _check_loras(loras: list[str] | None) -> list[str] | None:
+    if loras is None:
+        return None
+    if any(not name for name in loras):
+        raise InvalidRequestError("an adapter name cannot be empty", param="loras")
+    return sorted(set(loras))
+
+
+def set_loras(path: str, app: str, loras: list[str] | None) -> bool:
+    """Limit ``app``'s key to the adapters ``loras`` (None: any); False when it has no key. Gateways
+    see it at their next request, as they see a revoked key."""
+    loras = _check_loras(loras)
+    keys = read_keys(path)
+    entry = next((k for k in keys.keys if k.app == app), None)
+    if entry is None:
+        return False
+    entry.loras = loras
     _write_keys(path, keys)
     return True
 
@@ -197,3 +229,10 @@ class KeyChecker:
     def app_of(self, presented: str) -> str | None:
         self._refresh()
         return match_key(self._keys, presented)
+
+    def loras_of(self, app: str | None) -> list[str] | None:
+        """The adapters ``app`` may use (as the file says now); None: any (also for no app)."""
+        if app is None:
+            return None
+        self._refresh()
+        return next((k.loras for k in self._keys.keys if k.app == app), None)

@@ -17,21 +17,44 @@ from __future__ import annotations
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 from mlx_lm.models.switch_layers import SwitchGLU
 
 from engined.model_layers import transformer_layers
 
 
 class LoraStep:
-    """What the runner sets for one forward: ``slots``, the uint32 slot of each packed token, or None."""
+    """What the runner sets for one forward (``set``): ``slots``, each packed token's uint32 slot, or None.
+
+    When the slots are sorted (the runner orders a step's requests by slot,
+    ``step_order``) the base's rows come first and ``first`` is the first
+    adapted row: a linear computes the term of rows ``first:`` only
+    (``adapted``, their slots) with ``gather_mm``'s grouped path
+    (``sorted_indices``), one product per adapter.
+    """
 
     def __init__(self):
         self.slots: mx.array | None = None
+        self.adapted: mx.array | None = None
+        self.sorted = False
+        self.first = 0
+
+    def set(self, slots: np.ndarray) -> None:
+        if not slots.any():
+            self.slots = self.adapted = None
+            self.sorted, self.first = False, 0
+            return
+        self.sorted = bool((slots[1:] >= slots[:-1]).all())
+        self.first = int(np.argmax(slots > 0)) if self.sorted else 0
+        self.slots = mx.array(slots)
+        self.adapted = mx.array(slots[self.first:]) if self.first else self.slots
 
 
-def _lora(x: mx.array, a: mx.array, b: mx.array, index: mx.array) -> mx.array:
+def lora_term(x: mx.array, a: mx.array, b: mx.array, index: mx.array, sorted_indices: bool = False
+              ) -> mx.array:
     """``x @ a[index] @ b[index]`` per row, ``index`` broadcast against ``x``'s batch dims (in ``a``'s dtype)."""
-    return mx.gather_mm(mx.gather_mm(x.astype(a.dtype), a, rhs_indices=index), b, rhs_indices=index)
+    h = mx.gather_mm(x.astype(a.dtype), a, rhs_indices=index, sorted_indices=sorted_indices)
+    return mx.gather_mm(h, b, rhs_indices=index, sorted_indices=sorted_indices)
 
 
 def _dims(linear: nn.Module) -> tuple[int, int]:
@@ -54,11 +77,17 @@ class SlottedLoraLinear(nn.Module):
 
     def __call__(self, x: mx.array) -> mx.array:
         y = self.linear(x)
-        slots = self.step.slots
-        if slots is None:
+        step = self.step
+        if step.slots is None:
             return y
-        z = _lora(x.reshape(-1, 1, self.input_dims), self.lora_a, self.lora_b, slots)
-        return y + z.reshape(y.shape).astype(y.dtype)
+        rows = x.reshape(-1, 1, self.input_dims)
+        if step.first:
+            rows = rows[step.first:]
+        z = lora_term(rows, self.lora_a, self.lora_b, step.adapted, step.sorted)
+        z = z.reshape(-1, self.output_dims).astype(y.dtype)
+        if step.first:  # the base's rows (first in a sorted step) add nothing
+            z = mx.pad(z, [(step.first, 0), (0, 0)])
+        return y + z.reshape(y.shape)
 
 
 def _sort_rows(x: mx.array, indices: mx.array):
@@ -107,7 +136,7 @@ class SlottedLoraSwitchGLU(nn.Module):
             rows = slots.reshape(indices.shape[:-1] + (1,)) * self.num_experts + idx
 
         def project(name, h):
-            return getattr(inner, name)(h, idx, sorted_indices=do_sort) + _lora(
+            return getattr(inner, name)(h, idx, sorted_indices=do_sort) + lora_term(
                 h, self[f"{name}_a"], self[f"{name}_b"], rows).astype(h.dtype)
 
         h = inner.activation(project("up_proj", x), project("gate_proj", x))

@@ -7,11 +7,19 @@ gives it a slot (1..``max_loras``), writing the weights into the stacks if the
 adapter is not resident, evicting the least recently used slot that no
 running request holds. When every slot is held by running requests the
 request waits (vLLM's ``max_loras`` bound on the adapters of one batch).
-Slot 0 is the base model. ``token_slots`` is the runner's per-token index.
+Slot 0 is the base model. ``set_step`` gives the layers the runner's per-token slots.
+
+Host copies (float32, as read) are kept for at most ``max_cpu_loras`` adapters,
+least recently used dropped first (vLLM's ``--max-cpu-loras``); an adapter
+without one is read again from disk when it next takes a slot, and refused
+(InvalidRequestError: the request fails alone) if its files changed since it was
+loaded: its KV blocks in the prefix cache belong to the old weights.
+``fixed_bytes`` bounds those copies for the memory guard.
 """
 
 from __future__ import annotations
 
+import os
 import uuid
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -22,27 +30,46 @@ import numpy as np
 
 from engined.device import on_cpu
 from engined.lora import layers
-from engined.lora.adapters import AdapterWeights, read_adapter
-from shared.errors import InvalidRequestError, NotFoundError
+from engined.lora.adapters import CONFIG, MLX_WEIGHTS, PEFT_WEIGHTS, AdapterWeights, read_adapter
+from shared.errors import InvalidRequestError, MlxdError, NotFoundError
 
 
 @dataclass
 class Adapter:
     name: str
-    weights: AdapterWeights
+    path: str
+    rank: int
+    num_modules: int
     # Enters the prefix-cache salt: a reloaded adapter of the same name never meets the old one's blocks.
     uid: str
+    # The files' (name, size, mtime) when read: a re-read from disk must find the same.
+    stamp: tuple
+
+
+def _stamp(path: str) -> tuple:
+    out = []
+    for name in (CONFIG, MLX_WEIGHTS, PEFT_WEIGHTS):
+        try:
+            st = os.stat(os.path.join(path, name))
+        except FileNotFoundError:
+            continue
+        out.append((name, st.st_size, st.st_mtime_ns))
+    return tuple(out)
 
 
 class LoraRegistry:
-    def __init__(self, model: nn.Module, max_loras: int, max_lora_rank: int, dtype: mx.Dtype):
+    def __init__(self, model: nn.Module, max_loras: int, max_lora_rank: int, dtype: mx.Dtype,
+                 max_cpu_loras: int | None = None):
         self.max_loras = max_loras
         self.max_lora_rank = max_lora_rank
+        self.max_cpu_loras = max(max_cpu_loras or max_loras, max_loras)
         # MLX's CPU gather_mm takes float32 only: a half-precision model's adapters run in float32 there.
         if on_cpu():
             dtype = mx.float32
         self.step, self.targets = layers.install(model, max_loras + 1, max_lora_rank, dtype)
         self.adapters: dict[str, Adapter] = {}
+        # name -> its weights in host memory, at most max_cpu_loras; most recently used last.
+        self._host: OrderedDict[str, AdapterWeights] = OrderedDict()
         # slot -> adapter name (slot 0, the base, is never listed); most recently used last.
         self._resident: OrderedDict[int, str] = OrderedDict()
         self._holders: dict[int, int] = {}  # slot -> running requests holding it
@@ -51,16 +78,32 @@ class LoraRegistry:
     def arrays(self) -> list[mx.array]:
         return [a for w, _ in self.targets.values() for a in w.parameters().values() if isinstance(a, mx.array)]
 
+    def _wrappers(self) -> list[nn.Module]:
+        return list({id(w): w for w, _ in self.targets.values()}.values())
+
     @property
     def nbytes(self) -> int:
         """Bytes of the slot stacks (weights the memory guard counts)."""
-        seen, total = set(), 0
-        for wrapper, _ in self.targets.values():
-            if id(wrapper) in seen:
-                continue
-            seen.add(id(wrapper))
-            total += sum(v.nbytes for k, v in wrapper.items() if isinstance(v, mx.array))
-        return total
+        return sum(v.nbytes for w in self._wrappers() for v in w.values() if isinstance(v, mx.array))
+
+    @property
+    def host_bytes(self) -> int:
+        """Bytes of the host copies now."""
+        return sum(w.nbytes for w in self._host.values())
+
+    # The memory guard's store interface (``memory_guard.plan``): the host copies are a pool of fixed size.
+    bytes_per_block = resize_bytes_per_block = 0
+
+    @property
+    def fixed_bytes(self) -> int:
+        """The most the host copies can take where host and device share memory (MLX's CPU backend,
+        Apple silicon): ``max_cpu_loras`` adapters of full rank on every target, float32; 0 on CUDA,
+        whose device memory they do not touch."""
+        if mx.cuda.is_available() and not on_cpu():
+            return 0
+        slots = self.max_loras + 1
+        per_slot = sum(v.size // slots for w in self._wrappers() for v in w.values() if isinstance(v, mx.array))
+        return self.max_cpu_loras * per_slot * 4
 
     # -- the adapters known --------------------------------------------------------------
 
@@ -71,8 +114,10 @@ class LoraRegistry:
                                       "a LoRA adapter needs a name", param="lora_name")
         weights = read_adapter(path)
         self._check(weights)
-        adapter = Adapter(name, weights, uuid.uuid4().hex)
+        adapter = Adapter(name, weights.path, weights.rank, len(weights.modules), uuid.uuid4().hex,
+                          _stamp(weights.path))
         self.adapters[name] = adapter
+        self._keep(name, weights)
         return adapter
 
     def unregister(self, name: str, in_use: int) -> None:
@@ -83,9 +128,33 @@ class LoraRegistry:
             raise InvalidRequestError(f"LoRA adapter {name!r} is in use by {in_use} request(s); unload it "
                                       "when they have finished", param="lora_name")
         del self.adapters[name]
+        self._host.pop(name, None)
         for slot, held in list(self._resident.items()):
             if held == name:
                 del self._resident[slot]
+
+    def _keep(self, name: str, weights: AdapterWeights) -> None:
+        self._host[name] = weights
+        self._host.move_to_end(name)
+        while len(self._host) > self.max_cpu_loras:
+            self._host.popitem(last=False)
+
+    def _weights(self, name: str) -> AdapterWeights:
+        """``name``'s weights: its host copy, or its files read again (unchanged, else InvalidRequestError)."""
+        weights = self._host.get(name)
+        adapter = self.adapters[name]
+        if weights is None:
+            where = f"LoRA adapter {name!r} ({adapter.path})"
+            if _stamp(adapter.path) != adapter.stamp:
+                raise InvalidRequestError(f"{where} changed on disk since it was loaded; unload it and load it "
+                                          "again", param="model")
+            try:
+                weights = read_adapter(adapter.path)
+                self._check(weights)
+            except MlxdError as e:
+                raise InvalidRequestError(f"{where} could not be read again: {e.message}", param="model") from None
+        self._keep(name, weights)
+        return weights
 
     def _check(self, w: AdapterWeights) -> None:
         where = f"LoRA adapter {w.path!r}"
@@ -109,16 +178,19 @@ class LoraRegistry:
     # -- slots ----------------------------------------------------------------------------
 
     def acquire(self, name: str) -> int | None:
-        """A slot holding ``name`` for one more running request, or None while every slot is held."""
+        """A slot holding ``name`` for one more running request, or None while every slot is held.
+
+        InvalidRequestError when ``name`` has no host copy and its files cannot be read again."""
         slot = next((s for s, n in self._resident.items() if n == name), None)
         if slot is None:
             free = [s for s in range(1, self.max_loras + 1) if s not in self._resident]
             idle = [s for s in self._resident if not self._holders.get(s)]
             if not free and not idle:
                 return None
+            weights = self._weights(name)
             slot = free[0] if free else idle[0]  # _resident is in LRU order
             self._resident.pop(slot, None)
-            self._write(slot, self.adapters[name].weights)
+            self._write(slot, weights)
             self._resident[slot] = name
         self._resident.move_to_end(slot)
         self._holders[slot] = self._holders.get(slot, 0) + 1
@@ -164,11 +236,9 @@ class LoraRegistry:
 
     # -- the step -------------------------------------------------------------------------
 
-    def token_slots(self, slots: list[int], lens: list[int]) -> mx.array | None:
-        """Each packed token's slot (requests' ``slots``, ``lens`` tokens each); None when all are base."""
-        if not any(slots):
-            return None
-        return mx.array(np.repeat(np.asarray(slots, np.uint32), lens))
+    def set_step(self, slots: list[int], lens: list[int]) -> None:
+        """Set the step's per-token slots from its requests' ``slots`` (``lens`` tokens each); [] clears it."""
+        self.step.set(np.repeat(np.asarray(slots, np.uint32), lens))
 
     def running(self) -> list[str]:
         """Adapters held by running requests now."""

@@ -4,19 +4,23 @@ Each name answers as itself and `/v1/models` lists the adapters with their
 parent; an adapter loaded at runtime from A's files answers exactly as A, and
 is gone after it is unloaded; a bad adapter path is a 404, a bad adapter a 400,
 both with the reason; `cached_tokens` shows the prefix cache shared within an
-adapter and never across adapters.
+adapter and never across adapters. An app key limited to some adapters (`mlxd keys add --loras`) sees
+and uses only those: any other is a 404 as for a model that does not exist, on every route, and a 403 for
+loading or unloading it.
 """
 
 from __future__ import annotations
 
 import time
 
+import anthropic
 import httpx
 import numpy as np
 import openai
 import pytest
 
 from engined.loaders import load_model
+from mlxd import cli
 from tests.e2e.servers import Engine, Gateway, free_port
 from tests.engined.test_lora import random_adapter, write_mlx_lm, write_peft
 from tests.tiny_models import fresh_seed, make_tiny_model
@@ -125,3 +129,64 @@ def test_runtime_updates_are_refused_without_the_flag(tmp_path):
         assert r.status_code == 403 and "--enable-runtime-lora-updating" in r.json()["error"]["message"]
     finally:
         gateway.stop()
+
+
+def test_a_key_limited_to_some_adapters_sees_and_uses_only_those(served, tmp_path, capsys):
+    client, gateway, _, _ = served
+    keys_file = str(tmp_path / "keys.json")
+
+    def add(app, *loras):
+        assert cli.main(["keys", "add", app, "--keys-file", keys_file, *(["--loras", *loras] if loras else [])]) == 0
+        return capsys.readouterr().out.strip()
+
+    shop, lab = add("shop", "A"), add("lab")
+    assert cli.main(["keys", "add", "basic", "--keys-file", keys_file, "--loras"]) == 0  # the base model only
+    basic = capsys.readouterr().out.strip()
+    assert cli.main(["keys", "list", "--keys-file", keys_file]) == 0
+    assert [line.split("\t")[-1] for line in capsys.readouterr().out.splitlines()] == [
+        "adapters: A", "any adapter", "adapters: none"]
+    # A second gateway on the same engine, with the keys.
+    keyed = Gateway(gateway.endpoint, str(tmp_path / "gateway.log"),
+                    extra=["--keys-file", keys_file, "--enable-runtime-lora-updating"]).start()
+    try:
+        keyed.wait_healthy()
+
+        def sdk(key):
+            return openai.OpenAI(base_url=keyed.url + "/v1", api_key=key, max_retries=0, timeout=120)
+
+        def listed(key):
+            return sorted(m.id for m in sdk(key).models.list().data)
+
+        assert listed(shop) == ["A", "base"] and listed(lab) == ["A", "B", "base"] and listed(basic) == ["base"]
+        assert _complete(sdk(shop), "A").choices[0].text == _complete(client, "A").choices[0].text
+        assert _complete(sdk(shop), "base").choices[0].text == _complete(client, "base").choices[0].text
+        assert _complete(sdk(lab), "B").choices[0].text == _complete(client, "B").choices[0].text
+        # B for shop: what a model that does not exist gets, naming only what shop may use.
+        with pytest.raises(openai.NotFoundError, match="LoRA adapters `A`[.]") as e:
+            _complete(sdk(shop), "B")
+        assert "does not exist or you do not have access to it" in str(e.value)
+        with pytest.raises(openai.NotFoundError):
+            sdk(shop).chat.completions.create(model="B", messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+        with pytest.raises(openai.NotFoundError):
+            sdk(shop).models.retrieve("B")
+        with pytest.raises(openai.NotFoundError, match="this server serves `base`[.]"):
+            _complete(sdk(basic), "A")
+        with pytest.raises(anthropic.NotFoundError):
+            anthropic.Anthropic(base_url=keyed.url, api_key=shop, max_retries=0).messages.create(
+                model="B", max_tokens=2, messages=[{"role": "user", "content": "hi"}])
+        r = httpx.post(keyed.url + "/v1/unload_lora_adapter", json={"lora_name": "B"},
+                       headers={"Authorization": f"Bearer {shop}"})
+        assert r.status_code == 403 and "may not load or unload the LoRA adapter 'B'" in r.json()["error"]["message"]
+        assert "B" in {m.id for m in client.models.list().data}  # still served
+        # Changed for the running gateway, as a revoked key is: shop now has B and not A.
+        assert cli.main(["keys", "loras", "shop", "B", "--keys-file", keys_file]) == 0
+        assert listed(shop) == ["B", "base"]
+        assert _complete(sdk(shop), "B").choices[0].text == _complete(client, "B").choices[0].text
+        with pytest.raises(openai.NotFoundError):
+            _complete(sdk(shop), "A")
+        assert cli.main(["keys", "loras", "shop", "--any", "--keys-file", keys_file]) == 0
+        assert listed(shop) == ["A", "B", "base"]
+        with pytest.raises(openai.AuthenticationError):
+            sdk("mlxd_nope_nope").models.list()
+    finally:
+        keyed.stop()
