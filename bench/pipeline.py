@@ -1,18 +1,22 @@
 """Pipeline and tensor parallelism against one process, same model, same requests, one run.
 
-Each configuration (1 rank; pipelines of 2 and 3 ranks; tensor parallelism of 3)
-runs as its own rank-0 process (``--run``) with its other ranks started by
-``mlxd.ranks`` over loopback; the one-rank run is the reference its outputs are
-checked against. Reports generated tokens/s, the ratio to one rank, and the
-pipeline's idle fraction: with one batch in flight each of N ranks computes
-its 1/N of the layers while a step takes the time T_N, so a rank is busy about
-(T_1 / N) / T_N of it and idle the rest.
+Each configuration (1 rank; pipelines of 2 and 3 ranks with one batch in
+flight and with one per rank; tensor parallelism of 3) runs as its own rank-0
+process (``--run``) with its other ranks started by ``mlxd.ranks`` over
+loopback; the first configuration is the reference the others' outputs are
+checked against. Reports generated tokens/s, the ratio to one rank, the steps
+whose last stage ran while a later batch was out, and the pipeline's idle
+fraction: each of N ranks computes its 1/N of the layers of the whole work,
+T_1 / N of busy time, while the run takes T_N, so a rank idles
+1 - (T_1 / N) / T_N of it (an estimate: it charges transfers to idling).
 
 On a 2-core CPU the ranks share the cores, so this checks that work is spread
 and outputs are kept, not speed; on a machine with one accelerator per rank
-the same script measures the real thing.
+the same script measures the real thing. ``--shape llama-8b`` writes a model of
+Llama-3.1-8B's shape with random bf16 weights first (no download).
 
-    python -m bench.pipeline [--model PATH] [--requests 8] [--max-tokens 32]
+    python -m bench.pipeline [--model PATH | --shape llama-8b] [--requests 8] [--max-tokens 32]
+        [--configs "1 rank,pipeline x2"]
 """
 
 from __future__ import annotations
@@ -21,7 +25,9 @@ import argparse
 import json
 import subprocess
 import sys
+import tempfile
 import time
+from pathlib import Path
 
 import msgspec
 import numpy as np
@@ -30,10 +36,48 @@ from shared.config import EngineConfig
 
 CONFIGS = {
     "1 rank": {},
-    "pipeline x2": {"pipeline_parallel_size": 2},
+    "1 rank sync": {"async_scheduling": False},  # as a pipeline schedules (a GPU's default is async)
+    "pipeline x2 one batch": {"pipeline_parallel_size": 2, "pipeline_batches": 1},
+    "pipeline x2": {"pipeline_parallel_size": 2},  # a batch per rank in flight
+    "pipeline x3 one batch": {"pipeline_parallel_size": 3, "pipeline_batches": 1},
     "pipeline x3": {"pipeline_parallel_size": 3},
     "tensor x3": {"tensor_parallel_size": 3},  # SmolLM2 has 3 KV heads
 }
+CPU_CONFIGS = "1 rank,pipeline x2 one batch,pipeline x2,pipeline x3 one batch,pipeline x3,tensor x3"
+
+SHAPES = {
+    # A smoke-test shape: the --shape path end to end in seconds on a CPU.
+    "llama-tiny": dict(model_type="llama", hidden_size=256, num_hidden_layers=4, intermediate_size=512,
+                       num_attention_heads=4, num_key_value_heads=2, head_dim=64, vocab_size=1024,
+                       rms_norm_eps=1e-5, rope_theta=500000.0, max_position_embeddings=4096,
+                       tie_word_embeddings=False, torch_dtype="bfloat16"),
+    "llama-8b": dict(model_type="llama", hidden_size=4096, num_hidden_layers=32, intermediate_size=14336,
+                     num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=128256,
+                     rms_norm_eps=1e-5, rope_theta=500000.0, max_position_embeddings=131072,
+                     tie_word_embeddings=False, torch_dtype="bfloat16"),
+}
+
+
+def write_random_model(directory: Path, name: str) -> Path:
+    """A model directory of shape ``name`` with random bf16 weights (and a tokenizer of its vocabulary)."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+    from mlx_lm.utils import _get_classes
+
+    from tests.tiny_models import make_tiny_model
+
+    shape = SHAPES[name]
+    # The tiny model's files with this vocabulary, then the real shape's config and weights over them.
+    make_tiny_model(directory, shape["model_type"], num_hidden_layers=1, vocab_size=shape["vocab_size"])
+    model_cls, args_cls = _get_classes(shape)
+    mx.random.seed(0)
+    model = model_cls(args_cls.from_dict(shape))
+    model.set_dtype(mx.bfloat16)
+    weights = dict(tree_flatten(model.parameters()))
+    mx.eval(weights)
+    mx.save_safetensors(str(directory / "model.safetensors"), weights, metadata={"format": "mlx"})
+    (directory / "config.json").write_text(json.dumps(shape, indent=2))
+    return directory
 
 
 def _rank0(config: EngineConfig, prompts: list[list[int]], max_tokens: int) -> dict:
@@ -51,9 +95,11 @@ def _rank0(config: EngineConfig, prompts: list[list[int]], max_tokens: int) -> d
         engine = Engine(config)
         params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
         engine.generate(prompts[:1], SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))
+        steps, overlapped = engine.num_steps, getattr(engine.runner, "num_overlapped", 0)
         start = time.perf_counter()
         tokens = engine.generate(prompts, params)
-        return {"seconds": time.perf_counter() - start, "tokens": tokens}
+        return {"seconds": time.perf_counter() - start, "tokens": tokens, "steps": engine.num_steps - steps,
+                "overlapped": getattr(engine.runner, "num_overlapped", 0) - overlapped}
     finally:
         for child in children:
             child.terminate()
@@ -63,38 +109,51 @@ def _rank0(config: EngineConfig, prompts: list[list[int]], max_tokens: int) -> d
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="", help="model (default: the embedded SmolLM2, 30 layers)")
+    ap.add_argument("--shape", choices=sorted(SHAPES), help="a model of this shape with random weights")
     ap.add_argument("--requests", type=int, default=8)
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--configs", default=CPU_CONFIGS, help="comma-separated names of CONFIGS, the reference first")
+    ap.add_argument("--num-kv-blocks", type=int, default=256)
     ap.add_argument("--run", help=argparse.SUPPRESS)  # internal: CONFIG_JSON PROMPTS_JSON MAX_TOKENS
     args, rest = ap.parse_known_args()
     if args.run:
         config = msgspec.json.decode(args.run, type=EngineConfig)
         print(json.dumps(_rank0(config, json.loads(rest[0]), int(rest[1]))), flush=True)
         return 0
+    names = [n.strip() for n in args.configs.split(",")]
+    with tempfile.TemporaryDirectory(prefix="mlxd-bench-") as tmp:
+        model = str(write_random_model(Path(tmp) / args.shape, args.shape)) if args.shape else args.model
+        return _compare(args, model, names)
+
+
+def _compare(args, model: str, names: list[str]) -> int:
     rng = np.random.default_rng(0)
-    prompts = [rng.integers(100, 20000, args.prompt_len).tolist() for _ in range(args.requests)]
-    base = dict(model=args.model, max_model_len=1024, num_kv_blocks=256, max_num_seqs=args.requests,
-                max_num_batched_tokens=1024, enable_prefix_caching=False)
+    top = min(20000, SHAPES[args.shape]["vocab_size"]) if args.shape else 20000
+    prompts = [rng.integers(100, top, args.prompt_len).tolist() for _ in range(args.requests)]
+    base = dict(model=model, max_model_len=args.prompt_len + args.max_tokens + 16, num_kv_blocks=args.num_kv_blocks,
+                max_num_seqs=args.requests, max_num_batched_tokens=1024, enable_prefix_caching=False)
     results = {}
-    for name, parallel in CONFIGS.items():
-        config = EngineConfig(**base, **parallel)
+    for name in names:
+        config = EngineConfig(**base, **CONFIGS[name])
         out = subprocess.run([sys.executable, "-m", "bench.pipeline", "--run", msgspec.json.encode(config).decode(),
                               json.dumps(prompts), str(args.max_tokens)], capture_output=True, text=True)
         if out.returncode:
-            print(f"{name}: failed\n{out.stderr[-2000:]}", file=sys.stderr)
+            print(f"{name}: failed\n{out.stderr[-3000:]}", file=sys.stderr)
             return 1
         results[name] = json.loads(out.stdout.strip().splitlines()[-1])
-    one = results["1 rank"]
+        print(f"{name}: {results[name]['seconds']:.2f}s", file=sys.stderr, flush=True)
+    one = results[names[0]]
     generated = args.requests * args.max_tokens
     print(f"{args.requests} requests x {args.prompt_len} prompt + {args.max_tokens} generated tokens, greedy\n")
-    print("| configuration | seconds | generated tok/s | vs 1 rank | outputs equal | idle fraction per rank |")
-    print("|---|---|---|---|---|---|")
+    print("| configuration | seconds | generated tok/s | vs 1 rank | outputs equal | steps (with a later batch out) "
+          "| idle fraction per rank |")
+    print("|---|---|---|---|---|---|---|")
     for name, r in results.items():
         n = CONFIGS[name].get("pipeline_parallel_size", 1)
         idle = f"{1 - (one['seconds'] / n) / r['seconds']:.2f}" if n > 1 else "-"
         print(f"| {name} | {r['seconds']:.2f} | {generated / r['seconds']:.1f} | {one['seconds'] / r['seconds']:.2f}x "
-              f"| {r['tokens'] == one['tokens']} | {idle} |")
+              f"| {r['tokens'] == one['tokens']} | {r['steps']} ({r['overlapped']}) | {idle} |")
     return 0
 
 

@@ -90,8 +90,12 @@ class Engine:
         if self.drafter:
             kv.follow(self.drafter.kv)
         kv.create(self.memory.num_blocks, self.memory.resident_blocks)
+        # A pipeline keeps a batch per lane in flight (engined/pipeline.py); speculation proposes from
+        # every running request's host tokens, so it keeps one.
+        self.num_lanes = ((config.pipeline_batches or config.pipeline_parallel_size)
+                          if config.pipeline_parallel_size > 1 and spec is None else 1)
         self.scheduler = Scheduler(kv, config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len,
-                                   tuple(loaded.eos_token_ids), self.lora)
+                                   tuple(loaded.eos_token_ids), self.lora, self.num_lanes)
         # Speculation proposes from the last tokens on the host, and a pipeline sends the other ranks
         # host token ids: both read every step before the next.
         self.async_scheduling = config.async_scheduling and spec is None and not pipelined
@@ -251,7 +255,7 @@ class Engine:
 
     def has_unfinished(self) -> bool:
         return (self.scheduler.has_unfinished() or bool(self._aborted) or bool(self._failed)
-                or self._inflight is not None)
+                or self._inflight is not None or (self.num_lanes > 1 and bool(self.runner.sent)))
 
     def take_errors(self) -> list[tuple[str, InvalidRequestError]]:
         """Requests failed since the last call, as (id, error): their grammar did not compile, or
@@ -297,6 +301,8 @@ class Engine:
         """
         start = time.monotonic()
         outputs = self._take_ended()
+        if self.num_lanes > 1:
+            return outputs + self._step_lanes(start)
         if self._inflight is not None and self._must_read_first():
             outputs += self._read_inflight()
         speculator = self.speculator
@@ -321,6 +327,22 @@ class Engine:
         if self.lora is not None:
             waiting = sorted({r.lora_name for r in self.scheduler.waiting if r.lora_name})
             self.metrics.on_lora(self.config.max_loras, self.lora.running(), waiting)
+        return outputs
+
+    def _step_lanes(self, start: float) -> list[RequestOutput]:
+        """A pipeline's step: a batch sent down for each lane with none out, then the oldest one's
+        last stage run here and read, while the other ranks compute the later ones."""
+        out = {s.lane for s in self.runner.sent}
+        for lane in range(self.num_lanes):
+            if lane not in out and (batch := self.scheduler.schedule(lane=lane)).scheduled:
+                self.runner.send(batch, lane)
+        if not self.runner.sent:
+            return self._idle()
+        batch = self.runner.sent[0].batch
+        self._inflight = self._launch(batch)
+        self.num_steps += 1
+        outputs = self._read_inflight()
+        self.metrics.on_step(batch.num_tokens, time.monotonic() - start, self.stats())
         return outputs
 
     def _launch(self, batch: SchedulerOutput) -> LaunchedStep:

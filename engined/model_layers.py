@@ -244,7 +244,7 @@ def transformer_layers(model: nn.Module) -> list[nn.Module]:
     """The layers this process runs: all of them, or one pipeline rank's run (``engined.pipeline``)."""
     text = text_model(model)
     inner = getattr(text, "model", None)
-    split = getattr(inner, "pipeline_size", 1) > 1  # mlx_lm's pipeline() set it; its layers list has Nones
+    split = getattr(inner, "end_idx", None) is not None  # mlx_lm's pipeline() set it; its layers list has Nones
     layers = (getattr(inner, "pipeline_layers" if split else "layers", None) or getattr(inner, "layers", None)
               or getattr(model, "layers", None))
     if not layers:

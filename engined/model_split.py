@@ -2,8 +2,8 @@
 
 Both come from mlx_lm's own methods: ``PipelineMixin.pipeline`` picks the
 layers (the last rank the first ones, rank 0 the last), ``Model.shard`` splits
-heads and MLP with ``shard_linear``. For families whose mlx_lm body has no
-pipeline hand-offs, ``split`` adds them around the body.
+heads and MLP with ``shard_linear``. The pipeline's hand-offs are mlxd's, the
+same for every family (``split``).
 """
 
 from __future__ import annotations
@@ -52,12 +52,16 @@ def shard(model, group: mx.distributed.Group) -> None:
 def split(model, group: mx.distributed.Group, layers: list[int] | None) -> None:
     """Keep only this rank's layers of ``model``, split by mlx_lm's PipelineMixin.
 
-    Families whose mlx_lm model has the mixin pass hidden states on themselves.
-    For the others (llama, qwen3, ...) the split is the mixin's too, and the
-    hand-offs the mixin's models make in their bodies are added around the
-    body: the embedding of a rank past 0 is replaced by what the next rank sends
-    (``_Received``), and after its last layer a rank sends to the one before it
-    and every rank gathers rank 0's output (``hand_off``, once attention is installed).
+    The split is the mixin's for every family; the hand-offs are mlxd's, around
+    the body: a rank's embedding is replaced by what the next rank sends
+    (``_Received``; the last rank embeds the tokens), and after its last layer a
+    rank past 0 sends to the one before it (``hand_off``, once attention is
+    installed), and its forward ends there. mlx_lm's pipelined bodies hand off
+    themselves, ending with an all_gather so that every rank gets the output
+    (its generate samples on every rank): that collective would hold every rank
+    in every step until rank 0 is done, so no rank could start the next batch
+    (``Engine`` keeps several in flight). Rank 0 alone samples, so those bodies
+    are run as unsplit (``pipeline_size`` 1 over their own slice of layers).
     """
     inner = getattr(text_model(model), "model", None)
     family = type(model).__module__.rsplit(".", 1)[-1]
@@ -68,13 +72,14 @@ def split(model, group: mx.distributed.Group, layers: list[int] | None) -> None:
                              "pipeline ranks yet")
     try:
         if hasattr(inner, "pipeline"):
-            inner.pipeline(group, split=layers or None)
+            inner.pipeline(group, split=layers or None)  # the family's own (Qwen3-Next places its masks)
+            inner.pipeline_rank, inner.pipeline_size = 0, 1  # its body then neither sends nor gathers
         else:
             PipelineMixin.pipeline(inner, group, split=layers or None)
             inner.layers = inner.layers[inner.start_idx:]
-            if group.rank() < group.size() - 1:
-                inner.embed_tokens = _Received(inner.embed_tokens, group.rank() + 1)
-            inner.mlxd_hands_off = True
+        if group.rank() < group.size() - 1:
+            inner.embed_tokens = _Received(inner.embed_tokens, group.rank() + 1)
+        inner.mlxd_hands_off = True
     except ValueError as e:
         raise ModelLoadError(f"--pipeline-split: {e}" if layers else
                              f"{len(inner.layers)} layers cannot be split over {group.size()} pipeline ranks") from e
@@ -83,10 +88,16 @@ def split(model, group: mx.distributed.Group, layers: list[int] | None) -> None:
 
 
 def hand_off(model, group: mx.distributed.Group) -> None:
-    """Add the send and gather after a rank's last layer where ``split`` said the model needs them."""
+    """Add the send after a rank's last layer where ``split`` said the model needs it (ranks past 0)."""
     inner = text_model(model).model
-    if getattr(inner, "mlxd_hands_off", False):
+    if getattr(inner, "mlxd_hands_off", False) and group.rank() != 0:
         inner.norm = _Handoff(inner.norm, group.rank())
+
+
+def sent(model) -> mx.array:
+    """What the last forward of a pipeline rank past 0 sends on: that rank evaluates this, not
+    the forward's logits (the norm and head are rank 0's)."""
+    return text_model(model).model.norm.sent
 
 
 class _Received(nn.Module):
@@ -105,14 +116,14 @@ class _Received(nn.Module):
 
 
 class _Handoff(nn.Module):
-    """Around the final norm: send this rank's output down the pipeline, take rank 0's (the model's)."""
+    """Around the final norm of a rank past 0: its output goes to the rank before it (``sent``)."""
 
     def __init__(self, norm: nn.Module, rank: int):
         super().__init__()
         self.norm = norm
         self.rank = rank
+        self.sent: mx.array | None = None
 
     def __call__(self, h: mx.array) -> mx.array:
-        if self.rank != 0:
-            h = mx.distributed.send(h, self.rank - 1)
-        return self.norm(mx.distributed.all_gather(h)[: h.shape[0]])
+        self.sent = mx.distributed.send(h, self.rank - 1)
+        return self.norm(h)  # built, never evaluated here: the logits are rank 0's

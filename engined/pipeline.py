@@ -8,8 +8,16 @@ is journaled, and once per forward the journal and the step's tokens go to
 every other rank in one message. A worker replays the journal on its own KV
 manager, which, fed the same calls over a pool of the same size, holds the same
 block tables, and runs the same forward: the pipelined model passes hidden
-states rank to rank with ``send``/``recv`` and gathers the last rank's, so the
-step ends with the logits everywhere; rank 0 samples.
+states rank to rank with ``send``/``recv``, down to rank 0, which runs the last
+layers and the head and samples.
+
+Several batches in flight (vLLM's virtual engines): with one, the ranks take
+turns and N-1 of N idle. The engine's scheduler has a lane per batch in flight
+(``Scheduler.num_lanes``), each with its own requests; rank 0 sends a batch for
+every lane with none out (``MirroredRunner.send``), then runs the oldest one's
+last stage and reads its tokens, while the other ranks compute the batches
+sent after it. Every rank runs the batches in the order they were sent, so the
+KV each reads is written first on every rank.
 
 The pool size is the smallest any rank affords (each sizes its own from its own
 memory, for its own layers). A rank that dies makes the next step raise on rank
@@ -23,16 +31,17 @@ import dataclasses
 import faulthandler
 import gc
 import logging
+import time
+from collections import deque
 
 import mlx.core as mx
 import msgspec
 import numpy as np
 
-from engined import memory_guard
+from engined import memory_guard, model_split
 from engined.device import on_cpu
 from engined.kv import KVCacheManager
 from engined.memory_guard import MemoryPlan
-from engined.model_split import hand_off, prepare
 from engined.request import Request
 from engined.runner import ModelRunner, forward, forward_pooled
 from engined.scheduler import SchedulerOutput
@@ -73,12 +82,22 @@ def join(config: EngineConfig) -> mx.distributed.Group:
     """This process's group of ``config.num_ranks`` ranks (the launcher set MLX_RANK and MLX_HOSTFILE).
 
     Waiting for the other ranks to connect holds the interpreter: a rank that never comes (it
-    failed to start) is caught by the watchdog's C timer, not by any Python thread.
+    failed to start) is caught by the watchdog's C timer, not by any Python thread. The ring
+    backend gives up connecting to a rank still loading after about 30 s; that is tried again
+    for the first half of the timeout (the error then says why, before the watchdog must).
     """
     size = config.num_ranks
+    deadline = time.monotonic() + config.pipeline_timeout / 2
     try:
         with Watchdog(config.pipeline_timeout):
-            group = mx.distributed.init(strict=True)
+            while True:
+                try:
+                    group = mx.distributed.init(strict=True)
+                    break
+                except RuntimeError as e:
+                    if "Couldn't connect" not in str(e) or time.monotonic() > deadline:
+                        raise
+                    log.info("pipeline: a rank is not listening yet (%s); trying again", e)
     except RuntimeError as e:
         raise ModelLoadError(f"{size} ranks asked for, but no distributed backend came up ({e}); start the "
                              "ranks with mlx.launch or let `mlxd engine` start them on this machine") from e
@@ -89,23 +108,37 @@ def join(config: EngineConfig) -> mx.distributed.Group:
 
 
 class Link:
-    """Rank 0's messages to the other ranks, over the group's own send/recv."""
+    """Rank 0's messages to the other ranks, over the group's own send/recv.
+
+    Each message is passed along the ring: rank 0 to the last rank (the first
+    layers, which starts computing once it has passed it on), that one to the
+    one before it, and so on down to rank 1. Every hop is between neighbours,
+    all MLX's ring backend can send over, and each rank gets a message before
+    the hidden states of its forward (the same channel, in that order).
+    """
 
     def __init__(self, group: mx.distributed.Group):
         self.group = group
+        rank, size = group.rank(), group.size()
+        self.source = (rank + 1) % size  # where this rank's messages come from (a worker's)
+        self.onward = size - 1 if rank == 0 else rank - 1 if rank > 1 else None  # where they go on to
 
     def send(self, message: Message) -> None:
         data = np.frombuffer(_encode(message), dtype=np.uint8)
-        head, body = mx.array([data.size], dtype=mx.int64), mx.array(data)
+        self._pass_on(mx.array([data.size], dtype=mx.int64), mx.array(data))
+
+    def _pass_on(self, head: mx.array, body: mx.array) -> None:
         # One evaluation per array: sends evaluated together may reach a rank in either order.
         for a in (head, body):
-            mx.eval([mx.distributed.send(a, r, group=self.group) for r in range(1, self.group.size())])
+            mx.eval(mx.distributed.send(a, self.onward, group=self.group))
 
     def receive(self) -> Message:
-        head = mx.distributed.recv((1,), mx.int64, 0, group=self.group)
+        head = mx.distributed.recv((1,), mx.int64, self.source, group=self.group)
         mx.eval(head)
-        body = mx.distributed.recv((int(head.item()),), mx.uint8, 0, group=self.group)
+        body = mx.distributed.recv((int(head.item()),), mx.uint8, self.source, group=self.group)
         mx.eval(body)
+        if self.onward is not None:
+            self._pass_on(head, body)
         return _decode(np.array(body).tobytes())
 
     def barrier(self) -> None:
@@ -245,13 +278,25 @@ class Mirror:
                 del self.requests[op.rid], self._tokens[op.rid]
 
 
+@dataclasses.dataclass
+class SentBatch:
+    """A batch out to the other ranks: what rank 0's part of it runs on (made when it was sent)."""
+
+    batch: SchedulerOutput
+    lane: int
+    pieces: list[list[int]]
+    caches: list
+    num_logits: list[int]
+    hidden_rows: list[int]
+
+
 class MirroredRunner(ModelRunner):
     """Rank 0's runner: each forward first sends the journal and the step's tokens to the other ranks."""
 
     def __init__(self, model, specs, kv: KVCacheManager, attention_backend: str, config: EngineConfig):
         super().__init__(model, specs, kv, attention_backend)
         group = join(config)
-        hand_off(model, group)
+        model_split.hand_off(model, group)
         self.link = Link(group)
         # The other ranks may still be loading; the warm-up forward, which is watched, must not wait on that.
         self.link.barrier()
@@ -260,17 +305,31 @@ class MirroredRunner(ModelRunner):
         log.info("%d ranks: a step that waits over %gs on them stops the engine (--pipeline-timeout)",
                  config.num_ranks, config.pipeline_timeout)
         self.own_blocks = 0  # the pool this rank alone affords (``agree``)
+        self.sent: deque[SentBatch] = deque()  # batches the other ranks have, oldest first
+        self.num_overlapped = 0  # rank 0's parts run while a later batch was out (the others busy)
 
-    def run_pooled(self, batch: SchedulerOutput, num_logits: list[int] | None = None
-                   ) -> tuple[mx.array, mx.array | None]:
-        """As ``ModelRunner.run_pooled``, but evaluated here: a rank that stops answering hangs it."""
+    def send(self, batch: SchedulerOutput, lane: int = 0, num_logits: list[int] | None = None) -> None:
+        """Send ``batch`` (with the journal so far) to the other ranks, which compute their layers of
+        it once they are done with the batches sent before; ``run_pooled`` runs rank 0's part."""
         pieces = self.pieces(batch)
         caches = self.kv.step_caches(batch.scheduled)
         num_logits = batch.num_logits if num_logits is None else num_logits
-        # Watched from the send on: building the forward may evaluate already (the host attention).
         with self.watchdog:
             self.link.send(self.kv.take(pieces=pieces, num_logits=num_logits))
-            logits, hidden = forward_pooled(self.model, self.head, pieces, caches, num_logits, batch.hidden_rows)
+        self.sent.append(SentBatch(batch, lane, pieces, caches, num_logits, batch.hidden_rows))
+
+    def run_pooled(self, batch: SchedulerOutput, num_logits: list[int] | None = None
+                   ) -> tuple[mx.array, mx.array | None]:
+        """As ``ModelRunner.run_pooled`` for the oldest batch sent (a batch not sent yet is sent
+        first), evaluated here: a rank that stops answering hangs it."""
+        if not self.sent or self.sent[0].batch is not batch:
+            assert not self.sent, "pipeline batches run out of the order they were sent in"
+            self.send(batch, num_logits=num_logits)
+        s = self.sent.popleft()
+        self.num_overlapped += bool(self.sent)
+        # Watched: the forward waits for the hidden states of the rank after this one.
+        with self.watchdog:
+            logits, hidden = forward_pooled(self.model, self.head, s.pieces, s.caches, s.num_logits, s.hidden_rows)
             mx.eval(logits, hidden if hidden is not None else [], self.kv.arrays())
         return logits, hidden
 
@@ -295,12 +354,13 @@ def serve_worker(config: EngineConfig, group: mx.distributed.Group) -> int:
 
     config = config.for_device(gpu=not on_cpu())  # the same batch limits as rank 0's engine
     loaded = load_model(config.model, config.dtype)
-    prepare(loaded.model, group, config)
+    model_split.prepare(loaded.model, group, config)
     specs = read_layers(loaded.model)
     kv = KVCacheManager.build(specs, config, float_dtype(loaded.model))
     runner = ModelRunner(loaded.model, specs, kv, kernels.resolve_backend(config.attention_backend))
-    hand_off(loaded.model, group)
+    model_split.hand_off(loaded.model, group)
     mirror, link = Mirror(kv), Link(group)
+    pipelined = config.pipeline_parallel_size > 1
     link.barrier()  # loaded: rank 0's warm-up forward comes next
     max_model_len = config.max_model_len or loaded.context_length
     gc.collect()
@@ -314,8 +374,10 @@ def serve_worker(config: EngineConfig, group: mx.distributed.Group) -> int:
             return 0
         mirror.apply(message)
         if message.pieces is not None:
-            mx.eval(forward(runner.model, runner.head, message.pieces, mirror.caches, message.num_logits),
-                    kv.arrays())
+            logits = forward(runner.model, runner.head, message.pieces, mirror.caches, message.num_logits)
+            # A pipeline rank's part ends with its send, and it goes on to the next batch at once;
+            # tensor-parallel ranks compute the whole step together.
+            mx.eval(model_split.sent(runner.model) if pipelined else logits, kv.arrays())
         if message.query == "blocks":
             # The warm-up forward rank 0 ran has passed through here: its peak is this rank's scratch.
             activations = max(mx.get_peak_memory() - weights, 0)

@@ -31,6 +31,7 @@ class Request:
         "arrival_time", "pending_tokens", "pending_logprobs", "block_hashes", "cache_salt",
         "first_scheduled_time", "first_token_time", "last_token_time", "app", "priority", "grammar",
         "params_n", "task", "embedding", "score", "lora_name", "lora_slot", "num_placeholders",
+        "lane",
     )
 
     def __init__(
@@ -79,6 +80,8 @@ class Request:
         # The LoRA adapter it runs under (None: the base model), and its slot while running (0: none held).
         self.lora_name = lora_name
         self.lora_slot = 0
+        # The scheduler's lane it runs in (pipeline parallelism: ``Scheduler.num_lanes``).
+        self.lane = 0
 
     @property
     def ready(self) -> bool:

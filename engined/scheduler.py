@@ -18,6 +18,13 @@ next step is scheduled as if it were known, and the runner feeds it from the
 device. Draft tokens (speculative decoding) are lookahead the scheduler only
 budgets: ``schedule(drafts)`` keeps what fits and ``postprocess`` counts what
 was accepted.
+
+Lanes (pipeline parallelism, vLLM's virtual engines): with ``num_lanes`` > 1
+each running request belongs to one lane and ``schedule(lane=i)`` builds a
+batch of lane i's requests only, so a lane's batch can be in flight down the
+pipeline while another lane's is scheduled. A waiting request joins the lane
+being scheduled while that lane runs the fewest requests; preemption picks
+victims in the same lane.
 """
 
 from __future__ import annotations
@@ -77,8 +84,10 @@ def chunk_within(context: int, keys: int) -> int:
 
 class Scheduler:
     def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 max_model_len: int | None = None, eos_token_ids: tuple[int, ...] = (), lora=None):
+                 max_model_len: int | None = None, eos_token_ids: tuple[int, ...] = (), lora=None,
+                 num_lanes: int = 1):
         self.kv = kv
+        self.num_lanes = num_lanes
         # engined.lora.LoraRegistry, or None: a request under an adapter runs only while it holds a slot.
         self.lora = lora
         self.lora_failures: list[tuple[Request, InvalidRequestError]] = []
@@ -114,22 +123,24 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def schedule(self, drafts: dict[Request, list[int]] | None = None) -> SchedulerOutput:
-        """This step's batch; ``drafts`` are tokens proposed after running requests' known ones."""
+    def schedule(self, drafts: dict[Request, list[int]] | None = None, lane: int = 0) -> SchedulerOutput:
+        """This step's batch (of ``lane``'s requests); ``drafts`` are tokens proposed after running
+        requests' known ones."""
         out = SchedulerOutput()
         drafts = drafts or {}
         budget = self.max_num_batched_tokens
 
         # Running requests first, best priority and oldest first; preempt from the other end.
         self.running.sort(key=lambda r: (r.priority, r.arrival_time))
-        fair_preempted = self._make_room_for_starved_apps()
+        mine = self._lane(lane)
+        fair_preempted = self._make_room_for_starved_apps(mine)
         out.preempted += fair_preempted
         # None: nothing decodes, prefills take the whole token budget.
         keys = (self.prefill_attention_budget
-                if any(r.num_tokens_with_placeholders - r.num_computed_tokens == 1 for r in self.running) else None)
+                if any(r.num_tokens_with_placeholders - r.num_computed_tokens == 1 for r in mine) else None)
         i = 0
-        while i < len(self.running) and budget > 0:
-            req = self.running[i]
+        while i < len(mine) and budget > 0:
+            req = mine[i]
             if req.num_placeholders and self._ends_on_placeholder(req):
                 i += 1  # it stops on the token still on the device: a step more would be thrown away
                 continue
@@ -143,7 +154,9 @@ class Scheduler:
                 num_new = self._prefill_chunk(req.num_computed_tokens, num_new, keys)
                 keys -= attended_keys(req.num_computed_tokens, num_new)
             while not self.kv.allocate(req, num_new):
-                victim = self.running.pop()
+                victim = mine.pop()
+                if mine is not self.running:
+                    self.running.remove(victim)
                 self._preempt(victim)
                 out.preempted.append(victim)
                 if victim is req:
@@ -158,7 +171,7 @@ class Scheduler:
         # Admit waiting requests only if no running request had to be preempted to grow.
         pressure = len(out.preempted) > len(fair_preempted)
         no_slot: set[Request] = set()  # their adapter found every slot held: later ones may still run
-        while budget > 0 and not pressure and len(self.running) < self.max_num_seqs:
+        while budget > 0 and not pressure and len(self.running) < self.max_num_seqs and self._fewest(mine):
             req = self._next_waiting(no_slot)
             if req is None:
                 break
@@ -185,10 +198,26 @@ class Scheduler:
             req.status = Status.RUNNING
             if req.first_scheduled_time is None:
                 req.first_scheduled_time = time.monotonic()
+            req.lane = lane
             self.running.append(req)
+            if mine is not self.running:
+                mine.append(req)
             out.scheduled.append((req, num_new))
             budget -= num_new
         return out
+
+    def _lane(self, lane: int) -> list[Request]:
+        """The running requests of ``lane``: all of them (the list itself) when there is one lane."""
+        return self.running if self.num_lanes == 1 else [r for r in self.running if r.lane == lane]
+
+    def _fewest(self, mine: list[Request]) -> bool:
+        """Whether the lane of running requests ``mine`` may admit one more: no other lane runs fewer."""
+        if self.num_lanes == 1:
+            return True
+        counts = [0] * self.num_lanes
+        for r in self.running:
+            counts[r.lane] += 1
+        return len(mine) <= min(counts)
 
     def _prefill_chunk(self, context: int, num_new: int, keys: int) -> int:
         """A prefill chunk of at most ``num_new`` tokens within ``keys`` attended keys.
@@ -200,14 +229,14 @@ class Scheduler:
         """
         return min(num_new, max(chunk_within(context, max(keys, 0)), self.min_prefill_chunk))
 
-    def _make_room_for_starved_apps(self) -> list[Request]:
+    def _make_room_for_starved_apps(self, mine: list[Request]) -> list[Request]:
         """Preempt over-share apps' newest requests for waiting apps below their share.
 
         Each app with work is due ``max_num_seqs // active apps`` running slots.
         Admission order alone would make a second app wait for a flooding
         app's requests to finish; this hands it its slots (and blocks) within a
         step. Fairness never overrides priority, and an app at or under its
-        share is never preempted for another.
+        share is never preempted for another. Victims come from ``mine`` (the lane scheduled).
         """
         if not self.waiting or not self.running:
             return []
@@ -230,12 +259,13 @@ class Scheduler:
             busiest = max(counts, key=counts.get)
             if counts[busiest] <= share:
                 break
-            victim = next((r for r in reversed(self.running) if r.app == busiest and r.priority >= req.priority),
-                          None)
+            victim = next((r for r in reversed(mine) if r.app == busiest and r.priority >= req.priority), None)
             if victim is None:
                 continue
             held = len(self.kv.req_blocks.get(victim.request_id, ()))
             self.running.remove(victim)
+            if mine is not self.running:
+                mine.remove(victim)
             self._preempt(victim)
             victims.append(victim)
             counts[busiest] -= 1

@@ -49,6 +49,8 @@ HELP = {
     "pipeline_split": "layers per rank, rank 0 first (rank 0 runs the last layers; default: an even split)",
     "tensor_parallel_size": "ranks each layer's heads and MLP are split over (families whose mlx_lm model can "
                             "shard; the KV heads must divide evenly)",
+    "pipeline_batches": "scheduler batches in flight down a pipeline at once, each with its own requests "
+                        "(vLLM's virtual engines; default: one per pipeline rank; 1: one at a time)",
     "pipeline_timeout": "seconds a step may wait on the other pipeline ranks before the engine stops",
     "task": "what the model serves: generate, embed (/v1/embeddings, /pooling), score (/v1/score, /rerank "
             "from the yes/no logits), auto (embed for an encoder folder, else generate)",

@@ -94,6 +94,9 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     # Ranks each layer's heads and MLP are split over (mlx_lm's ``shard``), each with its share of
     # the weights and of the KV heads; not combined with a pipeline yet.
     tensor_parallel_size: int = 1
+    # Scheduler batches in flight down a pipeline at once, each with its own requests (vLLM's
+    # virtual engines); None: one per pipeline rank, so every rank has one to compute.
+    pipeline_batches: int | None = None
     # Seconds a forward may wait on the other ranks before the engine gives up on them.
     pipeline_timeout: float = 120.0
     # generate: text; embed: last-token pooled, L2-normalised vectors (Qwen3-Embedding) or an
@@ -145,6 +148,8 @@ class EngineConfig(msgspec.Struct, kw_only=True):
             raise InvalidRequestError(f"pipeline_split names {len(self.pipeline_split)} ranks; "
                                       f"pipeline_parallel_size is {self.pipeline_parallel_size}",
                                       param="pipeline_split")
+        if self.pipeline_batches is not None and self.pipeline_batches < 1:
+            raise InvalidRequestError("pipeline_batches must be positive", param="pipeline_batches")
         if self.pipeline_timeout <= 0:
             raise InvalidRequestError("pipeline_timeout must be positive", param="pipeline_timeout")
         if self.task not in ENGINE_TASKS:

@@ -33,7 +33,8 @@ def main() -> int:
         again = engine.generate(prompts[:2], params)  # their prefixes are cached now
         print(json.dumps({"tokens": first, "again": again, "num_blocks": engine.memory.num_blocks,
                           "own_blocks": engine.runner.own_blocks,
-                          "hits": engine.runner.kv.hits}), flush=True)
+                          "hits": engine.runner.kv.hits, "steps": engine.num_steps,
+                          "overlapped": engine.runner.num_overlapped}), flush=True)
     finally:
         for child in children:
             child.terminate()

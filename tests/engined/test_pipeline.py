@@ -48,13 +48,19 @@ def _run_single(config: EngineConfig, prompts) -> tuple[list, list]:
 
 @pytest.mark.parametrize("arch,parallel,layers", [
     ("llama", dict(pipeline_parallel_size=2), 4),  # mlx_lm's llama has no pipeline body: mlxd's hand-offs
-    ("qwen3", dict(pipeline_parallel_size=2), 2),  # nor qwen3's
+    ("llama", dict(pipeline_parallel_size=3), 3),  # three batches in flight, one per rank
+    ("llama", dict(pipeline_parallel_size=4), 4),  # rank 0's messages passed on round the ring
+    ("llama", dict(pipeline_parallel_size=2, pipeline_batches=1), 2),  # one batch at a time
+    ("qwen3", dict(pipeline_parallel_size=3), 3),  # nor qwen3's
     ("qwen3_moe", dict(pipeline_parallel_size=2), 2),  # MoE, mlx_lm's PipelineMixin
     ("qwen3_next", dict(pipeline_parallel_size=3), 4),  # hybrid: delta nets and gated attention, 2 + 1 + 1 layers
     ("llama", dict(tensor_parallel_size=2), 2),  # mlx_lm's shard: half the heads and KV heads per rank
     ("qwen3_moe", dict(tensor_parallel_size=2), 2),
-], ids=["llama-pp2", "qwen3-pp2", "qwen3_moe-pp2", "qwen3_next-pp3", "llama-tp2", "qwen3_moe-tp2"])
+], ids=["llama-pp2", "llama-pp3", "llama-pp4", "llama-pp2-one-batch", "qwen3-pp3", "qwen3_moe-pp2", "qwen3_next-pp3",
+        "llama-tp2", "qwen3_moe-tp2"])
 def test_parallel_greedy_outputs_equal_the_single_process_engine(tmp_path, arch, parallel, layers):
+    """Mixed batches (a shared prefix, prompts past the token budget) over real ranks; a pipeline
+    keeps one batch per rank in flight unless told otherwise, and its outputs stay the one process's."""
     seed = fresh_seed(f"{arch} weights")
     path = make_tiny_model(tmp_path / arch, arch, seed=seed, num_hidden_layers=layers)
     prompts = _prompts(seeded_rng())
@@ -64,6 +70,12 @@ def test_parallel_greedy_outputs_equal_the_single_process_engine(tmp_path, arch,
     assert result["tokens"] == first
     assert result["again"] == again
     assert result["hits"] > 0  # the second pass was served from the prefix cache on every rank
+    in_flight = parallel.get("pipeline_batches", parallel.get("pipeline_parallel_size", 1))
+    print(f"{result['steps']} steps, {result['overlapped']} of them with a later batch out")
+    if in_flight > 1:  # most steps ran rank 0's part while the other ranks had the next batch
+        assert result["overlapped"] > result["steps"] // 2
+    else:
+        assert result["overlapped"] == 0
 
 
 def test_each_rank_sizes_its_pool_for_its_own_layers_and_the_smallest_wins(tmp_path):
@@ -100,3 +112,10 @@ def test_a_split_that_does_not_fit_the_model_is_refused_in_one_line(tmp_path, pa
         capture_output=True, text=True, timeout=240)
     assert out.returncode != 0
     assert message in out.stderr
+
+
+def test_pipeline_with_tensor_parallelism_is_refused_in_one_line():
+    out = subprocess.run([sys.executable, "-m", "mlxd", "engine", "-pp", "2", "-tp", "2"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode != 0
+    assert out.stderr.strip() == "mlxd: pipeline and tensor parallelism cannot be combined yet; pick one"
