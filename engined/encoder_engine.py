@@ -24,7 +24,7 @@ from engined import memory_guard
 from engined.device import on_cpu
 from engined.metrics import EngineMetrics
 from engined.pooling import matryoshka_dimensions
-from engined.request import Request, Status, WaitingPlaces
+from engined.request import Request, Status, WaitingPlaces, take_output
 from shared.config import EngineConfig
 from shared.errors import ContextLengthError, InvalidRequestError, ModelLoadError
 from shared.protocol import TASKS, EngineStats, ModelInfo, RequestOutput
@@ -111,7 +111,7 @@ class EncoderEngine:
             self.waiting.remove(req)
             req.status, req.finish_reason = Status.FINISHED, "abort"
             self.metrics.on_finish(req, time.monotonic())
-            self._ended.append(_output(req))
+            self._ended.append(take_output(req))
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self._ended or self._failed)
@@ -155,7 +155,7 @@ class EncoderEngine:
             del self.requests[req.request_id]
             self.metrics.on_pooled(req, now)
             self.metrics.on_finish(req, now)
-            outputs.append(_output(req))
+            outputs.append(take_output(req))
         self.metrics.on_step(sum(r.num_tokens for r in batch), now - start, self.stats())
         return outputs
 
@@ -179,11 +179,6 @@ class EncoderEngine:
         for req in batch:
             self.waiting.remove(req)
         return batch
-
-
-def _output(req: Request) -> RequestOutput:
-    return RequestOutput(request_id=req.request_id, new_token_ids=[], finish_reason=req.finish_reason,
-                         num_prompt_tokens=req.num_prompt_tokens, embedding=req.embedding)
 
 
 def _vocab_size(path: Path) -> int:

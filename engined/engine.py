@@ -8,6 +8,13 @@ sampled tokens stay on the device while the next step is scheduled and built
 scheduled where a request needs them on the host (``_must_read_first``).
 
 The daemon wraps this object; tests and benchmarks use it directly.
+
+At about 450 lines this module is over the ~400 the project aims for, on purpose: it is the one
+object that wires the collaborators (runner, KV manager, scheduler, sampler, speculator, LoRA
+registry, memory guard) and drives them, in three screens (construction, request intake, the step);
+validation, output records and drafter loading already live with what they concern
+(``request.check_prompt``/``take_output``, ``proposers``), and splitting the rest would pass the
+same dozen fields between two halves of one state machine.
 """
 
 from __future__ import annotations
@@ -22,25 +29,22 @@ from concurrent.futures import wait as wait_futures
 import mlx.core as mx
 
 import kernels
-from engined import memory_guard, model_split, pipeline
+from engined import memory_guard, model_split, pipeline, proposers
 from engined.device import on_cpu
-from engined.draft_model import DraftProposer
 from engined.kv import KVCacheManager
 from engined.loaders import LoadedModel, load_model
 from engined.lora.registry import LoraRegistry
 from engined.metrics import EngineMetrics
 from engined.model_layers import float_dtype, read_layers
-from engined.mtp import MTPProposer
-from engined.mtp import build_layer as build_mtp_layer
 from engined.pooling import matryoshka_dimensions, pooled_results, score_token_ids, store_results
-from engined.request import Request, WaitingPlaces
+from engined.request import Request, WaitingPlaces, check_prompt, take_output
 from engined.runner import ModelRunner
 from engined.sampler import LaunchedStep, Sampler, needs_host_tokens
 from engined.scheduler import Scheduler, SchedulerOutput
 from engined.speculative import Speculator
 from engined.structured import GrammarCompiler
-from shared.config import EngineConfig, SpeculativeConfig
-from shared.errors import ContextLengthError, InvalidRequestError, ModelLoadError, NotFoundError
+from shared.config import EngineConfig
+from shared.errors import ContextLengthError, InvalidRequestError, NotFoundError
 from shared.protocol import TASKS, EngineStats, LoraAdapter, ModelInfo, RequestOutput
 from shared.sampling import SamplingParams
 
@@ -78,10 +82,11 @@ class Engine:
         self.sampler = Sampler(loaded.vocab_size, loaded.eos_token_ids)
         self.metrics = EngineMetrics(config.served_model_name or loaded.model_id, config.metrics_prefix,
                                      self.max_model_len)
-        self.drafter = (self._load_drafter(spec, loaded, dtype, backend)
+        self.drafter = (proposers.load_drafter(spec, loaded, config, dtype, self.sampler, backend)
                         if spec and spec.method == "draft_model" else None)
         # The checkpoint's MTP layer; its K/V are a group of the KV manager (billed with it).
-        self.mtp = self._load_mtp(loaded, kv, dtype, backend) if spec and spec.method == "mtp" else None
+        self.mtp = (proposers.load_mtp(loaded, self.runner.head, kv, config, dtype, self.sampler, backend)
+                    if spec and spec.method == "mtp" else None)
         # None when speculation is off: a plain step never enters engined.speculative.
         self.speculator = (Speculator(spec, self.sampler, self.metrics, self.max_model_len, self.drafter or self.mtp,
                                       kv.block_ids) if spec is not None else None)
@@ -142,28 +147,6 @@ class Engine:
         self.sampler.grammars = self.grammars
         self.metrics.attach(self)
 
-    def _load_drafter(self, spec: SpeculativeConfig, target: LoadedModel, dtype: mx.Dtype,
-                      backend: str) -> DraftProposer:
-        draft = load_model(spec.model, self.config.dtype)
-        if draft.vocab_size != target.vocab_size:
-            raise ModelLoadError(
-                f"draft model {spec.model!r} has a vocabulary of {draft.vocab_size} tokens; "
-                f"the target's has {target.vocab_size}: they must share a tokenizer"
-            )
-        return DraftProposer(draft.model, read_layers(draft.model), self.config.block_size, dtype, self.sampler,
-                             backend)
-
-    def _load_mtp(self, loaded: LoadedModel, kv, dtype: mx.Dtype, backend: str) -> MTPProposer:
-        if loaded.mtp is None:
-            raise ModelLoadError(f"{loaded.model_id} has no MTP layer (mtp.* weights) for "
-                                 "speculative method 'mtp'", param="speculative_config")
-        if self.config.num_ranks > 1:
-            raise InvalidRequestError("MTP speculation cannot run over several ranks yet",
-                                      param="speculative_config")
-        layer, index = build_mtp_layer(loaded.model, loaded.model_type, loaded.mtp)
-        return MTPProposer(loaded.model, self.runner.head, layer, index, kv, self.sampler, self.config.block_size,
-                           dtype, backend)
-
     # -- requests ---------------------------------------------------------------------------
 
     def add_request(
@@ -194,18 +177,8 @@ class Engine:
             params = SamplingParams(max_tokens=1)
         if request_id in self.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
-        if not prompt_token_ids:
-            raise InvalidRequestError("the prompt is empty")
-        params.validate(self.info.vocab_size)
-        n = len(prompt_token_ids)
-        if n > self.max_model_len or (n == self.max_model_len and not pooled):
-            raise ContextLengthError(
-                f"this model's maximum context length is {self.max_model_len} tokens; "
-                f"the prompt has {n} tokens"
-            )
-        if min(max(prompt_token_ids), min(prompt_token_ids)) < 0 or max(prompt_token_ids) >= self.info.vocab_size:
-            raise InvalidRequestError("prompt token ids out of range")
-        longest = min(n + params.max_tokens, self.max_model_len)
+        check_prompt(prompt_token_ids, params, self.max_model_len, self.info.vocab_size, pooled)
+        longest = min(len(prompt_token_ids) + params.max_tokens, self.max_model_len)
         if not self.scheduler.can_ever_fit(longest):
             raise ContextLengthError(
                 f"the request needs up to {longest} tokens of KV cache but the pool holds "
@@ -266,7 +239,7 @@ class Engine:
                 continue
             self.scheduler.finish(req, "abort")
             self.metrics.on_finish(req, time.monotonic())
-            self._aborted.append(self._output(req))
+            self._aborted.append(take_output(req))
 
     def has_unfinished(self) -> bool:
         return (self.scheduler.has_unfinished() or bool(self._aborted) or bool(self._failed)
@@ -459,23 +432,8 @@ class Engine:
             if req.finished:
                 self.metrics.on_finish(req, now)
                 del self.requests[req.request_id]
-            outputs.append(self._output(req))
+            outputs.append(take_output(req))
         return outputs
-
-    def _output(self, req: Request) -> RequestOutput:
-        out = RequestOutput(
-            request_id=req.request_id,
-            new_token_ids=req.pending_tokens,
-            finish_reason=req.finish_reason,
-            logprobs=req.pending_logprobs or None,
-            num_prompt_tokens=req.num_prompt_tokens,
-            num_cached_tokens=req.num_cached_tokens,
-            stop_token_id=req.stop_token_id,
-            embedding=req.embedding,
-            score=req.score,
-        )
-        req.pending_tokens, req.pending_logprobs = [], []
-        return out
 
     # -- convenience --------------------------------------------------------------------------
 

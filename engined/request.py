@@ -6,8 +6,8 @@ from __future__ import annotations
 import enum
 import time
 
-from shared.errors import OverloadedError
-from shared.protocol import Logprob
+from shared.errors import ContextLengthError, InvalidRequestError, OverloadedError
+from shared.protocol import Logprob, RequestOutput
 from shared.sampling import SamplingParams
 
 
@@ -166,3 +166,35 @@ class WaitingPlaces:
                 f"(--max-waiting-requests {cap}); retry later" if need > 1 else
                 f"{waiting} requests are already waiting (--max-waiting-requests {cap}); retry later"
             )
+
+
+def check_prompt(prompt_token_ids: list[int], params: SamplingParams, max_model_len: int, vocab_size: int,
+                 pooled: bool) -> None:
+    """Raise if a prompt or its sampling parameters can never run on this model. A pooled (embed or
+    score) request may fill the context: it generates nothing after its prompt."""
+    if not prompt_token_ids:
+        raise InvalidRequestError("the prompt is empty")
+    params.validate(vocab_size)
+    n = len(prompt_token_ids)
+    if n > max_model_len or (n == max_model_len and not pooled):
+        raise ContextLengthError(f"this model's maximum context length is {max_model_len} tokens; "
+                                 f"the prompt has {n} tokens")
+    if min(prompt_token_ids) < 0 or max(prompt_token_ids) >= vocab_size:
+        raise InvalidRequestError("prompt token ids out of range")
+
+
+def take_output(req: Request) -> RequestOutput:
+    """What the request produced since the last call, handed out once."""
+    out = RequestOutput(
+        request_id=req.request_id,
+        new_token_ids=req.pending_tokens,
+        finish_reason=req.finish_reason,
+        logprobs=req.pending_logprobs or None,
+        num_prompt_tokens=req.num_prompt_tokens,
+        num_cached_tokens=req.num_cached_tokens,
+        stop_token_id=req.stop_token_id,
+        embedding=req.embedding,
+        score=req.score,
+    )
+    req.pending_tokens, req.pending_logprobs = [], []
+    return out

@@ -1,0 +1,43 @@
+"""The drafter a speculative engine proposes with, loaded and checked against its target.
+
+``draft_model``: a second, smaller checkpoint that must share the target's
+vocabulary. ``mtp``: the target checkpoint's own multi-token-prediction layer,
+which the loader set aside (``LoadedModel.mtp``); it reads the target's final
+hidden states and head, so it is built on the target's runner.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+from engined.draft_model import DraftProposer
+from engined.kv import KVCacheManager
+from engined.loaders import LoadedModel, load_model
+from engined.model_layers import read_layers
+from engined.mtp import MTPProposer, build_layer
+from engined.runner import LastTokenNorm
+from engined.sampler import Sampler
+from shared.config import EngineConfig, SpeculativeConfig
+from shared.errors import InvalidRequestError, ModelLoadError
+
+
+def load_drafter(spec: SpeculativeConfig, target: LoadedModel, config: EngineConfig, dtype: mx.Dtype,
+                 sampler: Sampler, backend: str) -> DraftProposer:
+    draft = load_model(spec.model, config.dtype)
+    if draft.vocab_size != target.vocab_size:
+        raise ModelLoadError(
+            f"draft model {spec.model!r} has a vocabulary of {draft.vocab_size} tokens; "
+            f"the target's has {target.vocab_size}: they must share a tokenizer"
+        )
+    return DraftProposer(draft.model, read_layers(draft.model), config.block_size, dtype, sampler, backend)
+
+
+def load_mtp(loaded: LoadedModel, head: LastTokenNorm, kv: KVCacheManager, config: EngineConfig, dtype: mx.Dtype,
+             sampler: Sampler, backend: str) -> MTPProposer:
+    if loaded.mtp is None:
+        raise ModelLoadError(f"{loaded.model_id} has no MTP layer (mtp.* weights) for "
+                             "speculative method 'mtp'", param="speculative_config")
+    if config.num_ranks > 1:
+        raise InvalidRequestError("MTP speculation cannot run over several ranks yet", param="speculative_config")
+    layer, index = build_layer(loaded.model, loaded.model_type, loaded.mtp)
+    return MTPProposer(loaded.model, head, layer, index, kv, sampler, config.block_size, dtype, backend)
