@@ -21,8 +21,7 @@ from starlette.responses import Response
 from gateway.chat_run import ChatInput, ChatRun, render
 from gateway.errors import anthropic_sse_error_event
 from gateway.generation import KEEPALIVE, SSEResponse, named_event
-from gateway.http_guards import decode_body
-from gateway.state import GatewayState
+from gateway.state import open_request
 from shared.errors import InvalidRequestError, MlxdError
 
 
@@ -195,22 +194,14 @@ def _response_format(output_config: dict | None) -> dict | None:
 
 # -- routes -----------------------------------------------------------------------------
 
-async def _decode(request: Request, typ):
-    gw: GatewayState = request.app.state.gw
-    app = gw.check_auth(request)
-    req = await decode_body(request, typ)
-    gw.require_ready()
-    return gw, app, req, gw.check_model(req.model, app)
-
-
 async def count_tokens(request: Request) -> Response:
-    gw, _, req, _ = await _decode(request, CountTokensRequest)
+    gw, _, req, _ = await open_request(request, CountTokensRequest)
     prompt = await render(gw, chat_input(req), check_length=False)
     return Response(msgspec.json.encode({"input_tokens": len(prompt.ids)}), media_type="application/json")
 
 
 async def messages(request: Request) -> Response:
-    gw, app, req, model = await _decode(request, MessagesRequest)
+    gw, app, req, model = await open_request(request, MessagesRequest)
     if req.max_tokens < 1:
         raise InvalidRequestError("max_tokens must be at least 1", param="max_tokens")
     inp = chat_input(req)

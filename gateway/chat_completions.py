@@ -13,8 +13,7 @@ from gateway import params as P
 from gateway.chat_run import ChatInput, ChatRun, finish_reason
 from gateway.errors import sse_error_event
 from gateway.generation import DONE, KEEPALIVE, SSEResponse, event
-from gateway.http_guards import decode_body
-from gateway.state import GatewayState
+from gateway.state import GatewayState, open_request
 from gateway.tokenizer import message_dicts
 from shared.errors import MlxdError
 
@@ -43,11 +42,7 @@ def chat_input(req: t.ChatCompletionRequest, app: str | None) -> ChatInput:
 
 
 async def chat_completions(request: Request) -> Response:
-    gw: GatewayState = request.app.state.gw
-    app = gw.check_auth(request)
-    req = await decode_body(request, t.ChatCompletionRequest)
-    gw.require_ready()
-    model = gw.check_model(req.model, app)
+    gw, app, req, model = await open_request(request, t.ChatCompletionRequest)
     inp = chat_input(req, app)
     inp.lora_name = gw.lora_name(model)
     run = ChatRun(gw, inp)

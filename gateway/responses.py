@@ -20,9 +20,9 @@ from starlette.responses import Response
 from gateway.chat_run import ChatInput, ChatRun
 from gateway.errors import error_body, to_mlxd_error
 from gateway.generation import KEEPALIVE, SSEResponse, named_event
-from gateway.http_guards import decode_body, loads
+from gateway.http_guards import loads
 from gateway.responses_tools import ResponsesTools, responses_tools
-from gateway.state import GatewayState
+from gateway.state import open_request
 from shared.errors import InvalidRequestError, MlxdError
 
 
@@ -155,11 +155,7 @@ def chat_input(req: ResponsesRequest, tools: ResponsesTools) -> ChatInput:
 # -- route ------------------------------------------------------------------------------
 
 async def responses(request: Request) -> Response:
-    gw: GatewayState = request.app.state.gw
-    app = gw.check_auth(request)
-    req = await decode_body(request, ResponsesRequest)
-    gw.require_ready()
-    model = gw.check_model(req.model, app)
+    gw, app, req, model = await open_request(request, ResponsesRequest)
     if req.previous_response_id is not None:
         raise InvalidRequestError("previous_response_id needs stored responses, which this stateless server "
                                   "does not keep; send the whole conversation as input", param="previous_response_id")

@@ -23,9 +23,8 @@ from starlette.responses import Response
 
 from gateway import params as P
 from gateway import pooling_types as t
-from gateway.http_guards import decode_body
 from gateway.pooled import MAX_INPUTS, check_ids, input_ids, run_pooled, vectors
-from gateway.state import GatewayState
+from gateway.state import GatewayState, open_request
 from shared.errors import InvalidRequestError
 
 
@@ -92,11 +91,7 @@ async def pair_scores(request: Request, app: str | None, pairs: list[tuple[str, 
 
 
 async def score(request: Request) -> Response:
-    gw: GatewayState = request.app.state.gw
-    app = gw.check_auth(request)
-    req = await decode_body(request, t.ScoreRequest)
-    gw.require_ready()
-    model = gw.check_model(req.model, app)
+    gw, app, req, model = await open_request(request, t.ScoreRequest)
     pairs = score_pairs(req.text_1, req.text_2)
     scores, tokens = await pair_scores(request, app, pairs, req.truncate_prompt_tokens, req.priority, "text_2")
     if scores is None:
@@ -120,11 +115,7 @@ def _document_texts(documents: list) -> list[str]:
 
 async def rerank(request: Request) -> Response:
     """Jina's and Cohere's rerank, as vLLM serves it: documents by relevance to the query, best first."""
-    gw: GatewayState = request.app.state.gw
-    app = gw.check_auth(request)
-    req = await decode_body(request, t.RerankRequest)
-    gw.require_ready()
-    model = gw.check_model(req.model, app)
+    gw, app, req, model = await open_request(request, t.RerankRequest)
     if not req.documents:
         raise InvalidRequestError("documents must not be empty", param="documents")
     if req.top_n is not None and req.top_n < 0:

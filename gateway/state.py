@@ -6,11 +6,13 @@ import asyncio
 import hmac
 import ipaddress
 import logging
+from typing import TypeVar
 
 from starlette.requests import Request
 
 from gateway.access_log import AccessLoggedClient
 from gateway.engine_client import EngineClient
+from gateway.http_guards import decode_body
 from gateway.params import SamplingDefaults, sampling_defaults
 from gateway.parsers import choose_parsers
 from gateway.tokenizer import Tokenizer, load_chat_template
@@ -129,3 +131,16 @@ class GatewayState:
     def lora_name(self, model: str) -> str | None:
         """The adapter a checked model name (``check_model``'s answer) runs under; None for the base."""
         return None if model == self.client.info.served_model_name else model
+
+
+Body = TypeVar("Body")
+
+
+async def open_request(request: Request, typ: type[Body]) -> tuple[GatewayState, str, Body, str]:
+    """The opening every model route shares, in the order its errors must come: the key (401), the
+    body (400), the engine (503), the model the key may use (404). Returns (state, app, body, model)."""
+    gw: GatewayState = request.app.state.gw
+    app = gw.check_auth(request)
+    req = await decode_body(request, typ)
+    gw.require_ready()
+    return gw, app, req, gw.check_model(req.model, app)
