@@ -67,7 +67,7 @@ class Engine:
             model_split.prepare(loaded.model, pipeline.join(config), config)
         specs = read_layers(loaded.model)
         kv = KVCacheManager.build(specs, config, dtype)
-        spec = config.speculative
+        spec = proposers.resolve(config.speculative)  # a Gemma 4 assistant given as a draft model is MTP
         if spec is not None and not kv.can_rewind:
             raise InvalidRequestError(
                 "speculative decoding is not supported for this model: one of its caches cannot take "
@@ -85,7 +85,7 @@ class Engine:
         self.drafter = (proposers.load_drafter(spec, loaded, config, dtype, self.sampler, backend)
                         if spec and spec.method == "draft_model" else None)
         # The checkpoint's MTP layer; its K/V are a group of the KV manager (billed with it).
-        self.mtp = (proposers.load_mtp(loaded, self.runner.head, kv, config, dtype, self.sampler, backend)
+        self.mtp = (proposers.load_mtp(spec, loaded, self.runner.head, kv, config, dtype, self.sampler, backend)
                     if spec and spec.method == "mtp" else None)
         # None when speculation is off: a plain step never enters engined.speculative.
         self.speculator = (Speculator(spec, self.sampler, self.metrics, self.max_model_len, self.drafter or self.mtp,

@@ -163,32 +163,19 @@ class HiddenTap(nn.Module):
         return self.head(h)
 
 
-class MTPProposer:
-    """Drafts with the MTP layer; its K/V are an ``MTPLayerGroup`` of the target's KV manager."""
+class TargetHiddenStates:
+    """What a drafter that reads the target's hidden states keeps between steps (the MTP layer here,
+    Gemma 4's assistant in ``engined.gemma4_assistant``): the tap in place of the target's final
+    norm, the rows the last forward computed per request, and ``pending`` per request."""
 
-    def __init__(self, model: nn.Module, head: LastTokenNorm, layer: MTPLayer, index: int, kv: KVCacheManager,
-                 sampler: Sampler, block_size: int, dtype: mx.Dtype, backend: str = "auto"):
-        decoder = layer.layers[0]
-        settings = layer_settings(model, index, decoder, decoder.self_attn)
-        decoder.self_attn = PagedAttention(decoder.self_attn, settings, backend)
-        self.group = MTPLayerGroup(LayerSpec(0, settings=settings), block_size, dtype)
-        kv.add(self.group)
-        self.kv = kv
-        self.layer = layer
+    def __init__(self, model: nn.Module, head: LastTokenNorm):
         self.head = head
-        text = text_model(model)
-        self.embed = text.model.embed_tokens
-        self.lm_head = text.lm_head if "lm_head" in text else text.model.embed_tokens.as_linear
         self.tap = HiddenTap(head)
-        text.model.norm = self.tap
-        self.sampler = sampler
-        self.block_size = block_size
-        # Per request, target hidden states [n, H] (normed) of positions start.. whose MTP K/V are
-        # not written yet, or, once written, its last row (its last token's input, to draft from).
+        text_model(model).model.norm = self.tap
+        # Per request: (first position, target hidden states [n, H] (normed) from there on).
         self.pending: dict[str, tuple[int, mx.array]] = {}
         # The forward that ran last: (request, its first position, its rows, its first packed row).
         self._layout: list[tuple[Request, int, int, int]] = []
-        self._kept = mx.zeros((0,))  # the last catch-up's kept rows, evaluated with its K/V
 
     def retain(self, request_ids) -> None:
         """Forget every request but these (finished or aborted ones, and preempted ones still waiting)."""
@@ -198,6 +185,50 @@ class MTPProposer:
     def forget(self, request_ids) -> None:
         for rid in request_ids:
             self.pending.pop(rid, None)
+
+    def _kept_rows(self, preempted: set[Request]) -> tuple[mx.array | None, list[tuple[Request, int, int, int]]]:
+        """The last forward's hidden states (before the norm) and, per request still running, the rows
+        it kept (its known tokens and accepted drafts): (request, first position, rows, first packed row)."""
+        hidden, layout = self.tap.hidden, self._layout
+        self.tap.hidden, self._layout = None, []
+        if hidden is None:
+            return None, []
+        return hidden, [(req, start, min(n, req.num_computed_tokens - start), first)
+                        for req, start, n, first in layout
+                        if not req.finished and req not in preempted and req.num_computed_tokens > start]
+
+    def _note(self, batch) -> None:
+        """The rows this batch's forward computes for each request that may speculate."""
+        self._layout, first = [], 0
+        for req, n in batch.scheduled:
+            if not req.pooled and may_speculate(req.params):
+                self._layout.append((req, req.num_computed_tokens, n, first))
+            first += n
+
+
+class MTPProposer(TargetHiddenStates):
+    """Drafts with the MTP layer; its K/V are an ``MTPLayerGroup`` of the target's KV manager.
+
+    ``pending`` holds, per request, the hidden states of the positions whose MTP K/V are not
+    written yet, or, once written, its last row (its last token's input, to draft from).
+    """
+
+    def __init__(self, model: nn.Module, head: LastTokenNorm, layer: MTPLayer, index: int, kv: KVCacheManager,
+                 sampler: Sampler, block_size: int, dtype: mx.Dtype, backend: str = "auto"):
+        super().__init__(model, head)
+        decoder = layer.layers[0]
+        settings = layer_settings(model, index, decoder, decoder.self_attn)
+        decoder.self_attn = PagedAttention(decoder.self_attn, settings, backend)
+        self.group = MTPLayerGroup(LayerSpec(0, settings=settings), block_size, dtype)
+        kv.add(self.group)
+        self.kv = kv
+        self.layer = layer
+        text = text_model(model)
+        self.embed = text.model.embed_tokens
+        self.lm_head = text.lm_head if "lm_head" in text else text.model.embed_tokens.as_linear
+        self.sampler = sampler
+        self.block_size = block_size
+        self._kept = mx.zeros((0,))  # the last catch-up's kept rows, evaluated with its K/V
 
     def propose(self, batch, drafting: list[Request],
                 drafts: list[list[int]]) -> tuple[mx.array | None, dict[Request, np.ndarray]]:
@@ -243,12 +274,7 @@ class MTPProposer:
     def _take_hidden(self, preempted: set[Request]) -> list[Request]:
         """The rows the last forward kept of each request (its known tokens and accepted drafts),
         pending now; returns those requests."""
-        hidden, layout = self.tap.hidden, self._layout
-        self.tap.hidden, self._layout = None, []
-        if hidden is None:
-            return []
-        kept = [(req, start, min(n, req.num_computed_tokens - start), first) for req, start, n, first in layout
-                if not req.finished and req not in preempted and req.num_computed_tokens > start]
+        hidden, kept = self._kept_rows(preempted)
         if not kept:
             return []
         index = np.concatenate([np.arange(first, first + k) for _, _, k, first in kept]).astype(np.int32)
@@ -293,11 +319,3 @@ class MTPProposer:
             return mx.zeros((0,)), []
         last = out[mx.array(rows)]
         return self.lm_head(last[None])[0], [last[i] for i in range(len(rows))]
-
-    def _note(self, batch) -> None:
-        """The rows this batch's forward computes for each request that may speculate."""
-        self._layout, first = [], 0
-        for req, n in batch.scheduled:
-            if not req.pooled and may_speculate(req.params):
-                self._layout.append((req, req.num_computed_tokens, n, first))
-            first += n

@@ -18,9 +18,11 @@ class SpeculativeConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True
 
     ``method`` is "ngram" (prompt lookup), "draft_model" (a second, smaller
     model of the same tokenizer) or "mtp" (the checkpoint's own
-    multi-token-prediction layer). Omitted, it is "draft_model" when a
+    multi-token-prediction layer, or with a ``model``, a separate MTP drafter
+    checkpoint: Gemma 4's assistant). Omitted, it is "draft_model" when a
     ``model`` is given, else "mtp", as vLLM infers it; the engine then refuses
-    a checkpoint without MTP layers.
+    a checkpoint without MTP layers, and reads a Gemma 4 assistant given as a
+    draft model as "mtp" (``engined.proposers.resolve``).
     """
 
     method: str | None = None
@@ -43,9 +45,9 @@ class SpeculativeConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True
             raise InvalidRequestError(
                 "need 1 <= prompt_lookup_min <= prompt_lookup_max", param="speculative_config"
             )
-        if (self.method == "draft_model") != (self.model is not None):
+        if (self.method == "draft_model" and self.model is None) or (self.method == "ngram" and self.model):
             raise InvalidRequestError(
-                "a draft model is given exactly when method is 'draft_model'", param="speculative_config"
+                "method 'draft_model' needs a model, and 'ngram' takes none", param="speculative_config"
             )
 
 

@@ -362,6 +362,75 @@ def make_tiny_model(directory, arch: str = "llama", seed: int = 0, mtp: bool = F
     return out
 
 
+
+def make_tiny_gemma4_assistant(directory, target_dir, seed: int = 0, ordered: bool = False, **overrides) -> Path:
+    """Write a tiny random-weight Gemma 4 assistant (``gemma4_assistant``) for the Gemma 4 model in
+    ``target_dir``, as Hugging Face stores one (float32 safetensors, transformers' names); its path.
+
+    Two layers, sliding then full attention, of width 32 with 4 query heads: the heads of the
+    target's layers of each type (their K/V head counts in the config, as the assistant's
+    attention needs them), no K/V projections (every layer reads the target's). ``ordered``
+    adds the centroid-masked head: 16 clusters of 17 tokens over a random ``token_ordering``, the
+    top 4 scored. ``overrides`` replace top-level config entries (``backbone_hidden_size``...).
+    """
+    import mlx.core as mx
+
+    target = json.loads((Path(target_dir) / "config.json").read_text())
+    t = target.get("text_config", target)
+    hidden, heads, inter, vocab = 32, 4, 64, t["vocab_size"]
+    head_dims = {"sliding_attention": t["head_dim"], "full_attention": t.get("global_head_dim") or t["head_dim"]}
+    layer_types = ["sliding_attention", "full_attention"]
+    text = {
+        "model_type": "gemma4_text", "hidden_size": hidden, "intermediate_size": inter, "num_hidden_layers": 2,
+        "num_attention_heads": heads, "num_key_value_heads": t["num_key_value_heads"], "head_dim": t["head_dim"],
+        "global_head_dim": head_dims["full_attention"], "attention_k_eq_v": t.get("attention_k_eq_v", False),
+        "num_global_key_value_heads": t.get("num_global_key_value_heads"), "layer_types": layer_types,
+        "sliding_window": t["sliding_window"], "num_kv_shared_layers": 2, "hidden_size_per_layer_input": 0,
+        "vocab_size_per_layer_input": 0, "use_double_wide_mlp": False, "enable_moe_block": False,
+        "final_logit_softcapping": None, "rms_norm_eps": 1e-6, "vocab_size": vocab, "tie_word_embeddings": True,
+        "max_position_embeddings": t["max_position_embeddings"], "hidden_activation": "gelu_pytorch_tanh",
+        "rope_parameters": {
+            "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 1000000.0},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+        },
+    }
+    config = {"model_type": "gemma4_assistant", "architectures": ["Gemma4AssistantForCausalLM"],
+              "backbone_hidden_size": t["hidden_size"], "use_ordered_embeddings": ordered, "num_centroids": 16,
+              "centroid_intermediate_top_k": 4, "tie_word_embeddings": True, "text_config": text, **overrides}
+    rng = np.random.default_rng(seed)
+
+    def linear(rows, cols):
+        return rng.standard_normal((rows, cols)) / np.sqrt(cols)
+
+    def norm(n):
+        return 1.0 + 0.2 * rng.standard_normal(n)
+
+    weights = {"model.embed_tokens.weight": 0.3 * rng.standard_normal((vocab, hidden)),
+               "model.norm.weight": norm(hidden),
+               "pre_projection.weight": linear(hidden, 2 * t["hidden_size"]),
+               "post_projection.weight": linear(t["hidden_size"], hidden)}
+    for i, kind in enumerate(layer_types):
+        at, d = f"model.layers.{i}.", head_dims[kind]
+        weights.update({
+            at + "self_attn.q_proj.weight": linear(heads * d, hidden), at + "self_attn.q_norm.weight": norm(d),
+            at + "self_attn.o_proj.weight": linear(hidden, heads * d), at + "mlp.gate_proj.weight": linear(inter, hidden),
+            at + "mlp.up_proj.weight": linear(inter, hidden), at + "mlp.down_proj.weight": linear(hidden, inter),
+            at + "layer_scalar": norm(1),
+            **{at + f"{n}.weight": norm(hidden) for n in ("input_layernorm", "post_attention_layernorm",
+                                                          "pre_feedforward_layernorm", "post_feedforward_layernorm")},
+        })
+    if ordered:
+        weights["masked_embedding.centroids.weight"] = linear(16, hidden)
+    arrays = {k: mx.array(v.astype(np.float32)) for k, v in weights.items()}
+    if ordered:
+        arrays["masked_embedding.token_ordering"] = mx.array(rng.permutation(vocab).astype(np.int64))
+    out = Path(directory)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    mx.save_safetensors(str(out / "model.safetensors"), arrays, metadata={"format": "pt"})
+    return out
+
+
 # ---- GGUF -------------------------------------------------------------------
 
 _GGUF_LAYER = {
