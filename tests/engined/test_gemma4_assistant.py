@@ -1,0 +1,189 @@
+"""Gemma 4's MTP assistant as a speculative proposer: transformers' semantics, outputs unchanged.
+
+Tiny random-weight Gemma 4 targets (the 26B/31B text layout and the E2B/E4B
+wrapper, ``tests/tiny_models.py``) with tiny random assistants
+(``make_tiny_gemma4_assistant``, plain and centroid-masked heads). The
+assistant's logits must be transformers' ``Gemma4AssistantForCausalLM``'s on
+the same weights, the same target hidden state and the same shared K/V (read
+from mlxd's paged pool); outputs must not depend on the assistant (greedy:
+identical; sampled: the same distribution).
+"""
+
+import json
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from engined.engine import Engine
+from engined.gemma4_assistant import Gemma4AssistantProposer
+from engined.loaders import load_model
+from shared.config import EngineConfig
+from shared.errors import ModelLoadError
+from shared.sampling import SamplingParams
+from tests.engined.test_speculative import CHI2_999, chi2_two_sample
+from tests.tiny_models import make_tiny_gemma4_assistant, make_tiny_model, seeded_rng
+
+KW = dict(num_kv_blocks=256, block_size=8, max_num_seqs=8, max_num_batched_tokens=64)
+
+
+def assistant_config(path, k: int, method: str | None = None) -> str:
+    return json.dumps({"model": str(path), "num_speculative_tokens": k, **({"method": method} if method else {})})
+
+
+def spec_counts(engine: Engine) -> tuple[float, float]:
+    return engine.metrics.spec_draft_tokens._value.get(), engine.metrics.spec_accepted._value.get()
+
+
+@pytest.fixture(scope="module", params=[("gemma4_text", False), ("gemma4", True)], ids=["text-plain", "e2b-masked"])
+def pair(request, tmp_path_factory):
+    """(target dir, assistant dir): the text layout with a plain head, the wrapper with the masked one."""
+    arch, ordered = request.param
+    seed = np.random.randint(1 << 30)
+    print(f"{arch}: model seed {seed}")
+    tmp = tmp_path_factory.mktemp(arch)
+    target = make_tiny_model(tmp / "target", arch, seed=seed)
+    return target, make_tiny_gemma4_assistant(tmp / "assistant", target, seed=seed + 1, ordered=ordered)
+
+
+# -- transformers' semantics ---------------------------------------------------------------------------------
+
+def hf_assistant(path):
+    import torch
+    from safetensors.torch import load_file
+    from transformers import Gemma4AssistantConfig, Gemma4AssistantForCausalLM
+
+    config = Gemma4AssistantConfig(**json.loads((path / "config.json").read_text()))
+    config.text_config._attn_implementation = config._attn_implementation = "eager"
+    model = Gemma4AssistantForCausalLM(config).eval()
+    weights = load_file(str(path / "model.safetensors"))
+    weights["lm_head.weight"] = weights["model.embed_tokens.weight"]  # tied: stored once
+    model.load_state_dict(weights, strict=True)
+    return model.to(torch.float32)
+
+
+def pool_kv(read, row: int, first: int, last: int):
+    """Keys and values of positions ``first..last`` of request ``row`` from a ``SharedRead``'s paged
+    pools, as transformers' shared K/V ``[1, H_kv, L, D]``."""
+    import torch
+
+    table = np.asarray(read.meta.block_tables)[row]
+    bs = read.meta.block_size
+    pos = np.arange(first, last + 1)
+    blocks, slots = mx.array(table[pos // bs]), mx.array(pos % bs)
+    return tuple(torch.from_numpy(np.asarray(a[blocks, slots].astype(mx.float32))).permute(1, 0, 2)[None]
+                 for a in (read.k, read.v))
+
+
+def test_draft_logits_equal_transformers_assistant_on_the_same_shared_kv(pair):
+    import torch
+
+    target, assistant = pair
+    k = 3
+    eng = Engine(EngineConfig(**KW, speculative_config=assistant_config(assistant, k)), loaded=load_model(str(target)))
+    proposer = eng.mtp
+    assert isinstance(proposer, Gemma4AssistantProposer)
+    calls = []
+    step = proposer.step
+
+    def recording(tokens, hidden, reads):
+        out = step(tokens, hidden, reads)
+        mx.eval(out)
+        calls.append((tokens, hidden, reads, out))
+        return out
+
+    proposer.step = recording
+    rng = seeded_rng()
+    prompts = [rng.integers(0, 256, size=n).tolist() for n in (7, 30)]  # inside and past the window of 12
+    eng.generate(prompts, SamplingParams(max_tokens=k + 2, temperature=0.0, ignore_eos=True))
+    # The first drafts of both requests, packed: k forwards of one row per request.
+    calls = calls[:k]
+    assert [len(tokens) for tokens, *_ in calls] == [2] * k
+    hf = hf_assistant(assistant)
+    window = json.loads((assistant / "config.json").read_text())["text_config"]["sliding_window"]
+    body = proposer.embed, proposer.embed_scale
+    for row, prompt in enumerate(prompts):
+        p = len(prompt)  # the first sampled token's position: keys 0..p-1 are the target's
+        tokens0, hidden0, reads, _ = calls[0]
+        kv = {"full_attention": pool_kv(reads["full_attention"], row, 0, p - 1),
+              "sliding_attention": pool_kv(reads["sliding_attention"], row, max(0, p - window + 1), p - 1)}
+        hidden = torch.from_numpy(np.asarray(hidden0[row : row + 1]))[None]
+        for j, (tokens, _, _, (logits, nxt)) in enumerate(calls):
+            embedded = body[0](mx.array([tokens[row]])) * body[1]
+            inputs = torch.cat([torch.from_numpy(np.asarray(embedded))[None], hidden], dim=-1)
+            with torch.no_grad():
+                out = hf(inputs_embeds=inputs, position_ids=torch.tensor([[p]]), shared_kv_states=kv)
+            np.testing.assert_allclose(np.asarray(logits[row]), out.logits[0, 0].numpy(), rtol=1e-4, atol=1e-4,
+                                       err_msg=f"request {row}, draft step {j}")
+            np.testing.assert_allclose(np.asarray(nxt[row]), out.last_hidden_state[0, 0].numpy(), rtol=1e-4,
+                                       atol=1e-4)
+            if j + 1 < len(calls):  # greedy: the next step reads this step's argmax
+                assert calls[j + 1][0][row] == int(np.argmax(np.asarray(logits[row])))
+            hidden = out.last_hidden_state
+
+
+# -- outputs unchanged -----------------------------------------------------------------------------------------
+
+def test_greedy_outputs_with_the_assistant_equal_plain_decoding_on_mixed_batches(pair):
+    target, assistant = pair
+    rng = seeded_rng()
+    plain = Engine(EngineConfig(**KW), loaded=load_model(str(target)))
+    spec = Engine(EngineConfig(**KW, speculative_config=assistant_config(assistant, 3, "mtp")),
+                  loaded=load_model(str(target)))
+    assert spec.config.enable_prefix_caching
+    prompts = [rng.integers(0, 256, size=int(n)).tolist() for n in (5, 12, 23, 70)]  # 70: chunked prefill
+    shared = prompts[2][:17]
+    prompts += [shared + [3, 4, 5], shared + [9, 9]]
+    params = [SamplingParams(max_tokens=int(rng.integers(6, 14)), temperature=0.0, ignore_eos=True,
+                             speculate=i != 1) for i in range(len(prompts))]
+    expected = plain.generate(prompts, params)
+    assert spec.generate(prompts, params) == expected
+    hits = spec.stats().prefix_cache_hits
+    for i in (4, 5):  # resumes from the cached prefix: the assistant reads K/V it never wrote
+        assert spec.generate([prompts[i]], params[i]) == [expected[i]]
+    assert spec.stats().prefix_cache_hits >= hits + 16
+    drafted, _ = spec_counts(spec)
+    assert drafted > 0
+    # It writes no K/V: the pool is billed as without it.
+    assert spec.scheduler.kv.bytes_per_block == plain.scheduler.kv.bytes_per_block
+    spec.step()
+    assert not spec.mtp.pending  # finished requests are forgotten at the next step
+    spec.scheduler.kv.pool.check_whole()
+
+
+def test_assistant_sampling_keeps_the_target_distribution(pair):
+    target, assistant = pair
+    kw = dict(num_kv_blocks=1024, block_size=8, max_num_seqs=64, max_num_batched_tokens=1024)
+    plain = Engine(EngineConfig(**kw), loaded=load_model(str(target)))
+    spec = Engine(EngineConfig(**kw, speculative_config=assistant_config(assistant, 2)), loaded=load_model(str(target)))
+    prompt = seeded_rng().integers(0, 256, size=9).tolist()
+    results = {}
+    for name, eng in (("plain", plain), ("spec", spec)):
+        outs = []
+        for start in range(0, 512, 64):
+            # The whole vocabulary: a random assistant's drafts are kept about 1 time in 15 (none
+            # would be under a top-k that the two models' top tokens seldom share).
+            params = [SamplingParams(max_tokens=4, temperature=1.0, seed=s, ignore_eos=True)
+                      for s in range(start, start + 64)]
+            outs += eng.generate([prompt] * 64, params)
+        results[name] = np.array(outs)
+    drafted, accepted = spec_counts(spec)
+    print(f"accepted {accepted:.0f} of {drafted:.0f} drafts")
+    assert 0 < accepted < drafted
+    for pos in range(4):
+        stat, dof = chi2_two_sample(results["plain"][:, pos], results["spec"][:, pos])
+        assert stat < CHI2_999.get(dof, dof + 4 * np.sqrt(2 * dof)), (pos, stat, dof)
+
+
+# -- refused at load ---------------------------------------------------------------------------------------------
+
+def test_a_bad_assistant_is_refused_at_load(pair, tmp_path):
+    target, assistant = pair
+    wrong = make_tiny_gemma4_assistant(tmp_path / "wide", target, seed=1, backbone_hidden_size=48)
+    with pytest.raises(ModelLoadError, match="backbone_hidden_size is 48; the target's hidden size is 64"):
+        Engine(EngineConfig(**KW, speculative_config=assistant_config(wrong, 2)), loaded=load_model(str(target)))
+    llama = make_tiny_model(tmp_path / "llama", "llama", seed=1)
+    with pytest.raises(ModelLoadError, match="drafts for a Gemma 4 target.*this model is 'llama'"):
+        Engine(EngineConfig(**KW, speculative_config=assistant_config(assistant, 2)), loaded=load_model(str(llama)))
+    with pytest.raises(ModelLoadError, match="takes a Gemma 4 assistant checkpoint"):
+        Engine(EngineConfig(**KW, speculative_config=assistant_config(llama, 2, "mtp")), loaded=load_model(str(target)))
