@@ -10,14 +10,19 @@ identical; sampled: the same distribution).
 """
 
 import json
+import shutil
 
 import mlx.core as mx
+import mlx.nn as nn
+import mlx.optimizers as optim
 import numpy as np
 import pytest
+from mlx.utils import tree_flatten
 
 from engined.engine import Engine
-from engined.gemma4_assistant import Gemma4AssistantProposer
+from engined.gemma4_assistant import LAYER_TYPES, Gemma4AssistantProposer, load_assistant
 from engined.loaders import load_model
+from engined.model_layers import text_model
 from shared.config import EngineConfig
 from shared.errors import ModelLoadError
 from shared.sampling import SamplingParams
@@ -153,17 +158,21 @@ def test_greedy_outputs_with_the_assistant_equal_plain_decoding_on_mixed_batches
 
 def test_assistant_sampling_keeps_the_target_distribution(pair):
     target, assistant = pair
+    # The whole vocabulary: a random assistant's drafts are kept about 1 time in 15 (none would be
+    # under a top-k that the two models' top tokens seldom share).
+    assert_sampling_keeps_the_target_distribution(target, assistant, seeded_rng().integers(0, 256, size=9).tolist(),
+                                                  dict(temperature=1.0))
+
+
+def assert_sampling_keeps_the_target_distribution(target, assistant, prompt: list[int], sampling: dict) -> None:
     kw = dict(num_kv_blocks=1024, block_size=8, max_num_seqs=64, max_num_batched_tokens=1024)
     plain = Engine(EngineConfig(**kw), loaded=load_model(str(target)))
     spec = Engine(EngineConfig(**kw, speculative_config=assistant_config(assistant, 2)), loaded=load_model(str(target)))
-    prompt = seeded_rng().integers(0, 256, size=9).tolist()
     results = {}
     for name, eng in (("plain", plain), ("spec", spec)):
         outs = []
         for start in range(0, 512, 64):
-            # The whole vocabulary: a random assistant's drafts are kept about 1 time in 15 (none
-            # would be under a top-k that the two models' top tokens seldom share).
-            params = [SamplingParams(max_tokens=4, temperature=1.0, seed=s, ignore_eos=True)
+            params = [SamplingParams(max_tokens=4, **sampling, seed=s, ignore_eos=True)
                       for s in range(start, start + 64)]
             outs += eng.generate([prompt] * 64, params)
         results[name] = np.array(outs)
@@ -187,3 +196,113 @@ def test_a_bad_assistant_is_refused_at_load(pair, tmp_path):
         Engine(EngineConfig(**KW, speculative_config=assistant_config(assistant, 2)), loaded=load_model(str(llama)))
     with pytest.raises(ModelLoadError, match="takes a Gemma 4 assistant checkpoint"):
         Engine(EngineConfig(**KW, speculative_config=assistant_config(llama, 2, "mtp")), loaded=load_model(str(target)))
+
+
+# -- a trained assistant: real acceptance -------------------------------------------------------------------
+
+ACCEPTANCE_FLOOR = 0.5  # a random assistant's greedy drafts are accepted about 1 time in 272 (the vocabulary)
+GREEDY_32 = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
+
+
+class KVRecorder(nn.Module):
+    """A target layer that keeps the K/V it hands its KV-shared layers (mlx_lm's plain forward)."""
+
+    def __init__(self, inner: nn.Module):
+        super().__init__()
+        self.inner, self.layer_type = inner, inner.layer_type
+
+    def __call__(self, *args, **kwargs):
+        out = self.inner(*args, **kwargs)
+        self.kv = out[1]
+        return out
+
+
+def train_assistant(target_dir, assistant_dir, out_dir, prompts, continuations, steps: int) -> float:
+    """Train the assistant's two draft steps on the target's greedy continuations: step 0 predicts
+    ``x[p+1]`` from ``x[p]``, ``h[p-1]`` and the target's K/V before ``p``; step 1 ``x[p+2]`` from
+    ``x[p+1]`` and step 0's projection, at the same position. Writes the trained checkpoint."""
+    loaded = load_model(str(target_dir))
+    text = text_model(loaded.model)
+    args, body = text.args, text.model
+    seqs = [p + c for p, c in zip(prompts, continuations)]
+    length = min(len(s) for s in seqs)
+    tokens = mx.array([s[:length] for s in seqs])
+    own = args.num_hidden_layers - args.num_kv_shared_layers
+    sources = {kind: max(i for i in range(own) if args.layer_types[i] == kind) for kind in LAYER_TYPES}
+    for i in sources.values():
+        body.layers[i] = KVRecorder(body.layers[i])
+    hidden = mx.stop_gradient(body(tokens))  # the target's final normed hidden states [B, L, H]
+    kv = {kind: tuple(mx.stop_gradient(a) for a in body.layers[i].kv) for kind, i in sources.items()}
+    assistant = load_assistant(assistant_dir, loaded.model, loaded.model_type)
+    # Query row i is position p = i + 1: keys before p; a sliding layer's, the last window - 1 of them.
+    p = mx.arange(1, length)[:, None]
+    key = mx.arange(length)[None, :]
+    window = min(args.sliding_window, assistant.args.sliding_window)
+    masks = {"full_attention": key < p, "sliding_attention": (key < p) & (key > p - window)}
+    embed = body.embed_tokens(tokens) * body.embed_scale
+    # Only the continuation's tokens are the model's to predict; the prompts are random.
+    weight = mx.array([[float(t >= len(q)) for t in range(length)] for q in prompts])
+
+    def run(model, x, rows):
+        h = model.pre_projection(x)
+        for layer in model.layers:
+            h, _, _ = layer(h, masks[layer.layer_type][:rows], None, shared_kv=kv[layer.layer_type], offset=1)
+        h = model.norm(h)
+        return model.lm_head(h), model.post_projection(h)
+
+    def loss_fn(model):
+        logits0, proj0 = run(model, mx.concatenate([embed[:, 1:], hidden[:, :-1]], axis=-1), length - 1)
+        logits1, _ = run(model, mx.concatenate([embed[:, 2:], proj0[:, :-1]], axis=-1), length - 2)
+        ce0 = nn.losses.cross_entropy(logits0[:, :-1], tokens[:, 2:], reduction="none") * weight[:, 2:]
+        ce1 = nn.losses.cross_entropy(logits1[:, :-1], tokens[:, 3:], reduction="none") * weight[:, 3:]
+        return ce0.sum() / weight[:, 2:].sum() + ce1.sum() / weight[:, 3:].sum()
+
+    opt = optim.Adam(learning_rate=1e-2)
+    step = nn.value_and_grad(assistant, loss_fn)
+    for _ in range(steps):
+        loss, grads = step(assistant)
+        opt.update(assistant, grads)
+        mx.eval(assistant.parameters(), opt.state)
+    out_dir.mkdir()
+    shutil.copy(assistant_dir / "config.json", out_dir / "config.json")
+    weights = {("model.embed_tokens.weight" if k == "lm_head.weight" else
+                k if k.startswith(("pre_projection", "post_projection")) else f"model.{k}"): v
+               for k, v in tree_flatten(assistant.parameters())}
+    mx.save_safetensors(str(out_dir / "model.safetensors"), weights, metadata={"format": "pt"})
+    return loss.item()
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """A tiny Gemma 4 (text layout) and an assistant trained on its greedy continuations of 8
+    prompts: (target, assistant, prompts, continuations)."""
+    tmp = tmp_path_factory.mktemp("trained")
+    rng = seeded_rng()
+    seed = int(rng.integers(1 << 30))
+    target = make_tiny_model(tmp / "target", "gemma4_text", seed=seed)
+    untrained = make_tiny_gemma4_assistant(tmp / "assistant", target, seed=seed + 1)
+    prompts = [rng.integers(0, 256, size=6).tolist() for _ in range(8)]
+    continuations = Engine(EngineConfig(**KW), loaded=load_model(str(target))).generate(prompts, GREEDY_32)
+    loss = train_assistant(target, untrained, tmp / "trained", prompts, continuations, steps=80)
+    print(f"assistant training loss {loss:.3f}")
+    return target, tmp / "trained", prompts, continuations
+
+
+def test_a_trained_assistant_is_accepted_and_saves_target_forwards(trained):
+    target, assistant, prompts, continuations = trained
+    spec = Engine(EngineConfig(**KW, speculative_config=assistant_config(assistant, 2)), loaded=load_model(str(target)))
+    assert spec.generate(prompts, GREEDY_32) == continuations
+    drafted, accepted = spec_counts(spec)
+    print(f"accepted {accepted:.0f} of {drafted:.0f} drafts")
+    assert accepted / drafted > ACCEPTANCE_FLOOR
+    totals = spec.metrics.spec
+    assert totals.accepted_per_pos[0] >= totals.accepted_per_pos[1] > 0
+    # One request alone: each target forward verifies its drafts, so it emits more than one token.
+    steps = spec.num_steps
+    assert spec.generate(prompts[:1], GREEDY_32) == continuations[:1]
+    assert spec.num_steps - steps < len(continuations[0])
+
+
+def test_trained_assistant_sampling_keeps_the_target_distribution(trained):
+    target, assistant, prompts, _ = trained
+    assert_sampling_keeps_the_target_distribution(target, assistant, prompts[0], dict(temperature=0.3))
