@@ -6,7 +6,9 @@ wrapper, ``tests/tiny_models.py``) with tiny random assistants
 assistant's logits must be transformers' ``Gemma4AssistantForCausalLM``'s on
 the same weights, the same target hidden state and the same shared K/V (read
 from mlxd's paged pool); outputs must not depend on the assistant (greedy:
-identical; sampled: the same distribution).
+identical; sampled: the same distribution); an assistant trained on the
+model's own continuations must be accepted often enough that the target runs
+fewer forwards than it emits tokens.
 """
 
 import json
