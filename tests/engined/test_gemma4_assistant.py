@@ -27,7 +27,7 @@ from engined.loaders import load_model
 from engined.model_layers import text_model
 from shared.config import EngineConfig
 from shared.errors import ModelLoadError
-from shared.sampling import SamplingParams
+from shared.sampling import SamplingParams, StructuredSpec
 from tests.engined.test_speculative import CHI2_999, chi2_two_sample
 from tests.tiny_models import make_tiny_gemma4_assistant, make_tiny_model, seeded_rng
 
@@ -156,6 +156,18 @@ def test_greedy_outputs_with_the_assistant_equal_plain_decoding_on_mixed_batches
     spec.step()
     assert not spec.mtp.pending  # finished requests are forgotten at the next step
     spec.scheduler.kv.pool.check_whole()
+
+
+def test_greedy_constrained_outputs_with_the_assistant_equal_plain_decoding(pair):
+    target, assistant = pair
+    plain = Engine(EngineConfig(**KW), loaded=load_model(str(target)))
+    spec = Engine(EngineConfig(**KW, speculative_config=assistant_config(assistant, 3)), loaded=load_model(str(target)))
+    specs = [StructuredSpec("regex", "[a-z]{3,8}( [a-z]{2,6}){2,4}\\."), StructuredSpec("choice", '["yes", "no"]'), None]
+    params = [SamplingParams(max_tokens=24, temperature=0.0, structured=s) for s in specs]
+    prompts = [seeded_rng().integers(0, 256, size=8).tolist()] * len(specs)
+    expected = plain.generate(prompts, params)
+    assert spec.generate(prompts, params) == expected
+    assert spec_counts(spec)[0] > 0
 
 
 def test_assistant_sampling_keeps_the_target_distribution(pair):
