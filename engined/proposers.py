@@ -6,7 +6,7 @@ which the loader set aside (``LoadedModel.mtp``); it reads the target's final
 hidden states and head, so it is built on the target's runner. ``mtp`` with a
 ``model``: a separate MTP drafter, Gemma 4's assistant (``gemma4_assistant``),
 which reads the target's hidden states and K/V; given as a draft model, it is
-read as ``mtp`` (``resolve``), as vLLM reads it.
+read as ``mtp`` (``resolve``).
 """
 
 from __future__ import annotations
