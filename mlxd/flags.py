@@ -30,7 +30,8 @@ HELP = {
     "dtype": "weights' dtype: auto is float32 on MLX's CPU backend, the checkpoint's own on a GPU",
     "seed": "seed of the sampling of requests that give none",
     "speculative_config": "JSON, e.g. '{\"method\": \"ngram\", \"num_speculative_tokens\": 4}'; methods "
-                          "ngram, draft_model (with \"model\"), mtp (the checkpoint's MTP layer) "
+                          "ngram, draft_model (with \"model\"), mtp (the checkpoint's MTP layer, or with \"model\" "
+                          "a Gemma 4 assistant) "
                           "(default: no speculation)",
     "metrics_prefix": "metric name prefix: vllm makes dashboards written for vLLM work unchanged",
     "metrics_host": "address of the engine's /metrics",
