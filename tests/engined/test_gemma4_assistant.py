@@ -320,3 +320,26 @@ def test_a_trained_assistant_is_accepted_and_saves_target_forwards(trained):
 def test_trained_assistant_sampling_keeps_the_target_distribution(trained):
     target, assistant, prompts, _ = trained
     assert_sampling_keeps_the_target_distribution(target, assistant, prompts[0], dict(temperature=0.3))
+
+
+def test_each_draft_round_reads_the_targets_hidden_state_before_the_last_token(trained):
+    """After verification kept ``m`` of ``k`` drafts (here all, some or none: sampled), the next
+    round's step 0 reads the target's hidden state of the last kept row, as a plain forward has it."""
+    target, assistant, prompts, _ = trained
+    spec = Engine(EngineConfig(**KW, speculative_config=assistant_config(assistant, 2)), loaded=load_model(str(target)))
+    proposer, seen = spec.mtp, []
+    last_hidden = proposer._last_hidden
+
+    def recording(req):
+        row = last_hidden(req)
+        seen.append((req.token_ids[: req.num_computed_tokens], np.asarray(row[0])))
+        return row
+
+    proposer._last_hidden = recording
+    params = [SamplingParams(max_tokens=16, temperature=0.3, seed=s, ignore_eos=True) for s in range(len(prompts))]
+    spec.generate(prompts, params)
+    drafted, accepted = spec_counts(spec)
+    assert 0 < accepted < drafted and len(seen) > 2 * len(prompts)
+    body = text_model(load_model(str(target)).model).model
+    for tokens, row in seen:
+        np.testing.assert_allclose(row, np.asarray(body(mx.array([tokens]))[0, -1]), rtol=1e-4, atol=1e-4)
