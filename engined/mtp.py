@@ -36,7 +36,6 @@ import dataclasses
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
-from mlx.utils import tree_flatten
 
 from engined.draft_model import draft_loop
 from engined.kv import KVCacheManager
