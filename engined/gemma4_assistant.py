@@ -126,14 +126,25 @@ class MaskedEmbedding(nn.Module):
         return mx.put_along_axis(mx.broadcast_to(floor, (t, vocab)), ids, selected, axis=-1)
 
 
+def _text_args(text: dict) -> ModelArgs:
+    """mlx_lm's args for the assistant's text config. Every layer is KV-shared: mlx_lm's classes then
+    build queries only, and no double-wide MLP. A config transformers 5 wrote gives the full layers'
+    head size per layer (``per_layer_config``) where mlx_lm reads ``global_head_dim``."""
+    text = {**text, "num_kv_shared_layers": text["num_hidden_layers"]}
+    per_layer = {int(i): c for i, c in (text.get("per_layer_config") or {}).items()}
+    full = [per_layer.get(i, {}).get("head_dim") for i, kind in enumerate(text.get("layer_types") or [])
+            if kind == "full_attention"]
+    if not text.get("global_head_dim") and full and full[0]:
+        text["global_head_dim"] = full[0]
+    return ModelArgs.from_dict(text)
+
+
 class Gemma4Assistant(nn.Module):
     """The checkpoint's modules, under its names less ``model.`` (``embed_tokens`` is the tied head)."""
 
     def __init__(self, config: dict):
         super().__init__()
-        text = config["text_config"]
-        # Every layer is KV-shared: mlx_lm's classes then build queries only, and no double-wide MLP.
-        self.args = ModelArgs.from_dict({**text, "num_kv_shared_layers": text["num_hidden_layers"]})
+        self.args = _text_args(config["text_config"])
         hidden, backbone = self.args.hidden_size, int(config["backbone_hidden_size"])
         self.layers = [DecoderLayer(self.args, i) for i in range(self.args.num_hidden_layers)]
         self.norm = nn.RMSNorm(hidden, eps=self.args.rms_norm_eps)

@@ -129,6 +129,23 @@ def test_draft_logits_equal_transformers_assistant_on_the_same_shared_kv(pair):
             hidden = out.last_hidden_state
 
 
+def test_an_assistant_config_written_by_transformers_loads_as_the_generators(pair, tmp_path):
+    """transformers 5 writes the full layers' head size as ``per_layer_config``, not ``global_head_dim``."""
+    from transformers import Gemma4AssistantConfig
+
+    target, assistant = pair
+    written = tmp_path / "written"
+    shutil.copytree(assistant, written)
+    config = Gemma4AssistantConfig(**json.loads((assistant / "config.json").read_text())).to_dict()
+    assert not config["text_config"].get("global_head_dim") and config["text_config"]["per_layer_config"]
+    (written / "config.json").write_text(json.dumps(config))
+    loaded = load_model(str(target))
+    models = [dict(tree_flatten(load_assistant(d, loaded.model, loaded.model_type).parameters()))
+              for d in (assistant, written)]
+    assert models[0].keys() == models[1].keys()
+    assert all(mx.array_equal(w, models[1][name]).item() for name, w in models[0].items())
+
+
 # -- outputs unchanged -----------------------------------------------------------------------------------------
 
 def test_greedy_outputs_with_the_assistant_equal_plain_decoding_on_mixed_batches(pair):
