@@ -21,9 +21,9 @@ query at ``p`` comes in the verifying forward):
   of ``token_ordering``, are scored, every other token gets their minimum
   less one);
 - step ``j`` reads ``[embed(draft[j-1]) | post_projection(out[j-1])]`` at the
-  same position ``p`` over the same keys: the position stays that of the last
-  token the target has seen, as transformers' ``SinglePositionMultiTokenCandidateGenerator``
-  drives it.
+  same position ``p`` over the same keys: every step of a round stays at the
+  request's last token's position, as transformers'
+  ``SinglePositionMultiTokenCandidateGenerator`` drives it.
 
 The target's hidden states of each forward are kept by ``mtp.TargetHiddenStates``
 (the tap the MTP layer uses); only each request's last kept row is needed.
