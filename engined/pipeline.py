@@ -160,7 +160,8 @@ class JournaledKV:
         return released
 
     def follow(self, arrays) -> None:
-        raise ModelLoadError("a draft model cannot be used with pipeline parallelism yet; use ngram speculation")
+        # A draft model runs on rank 0 alone: its K/V follow this rank's pool, the others have none.
+        self._kv.follow(arrays)
 
 
 class Mirror:

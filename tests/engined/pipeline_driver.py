@@ -39,7 +39,9 @@ def main() -> int:
         print(json.dumps({"tokens": first, "again": again, "num_blocks": engine.memory.num_blocks,
                           "own_blocks": engine.runner.own_blocks,
                           "hits": engine.runner.kv.hits, "steps": engine.num_steps,
-                          "overlapped": engine.runner.num_overlapped, "rested": rested}), flush=True)
+                          "overlapped": engine.runner.num_overlapped, "rested": rested,
+                          "drafted": engine.metrics.spec_draft_tokens._value.get(),
+                          "accepted": engine.metrics.spec_accepted._value.get()}), flush=True)
     finally:
         for child in children:
             child.terminate()

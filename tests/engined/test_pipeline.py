@@ -158,3 +158,22 @@ def test_a_resting_rank_ends_when_rank_0_does(tmp_path):
             rank0.wait()
         if worker is not None and not gone(worker):
             subprocess.run(["kill", "-9", str(worker)])
+
+
+@pytest.mark.parametrize("parallel", [dict(pipeline_parallel_size=2), dict(tensor_parallel_size=2)],
+                         ids=["pp2", "tp2"])
+def test_a_draft_model_on_rank_0_speculates_over_several_ranks(tmp_path, parallel):
+    """The draft model runs on rank 0 alone (its K/V follow rank 0's pool); the ranks verify its
+    drafts, some accepted, some not, and greedy outputs stay the one process's without speculation."""
+    seed = fresh_seed("weights")
+    path = make_tiny_model(tmp_path / "llama", "llama", seed=seed, num_hidden_layers=4)
+    # The same seed, one layer fewer: it agrees with the target now and then (5 to 15 of ~70 drafts).
+    draft = make_tiny_model(tmp_path / "draft", "llama", seed=seed, num_hidden_layers=3)
+    spec = json.dumps({"method": "draft_model", "model": str(draft), "num_speculative_tokens": 3})
+    prompts = _prompts(seeded_rng())
+    first, again = _run_single(EngineConfig(model=str(path), **BASE), prompts)
+    result = _run_pipeline(EngineConfig(model=str(path), **parallel, speculative_config=spec, **BASE), prompts)
+    print(f"{result['accepted']:.0f} of {result['drafted']:.0f} draft tokens accepted")
+    assert result["tokens"] == first
+    assert result["again"] == again
+    assert 0 < result["accepted"] < result["drafted"]
