@@ -25,8 +25,6 @@ import os
 import secrets
 import socket
 
-import numpy as np
-
 log = logging.getLogger("mlxd.engine")
 
 _SECRET_BYTES = 7  # fits the int64 the ranks exchange it in
@@ -68,9 +66,10 @@ class Doorbell:
 
 
 def connect(rank: int, size: int, exchange, timeout: float) -> Doorbell | None:
-    """Every rank calls this at the same point: ``exchange`` (``Link.exchange``, an all-gather, so
-    also a barrier) spreads rank 0's port and a secret, the workers connect, and each rank gets its
-    end, or None for all of them where rank 0 has no address or any worker could not connect."""
+    """Every rank calls this at the same point: ``exchange`` (``Link.exchange``: every rank's list of
+    ints, a row each; an all-gather, so also a barrier) spreads rank 0's port and a secret, the
+    workers connect, and each rank gets its end, or None for all of them where rank 0 has no
+    address or any worker could not connect."""
     host, listener, mine = rank0_host(), None, [0, 0]
     if rank == 0 and host is not None:
         try:
@@ -79,10 +78,12 @@ def connect(rank: int, size: int, exchange, timeout: float) -> Doorbell | None:
             mine = [listener.getsockname()[1], int.from_bytes(secrets.token_bytes(_SECRET_BYTES), "big")]
         except OSError as e:
             log.warning("pipeline: no wake socket on %s (%s): idle ranks will poll", host, e)
-    port, secret = (int(v) for v in np.asarray(exchange(mine))[0])
+    port, secret = (int(v) for v in exchange(mine)[0])
     conn = None
     if rank > 0 and port:
         try:
+            if host is None:
+                raise OSError("the launcher gave this rank no address for rank 0")
             conn = socket.create_connection((host, port), timeout=timeout)
             conn.sendall(secret.to_bytes(_SECRET_BYTES, "big"))
             conn.settimeout(None)
@@ -91,7 +92,7 @@ def connect(rank: int, size: int, exchange, timeout: float) -> Doorbell | None:
             log.warning("pipeline rank %d: cannot reach rank 0's wake socket %s:%d (%s): idle ranks will poll",
                         rank, host, port, e)
             conn = None
-    connected = int(np.asarray(exchange([int(conn is not None or rank == 0), 0]))[:, 0].min())
+    connected = exchange([int(conn is not None or rank == 0)]).min()
     if not port or not connected:
         for s in (listener, conn):
             if s is not None:
