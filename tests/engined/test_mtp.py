@@ -9,6 +9,7 @@ target runs fewer forwards than it emits tokens.
 """
 
 import json
+import re
 import shutil
 
 import mlx.core as mx
@@ -17,6 +18,7 @@ import mlx.optimizers as optim
 import numpy as np
 import pytest
 from mlx.utils import tree_flatten
+from transformers import AutoTokenizer
 
 from engined.engine import Engine
 from engined.kv.mtp_layer import MTPLayerGroup
@@ -26,7 +28,7 @@ from engined.model_layers import text_model
 from engined.mtp import build_layer
 from shared.config import EngineConfig
 from shared.errors import ModelLoadError
-from shared.sampling import SamplingParams
+from shared.sampling import SamplingParams, StructuredSpec
 from tests.engined.test_speculative import CHI2_999, chi2_two_sample
 from tests.tiny_models import make_tiny_model, seeded_rng
 
@@ -224,3 +226,30 @@ def test_an_mtp_layer_in_hugging_face_layout_loads_as_in_mlx_layout(arch, tmp_pa
     assert layers[0].keys() == layers[1].keys()
     for name, w in layers[0].items():
         assert mx.allclose(w, layers[1][name], atol=1e-6).item(), name
+
+
+def test_constrained_outputs_with_mtp_equal_outputs_without(trained):
+    """MTP drafts of grammar-constrained requests go through the grammar walk before verification."""
+    path, prompts, continuations = trained
+    plain = Engine(EngineConfig(**KW), loaded=load_model(str(path)))
+    spec = Engine(EngineConfig(**KW, speculative_config=mtp_config(2)), loaded=load_model(str(path)))
+    tokenizer = AutoTokenizer.from_pretrained(str(path))
+    # Two constrained requests beside two free ones: the free ones keep their trained acceptance,
+    # the constrained ones' drafts (the model's unconstrained continuation) mostly fail the grammar.
+    specs = [StructuredSpec("regex", "[0-9]{3}-[a-z]{4}"), StructuredSpec("choice", json.dumps(["yes", "no"])),
+             None, None]
+    params = [SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=s is None, structured=s) for s in specs]
+    batch = prompts[:4]
+    expected = plain.generate(batch, params)
+    assert expected[2:] == continuations[2:4]
+    assert re.fullmatch("[0-9]{3}-[a-z]{4}", tokenizer.decode(expected[0], skip_special_tokens=True))
+    assert tokenizer.decode(expected[1], skip_special_tokens=True) in ("yes", "no")
+    assert spec.generate(batch, params) == expected
+    drafted, accepted = spec_counts(spec)
+    assert 0 < accepted < drafted
+    # The constrained requests alone still speculate, and still match.
+    assert spec.generate(batch[:2], params[:2]) == expected[:2]
+    assert spec_counts(spec)[0] > drafted
+    spec.scheduler.kv.pool.check_whole()
+    for eng in (plain, spec):
+        eng.grammars.shutdown()
