@@ -16,6 +16,7 @@ import numpy as np
 
 from engined import doorbell
 
+
 class Op(msgspec.Struct, array_like=True):
     """One journaled KV call, with the request's progress at the time it was made."""
 
