@@ -16,7 +16,6 @@ import sys
 import time
 
 import msgspec
-import numpy as np
 import pytest
 
 from engined.engine import Engine
