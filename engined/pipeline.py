@@ -22,7 +22,9 @@ KV each reads is written first on every rank.
 The pool size is the smallest any rank affords (each sizes its own from its own
 memory, for its own layers). A rank that dies makes the next step raise on rank
 0 ("connection to a peer was lost"), which ends the engine; a rank that stops
-answering is caught by ``Watchdog``.
+answering is caught by ``Watchdog``. With nothing in flight rank 0 lets the
+other ranks rest (``Link.rest``): they wait in the OS for its doorbell, since a
+worker waiting in MLX's receive keeps a core busy (``engined.doorbell``).
 """
 
 from __future__ import annotations
@@ -31,17 +33,17 @@ import dataclasses
 import faulthandler
 import gc
 import logging
+import threading
 import time
 from collections import deque
 
 import mlx.core as mx
-import msgspec
-import numpy as np
 
 from engined import memory_guard, model_split
 from engined.device import on_cpu
 from engined.kv import KVCacheManager
 from engined.memory_guard import MemoryPlan
+from engined.rank_link import Link, Message, Op
 from engined.request import Request
 from engined.runner import ModelRunner, forward, forward_pooled
 from engined.scheduler import SchedulerOutput
@@ -50,32 +52,6 @@ from shared.errors import ModelLoadError
 from shared.sampling import SamplingParams
 
 log = logging.getLogger("mlxd.engine")
-
-
-class Op(msgspec.Struct, array_like=True):
-    """One journaled KV call, with the request's progress at the time it was made."""
-
-    kind: str  # create | prefix | allocate | commit | free | sched | step | shrink
-    rid: str = ""
-    computed: int = 0  # the request's num_computed_tokens
-    num_tokens: int = 0  # its len(token_ids)
-    count: int = 0  # allocate: new tokens; sched: tokens this step; create: blocks
-    blocks: list[int] = []  # allocate: the cached prefix's block ids; create: [resident] or []
-    tokens: list[int] = []  # the request's token ids the other ranks do not have yet
-    salt: bytes | None = None  # its cache salt, on its first call (and its first after a free)
-
-
-class Message(msgspec.Struct, array_like=True):
-    """What rank 0 sends the other ranks: the journal since the last message, then a forward or a query."""
-
-    ops: list[Op]
-    pieces: list[list[int]] | None = None  # the forward's token pieces (ModelRunner.run)
-    num_logits: list[int] = []
-    query: str = ""  # "blocks": every rank says the pool it affords (``Link.smallest``)
-
-
-_encode = msgspec.msgpack.Encoder().encode
-_decode = msgspec.msgpack.Decoder(Message).decode
 
 
 def join(config: EngineConfig) -> mx.distributed.Group:
@@ -105,50 +81,6 @@ def join(config: EngineConfig) -> mx.distributed.Group:
         raise ModelLoadError(f"{size} ranks asked for (--pipeline/--tensor-parallel-size), but {group.size()} "
                              "were launched")
     return group
-
-
-class Link:
-    """Rank 0's messages to the other ranks, over the group's own send/recv.
-
-    Each message is passed along the ring: rank 0 to the last rank (the first
-    layers, which starts computing once it has passed it on), that one to the
-    one before it, and so on down to rank 1. Every hop is between neighbours,
-    all MLX's ring backend can send over, and each rank gets a message before
-    the hidden states of its forward (the same channel, in that order).
-    """
-
-    def __init__(self, group: mx.distributed.Group):
-        self.group = group
-        rank, size = group.rank(), group.size()
-        self.source = (rank + 1) % size  # where this rank's messages come from (a worker's)
-        self.onward = size - 1 if rank == 0 else rank - 1 if rank > 1 else None  # where they go on to
-
-    def send(self, message: Message) -> None:
-        data = np.frombuffer(_encode(message), dtype=np.uint8)
-        self._pass_on(mx.array([data.size], dtype=mx.int64), mx.array(data))
-
-    def _pass_on(self, head: mx.array, body: mx.array) -> None:
-        # One evaluation per array: sends evaluated together may reach a rank in either order.
-        for a in (head, body):
-            mx.eval(mx.distributed.send(a, self.onward, group=self.group))
-
-    def receive(self) -> Message:
-        head = mx.distributed.recv((1,), mx.int64, self.source, group=self.group)
-        mx.eval(head)
-        body = mx.distributed.recv((int(head.item()),), mx.uint8, self.source, group=self.group)
-        mx.eval(body)
-        if self.onward is not None:
-            self._pass_on(head, body)
-        return _decode(np.array(body).tobytes())
-
-    def barrier(self) -> None:
-        """Return once every rank has called this (each has loaded its part of the model, say)."""
-        self.smallest(0)
-
-    def smallest(self, value: int) -> int:
-        """The least of every rank's ``value`` (every rank calls this at the same point)."""
-        values = mx.distributed.all_gather(mx.array([value], dtype=mx.int64), group=self.group)
-        return int(mx.min(values).item())
 
 
 class JournaledKV:
@@ -216,14 +148,20 @@ class JournaledKV:
         return self._kv.step_caches(scheduled)
 
     def release_idle(self, now: float) -> bool:
-        if not self._kv.release_idle(now):
-            return False
-        self._note("shrink")
-        self.flush()
-        return True
+        """As the manager's (the daemon's housekeeping calls it), and with no request holding a block,
+        nothing is in flight: the other ranks rest until the next message."""
+        released = self._kv.release_idle(now)
+        if released:
+            self._note("shrink")
+        if not self._kv.main.tables and self._link.can_rest:
+            self._link.rest(self.take(query="rest"))
+        elif released:
+            self.flush()
+        return released
 
     def follow(self, arrays) -> None:
-        raise ModelLoadError("a draft model cannot be used with pipeline parallelism yet; use ngram speculation")
+        # A draft model runs on rank 0 alone: its K/V follow this rank's pool, the others have none.
+        self._kv.follow(arrays)
 
 
 class Mirror:
@@ -299,7 +237,7 @@ class MirroredRunner(ModelRunner):
         model_split.hand_off(model, group)
         self.link = Link(group)
         # The other ranks may still be loading; the warm-up forward, which is watched, must not wait on that.
-        self.link.barrier()
+        self.link.connect(config.pipeline_timeout)
         self.kv = JournaledKV(kv, self.link)
         self.watchdog = Watchdog(config.pipeline_timeout)
         log.info("%d ranks: a step that waits over %gs on them stops the engine (--pipeline-timeout)",
@@ -346,8 +284,9 @@ class MirroredRunner(ModelRunner):
                                    initial_blocks=min(plan.initial_blocks, smallest))
 
 
-def serve_worker(config: EngineConfig, group: mx.distributed.Group) -> int:
-    """A rank other than 0: load this rank's layers, then replay rank 0's messages until it is gone."""
+def serve_worker(config: EngineConfig, group: mx.distributed.Group, joined: threading.Event) -> int:
+    """A rank other than 0: load this rank's layers, then replay rank 0's messages until it is gone;
+    ``joined`` is set once the group is whole (rank 0's going away then ends this rank)."""
     from engined.loaders import load_model
     from engined.model_layers import float_dtype, read_layers
     import kernels
@@ -361,7 +300,8 @@ def serve_worker(config: EngineConfig, group: mx.distributed.Group) -> int:
     model_split.hand_off(loaded.model, group)
     mirror, link = Mirror(kv), Link(group)
     pipelined = config.pipeline_parallel_size > 1
-    link.barrier()  # loaded: rank 0's warm-up forward comes next
+    link.connect(config.pipeline_timeout)  # loaded: rank 0's warm-up forward comes next
+    joined.set()
     max_model_len = config.max_model_len or loaded.context_length
     gc.collect()
     weights = mx.get_active_memory()
@@ -373,6 +313,11 @@ def serve_worker(config: EngineConfig, group: mx.distributed.Group) -> int:
             log.info("pipeline rank %d: rank 0 is gone (%s); stopping", group.rank(), e)
             return 0
         mirror.apply(message)
+        if message.query == "rest":
+            log.debug("pipeline rank %d: resting until rank 0 has work", group.rank())
+            if not link.wait():
+                log.info("pipeline rank %d: rank 0 closed the wake connection; stopping", group.rank())
+                return 0
         if message.pieces is not None:
             logits = forward(runner.model, runner.head, message.pieces, mirror.caches, message.num_logits)
             # A pipeline rank's part ends with its send, and it goes on to the next batch at once;

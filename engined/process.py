@@ -39,7 +39,7 @@ def run_engine(config: EngineConfig, daemon: DaemonConfig, parent_pid: int | Non
 
         group = pipeline.join(config)
         if group.rank() > 0:  # a worker: no socket, no gateways; it mirrors rank 0 until rank 0 is gone
-            return pipeline.serve_worker(config, group)
+            return pipeline.serve_worker(config, group, loading)
     from engined.daemon import Daemon
     from engined.encoder_engine import EncoderEngine, encoder_dir
     from engined.engine import Engine

@@ -34,7 +34,7 @@ def engine(args) -> int:
     check_free(daemon.metrics_host, daemon.metrics_port, "--metrics-port")
     ranks = []
     if config.num_ranks > 1 and not mlxd_ranks.launched():
-        ranks = mlxd_ranks.start_local(config)
+        ranks = mlxd_ranks.start_local(config, args.log_level)
     try:
         return run_engine(config, daemon, parent_pid=args.parent_pid, ready_fd=args.ready_fd)
     finally:

@@ -33,14 +33,15 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_local(config: EngineConfig) -> list[subprocess.Popen]:
-    """Start ranks 1..N-1 of ``config``'s pipeline here; this process becomes rank 0."""
+def start_local(config: EngineConfig, log_level: str | None = None) -> list[subprocess.Popen]:
+    """Start ranks 1..N-1 of ``config``'s pipeline here, logging at ``log_level`` (rank 0's; default
+    INFO); this process becomes rank 0."""
     size = config.num_ranks
     hosts = [[f"127.0.0.1:{_free_port()}"] for _ in range(size)]
     fd, hostfile = tempfile.mkstemp(prefix="mlxd-ring-", suffix=".json")
     with os.fdopen(fd, "w") as f:
         json.dump(hosts, f)
-    flags = to_flags(config)
+    flags = [*to_flags(config), *(["--log-level", log_level] if log_level else [])]
     children = []
     for rank in range(1, size):
         env = {**os.environ, LAUNCHED: str(rank), "MLX_HOSTFILE": hostfile}

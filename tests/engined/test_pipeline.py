@@ -4,7 +4,8 @@ Each case runs ``tests/engined/pipeline_driver.py`` as rank 0 (the in-process
 Engine) with the other ranks started by ``mlxd.ranks`` as `mlxd engine`
 processes, and compares greedy outputs with the single-process Engine on the
 same weights: a mixed batch with a shared prefix (so the second pass hits the
-prefix cache) and prompts longer than the token budget (chunked prefill).
+prefix cache, after the other ranks rested on the doorbell) and prompts longer
+than the token budget (chunked prefill).
 """
 
 from __future__ import annotations
@@ -12,14 +13,15 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 
 import msgspec
-import numpy as np
 import pytest
 
 from engined.engine import Engine
 from shared.config import EngineConfig
 from shared.sampling import SamplingParams
+from tests.e2e.serve_harness import gone
 from tests.tiny_models import fresh_seed, make_tiny_model, seeded_rng
 
 BASE = dict(max_model_len=512, max_num_batched_tokens=48, max_num_seqs=8, block_size=16, num_kv_blocks=64)
@@ -68,6 +70,7 @@ def test_parallel_greedy_outputs_equal_the_single_process_engine(tmp_path, arch,
     first, again = _run_single(single, prompts)
     result = _run_pipeline(EngineConfig(model=str(path), **parallel, **BASE), prompts)
     assert result["tokens"] == first
+    assert result["rested"]  # between the passes the other ranks waited on the doorbell
     assert result["again"] == again
     assert result["hits"] > 0  # the second pass was served from the prefix cache on every rank
     in_flight = parallel.get("pipeline_batches", parallel.get("pipeline_parallel_size", 1))
@@ -119,3 +122,57 @@ def test_pipeline_with_tensor_parallelism_is_refused_in_one_line():
                          capture_output=True, text=True, timeout=120)
     assert out.returncode != 0
     assert out.stderr.strip() == "mlxd: pipeline and tensor parallelism cannot be combined yet; pick one"
+
+
+def _wait_for(what: str, ok, log_path, timeout: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not ok():
+        assert time.monotonic() < deadline, f"{what}:\n" + log_path.read_text(errors="replace")[-4000:]
+        time.sleep(0.2)
+
+
+def test_a_resting_rank_ends_when_rank_0_does(tmp_path):
+    """An idle engine's worker rests on the doorbell, with no MLX receive pending that could fail when
+    rank 0 goes: rank 0's end of the wake connection closing is what ends it."""
+    path = make_tiny_model(tmp_path / "llama", "llama", seed=0, num_hidden_layers=2)
+    log_path = tmp_path / "engine.log"
+    with open(log_path, "wb") as log:
+        rank0 = subprocess.Popen(
+            [sys.executable, "-m", "mlxd", "engine", str(path), "-pp", "2", "--log-level", "DEBUG",
+             "--kv-cache-memory", "100000000", "--max-model-len", "512", "--engine-endpoint",
+             f"ipc://{tmp_path}/engine.sock"], stdout=log, stderr=subprocess.STDOUT)
+    worker = None
+    try:
+        _wait_for("the worker never rested", lambda: "pipeline rank 1: resting" in log_path.read_text(errors="replace")
+                  or rank0.poll() is not None, log_path)
+        assert rank0.poll() is None, log_path.read_text(errors="replace")[-4000:]
+        worker = int(subprocess.run(["pgrep", "-P", str(rank0.pid)], capture_output=True, text=True).stdout.split()[0])
+        rank0.kill()
+        rank0.wait()
+        _wait_for("the resting worker outlived rank 0", lambda: gone(worker), log_path, timeout=30)
+        assert "pipeline rank 1: rank 0 closed the wake connection; stopping" in log_path.read_text(errors="replace")
+    finally:
+        if rank0.poll() is None:
+            rank0.kill()
+            rank0.wait()
+        if worker is not None and not gone(worker):
+            subprocess.run(["kill", "-9", str(worker)])
+
+
+@pytest.mark.parametrize("parallel", [dict(pipeline_parallel_size=2), dict(tensor_parallel_size=2)],
+                         ids=["pp2", "tp2"])
+def test_a_draft_model_on_rank_0_speculates_over_several_ranks(tmp_path, parallel):
+    """The draft model runs on rank 0 alone (its K/V follow rank 0's pool); the ranks verify its
+    drafts, some accepted, some not, and greedy outputs stay the one process's without speculation."""
+    seed = fresh_seed("weights")
+    path = make_tiny_model(tmp_path / "llama", "llama", seed=seed, num_hidden_layers=4)
+    # The same seed, one layer fewer: it agrees with the target now and then (5 to 15 of ~70 drafts).
+    draft = make_tiny_model(tmp_path / "draft", "llama", seed=seed, num_hidden_layers=3)
+    spec = json.dumps({"method": "draft_model", "model": str(draft), "num_speculative_tokens": 3})
+    prompts = _prompts(seeded_rng())
+    first, again = _run_single(EngineConfig(model=str(path), **BASE), prompts)
+    result = _run_pipeline(EngineConfig(model=str(path), **parallel, speculative_config=spec, **BASE), prompts)
+    print(f"{result['accepted']:.0f} of {result['drafted']:.0f} draft tokens accepted")
+    assert result["tokens"] == first
+    assert result["again"] == again
+    assert 0 < result["accepted"] < result["drafted"]
