@@ -32,6 +32,13 @@ SHAPES = {
                          linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=32,
                          linear_value_head_dim=32, linear_conv_kernel_dim=4, full_attention_interval=4,
                          rms_norm_eps=1e-6, tie_word_embeddings=False, max_position_embeddings=8192),
+    # Narrow and deep: a forward's cost is its dispatch and synchronisation, as on a GPU
+    # (bench.speculative_propose).
+    "qwen3_5-deep": dict(model_type="qwen3_5", hidden_size=64, num_hidden_layers=32, intermediate_size=128,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=1024,
+                         linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=16,
+                         linear_value_head_dim=16, linear_conv_kernel_dim=4, full_attention_interval=4,
+                         rms_norm_eps=1e-6, tie_word_embeddings=False, max_position_embeddings=8192),
     # A CPU-sized shape (~75 M parameters, Qwen-like vocabulary of 32K).
     "qwen3_5-small": dict(model_type="qwen3_5", hidden_size=512, num_hidden_layers=8, intermediate_size=1536,
                           num_attention_heads=8, num_key_value_heads=2, head_dim=64, vocab_size=32000,

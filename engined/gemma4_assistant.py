@@ -41,7 +41,7 @@ import numpy as np
 from mlx_lm.models.gemma4_text import DecoderLayer, ModelArgs
 
 import kernels
-from engined.draft_model import draft_loop
+from engined.draft_model import draft_loop, rows_for
 from engined.kv import KVCacheManager
 from engined.loaders.mlx_dir import resolve_hf_repo
 from engined.model_layers import float_dtype, text_model
@@ -276,18 +276,18 @@ class Gemma4AssistantProposer(TargetHiddenStates):
         self._take_hidden(set(batch.preempted))
         probs, bits = None, {}
         if drafting:
-            hidden = [self._last_hidden(r) for r in drafting]  # per request, its next step's input hidden
+            # The next step's input hidden states [n, H] and the drafting requests (indices) they are of.
+            carried = [list(range(len(drafting))), mx.concatenate([self._last_hidden(r) for r in drafting])]
             reads: dict[tuple[int, ...], dict[str, SharedRead]] = {}
 
-            def forward(j: int, active: list[int]) -> mx.array:
+            def forward(j: int, active: list[int], previous: mx.array | None) -> mx.array:
                 reqs = [drafting[i] for i in active]
-                tokens = [r.token_ids[-1] if j == 0 else drafts[i][j - 1] for r, i in zip(reqs, active)]
+                tokens = mx.array([r.token_ids[-1] for r in reqs], dtype=mx.int32) if j == 0 else previous
                 key = tuple(active)
                 if key not in reads:
                     reads[key] = self.reads(reqs)
-                logits, nxt = self.step(tokens, mx.concatenate([hidden[i] for i in active]), reads[key])
-                for row, i in enumerate(active):
-                    hidden[i] = nxt[row : row + 1]
+                logits, carried[1] = self.step(tokens, rows_for(carried[1], carried[0], active), reads[key])
+                carried[0] = active
                 return logits
 
             probs, bits = draft_loop(self.sampler, drafting, drafts, forward, lambda: [self._fresh])
@@ -296,10 +296,11 @@ class Gemma4AssistantProposer(TargetHiddenStates):
         self._note(batch)
         return probs, bits
 
-    def step(self, tokens: list[int], hidden: mx.array, reads: dict[str, SharedRead]) -> tuple[mx.array, mx.array]:
-        """One assistant forward: ``tokens`` and ``hidden [T, H]`` (the target's, or the assistant's
-        previous ``post_projection``) -> (logits ``[T, V]``, next hidden ``[T, H]``)."""
-        embedded = self.embed(mx.array(tokens, dtype=mx.int32)) * self.embed_scale
+    def step(self, tokens: mx.array, hidden: mx.array, reads: dict[str, SharedRead]) -> tuple[mx.array, mx.array]:
+        """One assistant forward: ``tokens [T]`` (int32; drafts perhaps not yet evaluated) and
+        ``hidden [T, H]`` (the target's, or the assistant's previous ``post_projection``) ->
+        (logits ``[T, V]``, next hidden ``[T, H]``)."""
+        embedded = self.embed(tokens) * self.embed_scale
         return self.assistant(mx.concatenate([embedded, hidden.astype(embedded.dtype)], axis=-1), reads)
 
     def reads(self, reqs: list[Request]) -> dict[str, SharedRead]:

@@ -37,7 +37,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from engined.draft_model import draft_loop
+from engined.draft_model import draft_loop, rows_for
 from engined.kv import KVCacheManager
 from engined.kv.mtp_layer import MTPLayerGroup
 from engined.loaders.mlx_dir import MTPWeights
@@ -243,18 +243,18 @@ class MTPProposer(TargetHiddenStates):
                 # No target state for its last token (cannot happen in order): drafts from nothing.
                 self.pending[req.request_id] = (req.num_computed_tokens - 1,
                                                 mx.zeros((1, self.head.inner.weight.shape[-1])))
-        outputs: list[mx.array] = []  # per drafting request, the MTP output of its latest row
+        # The MTP outputs of the latest rows, [n, H], and the drafting requests (indices) they are of.
+        carried: list = [[], None]
 
-        def forward(j: int, active: list[int]) -> mx.array:
+        def forward(j: int, active: list[int], previous: mx.array | None) -> mx.array:
             if j == 0:
-                logits, outs = self._catch_up(drafting + catch_up, len(drafting))
-                outputs[:] = outs
+                logits, carried[1] = self._catch_up(drafting + catch_up, len(drafting))
+                carried[0] = list(range(len(drafting)))
                 return logits
-            pieces = [(drafting[i], drafting[i].num_computed_tokens + j - 1, [drafts[i][j - 1]], outputs[i][None])
-                      for i in active]
-            logits, outs = self._run(pieces, [True] * len(pieces))
-            for i, out in zip(active, outs):
-                outputs[i] = out
+            pieces = [(drafting[i], drafting[i].num_computed_tokens + j - 1, 1) for i in active]
+            logits, carried[1] = self._run(pieces, previous, rows_for(carried[1], carried[0], active),
+                                           [True] * len(pieces))
+            carried[0] = active
             return logits
 
         # The kept rows are evaluated with the K/V, so that nothing holds the last forward's hidden states.
@@ -284,37 +284,38 @@ class MTPProposer(TargetHiddenStates):
             at += k
         return [req for req, *_ in kept]
 
-    def _catch_up(self, reqs: list[Request], num_drafting: int) -> tuple[mx.array, list[mx.array]]:
-        """One MTP forward over each request's pending rows (its K/V written); logits and output of
-        the last row of the first ``num_drafting``. Each keeps its last row, for drafting later."""
-        pieces = []
-        for req in reqs:
-            start, rows = self.pending[req.request_id]
-            pieces.append((req, start, req.token_ids[start + 1 : start + 1 + len(rows)], rows))
-        logits, outs = self._run(pieces, [i < num_drafting for i in range(len(pieces))])
+    def _catch_up(self, reqs: list[Request], num_drafting: int) -> tuple[mx.array, mx.array]:
+        """One MTP forward over each request's pending rows (its K/V written); logits and outputs
+        ``[num_drafting, H]`` of the last row of the first ``num_drafting``. Each keeps its last
+        row, for drafting later."""
+        pending = [self.pending[req.request_id] for req in reqs]
+        tokens = np.concatenate([req.token_ids[start + 1 : start + 1 + len(rows)]
+                                 for req, (start, rows) in zip(reqs, pending)])
+        logits, outs = self._run([(req, start, len(rows)) for req, (start, rows) in zip(reqs, pending)],
+                                 mx.array(tokens.astype(np.int32)), mx.concatenate([rows for _, rows in pending]),
+                                 [i < num_drafting for i in range(len(reqs))])
         # A copy (not a view of the step's rows), so the last forward's hidden states can go.
-        self._kept = last = mx.concatenate([rows[-1:] for *_, rows in pieces])
-        for i, (req, start, tokens, _) in enumerate(pieces):
-            self.pending[req.request_id] = (start + len(tokens) - 1, last[i : i + 1])
+        self._kept = last = mx.concatenate([rows[-1:] for _, rows in pending])
+        for i, (req, (start, rows)) in enumerate(zip(reqs, pending)):
+            self.pending[req.request_id] = (start + len(rows) - 1, last[i : i + 1])
         return logits, outs
 
-    def _run(self, pieces: list[tuple[Request, int, list[int], mx.array]],
-             want: list[bool]) -> tuple[mx.array, list[mx.array]]:
-        """Forward ``(request, first position, next tokens, hidden [n, H])`` pieces packed; logits
-        ``[sum(want), V]`` and normed outputs ``[H]`` of the last row of each piece that wants them."""
-        lens = [len(t) for _, _, t, _ in pieces]
+    def _run(self, pieces: list[tuple[Request, int, int]], tokens: mx.array, hidden: mx.array,
+             want: list[bool]) -> tuple[mx.array, mx.array]:
+        """Forward ``(request, first position, rows)`` pieces packed: their next tokens ``tokens
+        [sum(rows)]`` (int32; drafts of the previous position perhaps not yet evaluated) and the
+        hidden states ``[sum(rows), H]`` they follow. Logits ``[sum(want), V]`` and normed outputs
+        ``[sum(want), H]`` of the last row of each piece that wants them."""
+        lens = [n for *_, n in pieces]
         tables = [self.kv.block_ids(r.request_id) for r, *_ in pieces]
-        meta = AttentionMetadata.build(lens, [s + n for (_, s, _, _), n in zip(pieces, lens)], tables,
-                                       self.block_size)
+        meta = AttentionMetadata.build(lens, [s + n for _, s, n in pieces], tables, self.block_size)
         caches = [None]
         self.group.kv.steps(meta, caches)
-        tokens = mx.array(np.fromiter((t for _, _, ts, _ in pieces for t in ts), dtype=np.int32, count=sum(lens)))
         embeddings = self.embed(tokens[None])
-        hidden = mx.concatenate([h for *_, h in pieces]).astype(embeddings.dtype)
-        out = self.layer(embeddings, hidden[None], None, caches[0])[0]
+        out = self.layer(embeddings, hidden.astype(embeddings.dtype)[None], None, caches[0])[0]
         ends = np.cumsum(lens) - 1
         rows = [int(e) for e, w in zip(ends, want) if w]
         if not rows:
-            return mx.zeros((0,)), []
+            return mx.zeros((0,)), mx.zeros((0,))
         last = out[mx.array(rows)]
-        return self.lm_head(last[None])[0], [last[i] for i in range(len(rows))]
+        return self.lm_head(last[None])[0], last

@@ -28,7 +28,7 @@ from engined.model_layers import text_model
 from shared.config import EngineConfig
 from shared.errors import ModelLoadError
 from shared.sampling import SamplingParams, StructuredSpec
-from tests.engined.test_speculative import CHI2_999, chi2_two_sample
+from tests.engined.test_speculative import CHI2_999, chi2_two_sample, waits_per_draft_round
 from tests.tiny_models import make_tiny_gemma4_assistant, make_tiny_model, seeded_rng
 
 KW = dict(num_kv_blocks=256, block_size=8, max_num_seqs=8, max_num_batched_tokens=64)
@@ -366,3 +366,17 @@ def test_each_draft_round_reads_the_targets_hidden_state_before_the_last_token(t
     body = text_model(load_model(str(target)).model).model
     for tokens, row in seen:
         np.testing.assert_allclose(row, np.asarray(body(mx.array([tokens]))[0, -1]), rtol=1e-4, atol=1e-4)
+
+
+def test_an_assistant_round_waits_for_the_device_once_whatever_k(trained):
+    """Each step's drafts feed the next assistant forward on the device: 4 steps wait as often as 1
+    (once for everything, once to read the drafts)."""
+    target, assistant, prompts, _ = trained
+    params = [SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True),
+              SamplingParams(max_tokens=12, temperature=0.8, seed=3, ignore_eos=True)]
+    waits = {}
+    for k in (1, 4):
+        spec = Engine(EngineConfig(**KW, speculative_config=assistant_config(assistant, k)),
+                      loaded=load_model(str(target)))
+        waits[k] = set(waits_per_draft_round(spec, prompts[:2], params))
+    assert waits[4] == waits[1] == {2}, waits

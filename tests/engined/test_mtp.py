@@ -29,7 +29,7 @@ from engined.mtp import build_layer
 from shared.config import EngineConfig
 from shared.errors import ModelLoadError
 from shared.sampling import SamplingParams, StructuredSpec
-from tests.engined.test_speculative import CHI2_999, chi2_two_sample
+from tests.engined.test_speculative import CHI2_999, chi2_two_sample, waits_per_draft_round
 from tests.tiny_models import make_tiny_model, seeded_rng
 
 KW = dict(num_kv_blocks=256, block_size=8, max_num_seqs=8, max_num_batched_tokens=64)
@@ -253,3 +253,22 @@ def test_constrained_outputs_with_mtp_equal_outputs_without(trained):
     spec.scheduler.kv.pool.check_whole()
     for eng in (plain, spec):
         eng.grammars.shutdown()
+
+
+def test_an_mtp_round_waits_for_the_device_once_whatever_k_unless_a_grammar_walks_it(trained):
+    """Each position's drafts feed the next MTP forward on the device: 4 positions wait as often as
+    1 (once for everything, once to read the drafts). A constrained request's grammar walk needs
+    each token on the host, so a round with one waits at every position."""
+    path, prompts, continuations = trained
+    params = [SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True),
+              SamplingParams(max_tokens=12, temperature=0.8, seed=3, ignore_eos=True)]
+    constrained = SamplingParams(max_tokens=12, temperature=0.0, structured=StructuredSpec("regex", "[0-9]{12}"))
+    waits = {}
+    for k in (1, 4):
+        spec = Engine(EngineConfig(**KW, speculative_config=mtp_config(k)), loaded=load_model(str(path)))
+        waits[k] = set(waits_per_draft_round(spec, prompts[:2], params))
+        if k == 4:
+            waits["grammar"] = waits_per_draft_round(spec, prompts[:2], [params[0], constrained])
+            spec.grammars.shutdown()
+    assert waits[4] == waits[1] == {2}, waits
+    assert max(waits["grammar"]) > 2 * 4, waits

@@ -213,3 +213,75 @@ def test_draft_model_with_another_vocabulary_is_refused(tmp_path):
     cfg = f'{{"method": "draft_model", "model": "{draft}", "num_speculative_tokens": 2}}'
     with pytest.raises(ModelLoadError, match="same tokenizer|share a tokenizer"):
         Engine(EngineConfig(num_kv_blocks=64, speculative_config=cfg))
+
+
+# -- how often a draft round waits for the device -------------------------------------------------------
+
+class DeviceWaits:
+    """Counts, while entered, the host's waits for the device: ``mx.eval`` and reads of an array's
+    values to the host (``tolist``, ``item``, ``int``/``float``/``bool`` of one). The real functions
+    run; they are only counted."""
+
+    READS = ("tolist", "item", "__int__", "__float__", "__bool__")
+
+    def __init__(self):
+        self.count = 0
+        self._saved = []
+
+    def _wrap(self, owner, name):
+        real = getattr(owner, name)
+        self._saved.append((owner, name, real))
+
+        def counted(*args, **kwargs):
+            self.count += 1
+            return real(*args, **kwargs)
+
+        setattr(owner, name, counted)
+
+    def __enter__(self):
+        self._wrap(mx, "eval")
+        for name in self.READS:
+            self._wrap(mx.array, name)
+        return self
+
+    def __exit__(self, *exc):
+        for owner, name, real in reversed(self._saved):
+            setattr(owner, name, real)
+
+
+def waits_per_draft_round(engine: Engine, prompts, params) -> list[int]:
+    """Generate with ``engine``; for each step whose drafter filled drafts, the waits for the device
+    of its ``Speculator.draft`` (the whole proposal: forwards, sampling, the host's read of the drafts)."""
+    speculator = engine.speculator
+    draft, rounds = speculator.draft, []
+
+    def counted(batch):
+        with DeviceWaits() as waits:
+            draft(batch)
+        if batch.drafts:
+            rounds.append(waits.count)
+
+    speculator.draft = counted
+    try:
+        engine.generate(prompts, params)
+    finally:
+        del speculator.draft
+    assert rounds
+    return rounds
+
+
+def test_a_draft_model_round_waits_for_the_device_once_whatever_k(tmp_path):
+    """Drafts stay on the device from one position to the next: a round of 4 positions waits as
+    often as a round of 1 (once for everything, once to read the drafts)."""
+    d = make_tiny_model(tmp_path / "m", "llama", seed=11)
+    draft = make_tiny_model(tmp_path / "d", "llama", seed=12)
+    prompts = [[40, 41, 42, 43] * 3, list(range(30, 50))]
+    params = [SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True),
+              SamplingParams(max_tokens=12, temperature=0.8, seed=3, ignore_eos=True)]
+    waits = {}
+    for k in (1, 4):
+        cfg = f'{{"method": "draft_model", "model": "{draft}", "num_speculative_tokens": {k}}}'
+        eng = Engine(EngineConfig(num_kv_blocks=64, max_num_batched_tokens=256, speculative_config=cfg),
+                     loaded=load_model(str(d)))
+        waits[k] = set(waits_per_draft_round(eng, prompts, params))
+    assert waits[4] == waits[1] == {2}, waits
