@@ -5,8 +5,11 @@ MLP's gate_proj and up_proj. Their adapters' A matrices are stacked per slot
 into one ``[slots, in, n * R]`` array (member ``i``'s columns ``i*R:(i+1)*R``),
 so that one ``gather_mm`` gives every member's ``x·A`` and each member applies
 only its own B to its slice: 4 ``gather_mm`` for q/k/v where 6 ran, 3 for
-gate/up where 4 ran, and ``x`` is read once. A projection that reads an input
-of its own (o_proj, down_proj) is a group of one.
+gate/up where 4 ran, and ``x`` is read once. The product is laid out once as
+``[n, rows, R]`` so that every member's slice is contiguous: a strided slice as
+``gather_mm``'s left operand is copied (MLX's CUDA ``check_transpose``), one
+copy per member. A projection that reads an input of its own (o_proj,
+down_proj) is a group of one.
 
 Adapters that target only some members (PEFT's common ``q_proj, v_proj``) get
 zero columns for the others: the shared product keeps one shape for every
@@ -52,14 +55,16 @@ class SharedInput:
             rows = x.reshape(-1, 1, x.shape[-1])
             if step.first:  # the base's rows, first in a sorted step, take no term
                 rows = rows[step.first:]
-            self._h = mx.gather_mm(rows.astype(self.a.dtype), self.a, rhs_indices=step.adapted,
-                                   sorted_indices=step.sorted)
+            h = mx.gather_mm(rows.astype(self.a.dtype), self.a, rhs_indices=step.adapted,
+                             sorted_indices=step.sorted)
+            n = len(self.members)
+            if n > 1:  # [n, rows, R]: each member's slice contiguous, as gather_mm's lhs must be (else copied)
+                h = mx.contiguous(h.reshape(-1, n, self.rank).swapaxes(0, 1))
+            self._h = h
             self._x = x
             self._left = sum(1 for m in self.members if m.live_slots)
         h = self._h
         self._left -= 1
         if self._left <= 0:
             self.clear()
-        if len(self.members) == 1:
-            return h
-        return h[..., column * self.rank:(column + 1) * self.rank]
+        return h if len(self.members) == 1 else h[column].reshape(-1, 1, self.rank)
