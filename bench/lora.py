@@ -25,7 +25,9 @@ weights instead (no download; both engines share the same arrays), for a GPU.
 q_proj's and gate_proj's sizes), unsorted against sorted indices and against
 two dense matmuls over every slot's A and B concatenated (each row's other
 slots' columns masked to zero: no gather, more arithmetic), beside the base
-matmul: seconds, not minutes, on a GPU.
+matmul; then q/k/v's and gate/up's terms taken apart, with one shared x·A
+(what the layers do) and with a block-diagonal B besides (one product for all
+members' B, n times B's memory): seconds, not minutes, on a GPU.
 
     python -m bench.lora [--model PATH | --shape NAME] [--levels 8 64] [--max-tokens 32] [--rank 16]
                          [--prompt-lens 32 256] [--term]
@@ -159,17 +161,32 @@ def step_cost(engine: Engine, prompts: list[list[int]], loras: list[str], repeat
     return tuple(statistics.median(t[k] for t in times) for k in range(3))
 
 
+def _alternate(runs: dict, repeats: int) -> dict[str, float]:
+    """Median microseconds of each of ``runs`` (name -> a function giving arrays), run in turn ``repeats``
+    times after one warm-up round, so that background load falls on all alike."""
+    times = {k: [] for k in runs}
+    for i in range(repeats + 1):
+        for k, run in runs.items():
+            start = time.perf_counter()
+            mx.eval(run())
+            if i:
+                times[k].append(time.perf_counter() - start)
+    return {k: statistics.median(t) * 1e6 for k, t in times.items()}
+
+
 def term_cost(shape: str, rank: int, repeats: int) -> None:
-    """One projection's LoRA term alone, rows spread round-robin over 4 adapters (+ the base slot)."""
+    """One projection's LoRA term alone, rows spread round-robin over 4 adapters (+ the base slot); then
+    the projections that read one input (q/k/v, gate/up), their terms apart against one shared x·A."""
     dims = SHAPES[shape]
     dtype = mx.float32 if mx.default_device() == mx.cpu else mx.bfloat16  # MLX's CPU gather_mm: float32 only
+    slots = NUM_ADAPTERS + 1
     print("\n| projection (in x out) | rows | base matmul (us) | + term, unsorted (us) | + term, sorted (us) "
           "| + term, dense masked (us) |")
     print("|---|---|---|---|---|---|")
     for d_in, d_out in ((dims["hidden_size"], dims["hidden_size"]), (dims["hidden_size"], dims["intermediate_size"])):
         w = mx.random.normal((d_out, d_in)).astype(dtype) * 0.02
-        a = mx.random.normal((NUM_ADAPTERS + 1, d_in, rank)).astype(dtype) * 0.02
-        b = mx.random.normal((NUM_ADAPTERS + 1, rank, d_out)).astype(dtype) * 0.02
+        a = mx.random.normal((slots, d_in, rank)).astype(dtype) * 0.02
+        b = mx.random.normal((slots, rank, d_out)).astype(dtype) * 0.02
         for rows in (8, 64, 512):
             x = mx.random.normal((rows, d_in)).astype(dtype)
             spread = np.arange(rows) % NUM_ADAPTERS + 1
@@ -177,24 +194,51 @@ def term_cost(shape: str, rank: int, repeats: int) -> None:
             # Dense: x @ [A_0 .. A_S] -> [rows, S * rank], zero but each row's own slot's columns, @ [B_0; ..; B_S].
             a_all = a.transpose(1, 0, 2).reshape(d_in, -1)
             b_all = b.reshape(-1, d_out)
-            mask = mx.array(np.repeat(np.eye(NUM_ADAPTERS + 1)[spread], rank, axis=1)).astype(dtype)
+            mask = mx.array(np.repeat(np.eye(slots)[spread], rank, axis=1)).astype(dtype)
             mx.eval(w, a, b, x, unsorted, ordered, a_all, b_all, mask)
-            runs = {
+            us = _alternate({
                 "base": lambda: x @ w.T,
                 "unsorted": lambda: x @ w.T + lora_term(x[:, None], a, b, unsorted).squeeze(1),
                 "sorted": lambda: x @ w.T + lora_term(x[:, None], a, b, ordered, True).squeeze(1),
                 "dense": lambda: x @ w.T + ((x @ a_all) * mask) @ b_all,
-            }
-            times = {k: [] for k in runs}
-            for i in range(repeats + 1):  # alternating; the first round warms up
-                for k, run in runs.items():
-                    start = time.perf_counter()
-                    mx.eval(run())
-                    if i:
-                        times[k].append(time.perf_counter() - start)
-            us = {k: statistics.median(t) * 1e6 for k, t in times.items()}
+            }, repeats)
             print(f"| {d_in} x {d_out} | {rows} | {us['base']:.0f} | {us['unsorted']:.0f} | {us['sorted']:.0f} "
                   f"| {us['dense']:.0f} |", flush=True)
+    hidden, kv = dims["hidden_size"], dims["hidden_size"] * dims["num_key_value_heads"] // dims["num_attention_heads"]
+    print("\n| projections (in x outs) | rows | base matmuls (us) | + terms apart (us) | + shared x·A (us) "
+          "| + shared x·A, block-diagonal B (us) |")
+    print("|---|---|---|---|---|---|")
+    for outs in ((hidden, kv, kv), (dims["intermediate_size"],) * 2):
+        n = len(outs)
+        ws = [mx.random.normal((o, hidden)).astype(dtype) * 0.02 for o in outs]
+        a_s = [mx.random.normal((slots, hidden, rank)).astype(dtype) * 0.02 for _ in outs]
+        b_s = [mx.random.normal((slots, rank, o)).astype(dtype) * 0.02 for o in outs]
+        a_cat = mx.concatenate(a_s, axis=-1)
+        # Block-diagonal B: one product gives every member's output, at n times B's memory.
+        b_diag = np.zeros((slots, n * rank, sum(outs)), np.float32)
+        for i, (bi, start) in enumerate(zip(b_s, np.cumsum((0,) + outs[:-1]))):
+            b_diag[:, i * rank:(i + 1) * rank, start:start + outs[i]] = np.array(bi.astype(mx.float32))
+        b_diag = mx.array(b_diag).astype(dtype)
+        for rows in (8, 64, 512):
+            x = mx.random.normal((rows, 1, hidden)).astype(dtype)
+            idx = mx.array(np.sort(np.arange(rows) % NUM_ADAPTERS + 1).astype(np.uint32))
+            mx.eval(ws, a_s, b_s, a_cat, b_diag, x, idx)
+
+            def gmm(lhs, rhs):
+                return mx.gather_mm(lhs, rhs, rhs_indices=idx, sorted_indices=True)
+
+            def shared():  # what SharedInput does
+                h = mx.contiguous(gmm(x, a_cat).reshape(rows, n, rank).swapaxes(0, 1))
+                return [x @ w.T + gmm(h[i].reshape(rows, 1, rank), bi) for i, (w, bi) in enumerate(zip(ws, b_s))]
+
+            us = _alternate({
+                "base": lambda: [x @ w.T for w in ws],
+                "apart": lambda: [x @ w.T + lora_term(x, ai, bi, idx, True) for w, ai, bi in zip(ws, a_s, b_s)],
+                "shared": shared,
+                "diagonal": lambda: [x @ mx.concatenate(ws).T + gmm(gmm(x, a_cat), b_diag)],
+            }, repeats)
+            print(f"| {hidden} x {'+'.join(map(str, outs))} | {rows} | {us['base']:.0f} | {us['apart']:.0f} "
+                  f"| {us['shared']:.0f} | {us['diagonal']:.0f} |", flush=True)
 
 
 def make_prompts(n: int, vocab: int, seed: int, lengths: tuple[int, int]) -> list[list[int]]:
