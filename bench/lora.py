@@ -6,7 +6,8 @@ same prompts, greedy, every request ``--max-tokens`` long. Three systems:
 - ``base``: an engine without LoRA, every request on the base model;
 - ``4 adapters``: an engine with ``--enable-lora --max-loras 4``, the requests
   spread round-robin over four random rank-``--rank`` adapters of every
-  attention and MLP projection (one packed step mixes them all);
+  attention and MLP projection (of the ``--targets`` only, when given; one
+  packed step mixes them all);
 - ``lora on, base requests``: the LoRA engine with requests naming no adapter
   (what enabling LoRA costs requests that use none).
 
@@ -30,7 +31,7 @@ matmul; then q/k/v's and gate/up's terms taken apart, with one shared x·A
 members' B, n times B's memory): seconds, not minutes, on a GPU.
 
     python -m bench.lora [--model PATH | --shape NAME] [--levels 8 64] [--max-tokens 32] [--rank 16]
-                         [--prompt-lens 32 256] [--term]
+                         [--prompt-lens 32 256] [--targets q_proj v_proj] [--term]
 """
 
 from __future__ import annotations
@@ -98,15 +99,16 @@ def random_model_maker(name: str):
     return make
 
 
-def write_adapters(model, root: Path, rank: int, seed: int = 0) -> list[Path]:
-    """``NUM_ADAPTERS`` random mlx_lm-format adapters of every linear projection of the model's layers."""
+def write_adapters(model, root: Path, rank: int, targets: list[str] | None = None, seed: int = 0) -> list[Path]:
+    """``NUM_ADAPTERS`` random mlx_lm-format adapters of every linear projection of the model's layers (of those
+    whose names end in one of ``targets``, when given)."""
     _, targets = install(model, 1, 1, mx.float32)  # only to list the projections and their sizes
     rng = np.random.default_rng(seed)
     dirs = []
     for k in range(NUM_ADAPTERS):
         tensors = {}
         for path, (wrapper, proj) in targets.items():
-            if proj is not None:
+            if proj is not None or (targets and not path.endswith(tuple(targets))):
                 continue  # experts: this benchmark's models are dense
             tensors[f"{path}.lora_a"] = mx.array(rng.normal(0, 0.02, (wrapper.input_dims, rank)).astype(np.float32))
             tensors[f"{path}.lora_b"] = mx.array(rng.normal(0, 0.02, (rank, wrapper.output_dims)).astype(np.float32))
@@ -257,6 +259,8 @@ def main() -> None:
     ap.add_argument("--prompt-lens", type=int, nargs=2, default=[32, 256], metavar=("MIN", "MAX"))
     ap.add_argument("--repeats", type=int, default=2, help="timed whole runs per system (0: the step alone)")
     ap.add_argument("--step-repeats", type=int, default=10)
+    ap.add_argument("--targets", nargs="+", default=None, metavar="NAME",
+                    help="adapt only the projections so named (PEFT's common: q_proj v_proj); default all")
     ap.add_argument("--term", action="store_true", help="time one projection's LoRA term only (of --shape)")
     args = ap.parse_args()
     if args.term:
@@ -267,13 +271,14 @@ def main() -> None:
                   num_kv_blocks=top * (args.prompt_lens[1] + args.max_tokens) // 16 + 2 * top)
     make = random_model_maker(args.shape) if args.shape else (lambda: load_model(args.model))
     with tempfile.TemporaryDirectory() as tmp:
-        adapters = write_adapters(make().model, Path(tmp), args.rank)
+        adapters = write_adapters(make().model, Path(tmp), args.rank, args.targets)
         base = Engine(EngineConfig(model=args.model, **common), make())
         lora = Engine(EngineConfig(model=args.model, enable_lora=True, max_loras=NUM_ADAPTERS,
                                    max_lora_rank=args.rank,
                                    lora_modules=[f"a{k}={d}" for k, d in enumerate(adapters)], **common), make())
         print(f"device {mx.default_device()}, model {base.info.model_id}, rank {args.rank}, "
-              f"{NUM_ADAPTERS} adapters, slots {lora.lora.nbytes / 2**20:.1f} MiB", flush=True)
+              f"{NUM_ADAPTERS} adapters of {' '.join(args.targets or ['every projection'])}, "
+              f"slots {lora.lora.nbytes / 2**20:.1f} MiB", flush=True)
         params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
         rows, steps = [], []
         for level in args.levels:
