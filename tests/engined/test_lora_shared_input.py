@@ -6,6 +6,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
+from engined.lora.adapters import read_adapter
 from shared.sampling import SamplingParams
 from tests.engined.test_lora import _engine, _load, random_adapter, setups, write_mlx_lm  # noqa: F401 (setups)
 from tests.tiny_models import fresh_seed
@@ -38,3 +39,25 @@ def test_one_mixed_step_runs_one_a_product_per_shared_input(setups, tmp_path, mo
     monkeypatch.undo()
     mx.eval(logits)
     assert len(calls) == per_layer * len(engine.runner.model.layers), calls
+
+
+def test_a_projection_called_on_another_input_gets_its_own_product(setups):
+    """The shared product belongs to the array it was made from: k_proj called on another one (a model that
+    feeds its projections apart) still gets its own x·A, and v_proj, back on q's input, too."""
+    model_dir, a_dir, b_dir, _ = setups("llama")
+    engine = _engine(model_dir, "float32", a_dir, b_dir)
+    slot = engine.lora.acquire("A")
+    pairs = read_adapter(str(a_dir)).modules
+    attn = engine.runner.model.layers[0].self_attn
+    rng = np.random.default_rng(fresh_seed("inputs"))
+    x1, x2 = (mx.array(rng.normal(size=(1, 3, attn.q_proj.input_dims)).astype(np.float32)) for _ in range(2))
+    calls = (("q_proj", x1), ("k_proj", x2), ("v_proj", x1))
+    engine.lora.set_step([slot], [3])
+    try:
+        got = [getattr(attn, name)(x) for name, x in calls]
+    finally:
+        engine.lora.set_step([], [])
+    for (name, x), out in zip(calls, got):
+        a, b = pairs[f"model.layers.0.self_attn.{name}"]
+        want = np.array(getattr(attn, name).linear(x)) + np.array(x) @ a @ b
+        np.testing.assert_allclose(np.array(out), want, rtol=1e-4, atol=1e-4, err_msg=name)
