@@ -123,7 +123,8 @@ def draft_loop(sampler: Sampler, reqs: list[Request], drafts: list[list[int]],
 
     Returns the distributions in the verifier's row layout (per request ``k``
     rows of the draft's distribution and one zero row for the bonus position;
-    None when every request is greedy, as the verifier then needs none) and, for constrained requests, which draft under their grammar, the packed
+    None when every request is greedy, as the verifier then needs none) and,
+    for constrained requests, which draft under their grammar, the packed
     masks of the window rows (``[k + 1, words]``).
     """
     ks = [len(d) for d in drafts]
