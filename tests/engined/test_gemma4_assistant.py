@@ -28,6 +28,7 @@ from engined.model_layers import text_model
 from shared.config import EngineConfig
 from shared.errors import ModelLoadError
 from shared.sampling import SamplingParams, StructuredSpec
+from tests.engined.test_mtp import mixed_batch
 from tests.engined.test_speculative import CHI2_999, chi2_two_sample, waits_per_draft_round
 from tests.tiny_models import make_tiny_gemma4_assistant, make_tiny_model, seeded_rng
 
@@ -155,11 +156,7 @@ def test_greedy_outputs_with_the_assistant_equal_plain_decoding_on_mixed_batches
     spec = Engine(EngineConfig(**KW, speculative_config=assistant_config(assistant, 3, "mtp")),
                   loaded=load_model(str(target)))
     assert spec.config.enable_prefix_caching
-    prompts = [rng.integers(0, 256, size=int(n)).tolist() for n in (5, 12, 23, 70)]  # 70: chunked prefill
-    shared = prompts[2][:17]
-    prompts += [shared + [3, 4, 5], shared + [9, 9]]
-    params = [SamplingParams(max_tokens=int(rng.integers(6, 14)), temperature=0.0, ignore_eos=True,
-                             speculate=i != 1) for i in range(len(prompts))]
+    prompts, params = mixed_batch(rng)
     expected = plain.generate(prompts, params)
     assert spec.generate(prompts, params) == expected
     hits = spec.stats().prefix_cache_hits

@@ -50,15 +50,22 @@ def family(request, tmp_path_factory):
     return make_tiny_model(tmp_path_factory.mktemp(request.param), request.param, seed=seed, mtp=True)
 
 
-def test_greedy_outputs_with_mtp_equal_plain_decoding_on_mixed_batches(family):
-    rng = seeded_rng()
-    plain = Engine(EngineConfig(**KW), loaded=load_model(str(family)))
-    spec = Engine(EngineConfig(**KW, speculative_config=mtp_config(3)), loaded=load_model(str(family)))
+def mixed_batch(rng) -> tuple[list[list[int]], list[SamplingParams]]:
+    """Greedy prompts of mixed lengths (one long enough for chunked prefill, one that opts out of
+    speculation) and, last, two that share a 17-token prefix with the third."""
     prompts = [rng.integers(0, 256, size=int(n)).tolist() for n in (5, 12, 23, 70)]  # 70: chunked prefill
     shared = prompts[2][:17]
     prompts += [shared + [3, 4, 5], shared + [9, 9]]
     params = [SamplingParams(max_tokens=int(rng.integers(6, 14)), temperature=0.0, ignore_eos=True,
                              speculate=i != 1) for i in range(len(prompts))]
+    return prompts, params
+
+
+def test_greedy_outputs_with_mtp_equal_plain_decoding_on_mixed_batches(family):
+    rng = seeded_rng()
+    plain = Engine(EngineConfig(**KW), loaded=load_model(str(family)))
+    spec = Engine(EngineConfig(**KW, speculative_config=mtp_config(3)), loaded=load_model(str(family)))
+    prompts, params = mixed_batch(rng)
     expected = plain.generate(prompts, params)
     assert spec.generate(prompts, params) == expected
     hits = spec.stats().prefix_cache_hits
