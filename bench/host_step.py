@@ -124,6 +124,8 @@ def instrument(engine) -> Timers:
     t.wrap(engine.scheduler, "schedule", "schedule")
     t.wrap(engine.scheduler, "advance", "advance")
     t.wrap(engine.scheduler, "postprocess", "postprocess")
+    t.wrap(engine, "_outputs", "outputs")
+    t.wrap(engine.metrics, "on_step", "metrics")
     t.wrap(runner.kv, "step_caches", "metadata")
     t.wrap(runner_mod, "forward_pooled", "forward")
     layers = transformer_layers(runner.model)
