@@ -6,7 +6,8 @@ same prompts, greedy, every request ``--max-tokens`` long. Three systems:
 - ``base``: an engine without LoRA, every request on the base model;
 - ``4 adapters``: an engine with ``--enable-lora --max-loras 4``, the requests
   spread round-robin over four random rank-``--rank`` adapters of every
-  attention and MLP projection (one packed step mixes them all);
+  attention and MLP projection (of the ``--targets`` only, when given; one
+  packed step mixes them all);
 - ``lora on, base requests``: the LoRA engine with requests naming no adapter
   (what enabling LoRA costs requests that use none).
 
@@ -25,10 +26,12 @@ weights instead (no download; both engines share the same arrays), for a GPU.
 q_proj's and gate_proj's sizes), unsorted against sorted indices and against
 two dense matmuls over every slot's A and B concatenated (each row's other
 slots' columns masked to zero: no gather, more arithmetic), beside the base
-matmul: seconds, not minutes, on a GPU.
+matmul; then q/k/v's and gate/up's terms taken apart, with one shared x·A
+(what the layers do) and with a block-diagonal B besides (one product for all
+members' B, n times B's memory): seconds, not minutes, on a GPU.
 
     python -m bench.lora [--model PATH | --shape NAME] [--levels 8 64] [--max-tokens 32] [--rank 16]
-                         [--prompt-lens 32 256] [--term]
+                         [--prompt-lens 32 256] [--targets q_proj v_proj] [--term]
 """
 
 from __future__ import annotations
@@ -59,6 +62,10 @@ SHAPES = {
     "llama-8b": dict(model_type="llama", hidden_size=4096, num_hidden_layers=32, intermediate_size=14336,
                      num_attention_heads=32, num_key_value_heads=8, vocab_size=128256, rms_norm_eps=1e-5,
                      rope_theta=500000.0, max_position_embeddings=8192, tie_word_embeddings=False),
+    # The embedded model's shape (the CPU runs' default model), for --term on a CPU.
+    "smollm2-135m": dict(model_type="llama", hidden_size=576, num_hidden_layers=30, intermediate_size=1536,
+                         num_attention_heads=9, num_key_value_heads=3, vocab_size=49152, rms_norm_eps=1e-5,
+                         rope_theta=100000.0, max_position_embeddings=8192, tie_word_embeddings=True),
     # The script end to end in seconds on a CPU.
     "llama-tiny": dict(model_type="llama", hidden_size=128, num_hidden_layers=2, intermediate_size=256,
                        num_attention_heads=4, num_key_value_heads=2, vocab_size=1024, rms_norm_eps=1e-5,
@@ -96,15 +103,16 @@ def random_model_maker(name: str):
     return make
 
 
-def write_adapters(model, root: Path, rank: int, seed: int = 0) -> list[Path]:
-    """``NUM_ADAPTERS`` random mlx_lm-format adapters of every linear projection of the model's layers."""
+def write_adapters(model, root: Path, rank: int, targets: list[str] | None = None, seed: int = 0) -> list[Path]:
+    """``NUM_ADAPTERS`` random mlx_lm-format adapters of every linear projection of the model's layers (of those
+    whose names end in one of ``targets``, when given)."""
     _, targets = install(model, 1, 1, mx.float32)  # only to list the projections and their sizes
     rng = np.random.default_rng(seed)
     dirs = []
     for k in range(NUM_ADAPTERS):
         tensors = {}
         for path, (wrapper, proj) in targets.items():
-            if proj is not None:
+            if proj is not None or (targets and not path.endswith(tuple(targets))):
                 continue  # experts: this benchmark's models are dense
             tensors[f"{path}.lora_a"] = mx.array(rng.normal(0, 0.02, (wrapper.input_dims, rank)).astype(np.float32))
             tensors[f"{path}.lora_b"] = mx.array(rng.normal(0, 0.02, (rank, wrapper.output_dims)).astype(np.float32))
@@ -159,17 +167,32 @@ def step_cost(engine: Engine, prompts: list[list[int]], loras: list[str], repeat
     return tuple(statistics.median(t[k] for t in times) for k in range(3))
 
 
+def _alternate(runs: dict, repeats: int) -> dict[str, float]:
+    """Median microseconds of each of ``runs`` (name -> a function giving arrays), run in turn ``repeats``
+    times after one warm-up round, so that background load falls on all alike."""
+    times = {k: [] for k in runs}
+    for i in range(repeats + 1):
+        for k, run in runs.items():
+            start = time.perf_counter()
+            mx.eval(run())
+            if i:
+                times[k].append(time.perf_counter() - start)
+    return {k: statistics.median(t) * 1e6 for k, t in times.items()}
+
+
 def term_cost(shape: str, rank: int, repeats: int) -> None:
-    """One projection's LoRA term alone, rows spread round-robin over 4 adapters (+ the base slot)."""
+    """One projection's LoRA term alone, rows spread round-robin over 4 adapters (+ the base slot); then
+    the projections that read one input (q/k/v, gate/up), their terms apart against one shared x·A."""
     dims = SHAPES[shape]
     dtype = mx.float32 if mx.default_device() == mx.cpu else mx.bfloat16  # MLX's CPU gather_mm: float32 only
+    slots = NUM_ADAPTERS + 1
     print("\n| projection (in x out) | rows | base matmul (us) | + term, unsorted (us) | + term, sorted (us) "
           "| + term, dense masked (us) |")
     print("|---|---|---|---|---|---|")
     for d_in, d_out in ((dims["hidden_size"], dims["hidden_size"]), (dims["hidden_size"], dims["intermediate_size"])):
         w = mx.random.normal((d_out, d_in)).astype(dtype) * 0.02
-        a = mx.random.normal((NUM_ADAPTERS + 1, d_in, rank)).astype(dtype) * 0.02
-        b = mx.random.normal((NUM_ADAPTERS + 1, rank, d_out)).astype(dtype) * 0.02
+        a = mx.random.normal((slots, d_in, rank)).astype(dtype) * 0.02
+        b = mx.random.normal((slots, rank, d_out)).astype(dtype) * 0.02
         for rows in (8, 64, 512):
             x = mx.random.normal((rows, d_in)).astype(dtype)
             spread = np.arange(rows) % NUM_ADAPTERS + 1
@@ -177,24 +200,51 @@ def term_cost(shape: str, rank: int, repeats: int) -> None:
             # Dense: x @ [A_0 .. A_S] -> [rows, S * rank], zero but each row's own slot's columns, @ [B_0; ..; B_S].
             a_all = a.transpose(1, 0, 2).reshape(d_in, -1)
             b_all = b.reshape(-1, d_out)
-            mask = mx.array(np.repeat(np.eye(NUM_ADAPTERS + 1)[spread], rank, axis=1)).astype(dtype)
+            mask = mx.array(np.repeat(np.eye(slots)[spread], rank, axis=1)).astype(dtype)
             mx.eval(w, a, b, x, unsorted, ordered, a_all, b_all, mask)
-            runs = {
+            us = _alternate({
                 "base": lambda: x @ w.T,
                 "unsorted": lambda: x @ w.T + lora_term(x[:, None], a, b, unsorted).squeeze(1),
                 "sorted": lambda: x @ w.T + lora_term(x[:, None], a, b, ordered, True).squeeze(1),
                 "dense": lambda: x @ w.T + ((x @ a_all) * mask) @ b_all,
-            }
-            times = {k: [] for k in runs}
-            for i in range(repeats + 1):  # alternating; the first round warms up
-                for k, run in runs.items():
-                    start = time.perf_counter()
-                    mx.eval(run())
-                    if i:
-                        times[k].append(time.perf_counter() - start)
-            us = {k: statistics.median(t) * 1e6 for k, t in times.items()}
+            }, repeats)
             print(f"| {d_in} x {d_out} | {rows} | {us['base']:.0f} | {us['unsorted']:.0f} | {us['sorted']:.0f} "
                   f"| {us['dense']:.0f} |", flush=True)
+    hidden, kv = dims["hidden_size"], dims["hidden_size"] * dims["num_key_value_heads"] // dims["num_attention_heads"]
+    print("\n| projections (in x outs) | rows | base matmuls (us) | + terms apart (us) | + shared x·A (us) "
+          "| + shared x·A, block-diagonal B (us) |")
+    print("|---|---|---|---|---|---|")
+    for outs in ((hidden, kv, kv), (dims["intermediate_size"],) * 2):
+        n = len(outs)
+        ws = [mx.random.normal((o, hidden)).astype(dtype) * 0.02 for o in outs]
+        a_s = [mx.random.normal((slots, hidden, rank)).astype(dtype) * 0.02 for _ in outs]
+        b_s = [mx.random.normal((slots, rank, o)).astype(dtype) * 0.02 for o in outs]
+        a_cat = mx.concatenate(a_s, axis=-1)
+        # Block-diagonal B: one product gives every member's output, at n times B's memory.
+        b_diag = np.zeros((slots, n * rank, sum(outs)), np.float32)
+        for i, (bi, start) in enumerate(zip(b_s, np.cumsum((0,) + outs[:-1]))):
+            b_diag[:, i * rank:(i + 1) * rank, start:start + outs[i]] = np.array(bi.astype(mx.float32))
+        b_diag = mx.array(b_diag).astype(dtype)
+        for rows in (8, 64, 512):
+            x = mx.random.normal((rows, 1, hidden)).astype(dtype)
+            idx = mx.array(np.sort(np.arange(rows) % NUM_ADAPTERS + 1).astype(np.uint32))
+            mx.eval(ws, a_s, b_s, a_cat, b_diag, x, idx)
+
+            def gmm(lhs, rhs):
+                return mx.gather_mm(lhs, rhs, rhs_indices=idx, sorted_indices=True)
+
+            def shared():  # what SharedInput does
+                h = mx.contiguous(gmm(x, a_cat).reshape(rows, n, rank).swapaxes(0, 1))
+                return [x @ w.T + gmm(h[i].reshape(rows, 1, rank), bi) for i, (w, bi) in enumerate(zip(ws, b_s))]
+
+            us = _alternate({
+                "base": lambda: [x @ w.T for w in ws],
+                "apart": lambda: [x @ w.T + lora_term(x, ai, bi, idx, True) for w, ai, bi in zip(ws, a_s, b_s)],
+                "shared": shared,
+                "diagonal": lambda: [x @ mx.concatenate(ws).T + gmm(gmm(x, a_cat), b_diag)],
+            }, repeats)
+            print(f"| {hidden} x {'+'.join(map(str, outs))} | {rows} | {us['base']:.0f} | {us['apart']:.0f} "
+                  f"| {us['shared']:.0f} | {us['diagonal']:.0f} |", flush=True)
 
 
 def make_prompts(n: int, vocab: int, seed: int, lengths: tuple[int, int]) -> list[list[int]]:
@@ -213,6 +263,8 @@ def main() -> None:
     ap.add_argument("--prompt-lens", type=int, nargs=2, default=[32, 256], metavar=("MIN", "MAX"))
     ap.add_argument("--repeats", type=int, default=2, help="timed whole runs per system (0: the step alone)")
     ap.add_argument("--step-repeats", type=int, default=10)
+    ap.add_argument("--targets", nargs="+", default=None, metavar="NAME",
+                    help="adapt only the projections so named (PEFT's common: q_proj v_proj); default all")
     ap.add_argument("--term", action="store_true", help="time one projection's LoRA term only (of --shape)")
     args = ap.parse_args()
     if args.term:
@@ -223,13 +275,14 @@ def main() -> None:
                   num_kv_blocks=top * (args.prompt_lens[1] + args.max_tokens) // 16 + 2 * top)
     make = random_model_maker(args.shape) if args.shape else (lambda: load_model(args.model))
     with tempfile.TemporaryDirectory() as tmp:
-        adapters = write_adapters(make().model, Path(tmp), args.rank)
+        adapters = write_adapters(make().model, Path(tmp), args.rank, args.targets)
         base = Engine(EngineConfig(model=args.model, **common), make())
         lora = Engine(EngineConfig(model=args.model, enable_lora=True, max_loras=NUM_ADAPTERS,
                                    max_lora_rank=args.rank,
                                    lora_modules=[f"a{k}={d}" for k, d in enumerate(adapters)], **common), make())
         print(f"device {mx.default_device()}, model {base.info.model_id}, rank {args.rank}, "
-              f"{NUM_ADAPTERS} adapters, slots {lora.lora.nbytes / 2**20:.1f} MiB", flush=True)
+              f"{NUM_ADAPTERS} adapters of {' '.join(args.targets or ['every projection'])}, "
+              f"slots {lora.lora.nbytes / 2**20:.1f} MiB", flush=True)
         params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
         rows, steps = [], []
         for level in args.levels:

@@ -43,7 +43,7 @@ from mlx_lm.models.gemma4_text import DecoderLayer, ModelArgs
 import kernels
 from engined.draft_model import draft_loop
 from engined.kv import KVCacheManager
-from engined.loaders.mlx_dir import resolve_hf_repo
+from engined.loaders.mlx_dir import gemma4_text_fields, resolve_hf_repo
 from engined.model_layers import float_dtype, text_model
 from engined.mtp import TargetHiddenStates
 from engined.request import Request
@@ -128,15 +128,8 @@ class MaskedEmbedding(nn.Module):
 
 def _text_args(text: dict) -> ModelArgs:
     """mlx_lm's args for the assistant's text config. Every layer is KV-shared: mlx_lm's classes then
-    build queries only, and no double-wide MLP. A config transformers 5 wrote gives the full layers'
-    head size per layer (``per_layer_config``) where mlx_lm reads ``global_head_dim``."""
-    text = {**text, "num_kv_shared_layers": text["num_hidden_layers"]}
-    per_layer = {int(i): c for i, c in (text.get("per_layer_config") or {}).items()}
-    full = [per_layer.get(i, {}).get("head_dim") for i, kind in enumerate(text.get("layer_types") or [])
-            if kind == "full_attention"]
-    if not text.get("global_head_dim") and full and full[0]:
-        text["global_head_dim"] = full[0]
-    return ModelArgs.from_dict(text)
+    build queries only, and no double-wide MLP."""
+    return ModelArgs.from_dict({**gemma4_text_fields(text), "num_kv_shared_layers": text["num_hidden_layers"]})
 
 
 class Gemma4Assistant(nn.Module):

@@ -27,6 +27,7 @@ from tqdm import tqdm
 from engined.request import Request
 from engined.sampler import Sampler
 from engined.scheduler import SchedulerOutput
+from engined.speculative import Verifier
 from shared.config import EngineConfig
 from shared.errors import MemoryBudgetError
 from shared.sampling import SamplingParams
@@ -98,7 +99,8 @@ class MemoryPlan:
 
 
 def warm_up(runner, config: EngineConfig, max_model_len: int, vocab_size: int, progress: bool) -> int:
-    """Run the largest prefill step (twice) and the widest sampling step; returns peak scratch bytes, with headroom.
+    """Run the largest prefill step (twice), the widest sampling and verification steps; returns
+    peak scratch bytes, with headroom.
 
     ``runner`` is an ``engined.runner.ModelRunner``; its KV manager is created
     just large enough for the step, and dropped again after.
@@ -127,8 +129,12 @@ def warm_up(runner, config: EngineConfig, max_model_len: int, vocab_size: int, p
     rows = config.max_num_seqs
     wide = SamplingParams(temperature=0.7, top_p=0.9, repetition_penalty=1.1, logprobs=5)
     reqs = [Request(f"w{i}", [1, 2], wide, i) for i in range(rows)]
-    sampled, lp = Sampler(vocab_size, [])(mx.zeros((rows, vocab_size)), reqs)
+    sampler = Sampler(vocab_size, [])
+    sampled, lp = sampler(mx.zeros((rows, vocab_size)), reqs)
     mx.eval(sampled, lp)
+    del sampled, lp
+    if config.speculative is not None:
+        _warm_up_verification(sampler, reqs, config, tokens, vocab_size)
     bar.update()
     bar.close()
     peak = mx.get_peak_memory() - base
@@ -137,6 +143,21 @@ def warm_up(runner, config: EngineConfig, max_model_len: int, vocab_size: int, p
     # Headroom for the spread above: serving's worst step, over hundreds of steps, is the top
     # of that spread, which two samples do not always reach (both were 13 % under it).
     return max(peak, 0) * 5 // 4
+
+
+def _warm_up_verification(sampler: Sampler, reqs: list[Request], config: EngineConfig, tokens: int,
+                          vocab_size: int) -> None:
+    """The widest verification step: a logits row per draft and one bonus row for each request
+    (as many as the step's token budget holds), with the draft distributions a draft model or an
+    MTP layer hands over; its scratch is rows x vocabulary several times over, past the plain
+    sampling step's."""
+    spec = config.speculative
+    k = spec.num_speculative_tokens
+    reqs = reqs[: max(1, min(len(reqs), tokens // (k + 1)))]
+    rows = len(reqs) * (k + 1)
+    draft_probs = None if spec.method == "ngram" else mx.full((rows, vocab_size), 1.0 / vocab_size)
+    accept, alt = Verifier(sampler)(mx.zeros((rows, vocab_size)), reqs, [[1] * k for _ in reqs], draft_probs)
+    mx.eval(accept, alt)
 
 
 def plan(runner, stores: list, config: EngineConfig, max_model_len: int, vocab_size: int,

@@ -79,6 +79,33 @@ def _keeping_mtp(found: list[MTPWeights]):
     return classes
 
 
+def gemma4_text_fields(text: dict) -> dict:
+    """A Gemma 4 text config with mlx_lm's ``global_head_dim`` / ``num_global_key_value_heads``.
+
+    transformers 5 writes the full-attention layers' head size and K/V heads per layer
+    (``per_layer_config``) and drops the two fields, whose mlx_lm defaults (512, the sliding
+    layers' heads) then mis-shape the model; the per-layer values fill them in.
+    """
+    per_layer = {int(i): c for i, c in (text.get("per_layer_config") or {}).items()}
+    full = [per_layer.get(i, {}) for i, kind in enumerate(text.get("layer_types") or []) if kind == "full_attention"]
+    if not full:
+        return text
+    text = dict(text)
+    for field, key in (("global_head_dim", "head_dim"), ("num_global_key_value_heads", "num_key_value_heads")):
+        if not text.get(field) and full[0].get(key):
+            text[field] = full[0][key]
+    return text
+
+
+def _config_fixes(config: dict) -> dict:
+    """What ``load_dir`` lays over a checkpoint's config.json before mlx_lm reads it."""
+    if config.get("model_type") == "gemma4_text":
+        return gemma4_text_fields(config)
+    if config.get("model_type") == "gemma4" and config.get("text_config"):
+        return {"text_config": gemma4_text_fields(config["text_config"])}
+    return {}
+
+
 def is_model_dir(path: Path) -> bool:
     return path.is_dir() and (path / "config.json").is_file()
 
@@ -134,7 +161,8 @@ def load_dir(path: Path) -> DirModel:
     check_model_type(declared)
     mtp: list[MTPWeights] = []
     try:
-        model, config = mlx_lm_load_model(path, lazy=False, get_model_classes=_keeping_mtp(mtp))
+        model, config = mlx_lm_load_model(path, lazy=False, model_config=_config_fixes(declared),
+                                          get_model_classes=_keeping_mtp(mtp))
     except FileNotFoundError as e:
         raise ModelLoadError(f"{path}: {e}") from e
     except ValueError as e:  # mlx_lm's message for an unknown model_type or mismatched weights

@@ -1,13 +1,16 @@
 """Linear layers that add each token's own adapter's low-rank term: many adapters in one packed step.
 
-Every wrapped layer holds the resident adapters stacked by slot: ``lora_a``
-``[slots, in, R]`` and ``lora_b`` ``[slots, R, out]`` (``R`` is
+Every wrapped linear holds the resident adapters' B stacked by slot,
+``lora_b`` ``[slots, R, out]``, and takes its A columns from the
+``SharedInput`` of the projections that read its input (``[slots, in, n * R]``:
+q/k/v share one, gate/up one, any other linear has its own). ``R`` is
 ``--max-lora-rank``; smaller ranks are zero-padded, the scale is folded into
-``b``). Slot 0 stays zero: the base model. The runner sets one per-token slot
+``b``. Slot 0 stays zero: the base model. The runner sets one per-token slot
 index on the shared ``LoraStep`` before a forward, and each layer gathers its
 tokens' A and B with ``mx.gather_mm`` (what vLLM's punica kernels do on
 CUDA): one forward for the whole batch whatever its mix of adapters, the base
-weights untouched. A step with no adapter skips the term.
+weights untouched. A step with no adapter skips the term, as does a
+projection that no resident adapter targets.
 
 Mixture-of-experts layers (mlx_lm's ``SwitchGLU``) hold one pair per slot
 and expert, gathered by ``slot * experts + expert`` per routed row.
@@ -20,6 +23,7 @@ import mlx.nn as nn
 import numpy as np
 from mlx_lm.models.switch_layers import SwitchGLU
 
+from engined.lora.shared_input import SharedInput
 from engined.model_layers import transformer_layers
 
 
@@ -30,7 +34,8 @@ class LoraStep:
     ``step_order``) the base's rows come first and ``first`` is the first
     adapted row: a linear computes the term of rows ``first:`` only
     (``adapted``, their slots) with ``gather_mm``'s grouped path
-    (``sorted_indices``), one product per adapter.
+    (``sorted_indices``), one product per adapter. ``inputs`` are the layers'
+    ``SharedInput`` groups, whose held products a new step drops.
     """
 
     def __init__(self):
@@ -38,8 +43,11 @@ class LoraStep:
         self.adapted: mx.array | None = None
         self.sorted = False
         self.first = 0
+        self.inputs: list[SharedInput] = []
 
     def set(self, slots: np.ndarray) -> None:
+        for group in self.inputs:
+            group.clear()
         if not slots.any():
             self.slots = self.adapted = None
             self.sorted, self.first = False, 0
@@ -63,27 +71,58 @@ def _dims(linear: nn.Module) -> tuple[int, int]:
     return (packed * 32 // linear.bits if "scales" in linear else packed), out
 
 
+def _padded(pair, a_shape: tuple, b_shape: tuple) -> tuple[np.ndarray, np.ndarray]:
+    """An adapter's ``(a, b)`` in the corner of zeros of a slot's shapes (smaller rank, fewer experts); zeros
+    for None."""
+    a, b = np.zeros(a_shape, np.float32), np.zeros(b_shape, np.float32)
+    if pair is not None:
+        pa, pb = pair
+        a[tuple(slice(0, n) for n in pa.shape)] = pa
+        b[tuple(slice(0, n) for n in pb.shape)] = pb
+    return a, b
+
+
 class SlottedLoraLinear(nn.Module):
-    def __init__(self, linear: nn.Module, step: LoraStep, num_slots: int, rank: int, dtype: mx.Dtype):
+    """A linear plus each row's adapter term: its A columns in its ``SharedInput``, its B (``lora_b``) here."""
+
+    def __init__(self, linear: nn.Module, shared: SharedInput, column: int, num_slots: int, rank: int,
+                 dtype: mx.Dtype):
         super().__init__()
         self.linear = linear
-        self.step = step
+        self.shared = shared  # a plain object, outside the module tree (its members share it)
+        self.column = column
         self.input_dims, self.output_dims = _dims(linear)
-        self.lora_a = mx.zeros((num_slots, self.input_dims, rank), dtype)
         self.lora_b = mx.zeros((num_slots, rank, self.output_dims), dtype)
+        # Slots whose adapter targets this projection: with none, its term is zero and skipped.
+        self.live_slots: set[int] = set()
 
     def expected_shapes(self, rank: int) -> tuple[tuple, tuple]:
         return (self.input_dims, rank), (rank, self.output_dims)
 
+    def stacks(self) -> list[mx.array]:
+        """The slot stacks this wrapper owns (the group's A is its first member's)."""
+        return [self.shared.a, self.lora_b] if self.shared.members[0] is self else [self.lora_b]
+
+    def write(self, slot: int, pair: tuple[np.ndarray, np.ndarray] | None) -> list[mx.array]:
+        """Put an adapter's ``(a, b)`` (None: it adapts nothing here) into ``slot``; the arrays changed."""
+        r = self.shared.rank
+        a, b = _padded(pair, (self.input_dims, r), (r, self.output_dims))
+        if pair is None:
+            self.live_slots.discard(slot)
+        else:
+            self.live_slots.add(slot)
+        stack_a = self.shared.a
+        stack_a[slot, :, self.column * r:(self.column + 1) * r] = mx.array(a).astype(stack_a.dtype)
+        self.lora_b[slot] = mx.array(b).astype(self.lora_b.dtype)
+        return [stack_a, self.lora_b]
+
     def __call__(self, x: mx.array) -> mx.array:
         y = self.linear(x)
-        step = self.step
-        if step.slots is None:
+        step = self.shared.step
+        if step.slots is None or not self.live_slots:
             return y
-        rows = x.reshape(-1, 1, self.input_dims)
-        if step.first:
-            rows = rows[step.first:]
-        z = lora_term(rows, self.lora_a, self.lora_b, step.adapted, step.sorted)
+        h = self.shared.product(x, self.column)
+        z = mx.gather_mm(h, self.lora_b, rhs_indices=step.adapted, sorted_indices=step.sorted)
         z = z.reshape(-1, self.output_dims).astype(y.dtype)
         if step.first:  # the base's rows (first in a sorted step) add nothing
             z = mx.pad(z, [(step.first, 0), (0, 0)])
@@ -99,7 +138,12 @@ def _sort_rows(x: mx.array, indices: mx.array):
 
 
 class SlottedLoraSwitchGLU(nn.Module):
-    """mlx_lm's SwitchGLU (same projections, routing and sort) with per-token adapters on its three projections."""
+    """mlx_lm's SwitchGLU (same projections, routing and sort) with per-token adapters on its three projections.
+
+    Stacks by ``slot * experts + expert``; gate_proj's and up_proj's A share one
+    stack (``gate_up_a``, gate's columns first), as a dense layer's do in its
+    ``SharedInput``: one product of the routed rows for both.
+    """
 
     PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 
@@ -107,24 +151,51 @@ class SlottedLoraSwitchGLU(nn.Module):
         super().__init__()
         self.inner = inner
         self.step = step
+        self.rank = rank
         self.num_experts = inner.gate_proj.weight.shape[0]
-        self.dims = {}
+        self.dims = {name: _dims(getattr(inner, name)) for name in self.PROJECTIONS}
+        n = num_slots * self.num_experts
+        d_in = self.dims["gate_proj"][0]
+        self.gate_up_a = mx.zeros((n, d_in, 2 * rank), dtype)
+        self.down_proj_a = mx.zeros((n, self.dims["down_proj"][0], rank), dtype)
         for name in self.PROJECTIONS:
-            d_in, d_out = _dims(getattr(inner, name))
-            self.dims[name] = (d_in, d_out)
-            n = num_slots * self.num_experts
-            setattr(self, f"{name}_a", mx.zeros((n, d_in, rank), dtype))
-            setattr(self, f"{name}_b", mx.zeros((n, rank, d_out), dtype))
+            setattr(self, f"{name}_b", mx.zeros((n, rank, self.dims[name][1]), dtype))
+        # Per projection, the slots whose adapter targets it; set past nn.Module's __setattr__, which would
+        # make a dict part of the module tree.
+        object.__setattr__(self, "live_slots", {name: set() for name in self.PROJECTIONS})
 
     def expected_shapes(self, name: str, rank: int) -> tuple[tuple, tuple]:
         d_in, d_out = self.dims[name]
         return (self.num_experts, d_in, rank), (self.num_experts, rank, d_out)
 
+    def stacks(self) -> list[mx.array]:
+        return [v for v in self.values() if isinstance(v, mx.array)]
+
+    def write(self, name: str, slot: int, pair: tuple[np.ndarray, np.ndarray] | None) -> list[mx.array]:
+        """Put an adapter's ``(a, b)`` for projection ``name`` (None: none) into ``slot``; the arrays changed."""
+        e, r = self.num_experts, self.rank
+        d_in, d_out = self.dims[name]
+        a, b = _padded(pair, (e, d_in, r), (e, r, d_out))
+        if pair is None:
+            self.live_slots[name].discard(slot)
+        else:
+            self.live_slots[name].add(slot)
+        rows = slice(slot * e, (slot + 1) * e)
+        if name == "down_proj":
+            stack_a, cols = self.down_proj_a, slice(0, r)
+        else:
+            stack_a, cols = self.gate_up_a, slice(0, r) if name == "gate_proj" else slice(r, 2 * r)
+        stack_a[rows, :, cols] = mx.array(a).astype(stack_a.dtype)
+        stack_b = self[f"{name}_b"]
+        stack_b[rows] = mx.array(b).astype(stack_b.dtype)
+        return [stack_a, stack_b]
+
     def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
         slots = self.step.slots
-        if slots is None:
+        live = self.live_slots
+        if slots is None or not any(live.values()):
             return self.inner(x, indices)
-        inner = self.inner
+        inner, r = self.inner, self.rank
         x = mx.expand_dims(x, (-2, -3))
         indices = mx.stop_gradient(indices)
         do_sort = indices.size >= 64
@@ -135,18 +206,31 @@ class SlottedLoraSwitchGLU(nn.Module):
             idx = indices
             rows = slots.reshape(indices.shape[:-1] + (1,)) * self.num_experts + idx
 
-        def project(name, h):
-            return getattr(inner, name)(h, idx, sorted_indices=do_sort) + lora_term(
-                h, self[f"{name}_a"], self[f"{name}_b"], rows).astype(h.dtype)
+        def project(name, h, h_a):
+            """The projection of ``h`` plus its term from ``h_a``, its rows' ``h·A`` (None: no term)."""
+            y = getattr(inner, name)(h, idx, sorted_indices=do_sort)
+            if h_a is None or not live[name]:
+                return y
+            return y + mx.gather_mm(h_a, self[f"{name}_b"], rhs_indices=rows).astype(y.dtype)
 
-        h = inner.activation(project("up_proj", x), project("gate_proj", x))
-        out = project("down_proj", h)
+        xa = None
+        if live["gate_proj"] or live["up_proj"]:
+            xa = mx.gather_mm(x.astype(self.gate_up_a.dtype), self.gate_up_a, rhs_indices=rows)
+        gate = project("gate_proj", x, None if xa is None else xa[..., :r])
+        up = project("up_proj", x, None if xa is None else xa[..., r:])
+        h = inner.activation(up, gate)
+        ha = None
+        if live["down_proj"]:
+            ha = mx.gather_mm(h.astype(self.down_proj_a.dtype), self.down_proj_a, rhs_indices=rows)
+        out = project("down_proj", h, ha)
         if do_sort:
             out = mx.unflatten(out[inv], 0, indices.shape)
         return out.squeeze(-2)
 
 
 _LINEARS = (nn.Linear, nn.QuantizedLinear)
+# Sibling projections that mlx_lm's attention and MLP blocks call on one input: one SharedInput each.
+_SHARED = {"q_proj": "qkv", "k_proj": "qkv", "v_proj": "qkv", "gate_proj": "gate_up", "up_proj": "gate_up"}
 
 
 def install(model: nn.Module, num_slots: int, rank: int, dtype: mx.Dtype):
@@ -156,25 +240,33 @@ def install(model: nn.Module, num_slots: int, rank: int, dtype: mx.Dtype):
     root (``model.layers.0.self_attn.q_proj``), the names adapters use; a
     SwitchGLU's three projections (``...switch_mlp.gate_proj``) share its
     wrapper and name their ``projection``, a linear's is None. A SwitchGLU's
-    projections are switch layers, not linears, so they are never wrapped twice. Linear-attention layers of hybrid models keep their
-    own projections (their recurrent state is not adapted).
+    projections are switch layers, not linears, so they are never wrapped twice.
+    Sibling q/k/v (and gate/up) linears of one input size share a ``SharedInput``;
+    every other linear has one of its own. Linear-attention layers of hybrid
+    models keep their own projections (their recurrent state is not adapted).
     """
     step = LoraStep()
     layers = transformer_layers(model)
     prefix = "model.layers" if getattr(getattr(model, "model", None), "layers", None) is layers else "layers"
     targets: dict[str, tuple[nn.Module, str | None]] = {}
     for i, layer in enumerate(layers):
-        swaps = []
+        switches, groups = [], {}
         for name, module in layer.named_modules():
             if name.startswith("linear_attn") or not name:
                 continue
             if isinstance(module, SwitchGLU):
-                wrapper = SlottedLoraSwitchGLU(module, step, num_slots, rank, dtype)
+                switches.append((name, SlottedLoraSwitchGLU(module, step, num_slots, rank, dtype)))
             elif isinstance(module, _LINEARS):
-                wrapper = SlottedLoraLinear(module, step, num_slots, rank, dtype)
-            else:
-                continue
-            swaps.append((name, wrapper))
+                parent, _, leaf = name.rpartition(".")
+                key = (parent, _SHARED[leaf], _dims(module)[0]) if leaf in _SHARED else (name,)
+                groups.setdefault(key, []).append((name, module))
+        swaps = list(switches)
+        for members in groups.values():
+            shared = SharedInput(step, num_slots, _dims(members[0][1])[0], rank, len(members), dtype)
+            for column, (name, module) in enumerate(sorted(members)):
+                wrapper = SlottedLoraLinear(module, shared, column, num_slots, rank, dtype)
+                shared.members.append(wrapper)
+                swaps.append((name, wrapper))
         for name, wrapper in swaps:
             _set(layer, name, wrapper)
             if isinstance(wrapper, SlottedLoraSwitchGLU):

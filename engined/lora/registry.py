@@ -76,7 +76,8 @@ class LoraRegistry:
         mx.eval(self.arrays())
 
     def arrays(self) -> list[mx.array]:
-        return [a for w, _ in self.targets.values() for a in w.parameters().values() if isinstance(a, mx.array)]
+        """The slot stacks of every wrapped layer, each once."""
+        return [a for w in self._wrappers() for a in w.stacks()]
 
     def _wrappers(self) -> list[nn.Module]:
         return list({id(w): w for w, _ in self.targets.values()}.values())
@@ -84,7 +85,7 @@ class LoraRegistry:
     @property
     def nbytes(self) -> int:
         """Bytes of the slot stacks (weights the memory guard counts)."""
-        return sum(v.nbytes for w in self._wrappers() for v in w.values() if isinstance(v, mx.array))
+        return sum(a.nbytes for a in self.arrays())
 
     @property
     def host_bytes(self) -> int:
@@ -102,7 +103,7 @@ class LoraRegistry:
         if mx.cuda.is_available() and not on_cpu():
             return 0
         slots = self.max_loras + 1
-        per_slot = sum(v.size // slots for w in self._wrappers() for v in w.values() if isinstance(v, mx.array))
+        per_slot = sum(a.size // slots for a in self.arrays())
         return self.max_cpu_loras * per_slot * 4
 
     # -- the adapters known --------------------------------------------------------------
@@ -203,35 +204,10 @@ class LoraRegistry:
 
     def _write(self, slot: int, w: AdapterWeights) -> None:
         """Put an adapter's weights into ``slot`` of every wrapped layer; zeros where it adapts nothing."""
-        given = {}
-        for path, (a, b) in w.modules.items():
-            wrapper, proj = self.targets[path]
-            given[(id(wrapper), proj)] = (a, b)
         touched = []
-        for wrapper, proj in self.targets.values():
-            a_name, b_name = (f"{proj}_a", f"{proj}_b") if proj else ("lora_a", "lora_b")
-            stack_a, stack_b = wrapper[a_name], wrapper[b_name]
-            pair = given.get((id(wrapper), proj))
-            if proj:
-                e = wrapper.num_experts
-                rows = slice(slot * e, (slot + 1) * e)
-                new_a = np.zeros((e, *stack_a.shape[1:]), np.float32)
-                new_b = np.zeros((e, *stack_b.shape[1:]), np.float32)
-                if pair is not None:
-                    a, b = pair
-                    new_a[: a.shape[0], :, : a.shape[-1]] = a
-                    new_b[: b.shape[0], : b.shape[1], :] = b
-            else:
-                rows = slot
-                new_a = np.zeros(stack_a.shape[1:], np.float32)
-                new_b = np.zeros(stack_b.shape[1:], np.float32)
-                if pair is not None:
-                    a, b = pair
-                    new_a[:, : a.shape[-1]] = a
-                    new_b[: b.shape[0]] = b
-            stack_a[rows] = mx.array(new_a).astype(stack_a.dtype)
-            stack_b[rows] = mx.array(new_b).astype(stack_b.dtype)
-            touched += [stack_a, stack_b]
+        for path, (wrapper, proj) in self.targets.items():
+            pair = w.modules.get(path)
+            touched += wrapper.write(proj, slot, pair) if proj else wrapper.write(slot, pair)
         mx.eval(touched)
 
     # -- the step -------------------------------------------------------------------------

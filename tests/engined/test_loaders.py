@@ -16,6 +16,7 @@ from mlx_lm.utils import load_model as mlx_lm_load_model
 from engined.device import on_cpu
 from engined.loaders import default_model_path, load_model
 from engined.loaders.gguf_tokenizer import cache_dir_for
+from engined.model_layers import text_model
 from shared.errors import ModelLoadError
 from tests.tiny_models import ARCHS, QTYPES, gguf_roundtrip_weights, make_tiny_model, write_tiny_gguf
 
@@ -311,3 +312,28 @@ def test_directory_without_config_and_corrupt_gguf_raise_model_load_error(tmp_pa
     bad.write_bytes(b"GGUF" + os.urandom(64))
     with pytest.raises(ModelLoadError, match="cannot read GGUF"):
         load_model(str(bad))
+
+
+@pytest.mark.parametrize("arch", ["gemma4_text", "gemma4"])
+def test_a_gemma4_config_written_by_transformers_5_loads_as_the_mlx_lm_one(arch, tmp_path):
+    """transformers 5 keeps the full layers' head size and K/V heads in ``per_layer_config`` and drops
+    ``global_head_dim`` / ``num_global_key_value_heads``: the same weights give the same logits."""
+    src = make_tiny_model(tmp_path / "mlx", arch, seed=5)
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    for f in src.iterdir():
+        (hf / f.name).write_bytes(f.read_bytes())
+    config = json.loads((src / "config.json").read_text())
+    text = config.get("text_config", config)
+    overrides = {"head_dim": text.pop("global_head_dim")}
+    if "num_global_key_value_heads" in text:
+        overrides["num_key_value_heads"] = text.pop("num_global_key_value_heads")
+    loaded = load_model(str(src))
+    layer_types = [layer.self_attn.layer_type for layer in text_model(loaded.model).model.layers]
+    text["layer_types"] = layer_types
+    text["per_layer_config"] = {str(i): overrides for i, t in enumerate(layer_types) if t == "full_attention"}
+    (hf / "config.json").write_text(json.dumps(config))
+    tokens = mx.array([[3, 17, 99, 5, 42, 7]])
+    want = text_model(loaded.model)(tokens)
+    got = text_model(load_model(str(hf)).model)(tokens)
+    assert mx.allclose(got, want, atol=1e-5).item()

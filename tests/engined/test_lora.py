@@ -174,6 +174,31 @@ def test_mixed_step_of_two_adapters_and_base_equals_mlx_lm_fused_forward(setups,
     assert not np.allclose(np.array(logits[:30]), np.array(base(mx.array(prompts[0])[None])[0]), atol=1e-2)
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen3_moe"])
+def test_an_adapter_of_q_and_v_only_beside_a_full_one_equals_mlx_lm_fused_forward(setups, arch, tmp_path):
+    """PEFT's common target_modules ["q_proj", "v_proj"]: k's columns of the shared q/k/v product are zero for
+    it, and o_proj, the MLP and the experts, which only A targets, still take A's rows' terms."""
+    model_dir, a_dir, _, _ = setups(arch)
+    base = _load(model_dir, "float32").model
+    rng = np.random.default_rng(fresh_seed("q/v adapter"))
+    pairs = {k: v for k, v in random_adapter(base, 8, rng).items() if k.endswith(("q_proj", "v_proj"))}
+    c_dir = write_peft(tmp_path / "c-peft", pairs, alpha=8.0, rank=8)
+    c_ref = write_mlx_lm(tmp_path / "c-as-mlx", pairs, scale=1.0, num_layers=len(base.layers))
+    engine = _engine(model_dir, "float32", a_dir, c_dir)  # served as "A" and "B"
+    prompts = [rng.integers(0, 256, 30).tolist() for _ in range(3)]
+    for i, (prompt, lora) in enumerate(zip(prompts, ["B", None, "A"])):
+        engine.add_request(f"r{i}", prompt, SamplingParams(max_tokens=1), lora_name=lora)
+    batch = engine.scheduler.schedule()
+    logits = engine.runner.run(batch, num_logits=[30, 30, 30])
+    mx.eval(logits)
+    refs = [fused_reference(model_dir, "float32", c_ref), base, fused_reference(model_dir, "float32", a_dir)]
+    for i, (prompt, ref) in enumerate(zip(prompts, refs)):
+        want = np.array(ref(mx.array(prompt)[None])[0])
+        np.testing.assert_allclose(np.array(logits[30 * i: 30 * (i + 1)]), want, atol=2e-4, rtol=1e-3,
+                                   err_msg=f"request {i} ({['q/v only', 'base', 'A'][i]})")
+    assert not np.allclose(np.array(logits[:30]), np.array(base(mx.array(prompts[0])[None])[0]), atol=1e-2)
+
+
 @pytest.mark.parametrize("arch,max_loras", [("llama", 2), ("qwen3_moe", 1)])
 def test_greedy_outputs_of_a_mixed_batch_equal_single_runs(setups, arch, max_loras):
     """With one slot, A's and B's requests take turns (LRU eviction) and still equal their single runs."""

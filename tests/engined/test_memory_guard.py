@@ -111,3 +111,25 @@ def test_the_waiting_queue_is_bounded(tiny_dir):
     while e.has_unfinished():
         e.step()
     e.add_request("c", [1, 2, 3], params)  # room again once the queue drained
+
+
+def test_speculation_bills_the_verification_steps_scratch(tmp_path):
+    """Verifying k drafts for every running request samples (k + 1) rows each over the whole
+    vocabulary: with a large vocabulary that step, not the prefill, sets the scratch, and a sampled
+    speculative run must stay inside weights + KV + the measured activations."""
+    d = make_tiny_model(tmp_path / "wide", "qwen3", seed=4, vocab_size=32768)
+    kw = dict(num_kv_blocks=160, block_size=16, max_num_seqs=32, max_num_batched_tokens=256)
+    plain = engine(d, **kw)
+    spec = engine(d, **kw, speculative_config=f'{{"model": "{d}", "num_speculative_tokens": 4}}')
+    assert spec.memory.activations > 2 * plain.memory.activations
+    del plain
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(1, 32768, size=int(n)).tolist() for n in rng.integers(20, 60, size=32)]
+    params = [SamplingParams(max_tokens=16, temperature=0.7, top_p=0.9, seed=i, ignore_eos=True) for i in range(32)]
+    mx.clear_cache()
+    mx.reset_peak_memory()
+    outs = spec.generate(prompts, params)
+    assert [len(o) for o in outs] == [16] * 32
+    assert spec.metrics.spec_draft_tokens._value.get() > 0
+    m = spec.memory
+    assert mx.get_peak_memory() <= m.weights + m.kv_bytes + m.activations, (mx.get_peak_memory(), m)
