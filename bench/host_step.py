@@ -11,7 +11,8 @@ The attention route is the CUDA path's (``--backend cuda``): ``kernels.gpu``
 plans and prepares every launch as on the GPU, and only the kernel objects are
 stand-ins (MLX builds no CUDA kernel without a CUDA back-end), each returning
 lazy zeros of the launch's output shapes. The C++ cost of a real kernel call is
-therefore not in these numbers; everything in Python above it is.
+therefore not in these numbers; everything in Python above it is. On a CUDA
+machine the real kernels run.
 ``--backend reference`` measures the pure-MLX route instead.
 
 Per step it reports the host time (the step's wall time less the time spent
@@ -64,7 +65,7 @@ def build_engine(c: int, prompt_len: int, max_tokens: int, backend: str, async_s
     from engined.loaders import LoadedModel
     from shared.config import EngineConfig
 
-    if backend == "cuda":
+    if backend == "cuda" and not mx.cuda.is_available():
         import kernels.gpu
 
         kernels.gpu._kernels = _stand_in_kernels()
