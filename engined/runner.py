@@ -160,10 +160,19 @@ class PagedAttention(nn.Module):
         self.shares_kv = shares_kv
         # The kernels.paged_attention implementation (EngineConfig.attention_backend), chosen once here.
         self.attend = kernels.implementation(backend)
+        # What every call branches on, resolved once here into plain attributes: the call runs once
+        # per layer per step, on the host's critical path (bench/host_step_results.md).
+        s = settings
+        self._q_norm_heads = "q_norm" in self and not s.qk_norm_whole
+        self._k_norm_heads = "k_norm" in self and not s.qk_norm_whole
+        self._v_norm = "v_norm" in self
+        self._q_width = s.n_heads * s.head_dim
+        self._qkv_width = self._q_width + s.n_kv_heads * s.head_dim
+        self._has_sinks = settings.has_sinks
 
     def _rope(self, x: mx.array, positions: mx.array) -> mx.array:
         # Each token is its own "batch" row so RoPE takes a per-token offset.
-        return self.rope(x[:, :, None, :], offset=positions)[:, :, 0, :]
+        return self.rope(mx.expand_dims(x, 2), offset=positions).squeeze(2)
 
     def _kv(self, k: mx.array, v: mx.array | None, positions: mx.array) -> tuple[mx.array, mx.array]:
         """This step's ``k, v [T, H_kv, D]`` from the projections' outputs (``v`` None: V is K's)."""
@@ -172,9 +181,9 @@ class PagedAttention(nn.Module):
         if s.qk_norm_whole:
             k = self.k_norm(k)
         k, v = k.reshape(t, s.n_kv_heads, -1), v.reshape(t, s.n_kv_heads, -1)
-        if "k_norm" in self and not s.qk_norm_whole:
+        if self._k_norm_heads:
             k = self.k_norm(k)
-        if "v_norm" in self:
+        if self._v_norm:
             v = self.v_norm(v)
         return self._rope(k, positions), v
 
@@ -189,14 +198,14 @@ class PagedAttention(nn.Module):
         """
         if cache is None and args:
             cache = args[-1]
-        if not hasattr(cache, "meta"):
+        meta = getattr(cache, "meta", None)
+        if meta is None:
             raise RuntimeError("a paged attention layer ran without its step: run the model through "
                                "engined.runner.ModelRunner")
-        s, meta = self.settings, cache.meta
-        _, t, _ = x.shape
+        s = self.settings
+        t = x.shape[1]
         if s.fused_qkv:
-            q_width, kv_width = s.n_heads * s.head_dim, s.n_kv_heads * s.head_dim
-            q, k, v = mx.split(self.qkv_proj(x), [q_width, q_width + kv_width], axis=-1)
+            q, k, v = mx.split(self.qkv_proj(x), [self._q_width, self._qkv_width], axis=-1)
         else:
             q = self.q_proj(x)
         if s.qk_norm_whole:
@@ -204,12 +213,13 @@ class PagedAttention(nn.Module):
         q = q.reshape(t, s.n_heads, -1)
         if s.output_gate:
             q, gate = mx.split(q, 2, axis=-1)
-        if "q_norm" in self and not s.qk_norm_whole:
+        if self._q_norm_heads:
             q = self.q_norm(q)
-        q = self._rope(q, meta.positions)
+        positions = meta.positions
+        q = self._rope(q, positions)
         if s.query_position_scale is not None:
             beta, length = s.query_position_scale
-            scale = 1 + beta * mx.log(1 + mx.floor(meta.positions.astype(mx.float32) / length))
+            scale = 1 + beta * mx.log(1 + mx.floor(positions.astype(mx.float32) / length))
             q = q * scale.astype(q.dtype)[:, None, None]
         if self.shares_kv:
             kc, vc = cache.read()
@@ -217,9 +227,9 @@ class PagedAttention(nn.Module):
             if not s.fused_qkv:
                 k = self.k_proj(x)
                 v = None if s.k_is_v else self.v_proj(x)
-            kc, vc = cache.write(*self._kv(k, v, meta.positions))
+            kc, vc = cache.write(*self._kv(k, v, positions))
         out = self.attend(q, kc, vc, meta, s.scale, s.sliding_window, s.softcap,
-                          self.sinks if "sinks" in self else None)
+                          self.sinks if self._has_sinks else None)
         out = out.reshape(1, t, -1)
         if s.output_gate:
             out = out * mx.sigmoid(gate.reshape(1, t, -1))

@@ -8,6 +8,8 @@ sweeps the tunables here (lanes per token, unroll, partition size, where decode 
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 import mlx.core as mx
 
 from kernels import source
@@ -79,9 +81,15 @@ def shared_floats(dialect: str, head_dim: int, group: int, rows: bool = True, ti
 
 
 def supported(dialect: str, q: mx.array, k_cache: mx.array) -> bool:
+    # Asked by every layer of every step with the same few shapes: decided once per shape.
     _, h, d = q.shape
-    hkv = k_cache.shape[2]
-    if d not in HEAD_DIMS or h % hkv or k_cache.shape[3] != d:
+    _, _, hkv, kd = k_cache.shape
+    return _supported(dialect, h, d, hkv, kd)
+
+
+@lru_cache(maxsize=None)
+def _supported(dialect: str, h: int, d: int, hkv: int, kd: int) -> bool:
+    if d not in HEAD_DIMS or h % hkv or kd != d:
         return False
     g = h // hkv
     rt, bn = tile_shape(dialect, d)
