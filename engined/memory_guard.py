@@ -153,7 +153,7 @@ def _warm_up_verification(sampler: Sampler, reqs: list[Request], config: EngineC
     sampling step's."""
     spec = config.speculative
     k = spec.num_speculative_tokens
-    reqs = reqs[: max(1, min(len(reqs), tokens // (k + 1)))]
+    reqs = reqs[: max(1, tokens // (k + 1))]
     rows = len(reqs) * (k + 1)
     draft_probs = None if spec.method == "ngram" else mx.full((rows, vocab_size), 1.0 / vocab_size)
     accept, alt = Verifier(sampler)(mx.zeros((rows, vocab_size)), reqs, [[1] * k for _ in reqs], draft_probs)

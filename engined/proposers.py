@@ -47,21 +47,18 @@ def load_drafter(spec: SpeculativeConfig, target: LoadedModel, config: EngineCon
 def load_mtp(spec: SpeculativeConfig, loaded: LoadedModel, head: LastTokenNorm, kv: KVCacheManager,
              config: EngineConfig, dtype: mx.Dtype, sampler: Sampler,
              backend: str) -> MTPProposer | Gemma4AssistantProposer:
+    if config.num_ranks > 1:
+        raise InvalidRequestError("MTP speculation cannot run over several ranks yet", param="speculative_config")
     if spec.model is not None:
         directory = assistant_dir(spec.model)
         if directory is None:
             raise ModelLoadError(f"speculative method 'mtp' with a model takes a Gemma 4 assistant checkpoint "
                                  f"(model_type gemma4_assistant); {spec.model!r} is not one",
                                  param="speculative_config")
-        if config.num_ranks > 1:
-            raise InvalidRequestError("Gemma 4 assistant speculation cannot run over several ranks yet",
-                                      param="speculative_config")
         assistant = load_assistant(directory, loaded.model, loaded.model_type)
         return Gemma4AssistantProposer(loaded.model, head, assistant, kv, sampler, config.block_size, backend)
     if loaded.mtp is None:
         raise ModelLoadError(f"{loaded.model_id} has no MTP layer (mtp.* weights) for "
                              "speculative method 'mtp'", param="speculative_config")
-    if config.num_ranks > 1:
-        raise InvalidRequestError("MTP speculation cannot run over several ranks yet", param="speculative_config")
     layer, index = build_layer(loaded.model, loaded.model_type, loaded.mtp)
     return MTPProposer(loaded.model, head, layer, index, kv, sampler, config.block_size, dtype, backend)

@@ -168,7 +168,6 @@ class PagedAttention(nn.Module):
         self._v_norm = "v_norm" in self
         self._q_width = s.n_heads * s.head_dim
         self._qkv_width = self._q_width + s.n_kv_heads * s.head_dim
-        self._has_sinks = settings.has_sinks
 
     def _rope(self, x: mx.array, positions: mx.array) -> mx.array:
         # Each token is its own "batch" row so RoPE takes a per-token offset.
@@ -229,7 +228,7 @@ class PagedAttention(nn.Module):
                 v = None if s.k_is_v else self.v_proj(x)
             kc, vc = cache.write(*self._kv(k, v, positions))
         out = self.attend(q, kc, vc, meta, s.scale, s.sliding_window, s.softcap,
-                          self.sinks if self._has_sinks else None)
+                          self.sinks if s.has_sinks else None)
         out = out.reshape(1, t, -1)
         if s.output_gate:
             out = out * mx.sigmoid(gate.reshape(1, t, -1))
