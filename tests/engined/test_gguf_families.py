@@ -343,3 +343,63 @@ def test_gguf_family_runs_through_the_engine_step(family_dirs, gguf_file, family
     reference, _ = mlx_lm_load_model(family_dirs[family])
     reference.load_weights([(k, mx.array(v)) for k, v in roundtrip(family_dirs[family], path).items()])
     check_parity(load_model(path), reference, vocab=272, block_size=8)
+
+
+def _reference_read(path: str) -> tuple[dict, dict]:
+    """The gguf package's own reader: metadata values and tensors, as mlxd's loader used to take them."""
+    from gguf import GGUFReader
+
+    reader = GGUFReader(path)
+    meta = {name: f.contents() for name, f in reader.fields.items() if not name.startswith("GGUF.")}
+    return meta, {t.name: t for t in reader.tensors}
+
+
+@pytest.mark.parametrize("qtype", ["F32", "F16", "BF16", "Q8_0", "Q4_1", "Q4_K", "Q6_K"])
+def test_read_gguf_gives_what_the_gguf_packages_reader_gives(gguf_file, qtype):
+    """Every metadata value and every tensor's bytes, type and shape, on files of several types (and the
+    embedded SmolLM2 with its 49K-token vocabulary), equal gguf.GGUFReader's."""
+    from engined.loaders import default_model_path
+    from engined.loaders.gguf import read_gguf
+
+    for path in [gguf_file("qwen3", qtype)] + ([default_model_path()] if qtype == "Q4_1" else []):
+        meta, tensors = read_gguf(path)
+        want_meta, want_tensors = _reference_read(path)
+        assert meta == want_meta
+        assert list(tensors) == list(want_tensors)
+        for name, t in tensors.items():
+            ref = want_tensors[name]
+            assert t.tensor_type == GGMLQuantizationType(int(ref.tensor_type))
+            assert t.shape == tuple(int(d) for d in reversed(ref.shape.tolist()))
+            assert t.data.dtype == ref.data.dtype and t.data.shape == ref.data.shape
+            assert np.array_equal(t.data.view(np.uint8), ref.data.view(np.uint8))
+
+
+def test_every_cut_and_byte_flip_of_a_gguf_header_raises_model_load_error_or_reads(gguf_file, tmp_path):
+    """A truncated or corrupted header or tensor table is a ModelLoadError, never another exception or a
+    crash: every cut inside the header and table, and seeded random byte flips in it."""
+    from engined.loaders.gguf import read_gguf
+
+    path = gguf_file("qwen3", "Q8_0")
+    data = open(path, "rb").read()
+    first = min(t.data_offset for t in _reference_read(path)[1].values())  # where the tensor data begins
+    probe = tmp_path / "probe.gguf"
+
+    def outcome(blob: bytes) -> str:
+        probe.write_bytes(blob)
+        try:
+            read_gguf(str(probe))
+        except ModelLoadError:
+            return "refused"
+        return "read"
+
+    cuts = sorted(set(np.linspace(0, first - 1, 400).astype(int).tolist()))
+    assert {outcome(data[:cut]) for cut in cuts} == {"refused"}
+    seed = fresh_seed("gguf byte flips")
+    rng = np.random.default_rng(seed)
+    seen = set()
+    for _ in range(300):
+        blob = bytearray(data)
+        for at in rng.integers(0, first, rng.integers(1, 4)):
+            blob[at] = int(rng.integers(0, 256))
+        seen.add(outcome(bytes(blob)))
+    assert seen == {"refused", "read"}
