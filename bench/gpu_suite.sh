@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# Every GPU measurement the open issues wait for, in one call on a CUDA machine, most wanted first, each
+# under its own time limit so that one slow or failing benchmark leaves the others their time. MLX with
+# its CUDA backend must be importable. Logs go to $OUT (default bench/results/gpu_suite); a benchmark's
+# rows are written as they come, so a cut run keeps what it measured.
+#   bash bench/gpu_suite.sh [lora mtp probe pipeline serving hoststep]   (default: all, in that order)
+# BUDGET_S (default 1140) is the whole run's limit; a step gets what is left, up to its own cap.
+set -uo pipefail
+ROOT="$(cd "$(dirname "$0")/.." && pwd)"
+cd "$ROOT"
+export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$ROOT" PYTHONUNBUFFERED=1
+OUT="${OUT:-$ROOT/bench/results/gpu_suite}"
+mkdir -p "$OUT"
+T0=$(date +%s)
+BUDGET_S="${BUDGET_S:-1140}"
+step() {  # step NAME CAP_S COMMAND...: run COMMAND under min(CAP_S, what is left), log to $OUT/NAME.log
+  local name=$1 cap=$2; shift 2
+  local left=$(( BUDGET_S - ($(date +%s) - T0) ))
+  (( left < cap )) && cap=$left
+  if (( cap < 20 )); then echo "== $name: skipped, ${left}s left"; return; fi
+  echo "== +$(( $(date +%s) - T0 ))s $name (limit ${cap}s)"
+  timeout "$cap" "$@" > "$OUT/$name.log" 2>&1
+  echo "   rc=$? ($(( $(date +%s) - T0 ))s)"; tail -n 14 "$OUT/$name.log"
+}
+python3 -c 'import mlx.core as mx; print("mlx", mx.__version__, mx.default_device())' || exit 1
+for what in ${@:-lora mtp probe pipeline serving hoststep}; do
+  case $what in
+    lora)  # issue 22: 4 adapters against the base at c=8 and 64 (target >= 0.8x)
+      step lora_term 60 python3 -m bench.lora --shape llama-8b --term --step-repeats 20
+      step lora 150 python3 -m bench.lora --shape llama-8b --levels 8 64 --max-tokens 32 --prompt-lens 64 256 \
+        --repeats 1 --step-repeats 5
+      step lora_qv 120 python3 -m bench.lora --shape llama-8b --levels 8 64 --max-tokens 32 --prompt-lens 64 256 \
+        --repeats 1 --step-repeats 5 --targets q_proj v_proj ;;
+    mtp)  # issue 21: the speed-up against acceptance, and the proposal's cost
+      step mtp 240 python3 -m bench.speculative --method mtp --shape qwen3_5-8b --levels 1 4 16 --k 3 \
+        --p 0 0.5 0.7 0.9 1 --max-tokens 64 --prompt-tokens 256
+      step mtp_propose 90 python3 -m bench.speculative_propose --shape qwen3_5-8b --levels 1 16 --ks 1 2 3 4 ;;
+    probe)  # issue 26: where a c=1 / c=16 decode step's time goes, against mlx_lm's
+      step probe 180 python3 -m bench.gpu_step_probe ;;
+    pipeline)  # issue 23: two ranks sharing the GPU against one
+      step pipeline 300 env SHAPE=llama-8b REQUESTS=32 MAX_TOKENS=64 OUT="$OUT" bash bench/pipeline_h200.sh ;;
+    serving)  # issue 26: the ratios still unmeasured (4-bit, shared prefix, c=128, MoE)
+      step serving_q4 240 python3 -m bench.gpu_serving --model qwen3-8b --dtype q4 --workloads mixed \
+        --concurrency 1,16,64 --repeats 2 --out "$OUT/serving.jsonl"
+      step serving_bf16 300 python3 -m bench.gpu_serving --model qwen3-8b --dtype bf16 --workloads mixed,shared \
+        --concurrency 1,16,128 --modes async --repeats 1 --out "$OUT/serving.jsonl"
+      step serving_moe 240 python3 -m bench.gpu_serving --model qwen3-30b-a3b --dtype q4 --workloads mixed \
+        --concurrency 1,16,64 --modes async --repeats 1 --out "$OUT/serving.jsonl" ;;
+    hoststep)  # issue 26: the host part of a step with the real kernels
+      step host_step 120 python3 -m bench.host_step --concurrency 1,16,64 --async ;;
+    *) echo "unknown: $what (lora mtp probe pipeline serving hoststep)"; exit 2 ;;
+  esac
+done
+echo "== done in $(( $(date +%s) - T0 ))s; logs in $OUT"
