@@ -24,34 +24,30 @@ from pathlib import Path
 
 import numpy as np
 
-# Random hybrid shapes (Qwen3.5's layout: gated delta nets, every 4th layer full attention).
+def _hybrid(hidden: int, layers: int, mlp: int, heads: int, kv_heads: int, head_dim: int, vocab: int,
+            linear_heads: tuple[int, int], context: int = 8192) -> dict:
+    """A Qwen3.5-layout config: gated delta nets (``linear_heads``: value and key heads, of
+    ``head_dim``), every 4th layer full attention."""
+    return dict(model_type="qwen3_5", hidden_size=hidden, num_hidden_layers=layers, intermediate_size=mlp,
+                num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim, vocab_size=vocab,
+                linear_num_value_heads=linear_heads[0], linear_num_key_heads=linear_heads[1],
+                linear_key_head_dim=head_dim, linear_value_head_dim=head_dim, linear_conv_kernel_dim=4,
+                full_attention_interval=4, rms_norm_eps=1e-6, tie_word_embeddings=False,
+                max_position_embeddings=context)
+
+
+# Random hybrid shapes.
 SHAPES = {
     # A smoke-test shape: the script end to end in seconds on a CPU.
-    "qwen3_5-tiny": dict(model_type="qwen3_5", hidden_size=128, num_hidden_layers=4, intermediate_size=256,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=32, vocab_size=1024,
-                         linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=32,
-                         linear_value_head_dim=32, linear_conv_kernel_dim=4, full_attention_interval=4,
-                         rms_norm_eps=1e-6, tie_word_embeddings=False, max_position_embeddings=8192),
+    "qwen3_5-tiny": _hybrid(128, 4, 256, 4, 2, 32, 1024, (4, 2)),
     # Narrow and deep: a forward's cost is its dispatch and synchronisation, as on a GPU
     # (bench.speculative_propose).
-    "qwen3_5-deep": dict(model_type="qwen3_5", hidden_size=64, num_hidden_layers=32, intermediate_size=128,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=1024,
-                         linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=16,
-                         linear_value_head_dim=16, linear_conv_kernel_dim=4, full_attention_interval=4,
-                         rms_norm_eps=1e-6, tie_word_embeddings=False, max_position_embeddings=8192),
+    "qwen3_5-deep": _hybrid(64, 32, 128, 4, 2, 16, 1024, (4, 2)),
     # A CPU-sized shape (~75 M parameters, Qwen-like vocabulary of 32K).
-    "qwen3_5-small": dict(model_type="qwen3_5", hidden_size=512, num_hidden_layers=8, intermediate_size=1536,
-                          num_attention_heads=8, num_key_value_heads=2, head_dim=64, vocab_size=32000,
-                          linear_num_value_heads=8, linear_num_key_heads=4, linear_key_head_dim=64,
-                          linear_value_head_dim=64, linear_conv_kernel_dim=4, full_attention_interval=4,
-                          rms_norm_eps=1e-6, tie_word_embeddings=False, max_position_embeddings=8192),
+    "qwen3_5-small": _hybrid(512, 8, 1536, 8, 2, 64, 32000, (8, 4)),
     # 8.1 G parameters: Qwen3-8B's width and vocabulary, 32 layers of which 8 attend (32 heads of 128,
     # 8 KV heads, an output gate), 24 gated delta nets (16 key and 32 value heads of 128).
-    "qwen3_5-8b": dict(model_type="qwen3_5", hidden_size=4096, num_hidden_layers=32, intermediate_size=12288,
-                       num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=151936,
-                       linear_num_value_heads=32, linear_num_key_heads=16, linear_key_head_dim=128,
-                       linear_value_head_dim=128, linear_conv_kernel_dim=4, full_attention_interval=4,
-                       rms_norm_eps=1e-6, tie_word_embeddings=False, max_position_embeddings=40960),
+    "qwen3_5-8b": _hybrid(4096, 32, 12288, 32, 8, 128, 151936, (32, 16), context=40960),
 }
 
 
