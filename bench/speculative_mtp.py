@@ -24,6 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
+
 def _hybrid(hidden: int, layers: int, mlp: int, heads: int, kv_heads: int, head_dim: int, vocab: int,
             linear_heads: tuple[int, int], context: int = 8192) -> dict:
     """A Qwen3.5-layout config: gated delta nets (``linear_heads``: value and key heads, of
