@@ -56,7 +56,7 @@ def main() -> None:
             for _ in range(10):  # the prefill and the first decode steps
                 engine.step()
 
-            def timed(label: str, steps: int = 50) -> None:
+            def timed(engine, label: str, steps: int = 50) -> None:
                 t0, w0 = time.perf_counter(), engine.sync_wait_s
                 for _ in range(steps):
                     engine.step()
@@ -65,9 +65,9 @@ def main() -> None:
                       f"{1e3 * (engine.sync_wait_s - w0) / steps:.2f}", flush=True)
 
             mx.set_cache_limit(1 << 40)
-            timed("buffer cache unlimited")
+            timed(engine, "buffer cache unlimited")
             mx.set_cache_limit(int(engine.memory.activations))
-            timed(f"buffer cache capped at {engine.memory.activations / 2**20:.0f} MiB")
+            timed(engine, f"buffer cache capped at {engine.memory.activations / 2**20:.0f} MiB")
             if asynchronous:
                 prof = cProfile.Profile()
                 prof.enable()
