@@ -24,40 +24,11 @@ from engined.device import load_fast_blas
 
 # A benchmark script, run as __main__: the fast BLAS before the imports below load mlx.core.
 load_fast_blas()
-import mlx.core as mx  # noqa: E402
-
+from bench.device_waits import DeviceWaits  # noqa: E402
 from bench.speculative_mtp import SHAPES, ForcedDrafts, build, timed  # noqa: E402
 from engined.engine import Engine  # noqa: E402
 from shared.config import EngineConfig  # noqa: E402
 from shared.sampling import SamplingParams  # noqa: E402
-
-
-class SyncCount:
-    """Counts the proposal's waits for the device: ``mx.eval`` calls and reads of arrays to the host."""
-
-    def __init__(self):
-        self.count = 0
-        self._saved = []
-
-    def __enter__(self):
-        def counted(owner, name):
-            real = getattr(owner, name)
-            self._saved.append((owner, name, real))
-
-            def wrapper(*a, **kw):
-                self.count += 1
-                return real(*a, **kw)
-
-            setattr(owner, name, wrapper)
-
-        counted(mx, "eval")
-        for name in ("tolist", "item"):
-            counted(mx.array, name)
-        return self
-
-    def __exit__(self, *exc):
-        for owner, name, real in reversed(self._saved):
-            setattr(owner, name, real)
 
 
 class CountedDrafts(ForcedDrafts):
@@ -66,7 +37,7 @@ class CountedDrafts(ForcedDrafts):
     syncs = 0
 
     def propose(self, batch, drafting, drafts):
-        with SyncCount() as count:
+        with DeviceWaits() as count:
             out = super().propose(batch, drafting, drafts)
         self.syncs += count.count
         return out

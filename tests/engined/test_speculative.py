@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 from transformers import AutoTokenizer
 
+from bench.device_waits import DeviceWaits
 from engined.engine import Engine
 from engined.loaders import load_model
 from engined.request import Request
@@ -216,38 +217,6 @@ def test_draft_model_with_another_vocabulary_is_refused(tmp_path):
 
 
 # -- how often a draft round waits for the device -------------------------------------------------------
-
-class DeviceWaits:
-    """Counts, while entered, the host's waits for the device: ``mx.eval`` and reads of an array's
-    values to the host (``tolist``, ``item``, ``int``/``float``/``bool`` of one). The real functions
-    run; they are only counted."""
-
-    READS = ("tolist", "item", "__int__", "__float__", "__bool__")
-
-    def __init__(self):
-        self.count = 0
-        self._saved = []
-
-    def _wrap(self, owner, name):
-        real = getattr(owner, name)
-        self._saved.append((owner, name, real))
-
-        def counted(*args, **kwargs):
-            self.count += 1
-            return real(*args, **kwargs)
-
-        setattr(owner, name, counted)
-
-    def __enter__(self):
-        self._wrap(mx, "eval")
-        for name in self.READS:
-            self._wrap(mx.array, name)
-        return self
-
-    def __exit__(self, *exc):
-        for owner, name, real in reversed(self._saved):
-            setattr(owner, name, real)
-
 
 def waits_per_draft_round(engine: Engine, prompts, params) -> list[int]:
     """Generate with ``engine``; for each step whose drafter filled drafts, the waits for the device
