@@ -59,7 +59,6 @@ _ELEMENT_DTYPE = {
 
 @dataclass
 class GGUFTensor:
-    name: str
     tensor_type: GGMLQuantizationType
     shape: tuple[int, ...]  # numpy order (the file lists dimensions innermost first)
     data: np.ndarray  # memory-mapped: typed elements in ``shape``, or uint8 block bytes per row
@@ -167,7 +166,7 @@ def read_gguf(path: str) -> tuple[dict, dict[str, GGUFTensor]]:
             view = raw.view(_ELEMENT_DTYPE[kind]).reshape(shape)
         else:
             view = raw.reshape(*shape[:-1], shape[-1] // width * nbytes)
-        tensors[name] = GGUFTensor(name, kind, shape, view)
+        tensors[name] = GGUFTensor(kind, shape, view)
     return meta, tensors
 
 
