@@ -80,6 +80,8 @@ def main() -> None:
     ap.add_argument("--p", type=float, nargs="+", default=[0.0, 0.5, 0.7, 0.9, 1.0],
                     help="mtp: the rates at which draft tokens are made to agree with the target")
     ap.add_argument("--prompt-tokens", type=int, default=256, help="mtp: random prompt length")
+    ap.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16",
+                    help="mtp: the dtype of the random weights")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
     if args.method == "mtp":
