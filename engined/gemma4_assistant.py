@@ -38,12 +38,13 @@ from pathlib import Path
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
+from mlx.utils import tree_flatten
 from mlx_lm.models.gemma4_text import DecoderLayer, ModelArgs
 
 import kernels
 from engined.draft_model import draft_loop, rows_for
 from engined.kv import KVCacheManager
-from engined.loaders.mlx_dir import gemma4_text_fields, resolve_hf_repo
+from engined.loaders.mlx_dir import dense_weights, gemma4_text_fields, resolve_hf_repo
 from engined.model_layers import float_dtype, text_model
 from engined.mtp import TargetHiddenStates
 from engined.request import Request
@@ -112,18 +113,28 @@ class MaskedEmbedding(nn.Module):
         self.centroids = nn.Linear(hidden, num_centroids, bias=False)
         self.token_ordering = mx.zeros((vocab,), dtype=mx.int32)
         self.top_k = top_k
+        self.scores_width = num_centroids  # the centroids' weight is packed when quantized
 
-    def __call__(self, h: mx.array, lm_head: mx.array) -> mx.array:
-        """``h [T, H]``, ``lm_head [V, H]`` -> logits ``[T, V]``: the selected clusters' tokens scored,
+    def __call__(self, h: mx.array, lm_head: nn.Module) -> mx.array:
+        """``h [T, H]``, the ``[V, H]`` head -> logits ``[T, V]``: the selected clusters' tokens scored,
         every other token at their minimum less one (per row)."""
-        t, vocab = h.shape[0], lm_head.shape[0]
-        num_centroids = self.centroids.weight.shape[0]
+        t, vocab = h.shape[0], self.token_ordering.shape[0]
+        num_centroids = self.scores_width
         scores = self.centroids(h)
         top = mx.argpartition(-scores, kth=self.top_k - 1, axis=-1)[:, : self.top_k]
         ids = self.token_ordering.reshape(num_centroids, vocab // num_centroids)[top].reshape(t, -1)
-        selected = (lm_head[ids] @ h[:, :, None])[..., 0]
+        selected = (_head_rows(lm_head, ids) @ h[:, :, None])[..., 0]
         floor = selected.min(axis=-1, keepdims=True) - 1.0
         return mx.put_along_axis(mx.broadcast_to(floor, (t, vocab)), ids, selected, axis=-1)
+
+
+def _head_rows(head: nn.Module, ids: mx.array) -> mx.array:
+    """Rows ``ids`` of the head's ``[V, H]`` weight in floats: only those rows are dequantized."""
+    if not isinstance(head, nn.QuantizedLinear):
+        return head.weight[ids]
+    biases = head.get("biases")
+    return mx.dequantize(head.weight[ids], head.scales[ids], None if biases is None else biases[ids],
+                         head.group_size, head.bits, head.mode)
 
 
 def _text_args(text: dict) -> ModelArgs:
@@ -155,7 +166,7 @@ class Gemma4Assistant(nn.Module):
             h, _, _ = layer(h, None, reads[layer.layer_type])
         h = self.norm(h)[0]
         if "masked_embedding" in self:
-            logits = self.masked_embedding(h, self.lm_head.weight)
+            logits = self.masked_embedding(h, self.lm_head)
         else:
             logits = self.lm_head(h)
         return logits, self.post_projection(h)
@@ -170,9 +181,9 @@ def _checkpoint_weights(directory: Path) -> dict[str, mx.array]:
     for f in files:
         weights.update(mx.load(str(f)))
     out = {k.removeprefix("model."): v for k, v in weights.items()}
-    tied = out.pop("embed_tokens.weight", None)
-    if "lm_head.weight" not in out and tied is not None:
-        out["lm_head.weight"] = tied
+    tied = {k.removeprefix("embed_tokens."): out.pop(k) for k in list(out) if k.startswith("embed_tokens.")}
+    if "lm_head.weight" not in out:  # with its scales and biases where the checkpoint is quantized
+        out.update({f"lm_head.{part}": v for part, v in tied.items()})
     if "masked_embedding.token_ordering" in out:
         out["masked_embedding.token_ordering"] = out["masked_embedding.token_ordering"].astype(mx.int32)
     return out
@@ -180,7 +191,8 @@ def _checkpoint_weights(directory: Path) -> dict[str, mx.array]:
 
 def load_assistant(directory: Path, target: nn.Module, target_type: str) -> Gemma4Assistant:
     """The assistant of ``directory`` checked against ``target`` (a Gemma 4 model), weights loaded
-    (strict) in the target's float dtype."""
+    (strict) in the target's float dtype; a quantized checkpoint (an mlx-community conversion) stays
+    quantized beside a quantized target and is dequantized beside a dense one."""
     if target_type not in TARGETS:
         raise _refuse(f"a Gemma 4 assistant drafts for a Gemma 4 target ({', '.join(TARGETS)}); "
                       f"this model is {target_type!r}")
@@ -196,13 +208,40 @@ def load_assistant(directory: Path, target: nn.Module, target_type: str) -> Gemm
         raise _refuse(f"{directory}: the assistant's vocabulary has {vocab} tokens; the target's has "
                       f"{args.vocab_size}")
     assistant = Gemma4Assistant(config)
+    weights = _checkpoint_weights(directory)
     try:
-        assistant.load_weights(list(_checkpoint_weights(directory).items()), strict=True)
+        _quantize_as_stored(assistant, config, weights)
+        assistant.load_weights(list(weights.items()), strict=True)
     except ValueError as e:
         raise _refuse(f"{directory}: the weights do not match a gemma4_assistant of this config: {e}") from e
-    assistant.set_dtype(float_dtype(target))
+    if _is_quantized(target):
+        assistant.set_dtype(float_dtype(target))
+    else:  # a target run dense (every target on the CPU) runs its drafter dense too
+        dense_weights(assistant, float_dtype(target))
     mx.eval(assistant.parameters())
     return assistant
+
+
+def _is_quantized(model: nn.Module) -> bool:
+    return any(name.endswith(".scales") for name, _ in tree_flatten(model.parameters()))
+
+
+def _quantize_as_stored(assistant: Gemma4Assistant, config: dict, weights: dict[str, mx.array]) -> None:
+    """Quantize the modules a quantized checkpoint (mlx_lm's or mlx-vlm's ``quantization`` entry)
+    stores with scales, with its defaults or its per-module settings (under the checkpoint's
+    names, ``model.`` and all)."""
+    q = config.get("quantization") or config.get("quantization_config")
+    if not q:
+        return
+
+    def stored(path: str, module: nn.Module):
+        for name in (path, f"model.{path}"):
+            if name in q:  # a per-module entry: its own settings, or False for a module left dense
+                return q[name]
+        return hasattr(module, "to_quantized") and f"{path}.scales" in weights
+
+    nn.quantize(assistant, group_size=q.get("group_size", 64), bits=q.get("bits", 4), mode=q.get("mode", "affine"),
+                class_predicate=stored)
 
 
 @dataclass(frozen=True)
