@@ -40,6 +40,7 @@ import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten
 from mlx_lm.models.gemma4_text import DecoderLayer, ModelArgs
+from mlx_lm.utils import infer_quant_config
 
 import kernels
 from engined.draft_model import draft_loop, rows_for
@@ -113,13 +114,13 @@ class MaskedEmbedding(nn.Module):
         self.centroids = nn.Linear(hidden, num_centroids, bias=False)
         self.token_ordering = mx.zeros((vocab,), dtype=mx.int32)
         self.top_k = top_k
-        self.scores_width = num_centroids  # the centroids' weight is packed when quantized
 
     def __call__(self, h: mx.array, lm_head: nn.Module) -> mx.array:
         """``h [T, H]``, the ``[V, H]`` head -> logits ``[T, V]``: the selected clusters' tokens scored,
         every other token at their minimum less one (per row)."""
-        t, vocab = h.shape[0], self.token_ordering.shape[0]
-        num_centroids = self.scores_width
+        # A quantized weight packs its last axis only: the first is still the output's width.
+        t, vocab = h.shape[0], lm_head.weight.shape[0]
+        num_centroids = self.centroids.weight.shape[0]
         scores = self.centroids(h)
         top = mx.argpartition(-scores, kth=self.top_k - 1, axis=-1)[:, : self.top_k]
         ids = self.token_ordering.reshape(num_centroids, vocab // num_centroids)[top].reshape(t, -1)
@@ -228,8 +229,8 @@ def _is_quantized(model: nn.Module) -> bool:
 
 def _quantize_as_stored(assistant: Gemma4Assistant, config: dict, weights: dict[str, mx.array]) -> None:
     """Quantize the modules a quantized checkpoint (mlx_lm's or mlx-vlm's ``quantization`` entry)
-    stores with scales, with its defaults or its per-module settings (under the checkpoint's
-    names, ``model.`` and all)."""
+    stores with scales: by its per-module settings (under the checkpoint's names, ``model.`` and
+    all), else as the stored arrays' shapes say (mlx_lm's ``infer_quant_config``)."""
     q = config.get("quantization") or config.get("quantization_config")
     if not q:
         return
@@ -238,7 +239,9 @@ def _quantize_as_stored(assistant: Gemma4Assistant, config: dict, weights: dict[
         for name in (path, f"model.{path}"):
             if name in q:  # a per-module entry: its own settings, or False for a module left dense
                 return q[name]
-        return hasattr(module, "to_quantized") and f"{path}.scales" in weights
+        if not hasattr(module, "to_quantized") or f"{path}.scales" not in weights:
+            return False
+        return infer_quant_config(path, module, weights)
 
     nn.quantize(assistant, group_size=q.get("group_size", 64), bits=q.get("bits", 4), mode=q.get("mode", "affine"),
                 class_predicate=stored)

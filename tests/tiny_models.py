@@ -19,6 +19,14 @@ import numpy as np
 ARCHS = ("llama", "qwen2", "qwen3")
 
 
+def quantize_in_groups_of_32(model, bits: int = 4) -> None:
+    """Quantize (in place) every linear layer, expert bank and embedding whose rows split into groups of 32."""
+    import mlx.nn as nn
+
+    nn.quantize(model, group_size=32, bits=bits,
+                class_predicate=lambda _, m: hasattr(m, "to_quantized") and m.weight.shape[-1] % 32 == 0)
+
+
 def fresh_seed(label: str = "rng") -> int:
     """A new seed each run, printed (pytest shows it with a failure): pass it back to replay the run."""
     seed = int(np.random.SeedSequence().entropy % (1 << 63))

@@ -13,7 +13,6 @@ refused from its config.json alone, in one line.
 import json
 from pathlib import Path
 
-import mlx.nn as nn
 import numpy as np
 import pytest
 
@@ -25,7 +24,7 @@ from shared.errors import ModelLoadError
 from shared.sampling import SamplingParams
 from tests import model_support
 from tests.engined.test_parity import check_parity
-from tests.tiny_models import make_tiny_model, seeded_rng, tiny_config
+from tests.tiny_models import make_tiny_model, quantize_in_groups_of_32, seeded_rng, tiny_config
 
 FAMILIES = {f.arch: f for f in model_support.FAMILIES}
 
@@ -48,9 +47,7 @@ def tiny_dirs(tmp_path_factory):
 def _load(path, weights):
     loaded = load_model(str(path))
     if weights == "4-bit":
-        # Every linear layer, expert bank and embedding whose rows split into groups of 32.
-        nn.quantize(loaded.model, group_size=32, bits=4,
-                    class_predicate=lambda _, m: hasattr(m, "to_quantized") and m.weight.shape[-1] % 32 == 0)
+        quantize_in_groups_of_32(loaded.model)
     return loaded
 
 

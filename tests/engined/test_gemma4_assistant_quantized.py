@@ -19,15 +19,14 @@ from shared.config import EngineConfig
 from tests.engined.test_gemma4_assistant import (  # noqa: F401 (pair and trained are fixtures)
     ACCEPTANCE_FLOOR, GREEDY_32, KW, assistant_config, pair, save_assistant, spec_counts, trained)
 from tests.engined.test_mtp import mixed_batch
-from tests.tiny_models import seeded_rng
+from tests.tiny_models import quantize_in_groups_of_32, seeded_rng
 
 def quantize_assistant(assistant_dir, target_dir, out_dir, bits: int):
     """``assistant_dir``'s checkpoint quantized as mlx_lm's converter stores one (groups of 32, a
     ``quantization`` entry in config.json): every linear layer and the tied head."""
     loaded = load_model(str(target_dir))
     assistant = load_assistant(assistant_dir, loaded.model, loaded.model_type)
-    nn.quantize(assistant, group_size=32, bits=bits,
-                class_predicate=lambda _, m: hasattr(m, "to_quantized") and m.weight.shape[-1] % 32 == 0)
+    quantize_in_groups_of_32(assistant, bits)
     config = json.loads((assistant_dir / "config.json").read_text())
     save_assistant(assistant, {**config, "quantization": {"group_size": 32, "bits": bits}}, out_dir)
     return assistant
@@ -35,8 +34,7 @@ def quantize_assistant(assistant_dir, target_dir, out_dir, bits: int):
 
 def quantized_target(target_dir):
     loaded = load_model(str(target_dir))
-    nn.quantize(loaded.model, group_size=32, bits=4,
-                class_predicate=lambda _, m: hasattr(m, "to_quantized") and m.weight.shape[-1] % 32 == 0)
+    quantize_in_groups_of_32(loaded.model)
     return loaded
 
 

@@ -24,7 +24,7 @@ from engined.lora.adapters import read_adapter
 from shared.config import EngineConfig
 from shared.errors import InvalidRequestError, NotFoundError
 from shared.sampling import SamplingParams
-from tests.tiny_models import fresh_seed, make_tiny_model
+from tests.tiny_models import fresh_seed, make_tiny_model, quantize_in_groups_of_32
 
 ATTN = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj")
 DENSE_MLP = ("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
@@ -95,15 +95,10 @@ def write_peft(directory, pairs, alpha: float, rank: int):
     return directory
 
 
-def _quantize(model):
-    nn.quantize(model, group_size=32, bits=4,
-                class_predicate=lambda _, m: hasattr(m, "to_quantized") and m.weight.shape[-1] % 32 == 0)
-
-
 def _load(path, weights):
     loaded = load_model(str(path))
     if weights == "4-bit":
-        _quantize(loaded.model)
+        quantize_in_groups_of_32(loaded.model)
     return loaded
 
 
