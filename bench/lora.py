@@ -17,18 +17,14 @@ Then one decode step of ``c`` rows (every prefill done) is forwarded
 ``--step-repeats`` times with its rows' adapters and as many times with
 every row on the base, alternating step by step: the LoRA term's own cost,
 with far less of a busy machine's noise than whole runs.
-The step is timed as the engine runs it (requests ordered by adapter slot,
-``gather_mm``'s grouped path) and, for comparison, in the batch's own
-round-robin order (unsorted slot indices, the layers' per-row path).
 ``--shape llama-8b`` runs a model of Llama-3.1-8B's shape with random bf16
 weights instead (no download; both engines share the same arrays), for a GPU.
 ``--term`` times only the LoRA term of one projection of the shape (its
-q_proj's and gate_proj's sizes), unsorted against sorted indices and against
-two dense matmuls over every slot's A and B concatenated (each row's other
-slots' columns masked to zero: no gather, more arithmetic), beside the base
-matmul; then q/k/v's and gate/up's terms taken apart, with one shared x·A
-(what the layers do) and with a block-diagonal B besides (one product for all
-members' B, n times B's memory): seconds, not minutes, on a GPU.
+q_proj's and gate_proj's sizes): the layers' two dense matmuls over every
+slot's A and B with each row's other slots' columns masked to zero, against
+``gather_mm`` of each row's own slot (what vLLM's punica kernels do), beside
+the base matmul; then q/k/v's and gate/up's terms taken apart against one
+shared x·A (what the layers do): seconds, not minutes, on a GPU.
 
     python -m bench.lora [--model PATH | --shape NAME] [--levels 8 64] [--max-tokens 32] [--rank 16]
                          [--prompt-lens 32 256] [--targets q_proj v_proj] [--term]
@@ -52,8 +48,7 @@ import numpy as np
 
 from engined.engine import Engine
 from engined.loaders import load_model
-from engined.lora.layers import install, lora_term
-from engined.runner import forward
+from engined.lora.layers import install
 from shared.config import EngineConfig
 from shared.sampling import SamplingParams
 
@@ -106,12 +101,12 @@ def random_model_maker(name: str):
 def write_adapters(model, root: Path, rank: int, targets: list[str] | None = None, seed: int = 0) -> list[Path]:
     """``NUM_ADAPTERS`` random mlx_lm-format adapters of every linear projection of the model's layers (of those
     whose names end in one of ``targets``, when given)."""
-    _, targets = install(model, 1, 1, mx.float32)  # only to list the projections and their sizes
+    _, projections = install(model, 1, 1, mx.float32)  # only to list the projections and their sizes
     rng = np.random.default_rng(seed)
     dirs = []
     for k in range(NUM_ADAPTERS):
         tensors = {}
-        for path, (wrapper, proj) in targets.items():
+        for path, (wrapper, proj) in projections.items():
             if proj is not None or (targets and not path.endswith(tuple(targets))):
                 continue  # experts: this benchmark's models are dense
             tensors[f"{path}.lora_a"] = mx.array(rng.normal(0, 0.02, (wrapper.input_dims, rank)).astype(np.float32))
@@ -125,9 +120,8 @@ def write_adapters(model, root: Path, rank: int, targets: list[str] | None = Non
     return dirs
 
 
-def step_cost(engine: Engine, prompts: list[list[int]], loras: list[str], repeats: int) -> tuple[float, float, float]:
-    """Median seconds of one packed decode step's forward: (rows on their adapters as the engine orders them,
-    the same in the batch's own order, rows on the base)."""
+def step_cost(engine: Engine, prompts: list[list[int]], loras: list[str], repeats: int) -> tuple[float, float]:
+    """Median seconds of one packed decode step's forward: (rows on their adapters, the same rows on the base)."""
     params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)  # room for the step measured
     ids = [f"step-{i}" for i in range(len(prompts))]
     for rid, prompt, lora in zip(ids, prompts, loras):
@@ -138,33 +132,20 @@ def step_cost(engine: Engine, prompts: list[list[int]], loras: list[str], repeat
     batch = engine.scheduler.schedule()
     slots = [r.lora_slot for r, _ in batch.scheduled]
     assert len(batch.scheduled) == len(prompts) and all(n == 1 for _, n in batch.scheduled)
-    runner = engine.runner
 
-    def timed(run) -> float:
-        start = time.perf_counter()
-        mx.eval(run())
-        return time.perf_counter() - start
-
-    def engine_order(adapters: bool) -> float:
+    def timed(adapters: bool) -> float:
         for (r, _), slot in zip(batch.scheduled, slots):
             r.lora_slot = slot if adapters else 0
-        return timed(lambda: runner.run(batch))
+        start = time.perf_counter()
+        mx.eval(engine.runner.run(batch))
+        return time.perf_counter() - start
 
-    def batch_order() -> mx.array:
-        """The forward without the runner's ordering: the slot indices as the batch has them."""
-        engine.lora.set_step(slots, [1] * len(slots))
-        try:
-            return forward(runner.model, runner.head, runner.pieces(batch), runner.kv.step_caches(batch.scheduled),
-                           batch.num_logits)
-        finally:
-            engine.lora.set_step([], [])
-
-    times = [(engine_order(True), timed(batch_order), engine_order(False)) for _ in range(repeats + 1)][1:]
+    times = [(timed(True), timed(False)) for _ in range(repeats + 1)][1:]
     for (r, _), slot in zip(batch.scheduled, slots):
         r.lora_slot = slot
     engine.abort(ids)
     engine.step()
-    return tuple(statistics.median(t[k] for t in times) for k in range(3))
+    return tuple(statistics.median(t[k] for t in times) for k in range(2))
 
 
 def _alternate(runs: dict, repeats: int) -> dict[str, float]:
@@ -181,70 +162,68 @@ def _alternate(runs: dict, repeats: int) -> dict[str, float]:
 
 
 def term_cost(shape: str, rank: int, repeats: int) -> None:
-    """One projection's LoRA term alone, rows spread round-robin over 4 adapters (+ the base slot); then
-    the projections that read one input (q/k/v, gate/up), their terms apart against one shared x·A."""
+    """One projection's LoRA term alone, rows spread round-robin over 4 adapters; then the projections that
+    read one input (q/k/v, gate/up), their terms apart against one shared x·A."""
     dims = SHAPES[shape]
     dtype = mx.float32 if mx.default_device() == mx.cpu else mx.bfloat16  # MLX's CPU gather_mm: float32 only
-    slots = NUM_ADAPTERS + 1
-    print("\n| projection (in x out) | rows | base matmul (us) | + term, unsorted (us) | + term, sorted (us) "
-          "| + term, dense masked (us) |")
-    print("|---|---|---|---|---|---|")
+
+    def masks(rows: int) -> tuple[mx.array, mx.array]:
+        """Each row's slot (1..4, round-robin; 0 is the base in gather_mm's stacks) and its dense mask."""
+        spread = np.arange(rows) % NUM_ADAPTERS + 1
+        mask = np.repeat(np.eye(NUM_ADAPTERS + 1)[spread][:, 1:], rank, axis=1)
+        return mx.array(spread.astype(np.uint32)), mx.array(mask).astype(dtype)
+
+    print("\n| projection (in x out) | rows | base matmul (us) | + term, gather_mm (us) | + term, dense masked (us) |")
+    print("|---|---|---|---|---|")
     for d_in, d_out in ((dims["hidden_size"], dims["hidden_size"]), (dims["hidden_size"], dims["intermediate_size"])):
         w = mx.random.normal((d_out, d_in)).astype(dtype) * 0.02
-        a = mx.random.normal((slots, d_in, rank)).astype(dtype) * 0.02
-        b = mx.random.normal((slots, rank, d_out)).astype(dtype) * 0.02
+        a = mx.random.normal((NUM_ADAPTERS + 1, d_in, rank)).astype(dtype) * 0.02
+        b = mx.random.normal((NUM_ADAPTERS + 1, rank, d_out)).astype(dtype) * 0.02
+        # The layers' layout: x @ [A_1 .. A_S] -> [rows, S * rank], masked, @ [B_1; ..; B_S], added by addmm.
+        a_all = a[1:].transpose(1, 0, 2).reshape(d_in, -1)
+        b_all = b[1:].reshape(-1, d_out)
         for rows in (8, 64, 512):
             x = mx.random.normal((rows, d_in)).astype(dtype)
-            spread = np.arange(rows) % NUM_ADAPTERS + 1
-            unsorted, ordered = mx.array(spread.astype(np.uint32)), mx.array(np.sort(spread).astype(np.uint32))
-            # Dense: x @ [A_0 .. A_S] -> [rows, S * rank], zero but each row's own slot's columns, @ [B_0; ..; B_S].
-            a_all = a.transpose(1, 0, 2).reshape(d_in, -1)
-            b_all = b.reshape(-1, d_out)
-            mask = mx.array(np.repeat(np.eye(slots)[spread], rank, axis=1)).astype(dtype)
-            mx.eval(w, a, b, x, unsorted, ordered, a_all, b_all, mask)
+            slot, mask = masks(rows)
+            mx.eval(w, a, b, x, slot, mask, a_all, b_all)
+
+            def gathered():
+                h = mx.gather_mm(x[:, None], a, rhs_indices=slot)
+                return x @ w.T + mx.gather_mm(h, b, rhs_indices=slot).squeeze(1)
+
             us = _alternate({
                 "base": lambda: x @ w.T,
-                "unsorted": lambda: x @ w.T + lora_term(x[:, None], a, b, unsorted).squeeze(1),
-                "sorted": lambda: x @ w.T + lora_term(x[:, None], a, b, ordered, True).squeeze(1),
-                "dense": lambda: x @ w.T + ((x @ a_all) * mask) @ b_all,
+                "gather": gathered,
+                "dense": lambda: mx.addmm(x @ w.T, (x @ a_all) * mask, b_all),
             }, repeats)
-            print(f"| {d_in} x {d_out} | {rows} | {us['base']:.0f} | {us['unsorted']:.0f} | {us['sorted']:.0f} "
-                  f"| {us['dense']:.0f} |", flush=True)
+            print(f"| {d_in} x {d_out} | {rows} | {us['base']:.0f} | {us['gather']:.0f} | {us['dense']:.0f} |",
+                  flush=True)
     hidden, kv = dims["hidden_size"], dims["hidden_size"] * dims["num_key_value_heads"] // dims["num_attention_heads"]
-    print("\n| projections (in x outs) | rows | base matmuls (us) | + terms apart (us) | + shared x·A (us) "
-          "| + shared x·A, block-diagonal B (us) |")
-    print("|---|---|---|---|---|---|")
+    print("\n| projections (in x outs) | rows | base matmuls (us) | + terms apart (us) | + shared x·A (us) |")
+    print("|---|---|---|---|---|")
+    width = NUM_ADAPTERS * rank
     for outs in ((hidden, kv, kv), (dims["intermediate_size"],) * 2):
         n = len(outs)
         ws = [mx.random.normal((o, hidden)).astype(dtype) * 0.02 for o in outs]
-        a_s = [mx.random.normal((slots, hidden, rank)).astype(dtype) * 0.02 for _ in outs]
-        b_s = [mx.random.normal((slots, rank, o)).astype(dtype) * 0.02 for o in outs]
+        a_s = [mx.random.normal((hidden, width)).astype(dtype) * 0.02 for _ in outs]
+        b_s = [mx.random.normal((width, o)).astype(dtype) * 0.02 for o in outs]
         a_cat = mx.concatenate(a_s, axis=-1)
-        # Block-diagonal B: one product gives every member's output, at n times B's memory.
-        b_diag = np.zeros((slots, n * rank, sum(outs)), np.float32)
-        for i, (bi, start) in enumerate(zip(b_s, np.cumsum((0,) + outs[:-1]))):
-            b_diag[:, i * rank:(i + 1) * rank, start:start + outs[i]] = np.array(bi.astype(mx.float32))
-        b_diag = mx.array(b_diag).astype(dtype)
         for rows in (8, 64, 512):
-            x = mx.random.normal((rows, 1, hidden)).astype(dtype)
-            idx = mx.array(np.sort(np.arange(rows) % NUM_ADAPTERS + 1).astype(np.uint32))
-            mx.eval(ws, a_s, b_s, a_cat, b_diag, x, idx)
-
-            def gmm(lhs, rhs):
-                return mx.gather_mm(lhs, rhs, rhs_indices=idx, sorted_indices=True)
+            x = mx.random.normal((rows, hidden)).astype(dtype)
+            _, mask = masks(rows)
+            mx.eval(ws, a_s, b_s, a_cat, x, mask)
 
             def shared():  # what SharedInput does
-                h = mx.contiguous(gmm(x, a_cat).reshape(rows, n, rank).swapaxes(0, 1))
-                return [x @ w.T + gmm(h[i].reshape(rows, 1, rank), bi) for i, (w, bi) in enumerate(zip(ws, b_s))]
+                h = (x @ a_cat).reshape(rows, n, width).swapaxes(0, 1) * mask
+                return [mx.addmm(x @ w.T, h[i], bi) for i, (w, bi) in enumerate(zip(ws, b_s))]
 
             us = _alternate({
                 "base": lambda: [x @ w.T for w in ws],
-                "apart": lambda: [x @ w.T + lora_term(x, ai, bi, idx, True) for w, ai, bi in zip(ws, a_s, b_s)],
+                "apart": lambda: [mx.addmm(x @ w.T, (x @ ai) * mask, bi) for w, ai, bi in zip(ws, a_s, b_s)],
                 "shared": shared,
-                "diagonal": lambda: [x @ mx.concatenate(ws).T + gmm(gmm(x, a_cat), b_diag)],
             }, repeats)
             print(f"| {hidden} x {'+'.join(map(str, outs))} | {rows} | {us['base']:.0f} | {us['apart']:.0f} "
-                  f"| {us['shared']:.0f} | {us['diagonal']:.0f} |", flush=True)
+                  f"| {us['shared']:.0f} |", flush=True)
 
 
 def make_prompts(n: int, vocab: int, seed: int, lengths: tuple[int, int]) -> list[list[int]]:
@@ -314,11 +293,10 @@ def main() -> None:
                 print(f"c={level}: " + "   ".join(f"{n} {r:.1f} tok/s ({r / rate['base']:.2f}x)"
                                                  for n, r in rate.items()), flush=True)
             if args.step_repeats:
-                with_, unsorted, without = step_cost(lora, prompts, spread, args.step_repeats)
-                steps.append((level, with_, unsorted, without))
-                print(f"c={level}: one decode step's forward: {with_ * 1e3:.1f} ms on 4 adapters "
-                      f"({unsorted * 1e3:.1f} ms unsorted), {without * 1e3:.1f} ms on the base "
-                      f"({without / with_:.2f}x)", flush=True)
+                with_, without = step_cost(lora, prompts, spread, args.step_repeats)
+                steps.append((level, with_, without))
+                print(f"c={level}: one decode step's forward: {with_ * 1e3:.1f} ms on 4 adapters, "
+                      f"{without * 1e3:.1f} ms on the base ({without / with_:.2f}x)", flush=True)
     print("\n| concurrent requests | base tok/s | 4 adapters tok/s | ratio | LoRA on, base requests tok/s | ratio |")
     print("|---|---|---|---|---|---|")
     for level, r in rows:
@@ -326,11 +304,10 @@ def main() -> None:
         a, o = r.get("4 adapters", float("nan")), r.get("lora on, base requests", float("nan"))
         print(f"| {level} | {b:.1f} | {a:.1f} | {a / b:.2f}x | {o:.1f} | {o / b:.2f}x |")
     if steps:
-        print("\n| concurrent requests | decode step, 4 adapters (ms) | same, unsorted (ms) "
-              "| same step, base rows (ms) | ratio | ratio unsorted |")
-        print("|---|---|---|---|---|---|")
-        for level, a, u, b in steps:
-            print(f"| {level} | {a * 1e3:.1f} | {u * 1e3:.1f} | {b * 1e3:.1f} | {b / a:.2f}x | {b / u:.2f}x |")
+        print("\n| concurrent requests | decode step, 4 adapters (ms) | same step, base rows (ms) | ratio |")
+        print("|---|---|---|---|")
+        for level, a, b in steps:
+            print(f"| {level} | {a * 1e3:.1f} | {b * 1e3:.1f} | {b / a:.2f}x |")
 
 
 if __name__ == "__main__":

@@ -26,7 +26,6 @@ import kernels
 from engined.kv import KVCacheManager
 from engined.linear_attention import SlottedLinearAttention
 from engined.lora.registry import LoraRegistry
-from engined.lora.step_order import SlotOrder
 from engined.model_layers import LayerSettings, LayerSpec, text_model, transformer_layers
 from engined.scheduler import SchedulerOutput
 from shared.errors import ModelLoadError
@@ -101,10 +100,6 @@ class ModelRunner:
         last token, sampled by the step in flight ``inflight``, an ``engined.sampler.LaunchedStep``)
         is read from the device."""
         num_logits = batch.num_logits if num_logits is None else num_logits
-        order = None
-        if self.lora is not None:  # requests by adapter slot: each layer's slot indices sorted
-            order = SlotOrder(batch, num_logits)
-            batch, num_logits = order.batch, order.num_logits
         pieces = self.pieces(batch)
         fills = self.fills(batch, inflight) if inflight is not None else None
         caches = self.kv.step_caches(batch.scheduled)
@@ -112,8 +107,7 @@ class ModelRunner:
             return forward_pooled(self.model, self.head, pieces, caches, num_logits, batch.hidden_rows, fills)
         self.lora.set_step([r.lora_slot for r, _ in batch.scheduled], [n for _, n in batch.scheduled])
         try:
-            return order.restore(*forward_pooled(self.model, self.head, pieces, caches, num_logits,
-                                                 batch.hidden_rows, fills))
+            return forward_pooled(self.model, self.head, pieces, caches, num_logits, batch.hidden_rows, fills)
         finally:
             self.lora.set_step([], [])
 

@@ -1,19 +1,27 @@
 """Linear layers that add each token's own adapter's low-rank term: many adapters in one packed step.
 
-Every wrapped linear holds the resident adapters' B stacked by slot,
-``lora_b`` ``[slots, R, out]``, and takes its A columns from the
-``SharedInput`` of the projections that read its input (``[slots, in, n * R]``:
-q/k/v share one, gate/up one, any other linear has its own). ``R`` is
-``--max-lora-rank``; smaller ranks are zero-padded, the scale is folded into
-``b``. Slot 0 stays zero: the base model. The runner sets one per-token slot
-index on the shared ``LoraStep`` before a forward, and each layer gathers its
-tokens' A and B with ``mx.gather_mm`` (what vLLM's punica kernels do on
-CUDA): one forward for the whole batch whatever its mix of adapters, the base
-weights untouched. A step with no adapter skips the term, as does a
-projection that no resident adapter targets.
+Every wrapped linear holds the resident adapters' B stacked by slot along its
+rows, ``lora_b`` ``[S * R, out]`` (slot ``s`` in rows ``(s-1)*R:s*R``), and
+takes its A columns from the ``SharedInput`` of the projections that read its
+input (q/k/v share one, gate/up one, any other linear has its own). ``S`` is
+``--max-loras``, ``R`` is ``--max-lora-rank``; smaller ranks are zero-padded,
+the scale is folded into ``b``; the base model (slot 0) has no columns. The
+runner sets the step's per-token slots on the shared ``LoraStep`` before a
+forward, which makes one mask ``[tokens, S * R]``, ones on each token's own
+slot's columns: a layer's term is ``((x @ A_all) * mask) @ B_all``, two dense
+matmuls over every resident slot, the second fused with the base's output
+(``addmm``). One forward for the whole batch whatever its mix of adapters, the
+base weights untouched, and no gather: MLX's ``gather_mm`` (what vLLM's punica
+kernels do) ran each row apart on CUDA, 100-170 us per projection on an H200
+where the arithmetic is a few MFLOP (bench/lora_results.md). The price is
+arithmetic on every resident slot's columns, ``S * R`` of them per projection
+(64 at 4 adapters of rank 16 against 4 096 outputs of Llama-8B's q_proj). A
+step with no adapter skips the term, as does a projection that no resident
+adapter targets.
 
 Mixture-of-experts layers (mlx_lm's ``SwitchGLU``) hold one pair per slot
-and expert, gathered by ``slot * experts + expert`` per routed row.
+and expert, gathered by ``slot * experts + expert`` per routed row: their rows
+are gathered for the base's own experts anyway.
 """
 
 from __future__ import annotations
@@ -28,41 +36,27 @@ from engined.model_layers import transformer_layers
 
 
 class LoraStep:
-    """What the runner sets for one forward (``set``): ``slots``, each packed token's uint32 slot, or None.
+    """What the runner sets for one forward (``set``): ``slots``, each packed token's uint32 slot (for the
+    experts' gather), and ``mask``, ``[tokens, S * R]`` with ones on each token's own slot's columns; both
+    None on a step with no adapter. ``inputs`` are the layers' ``SharedInput`` groups, whose held products a
+    new step drops."""
 
-    When the slots are sorted (the runner orders a step's requests by slot,
-    ``step_order``) the base's rows come first and ``first`` is the first
-    adapted row: a linear computes the term of rows ``first:`` only
-    (``adapted``, their slots) with ``gather_mm``'s grouped path
-    (``sorted_indices``), one product per adapter. ``inputs`` are the layers'
-    ``SharedInput`` groups, whose held products a new step drops.
-    """
-
-    def __init__(self):
+    def __init__(self, num_adapters: int, rank: int, dtype: mx.Dtype):
+        # Each column's slot: S blocks of R columns, slot 1 first (the base has none).
+        self._column_slots = np.repeat(np.arange(1, num_adapters + 1, dtype=np.uint32), rank)
+        self.dtype = dtype
         self.slots: mx.array | None = None
-        self.adapted: mx.array | None = None
-        self.sorted = False
-        self.first = 0
+        self.mask: mx.array | None = None
         self.inputs: list[SharedInput] = []
 
     def set(self, slots: np.ndarray) -> None:
         for group in self.inputs:
             group.clear()
         if not slots.any():
-            self.slots = self.adapted = None
-            self.sorted, self.first = False, 0
+            self.slots = self.mask = None
             return
-        self.sorted = bool((slots[1:] >= slots[:-1]).all())
-        self.first = int(np.argmax(slots > 0)) if self.sorted else 0
         self.slots = mx.array(slots)
-        self.adapted = mx.array(slots[self.first:]) if self.first else self.slots
-
-
-def lora_term(x: mx.array, a: mx.array, b: mx.array, index: mx.array, sorted_indices: bool = False
-              ) -> mx.array:
-    """``x @ a[index] @ b[index]`` per row, ``index`` broadcast against ``x``'s batch dims (in ``a``'s dtype)."""
-    h = mx.gather_mm(x.astype(a.dtype), a, rhs_indices=index, sorted_indices=sorted_indices)
-    return mx.gather_mm(h, b, rhs_indices=index, sorted_indices=sorted_indices)
+        self.mask = mx.array(slots[:, None] == self._column_slots[None, :]).astype(self.dtype)
 
 
 def _dims(linear: nn.Module) -> tuple[int, int]:
@@ -85,14 +79,14 @@ def _padded(pair, a_shape: tuple, b_shape: tuple) -> tuple[np.ndarray, np.ndarra
 class SlottedLoraLinear(nn.Module):
     """A linear plus each row's adapter term: its A columns in its ``SharedInput``, its B (``lora_b``) here."""
 
-    def __init__(self, linear: nn.Module, shared: SharedInput, column: int, num_slots: int, rank: int,
+    def __init__(self, linear: nn.Module, shared: SharedInput, column: int, num_adapters: int, rank: int,
                  dtype: mx.Dtype):
         super().__init__()
         self.linear = linear
         self.shared = shared  # a plain object, outside the module tree (its members share it)
         self.column = column
         self.input_dims, self.output_dims = _dims(linear)
-        self.lora_b = mx.zeros((num_slots, rank, self.output_dims), dtype)
+        self.lora_b = mx.zeros((num_adapters * rank, self.output_dims), dtype)
         # Slots whose adapter targets this projection: with none, its term is zero and skipped.
         self.live_slots: set[int] = set()
 
@@ -111,22 +105,16 @@ class SlottedLoraLinear(nn.Module):
             self.live_slots.discard(slot)
         else:
             self.live_slots.add(slot)
-        stack_a = self.shared.a
-        stack_a[slot, :, self.column * r:(self.column + 1) * r] = mx.array(a).astype(stack_a.dtype)
-        self.lora_b[slot] = mx.array(b).astype(self.lora_b.dtype)
-        return [stack_a, self.lora_b]
+        self.shared.write(self.column, slot, a)
+        self.lora_b[(slot - 1) * r:slot * r] = mx.array(b).astype(self.lora_b.dtype)
+        return [self.shared.a, self.lora_b]
 
     def __call__(self, x: mx.array) -> mx.array:
         y = self.linear(x)
-        step = self.shared.step
-        if step.slots is None or not self.live_slots:
+        if self.shared.step.mask is None or not self.live_slots:
             return y
-        h = self.shared.product(x, self.column)
-        z = mx.gather_mm(h, self.lora_b, rhs_indices=step.adapted, sorted_indices=step.sorted)
-        z = z.reshape(-1, self.output_dims).astype(y.dtype)
-        if step.first:  # the base's rows (first in a sorted step) add nothing
-            z = mx.pad(z, [(step.first, 0), (0, 0)])
-        return y + z.reshape(y.shape)
+        h = self.shared.product(x, self.column)  # [rows, S * R], zero but each row's own slot's columns
+        return mx.addmm(y.reshape(-1, self.output_dims), h, self.lora_b).reshape(y.shape)
 
 
 def _sort_rows(x: mx.array, indices: mx.array):
@@ -233,8 +221,10 @@ _LINEARS = (nn.Linear, nn.QuantizedLinear)
 _SHARED = {"q_proj": "qkv", "k_proj": "qkv", "v_proj": "qkv", "gate_proj": "gate_up", "up_proj": "gate_up"}
 
 
-def install(model: nn.Module, num_slots: int, rank: int, dtype: mx.Dtype):
-    """Wrap every linear and SwitchGLU of the transformer layers; returns the step and the targets.
+def install(model: nn.Module, num_adapters: int, rank: int, dtype: mx.Dtype, expert_dtype: mx.Dtype | None = None):
+    """Wrap every linear and SwitchGLU of the transformer layers for ``num_adapters`` resident adapters of rank
+    up to ``rank``; returns the step and the targets. Slots are in ``dtype``, an expert layer's in
+    ``expert_dtype`` (default ``dtype``: MLX's CPU ``gather_mm`` takes float32 only).
 
     ``targets[path] = (wrapper, projection)``: paths are mlx_lm's from the model's
     root (``model.layers.0.self_attn.q_proj``), the names adapters use; a
@@ -245,7 +235,7 @@ def install(model: nn.Module, num_slots: int, rank: int, dtype: mx.Dtype):
     every other linear has one of its own. Linear-attention layers of hybrid
     models keep their own projections (their recurrent state is not adapted).
     """
-    step = LoraStep()
+    step = LoraStep(num_adapters, rank, dtype)
     layers = transformer_layers(model)
     prefix = "model.layers" if getattr(getattr(model, "model", None), "layers", None) is layers else "layers"
     targets: dict[str, tuple[nn.Module, str | None]] = {}
@@ -255,16 +245,17 @@ def install(model: nn.Module, num_slots: int, rank: int, dtype: mx.Dtype):
             if name.startswith("linear_attn") or not name:
                 continue
             if isinstance(module, SwitchGLU):
-                switches.append((name, SlottedLoraSwitchGLU(module, step, num_slots, rank, dtype)))
+                switches.append((name, SlottedLoraSwitchGLU(module, step, num_adapters + 1, rank,
+                                                             expert_dtype or dtype)))
             elif isinstance(module, _LINEARS):
                 parent, _, leaf = name.rpartition(".")
                 key = (parent, _SHARED[leaf], _dims(module)[0]) if leaf in _SHARED else (name,)
                 groups.setdefault(key, []).append((name, module))
         swaps = list(switches)
         for members in groups.values():
-            shared = SharedInput(step, num_slots, _dims(members[0][1])[0], rank, len(members), dtype)
+            shared = SharedInput(step, num_adapters, _dims(members[0][1])[0], rank, len(members), dtype)
             for column, (name, module) in enumerate(sorted(members)):
-                wrapper = SlottedLoraLinear(module, shared, column, num_slots, rank, dtype)
+                wrapper = SlottedLoraLinear(module, shared, column, num_adapters, rank, dtype)
                 shared.members.append(wrapper)
                 swaps.append((name, wrapper))
         for name, wrapper in swaps:

@@ -63,10 +63,9 @@ class LoraRegistry:
         self.max_loras = max_loras
         self.max_lora_rank = max_lora_rank
         self.max_cpu_loras = max(max_cpu_loras or max_loras, max_loras)
-        # MLX's CPU gather_mm takes float32 only: a half-precision model's adapters run in float32 there.
-        if on_cpu():
-            dtype = mx.float32
-        self.step, self.targets = layers.install(model, max_loras + 1, max_lora_rank, dtype)
+        # MLX's CPU gather_mm takes float32 only: a half-precision model's expert adapters run in float32 there.
+        self.step, self.targets = layers.install(model, max_loras, max_lora_rank, dtype,
+                                                 mx.float32 if on_cpu() else dtype)
         self.adapters: dict[str, Adapter] = {}
         # name -> its weights in host memory, at most max_cpu_loras; most recently used last.
         self._host: OrderedDict[str, AdapterWeights] = OrderedDict()
@@ -102,9 +101,10 @@ class LoraRegistry:
         whose device memory they do not touch."""
         if mx.cuda.is_available() and not on_cpu():
             return 0
-        slots = self.max_loras + 1
-        per_slot = sum(a.size // slots for a in self.arrays())
-        return self.max_cpu_loras * per_slot * 4
+        r = self.max_lora_rank
+        shapes = [wrapper.expected_shapes(proj, r) if proj else wrapper.expected_shapes(r)
+                  for wrapper, proj in self.targets.values()]
+        return self.max_cpu_loras * int(sum(np.prod(a) + np.prod(b) for a, b in shapes)) * 4
 
     # -- the adapters known --------------------------------------------------------------
 

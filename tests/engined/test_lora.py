@@ -310,7 +310,8 @@ def test_lora_requests_info_has_vllms_labels_and_names_running_and_waiting_adapt
 
 
 def test_a_half_precision_base_runs_its_adapters_on_the_cpu(setups):
-    """MLX's CPU gather_mm takes float32 only: a bf16 model's adapter terms run in float32 there."""
+    """A bf16 model serves its adapters on the CPU (their dense terms in bf16; experts' in float32, what MLX's CPU
+    gather_mm takes)."""
     model_dir, a_dir, b_dir, _ = setups("llama")
     loaded = _load(model_dir, "float32")
     loaded.model.set_dtype(mx.bfloat16)

@@ -1,6 +1,7 @@
 """q/k/v (and gate/up) take one x·A product per input, and projections that no resident adapter targets add no
-term: MLX's own ``gather_mm`` calls counted while one mixed packed step's graph is built (that its logits equal
-mlx_lm's fused forward is test_lora's)."""
+term: MLX's own ``matmul`` (the x·A products) and ``addmm`` (each projection's B, added to its output) calls
+counted while one mixed packed step's graph is built, and no ``gather_mm`` (that its logits equal mlx_lm's fused
+forward is test_lora's)."""
 
 import mlx.core as mx
 import numpy as np
@@ -12,10 +13,12 @@ from tests.engined.test_lora import _engine, _load, random_adapter, setups, writ
 from tests.tiny_models import fresh_seed
 
 
-# Per llama layer, every projection adapted: q/k/v one A product and three B, o two, gate/up one and two,
-# down two (separate products: 14). Only q and v adapted: one A product and two B.
-@pytest.mark.parametrize("suffixes,per_layer", [(None, 11), (("q_proj", "v_proj"), 3)], ids=["all", "q_v"])
-def test_one_mixed_step_runs_one_a_product_per_shared_input(setups, tmp_path, monkeypatch, suffixes, per_layer):
+# Per llama layer, every projection adapted: A products for q/k/v, o, gate/up and down, and seven B (separate
+# products: 14). Only q and v adapted: one A product and two B.
+@pytest.mark.parametrize("suffixes,a_products,b_products", [(None, 4, 7), (("q_proj", "v_proj"), 1, 2)],
+                         ids=["all", "q_v"])
+def test_one_mixed_step_runs_one_a_product_per_shared_input(setups, tmp_path, monkeypatch, suffixes, a_products,
+                                                            b_products):
     model_dir, a_dir, b_dir, _ = setups("llama")
     if suffixes:
         base = _load(model_dir, "float32").model
@@ -28,17 +31,24 @@ def test_one_mixed_step_runs_one_a_product_per_shared_input(setups, tmp_path, mo
     engine = _engine(model_dir, "float32", a_dir, b_dir)
     for i, lora in enumerate(["A", None, "B"]):
         engine.add_request(f"r{i}", [3, 4, 5, 6], SamplingParams(max_tokens=1), lora_name=lora)
-    calls, gather_mm = [], mx.gather_mm
+    calls = {"matmul": [], "addmm": [], "gather_mm": []}
 
-    def counted(*args, **kw):
-        calls.append(args[1].shape)
-        return gather_mm(*args, **kw)
+    def counting(name):
+        real = getattr(mx, name)
 
-    monkeypatch.setattr(mx, "gather_mm", counted)
+        def counted(*args, **kw):
+            calls[name].append(args[-1].shape)
+            return real(*args, **kw)
+        return counted
+
+    for name in calls:
+        monkeypatch.setattr(mx, name, counting(name))
     logits = engine.runner.run(engine.scheduler.schedule())
     monkeypatch.undo()
     mx.eval(logits)
-    assert len(calls) == per_layer * len(engine.runner.model.layers), calls
+    layers = len(engine.runner.model.layers)
+    assert (len(calls["matmul"]), len(calls["addmm"])) == (a_products * layers, b_products * layers), calls
+    assert not calls["gather_mm"]
 
 
 def test_a_projection_called_on_another_input_gets_its_own_product(setups):

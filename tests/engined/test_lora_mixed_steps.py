@@ -1,6 +1,6 @@
-"""The runner orders a packed step's requests by adapter slot and puts its outputs back: whatever the step
-holds (prefill chunks sampling nothing, draft rows, a step in flight whose tokens fill the next), each request's
-tokens equal its own single run."""
+"""A packed step whose requests' adapters come in any order: whatever the step holds (prefill chunks sampling
+nothing, draft rows, a step in flight whose tokens fill the next), each request's tokens equal its own single
+run."""
 
 import json
 
@@ -17,7 +17,7 @@ NGRAM = json.dumps({"method": "ngram", "num_speculative_tokens": 3, "prompt_look
 
 
 def _prompts(n: int):
-    rng = np.random.default_rng(fresh_seed("step order"))
+    rng = np.random.default_rng(fresh_seed("mixed steps"))
     # Repeating prompts, so that ngram speculation finds drafts; lengths over the 16-token budget, so that
     # prefills are chunked beside decoding requests.
     return [(rng.integers(0, 256, int(rng.integers(3, 6))).tolist() * 8)[: int(rng.integers(10, 40))]
@@ -26,10 +26,10 @@ def _prompts(n: int):
 
 @pytest.mark.parametrize("extra", [dict(async_scheduling=True), dict(speculative_config=NGRAM)],
                          ids=["async", "ngram"])
-def test_slot_ordered_steps_give_each_request_its_single_run(setups, extra):
+def test_mixed_steps_give_each_request_its_single_run(setups, extra):
     model_dir, a_dir, b_dir, _ = setups("llama")
     prompts = _prompts(8)
-    loras = ["B", None, "A", "B", None, "A", "A", "B"]  # the batch's order is never the slots' order
+    loras = ["B", None, "A", "B", None, "A", "A", "B"]  # adapters and the base interleaved
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     alone = _engine(model_dir, "float32", a_dir, b_dir)
     want = [alone.generate([p], params, [lora])[0] for p, lora in zip(prompts, loras)]
@@ -37,12 +37,12 @@ def test_slot_ordered_steps_give_each_request_its_single_run(setups, extra):
                                  enable_lora=True, max_loras=2, max_lora_rank=8,
                                  lora_modules=[f"A={a_dir}", f"B={b_dir}"], **extra), _load(model_dir, "float32"))
     assert engine.generate(prompts, params, loras) == want
-    if "speculative_config" in extra:  # steps with several logits rows per request were ordered and restored
+    if "speculative_config" in extra:  # steps with several logits rows per request
         assert engine.metrics.spec_draft_tokens._value.get() > 0
 
 
-def test_embeddings_of_a_slot_ordered_step_are_each_requests_own(setups):
-    """The hidden rows (an embed request's result) are put back in batch order too."""
+def test_embeddings_of_a_mixed_step_are_each_requests_own(setups):
+    """The hidden rows (an embed request's result) of a mixed step are each request's own."""
     model_dir, a_dir, b_dir, _ = setups("llama")
     engine = Engine(EngineConfig(num_kv_blocks=64, block_size=8, max_num_batched_tokens=256, task="embed",
                                  enable_lora=True, max_loras=2, max_lora_rank=8,
