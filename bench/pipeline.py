@@ -51,6 +51,11 @@ SHAPES = {
                        num_attention_heads=4, num_key_value_heads=2, head_dim=64, vocab_size=1024,
                        rms_norm_eps=1e-5, rope_theta=500000.0, max_position_embeddings=4096,
                        tie_word_embeddings=False, torch_dtype="bfloat16"),
+    # A 1B-class shape: small enough to compare in float32 (are bf16 differences rounding or a fault?).
+    "llama-1b": dict(model_type="llama", hidden_size=2048, num_hidden_layers=16, intermediate_size=8192,
+                     num_attention_heads=32, num_key_value_heads=8, head_dim=64, vocab_size=128256,
+                     rms_norm_eps=1e-5, rope_theta=500000.0, max_position_embeddings=131072,
+                     tie_word_embeddings=True, torch_dtype="bfloat16"),
     "llama-8b": dict(model_type="llama", hidden_size=4096, num_hidden_layers=32, intermediate_size=14336,
                      num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=128256,
                      rms_norm_eps=1e-5, rope_theta=500000.0, max_position_embeddings=131072,
@@ -58,21 +63,21 @@ SHAPES = {
 }
 
 
-def write_random_model(directory: Path, name: str) -> Path:
-    """A model directory of shape ``name`` with random bf16 weights (and a tokenizer of its vocabulary)."""
+def write_random_model(directory: Path, name: str, dtype: str = "bfloat16") -> Path:
+    """A model directory of shape ``name`` with random weights in ``dtype`` (and a tokenizer of its vocabulary)."""
     import mlx.core as mx
     from mlx.utils import tree_flatten
     from mlx_lm.utils import _get_classes
 
     from tests.tiny_models import make_tiny_model
 
-    shape = SHAPES[name]
+    shape = dict(SHAPES[name], torch_dtype=dtype)
     # The tiny model's files with this vocabulary, then the real shape's config and weights over them.
     make_tiny_model(directory, shape["model_type"], num_hidden_layers=1, vocab_size=shape["vocab_size"])
     model_cls, args_cls = _get_classes(shape)
     mx.random.seed(0)
     model = model_cls(args_cls.from_dict(shape))
-    model.set_dtype(mx.bfloat16)
+    model.set_dtype(getattr(mx, dtype))
     weights = dict(tree_flatten(model.parameters()))
     mx.eval(weights)
     mx.save_safetensors(str(directory / "model.safetensors"), weights, metadata={"format": "mlx"})
@@ -110,6 +115,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="", help="model (default: the embedded SmolLM2, 30 layers)")
     ap.add_argument("--shape", choices=sorted(SHAPES), help="a model of this shape with random weights")
+    ap.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16", help="of --shape's weights")
     ap.add_argument("--requests", type=int, default=8)
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--max-tokens", type=int, default=32)
@@ -123,7 +129,7 @@ def main() -> int:
         return 0
     names = [n.strip() for n in args.configs.split(",")]
     with tempfile.TemporaryDirectory(prefix="mlxd-bench-") as tmp:
-        model = str(write_random_model(Path(tmp) / args.shape, args.shape)) if args.shape else args.model
+        model = str(write_random_model(Path(tmp) / args.shape, args.shape, args.dtype)) if args.shape else args.model
         return _compare(args, model, names)
 
 
@@ -146,15 +152,23 @@ def _compare(args, model: str, names: list[str]) -> int:
     one = results[names[0]]
     generated = args.requests * args.max_tokens
     print(f"{args.requests} requests x {args.prompt_len} prompt + {args.max_tokens} generated tokens, greedy\n")
-    print("| configuration | seconds | generated tok/s | vs 1 rank | outputs equal | steps (with a later batch out) "
-          "| idle fraction per rank |")
+    print("| configuration | seconds | generated tok/s | vs 1 rank | requests equal (first difference at) "
+          "| steps (with a later batch out) | idle fraction per rank |")
     print("|---|---|---|---|---|---|---|")
     for name, r in results.items():
         n = CONFIGS[name].get("pipeline_parallel_size", 1)
         idle = f"{1 - (one['seconds'] / n) / r['seconds']:.2f}" if n > 1 else "-"
         print(f"| {name} | {r['seconds']:.2f} | {generated / r['seconds']:.1f} | {one['seconds'] / r['seconds']:.2f}x "
-              f"| {r['tokens'] == one['tokens']} | {r['steps']} ({r['overlapped']}) | {idle} |")
+              f"| {_agreement(r['tokens'], one['tokens'])} | {r['steps']} ({r['overlapped']}) | {idle} |")
     return 0
+
+
+def _agreement(got: list[list[int]], want: list[list[int]]) -> str:
+    """How many requests' tokens equal the reference's, and the earliest generated token where one differs."""
+    firsts = [next((i for i, (x, y) in enumerate(zip(g, w)) if x != y), min(len(g), len(w)))
+              for g, w in zip(got, want) if g != w]
+    same = f"{len(want) - len(firsts)}/{len(want)}"
+    return same + (f" (token {min(firsts)})" if firsts else "")
 
 
 if __name__ == "__main__":
