@@ -120,8 +120,9 @@ def write_adapters(model, root: Path, rank: int, targets: list[str] | None = Non
     return dirs
 
 
-def step_cost(engine: Engine, prompts: list[list[int]], loras: list[str], repeats: int) -> tuple[float, float]:
-    """Median seconds of one packed decode step's forward: (rows on their adapters, the same rows on the base)."""
+def step_cost(engine: Engine, prompts: list[list[int]], loras: list[str], repeats: int) -> dict[str, float]:
+    """Median seconds of one packed decode step's forward: rows on their adapters (on CUDA also through the
+    MLX operations instead of the fused kernel, "ops"), and the same rows on the base."""
     params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)  # room for the step measured
     ids = [f"step-{i}" for i in range(len(prompts))]
     for rid, prompt, lora in zip(ids, prompts, loras):
@@ -132,20 +133,68 @@ def step_cost(engine: Engine, prompts: list[list[int]], loras: list[str], repeat
     batch = engine.scheduler.schedule()
     slots = [r.lora_slot for r, _ in batch.scheduled]
     assert len(batch.scheduled) == len(prompts) and all(n == 1 for _, n in batch.scheduled)
+    fused = engine.lora.step.fused
 
-    def timed(adapters: bool) -> float:
+    def timed(adapters: bool, kernel: bool = fused) -> float:
         for (r, _), slot in zip(batch.scheduled, slots):
             r.lora_slot = slot if adapters else 0
+        engine.lora.step.fused = kernel
         start = time.perf_counter()
         mx.eval(engine.runner.run(batch))
         return time.perf_counter() - start
 
-    times = [(timed(True), timed(False)) for _ in range(repeats + 1)][1:]
+    runs = {"adapters": lambda: timed(True), "base": lambda: timed(False)}
+    if fused:
+        runs["ops"] = lambda: timed(True, False)
+    times = {k: [] for k in runs}
+    for i in range(repeats + 1):
+        for k, run in runs.items():
+            t = run()
+            if i:
+                times[k].append(t)
+    engine.lora.step.fused = fused
     for (r, _), slot in zip(batch.scheduled, slots):
         r.lora_slot = slot
     engine.abort(ids)
     engine.step()
-    return tuple(statistics.median(t[k] for t in times) for k in range(2))
+    return {k: statistics.median(t) for k, t in times.items()}
+
+
+def kernel_check() -> None:
+    """``kernels.lora`` against the same term in float32 numpy, over dtypes, ranks, group sizes and row counts
+    (slots 0..4 mixed): the largest error relative to the output's scale, and a failure past the dtype's
+    tolerance."""
+    from kernels.lora import lora_outputs
+
+    rng = np.random.default_rng(0)
+    worst = {}
+    for dtype, tol in ((mx.float32, 1e-4), (mx.bfloat16, 2e-2)):
+        for rank in (8, 16, 64):
+            for outs in ((96,), (96, 40), (300, 64, 64)):
+                for rows in (1, 8, 67):
+                    d_in, s = 200, NUM_ADAPTERS
+                    x = rng.normal(size=(rows, d_in)).astype(np.float32)
+                    a = rng.normal(size=(d_in, len(outs) * s * rank)).astype(np.float32) * 0.1
+                    bs = [rng.normal(size=(s * rank, o)).astype(np.float32) * 0.1 for o in outs]
+                    ys = [rng.normal(size=(rows, o)).astype(np.float32) for o in outs]
+                    slots = rng.integers(0, s + 1, rows).astype(np.uint32)
+                    cast = [mx.array(v).astype(dtype) for v in [x, a, *bs, *ys]]
+                    got = lora_outputs(cast[0], cast[1], cast[2:2 + len(outs)], cast[2 + len(outs):],
+                                       mx.array(slots), rank)
+                    x, a = (np.array(v.astype(mx.float32)) for v in cast[:2])
+                    for i, (b, y, z) in enumerate(zip(cast[2:2 + len(outs)], cast[2 + len(outs):], got)):
+                        b, y = np.array(b.astype(mx.float32)), np.array(y.astype(mx.float32))
+                        want = y.copy()
+                        for row, slot in enumerate(slots):
+                            if slot:
+                                cols = slice((i * s + slot - 1) * rank, (i * s + slot) * rank)
+                                want[row] += x[row] @ a[:, cols] @ b[(slot - 1) * rank:slot * rank]
+                        err = float(np.abs(np.array(z.astype(mx.float32)) - want).max() / np.abs(want).max())
+                        key = (str(dtype), rank)
+                        worst[key] = max(worst.get(key, 0.0), err)
+                        assert err < tol, (dtype, rank, outs, rows, i, err)
+    for (dtype, rank), err in worst.items():
+        print(f"kernels.lora {dtype} rank {rank}: largest relative error {err:.2e}", flush=True)
 
 
 def _alternate(runs: dict, repeats: int) -> dict[str, float]:
@@ -164,6 +213,8 @@ def _alternate(runs: dict, repeats: int) -> dict[str, float]:
 def term_cost(shape: str, rank: int, repeats: int) -> None:
     """One projection's LoRA term alone, rows spread round-robin over 4 adapters; then the projections that
     read one input (q/k/v, gate/up), their terms apart against one shared x·A."""
+    from kernels.lora import lora_outputs
+
     dims = SHAPES[shape]
     dtype = mx.float32 if mx.default_device() == mx.cpu else mx.bfloat16  # MLX's CPU gather_mm: float32 only
 
@@ -173,8 +224,10 @@ def term_cost(shape: str, rank: int, repeats: int) -> None:
         mask = np.repeat(np.eye(NUM_ADAPTERS + 1)[spread][:, 1:], rank, axis=1)
         return mx.array(spread.astype(np.uint32)), mx.array(mask).astype(dtype)
 
-    print("\n| projection (in x out) | rows | base matmul (us) | + term, gather_mm (us) | + term, dense masked (us) |")
-    print("|---|---|---|---|---|")
+    cuda = mx.cuda.is_available() and dtype != mx.float32
+    print("\n| projection (in x out) | rows | base matmul (us) | + term, gather_mm (us) | + term, dense masked (us) "
+          "| + term, fused kernel (us) |")
+    print("|---|---|---|---|---|---|")
     for d_in, d_out in ((dims["hidden_size"], dims["hidden_size"]), (dims["hidden_size"], dims["intermediate_size"])):
         w = mx.random.normal((d_out, d_in)).astype(dtype) * 0.02
         a = mx.random.normal((NUM_ADAPTERS + 1, d_in, rank)).astype(dtype) * 0.02
@@ -191,16 +244,20 @@ def term_cost(shape: str, rank: int, repeats: int) -> None:
                 h = mx.gather_mm(x[:, None], a, rhs_indices=slot)
                 return x @ w.T + mx.gather_mm(h, b, rhs_indices=slot).squeeze(1)
 
-            us = _alternate({
+            runs = {
                 "base": lambda: x @ w.T,
                 "gather": gathered,
                 "dense": lambda: mx.addmm(x @ w.T, (x @ a_all) * mask, b_all),
-            }, repeats)
-            print(f"| {d_in} x {d_out} | {rows} | {us['base']:.0f} | {us['gather']:.0f} | {us['dense']:.0f} |",
-                  flush=True)
+            }
+            if cuda:
+                runs["fused"] = lambda: lora_outputs(x, a_all, [b_all], [x @ w.T], slot, rank)
+            us = _alternate(runs, repeats)
+            print(f"| {d_in} x {d_out} | {rows} | {us['base']:.0f} | {us['gather']:.0f} | {us['dense']:.0f} | "
+                  + (f"{us['fused']:.0f} |" if cuda else "- |"), flush=True)
     hidden, kv = dims["hidden_size"], dims["hidden_size"] * dims["num_key_value_heads"] // dims["num_attention_heads"]
-    print("\n| projections (in x outs) | rows | base matmuls (us) | + terms apart (us) | + shared x·A (us) |")
-    print("|---|---|---|---|---|")
+    print("\n| projections (in x outs) | rows | base matmuls (us) | + terms apart (us) | + shared x·A (us) "
+          "| fused kernel (us) |")
+    print("|---|---|---|---|---|---|")
     width = NUM_ADAPTERS * rank
     for outs in ((hidden, kv, kv), (dims["intermediate_size"],) * 2):
         n = len(outs)
@@ -210,20 +267,23 @@ def term_cost(shape: str, rank: int, repeats: int) -> None:
         a_cat = mx.concatenate(a_s, axis=-1)
         for rows in (8, 64, 512):
             x = mx.random.normal((rows, hidden)).astype(dtype)
-            _, mask = masks(rows)
+            slot, mask = masks(rows)
             mx.eval(ws, a_s, b_s, a_cat, x, mask)
 
             def shared():  # what SharedInput does
                 h = (x @ a_cat).reshape(rows, n, width).swapaxes(0, 1) * mask
                 return [mx.addmm(x @ w.T, h[i], bi) for i, (w, bi) in enumerate(zip(ws, b_s))]
 
-            us = _alternate({
+            runs = {
                 "base": lambda: [x @ w.T for w in ws],
                 "apart": lambda: [mx.addmm(x @ w.T, (x @ ai) * mask, bi) for w, ai, bi in zip(ws, a_s, b_s)],
                 "shared": shared,
-            }, repeats)
+            }
+            if cuda:
+                runs["fused"] = lambda: lora_outputs(x, a_cat, b_s, [x @ w.T for w in ws], slot, rank)
+            us = _alternate(runs, repeats)
             print(f"| {hidden} x {'+'.join(map(str, outs))} | {rows} | {us['base']:.0f} | {us['apart']:.0f} "
-                  f"| {us['shared']:.0f} |", flush=True)
+                  f"| {us['shared']:.0f} | " + (f"{us['fused']:.0f} |" if cuda else "- |"), flush=True)
 
 
 def make_prompts(n: int, vocab: int, seed: int, lengths: tuple[int, int]) -> list[list[int]]:
@@ -245,7 +305,10 @@ def main() -> None:
     ap.add_argument("--targets", nargs="+", default=None, metavar="NAME",
                     help="adapt only the projections so named (PEFT's common: q_proj v_proj); default all")
     ap.add_argument("--term", action="store_true", help="time one projection's LoRA term only (of --shape)")
+    ap.add_argument("--check", action="store_true", help="check kernels.lora against numpy (CUDA), then exit")
     args = ap.parse_args()
+    if args.check:
+        return kernel_check()
     if args.term:
         return term_cost(args.shape or "llama-8b", args.rank, args.step_repeats)
 
@@ -293,10 +356,11 @@ def main() -> None:
                 print(f"c={level}: " + "   ".join(f"{n} {r:.1f} tok/s ({r / rate['base']:.2f}x)"
                                                  for n, r in rate.items()), flush=True)
             if args.step_repeats:
-                with_, without = step_cost(lora, prompts, spread, args.step_repeats)
-                steps.append((level, with_, without))
-                print(f"c={level}: one decode step's forward: {with_ * 1e3:.1f} ms on 4 adapters, "
-                      f"{without * 1e3:.1f} ms on the base ({without / with_:.2f}x)", flush=True)
+                t = step_cost(lora, prompts, spread, args.step_repeats)
+                steps.append((level, t))
+                print(f"c={level}: one decode step's forward: {t['adapters'] * 1e3:.1f} ms on 4 adapters"
+                      + (f" ({t['ops'] * 1e3:.1f} ms through MLX operations)" if "ops" in t else "")
+                      + f", {t['base'] * 1e3:.1f} ms on the base ({t['base'] / t['adapters']:.2f}x)", flush=True)
     print("\n| concurrent requests | base tok/s | 4 adapters tok/s | ratio | LoRA on, base requests tok/s | ratio |")
     print("|---|---|---|---|---|---|")
     for level, r in rows:
@@ -304,10 +368,13 @@ def main() -> None:
         a, o = r.get("4 adapters", float("nan")), r.get("lora on, base requests", float("nan"))
         print(f"| {level} | {b:.1f} | {a:.1f} | {a / b:.2f}x | {o:.1f} | {o / b:.2f}x |")
     if steps:
-        print("\n| concurrent requests | decode step, 4 adapters (ms) | same step, base rows (ms) | ratio |")
-        print("|---|---|---|---|")
-        for level, a, b in steps:
-            print(f"| {level} | {a * 1e3:.1f} | {b * 1e3:.1f} | {b / a:.2f}x |")
+        print("\n| concurrent requests | decode step, 4 adapters (ms) | same, MLX operations (ms) "
+              "| same step, base rows (ms) | ratio |")
+        print("|---|---|---|---|---|")
+        for level, t in steps:
+            ops = f"{t['ops'] * 1e3:.1f}" if "ops" in t else "-"
+            print(f"| {level} | {t['adapters'] * 1e3:.1f} | {ops} | {t['base'] * 1e3:.1f} "
+                  f"| {t['base'] / t['adapters']:.2f}x |")
 
 
 if __name__ == "__main__":

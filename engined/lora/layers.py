@@ -36,15 +36,16 @@ from engined.model_layers import transformer_layers
 
 
 class LoraStep:
-    """What the runner sets for one forward (``set``): ``slots``, each packed token's uint32 slot (for the
-    experts' gather), and ``mask``, ``[tokens, S * R]`` with ones on each token's own slot's columns; both
-    None on a step with no adapter. ``inputs`` are the layers' ``SharedInput`` groups, whose held products a
-    new step drops."""
+    """What the runner sets for one forward (``set``): ``slots``, each packed token's uint32 slot, and, for the
+    MLX operations' path, ``mask``, ``[tokens, S * R]`` with ones on each token's own slot's columns; both
+    None on a step with no adapter. ``fused``: the dense terms run as ``kernels.lora``'s one launch per input
+    (CUDA) instead. ``inputs`` are the layers' ``SharedInput`` groups, whose held products a new step drops."""
 
-    def __init__(self, num_adapters: int, rank: int, dtype: mx.Dtype):
+    def __init__(self, num_adapters: int, rank: int, dtype: mx.Dtype, fused: bool = False):
         # Each column's slot: S blocks of R columns, slot 1 first (the base has none).
         self._column_slots = np.repeat(np.arange(1, num_adapters + 1, dtype=np.uint32), rank)
         self.dtype = dtype
+        self.fused = fused
         self.slots: mx.array | None = None
         self.mask: mx.array | None = None
         self.inputs: list[SharedInput] = []
@@ -56,7 +57,8 @@ class LoraStep:
             self.slots = self.mask = None
             return
         self.slots = mx.array(slots)
-        self.mask = mx.array(slots[:, None] == self._column_slots[None, :]).astype(self.dtype)
+        if not self.fused:
+            self.mask = mx.array(slots[:, None] == self._column_slots[None, :]).astype(self.dtype)
 
 
 def _dims(linear: nn.Module) -> tuple[int, int]:
@@ -110,10 +112,15 @@ class SlottedLoraLinear(nn.Module):
         return [self.shared.a, self.lora_b]
 
     def __call__(self, x: mx.array) -> mx.array:
+        shared = self.shared
+        if shared.step.slots is None:
+            return self.linear(x)
+        if shared.step.fused:
+            return shared.fused(x, self.column)
         y = self.linear(x)
-        if self.shared.step.mask is None or not self.live_slots:
+        if not self.live_slots:
             return y
-        h = self.shared.product(x, self.column)  # [rows, S * R], zero but each row's own slot's columns
+        h = shared.product(x, self.column)  # [rows, S * R], zero but each row's own slot's columns
         return mx.addmm(y.reshape(-1, self.output_dims), h, self.lora_b).reshape(y.shape)
 
 
@@ -221,10 +228,12 @@ _LINEARS = (nn.Linear, nn.QuantizedLinear)
 _SHARED = {"q_proj": "qkv", "k_proj": "qkv", "v_proj": "qkv", "gate_proj": "gate_up", "up_proj": "gate_up"}
 
 
-def install(model: nn.Module, num_adapters: int, rank: int, dtype: mx.Dtype, expert_dtype: mx.Dtype | None = None):
+def install(model: nn.Module, num_adapters: int, rank: int, dtype: mx.Dtype, expert_dtype: mx.Dtype | None = None,
+            fused: bool = False):
     """Wrap every linear and SwitchGLU of the transformer layers for ``num_adapters`` resident adapters of rank
     up to ``rank``; returns the step and the targets. Slots are in ``dtype``, an expert layer's in
-    ``expert_dtype`` (default ``dtype``: MLX's CPU ``gather_mm`` takes float32 only).
+    ``expert_dtype`` (default ``dtype``: MLX's CPU ``gather_mm`` takes float32 only); ``fused``: dense terms
+    through ``kernels.lora`` (CUDA).
 
     ``targets[path] = (wrapper, projection)``: paths are mlx_lm's from the model's
     root (``model.layers.0.self_attn.q_proj``), the names adapters use; a
@@ -235,7 +244,7 @@ def install(model: nn.Module, num_adapters: int, rank: int, dtype: mx.Dtype, exp
     every other linear has one of its own. Linear-attention layers of hybrid
     models keep their own projections (their recurrent state is not adapted).
     """
-    step = LoraStep(num_adapters, rank, dtype)
+    step = LoraStep(num_adapters, rank, dtype, fused)
     layers = transformer_layers(model)
     prefix = "model.layers" if getattr(getattr(model, "model", None), "layers", None) is layers else "layers"
     targets: dict[str, tuple[nn.Module, str | None]] = {}

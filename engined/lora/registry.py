@@ -31,6 +31,7 @@ import numpy as np
 from engined.device import on_cpu
 from engined.lora import layers
 from engined.lora.adapters import CONFIG, MLX_WEIGHTS, PEFT_WEIGHTS, AdapterWeights, read_adapter
+from kernels import lora as lora_kernel
 from shared.errors import InvalidRequestError, MlxdError, NotFoundError
 
 
@@ -64,8 +65,10 @@ class LoraRegistry:
         self.max_lora_rank = max_lora_rank
         self.max_cpu_loras = max(max_cpu_loras or max_loras, max_loras)
         # MLX's CPU gather_mm takes float32 only: a half-precision model's expert adapters run in float32 there.
-        self.step, self.targets = layers.install(model, max_loras, max_lora_rank, dtype,
-                                                 mx.float32 if on_cpu() else dtype)
+        cpu = on_cpu()
+        self.step, self.targets = layers.install(model, max_loras, max_lora_rank, dtype, mx.float32 if cpu else dtype,
+                                                 fused=mx.cuda.is_available() and not cpu
+                                                 and max_lora_rank <= lora_kernel.MAX_RANK)
         self.adapters: dict[str, Adapter] = {}
         # name -> its weights in host memory, at most max_cpu_loras; most recently used last.
         self._host: OrderedDict[str, AdapterWeights] = OrderedDict()

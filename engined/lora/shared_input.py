@@ -17,6 +17,10 @@ zero columns for the others: the shared product keeps one shape for every
 slot, and a member that no resident adapter targets skips its B product
 altogether (``SlottedLoraLinear.live_slots``), so the padding costs only the
 zero columns' share of the one A product.
+
+On CUDA (``LoraStep.fused``) the group's members' whole outputs, base and
+term, come from one ``kernels.lora`` launch made at the first member's call:
+the others take theirs from it.
 """
 
 from __future__ import annotations
@@ -24,9 +28,12 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 
+from kernels.lora import lora_outputs
+
 
 class SharedInput:
-    """One group's A columns (``a``) and, while its members are being called, the product for one input.
+    """One group's A columns (``a``) and, while its members are being called, what was made for one input
+    (the masked product, or on the fused path every member's output).
 
     A member passes the array it was called with: the product is made from the
     first member's array and kept beside it; members called with that same array
@@ -43,12 +50,12 @@ class SharedInput:
         self.a = mx.zeros((input_dims, count * self.width), dtype)
         self.members: list = []  # SlottedLoraLinear, in column order
         self._x: mx.array | None = None
-        self._h: mx.array | None = None
+        self._held: mx.array | None = None
         self._left = 0
         step.inputs.append(self)
 
     def clear(self) -> None:
-        self._x = self._h = None
+        self._x = self._held = None
         self._left = 0
 
     def write(self, column: int, slot: int, a: np.ndarray) -> None:
@@ -63,11 +70,29 @@ class SharedInput:
             h = mx.matmul(x.reshape(-1, x.shape[-1]).astype(self.a.dtype), self.a)
             if n > 1:  # [n, rows, S * R]: the multiply writes each member's slice contiguous
                 h = h.reshape(-1, n, self.width).swapaxes(0, 1)
-            self._h = h * self.step.mask
+            self._held = h * self.step.mask
             self._x = x
             self._left = sum(1 for m in self.members if m.live_slots)
-        h = self._h
+        h = self._held
         self._left -= 1
         if self._left <= 0:
             self.clear()
         return h if len(self.members) == 1 else h[column]
+
+    def fused(self, x: mx.array, column: int) -> mx.array:
+        """Member ``column``'s output for ``x``, its base projection plus each row's term: every member's from
+        one kernel launch, made when the first of them is called with ``x``."""
+        members = self.members
+        if x is not self._x:
+            ys = [m.linear(x) for m in members]
+            if any(m.live_slots for m in members):
+                flat = [y.reshape(-1, y.shape[-1]) for y in ys]
+                zs = lora_outputs(x.reshape(-1, x.shape[-1]), self.a, [m.lora_b for m in members], flat,
+                                  self.step.slots, self.rank)
+                ys = [z.reshape(y.shape) for z, y in zip(zs, ys)]
+            self._held, self._x, self._left = ys, x, len(members)
+        out = self._held[column]
+        self._left -= 1
+        if self._left <= 0:
+            self.clear()
+        return out
