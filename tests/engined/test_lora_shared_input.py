@@ -71,3 +71,53 @@ def test_a_projection_called_on_another_input_gets_its_own_product(setups):
         a, b = pairs[f"model.layers.0.self_attn.{name}"]
         want = np.array(getattr(attn, name).linear(x)) + np.array(x) @ a @ b
         np.testing.assert_allclose(np.array(out), want, rtol=1e-4, atol=1e-4, err_msg=name)
+
+
+def _kernel_contract(x, a, bs, ys, slots, rank):
+    """``kernels.lora.lora_outputs`` as its docstring states it, in numpy: the CUDA kernel itself runs only on a
+    CUDA device (``python -m bench.lora --check`` holds it to the same numbers there)."""
+    x, a, slots = np.array(x), np.array(a), np.array(slots)
+    s = bs[0].shape[0] // rank
+    out = []
+    for i, (b, y) in enumerate(zip(bs, ys)):
+        z = np.array(y).copy()
+        for row, slot in enumerate(slots):
+            if slot:
+                cols = slice((i * s + slot - 1) * rank, (i * s + slot) * rank)
+                z[row] += x[row] @ a[:, cols] @ np.array(b)[(slot - 1) * rank:slot * rank]
+        out.append(mx.array(z))
+    return out
+
+
+@pytest.mark.parametrize("suffixes", [None, ("q_proj", "v_proj")], ids=["all", "q_v"])
+def test_the_fused_path_hands_each_member_its_own_output(setups, tmp_path, monkeypatch, suffixes):
+    """On CUDA one launch per input gives every member of a group its output: the first member's call makes
+    them, the others take theirs, whatever the mix of adapters and base rows; the logits equal the MLX
+    operations' path (one launch per shared input, none for a group no adapter targets)."""
+    model_dir, a_dir, b_dir, _ = setups("llama")
+    if suffixes:
+        base = _load(model_dir, "float32").model
+        rng = np.random.default_rng(fresh_seed("q/v adapters, fused"))
+        dirs = []
+        for name in ("a", "b"):
+            pairs = {k: v for k, v in random_adapter(base, 4, rng).items() if k.endswith(suffixes)}
+            dirs.append(write_mlx_lm(tmp_path / name, pairs, scale=1.0, num_layers=len(base.layers)))
+        a_dir, b_dir = dirs
+    engine = _engine(model_dir, "float32", a_dir, b_dir)
+    for i, lora in enumerate(["A", None, "B", "A"]):
+        engine.add_request(f"r{i}", [3, 4, 5, 6, 7][: 3 + i % 3], SamplingParams(max_tokens=1), lora_name=lora)
+    batch = engine.scheduler.schedule()
+    ops = engine.runner.run(batch)
+    launches = []
+
+    def launch(*args):
+        launches.append(len(args[2]))
+        return _kernel_contract(*args)
+
+    monkeypatch.setattr("engined.lora.shared_input.lora_outputs", launch)
+    engine.lora.step.fused = True
+    fused = engine.runner.run(batch)
+    np.testing.assert_allclose(np.array(fused), np.array(ops), rtol=1e-4, atol=1e-4)
+    # Groups per llama layer: q/k/v (3 members), o, gate/up (2), down; q/v-only adapters reach q/k/v alone.
+    per_layer = [3] if suffixes else [3, 1, 2, 1]
+    assert launches == per_layer * len(engine.runner.model.layers)
