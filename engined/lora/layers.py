@@ -35,17 +35,25 @@ from engined.lora.shared_input import SharedInput
 from engined.model_layers import transformer_layers
 
 
+# The most tokens a step may hold for the fused kernel: it forms each row's x·A once per tile of outputs, so
+# its redundant arithmetic grows with the rows; on an H200 it led the MLX operations in a decode step (8-64
+# rows) and took twice their time at 512 rows (bench/lora_results.md).
+FUSED_MAX_TOKENS = 128
+
+
 class LoraStep:
     """What the runner sets for one forward (``set``): ``slots``, each packed token's uint32 slot, and, for the
     MLX operations' path, ``mask``, ``[tokens, S * R]`` with ones on each token's own slot's columns; both
-    None on a step with no adapter. ``fused``: the dense terms run as ``kernels.lora``'s one launch per input
-    (CUDA) instead. ``inputs`` are the layers' ``SharedInput`` groups, whose held products a new step drops."""
+    None on a step with no adapter. ``fused`` (CUDA): steps of at most ``FUSED_MAX_TOKENS`` run the dense
+    terms as ``kernels.lora``'s one launch per input instead (``kernel``). ``inputs`` are the layers'
+    ``SharedInput`` groups, whose held products a new step drops."""
 
     def __init__(self, num_adapters: int, rank: int, dtype: mx.Dtype, fused: bool = False):
         # Each column's slot: S blocks of R columns, slot 1 first (the base has none).
         self._column_slots = np.repeat(np.arange(1, num_adapters + 1, dtype=np.uint32), rank)
         self.dtype = dtype
         self.fused = fused
+        self.kernel = False
         self.slots: mx.array | None = None
         self.mask: mx.array | None = None
         self.inputs: list[SharedInput] = []
@@ -53,11 +61,13 @@ class LoraStep:
     def set(self, slots: np.ndarray) -> None:
         for group in self.inputs:
             group.clear()
+        self.kernel = self.fused and len(slots) <= FUSED_MAX_TOKENS
+        self.mask = None
         if not slots.any():
-            self.slots = self.mask = None
+            self.slots = None
             return
         self.slots = mx.array(slots)
-        if not self.fused:
+        if not self.kernel:
             self.mask = mx.array(slots[:, None] == self._column_slots[None, :]).astype(self.dtype)
 
 
@@ -115,7 +125,7 @@ class SlottedLoraLinear(nn.Module):
         shared = self.shared
         if shared.step.slots is None:
             return self.linear(x)
-        if shared.step.fused:
+        if shared.step.kernel:
             return shared.fused(x, self.column)
         y = self.linear(x)
         if not self.live_slots:

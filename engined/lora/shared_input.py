@@ -18,7 +18,7 @@ slot, and a member that no resident adapter targets skips its B product
 altogether (``SlottedLoraLinear.live_slots``), so the padding costs only the
 zero columns' share of the one A product.
 
-On CUDA (``LoraStep.fused``) the group's members' whole outputs, base and
+On CUDA, in a decode-sized step (``LoraStep.kernel``), the group's members' whole outputs, base and
 term, come from one ``kernels.lora`` launch made at the first member's call:
 the others take theirs from it.
 """

@@ -93,7 +93,8 @@ def _kernel_contract(x, a, bs, ys, slots, rank):
 def test_the_fused_path_hands_each_member_its_own_output(setups, tmp_path, monkeypatch, suffixes):
     """On CUDA one launch per input gives every member of a group its output: the first member's call makes
     them, the others take theirs, whatever the mix of adapters and base rows; the logits equal the MLX
-    operations' path (one launch per shared input, none for a group no adapter targets)."""
+    operations' path (one launch per shared input, none for a group no adapter targets). A step past
+    FUSED_MAX_TOKENS takes the MLX operations."""
     model_dir, a_dir, b_dir, _ = setups("llama")
     if suffixes:
         base = _load(model_dir, "float32").model
@@ -121,3 +122,7 @@ def test_the_fused_path_hands_each_member_its_own_output(setups, tmp_path, monke
     # Groups per llama layer: q/k/v (3 members), o, gate/up (2), down; q/v-only adapters reach q/k/v alone.
     per_layer = [3] if suffixes else [3, 1, 2, 1]
     assert launches == per_layer * len(engine.runner.model.layers)
+    monkeypatch.setattr("engined.lora.layers.FUSED_MAX_TOKENS", batch.num_tokens - 1)
+    launches.clear()
+    np.testing.assert_allclose(np.array(engine.runner.run(batch)), np.array(ops), rtol=1e-4, atol=1e-4)
+    assert not launches
