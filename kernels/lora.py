@@ -16,13 +16,12 @@ Layouts, as ``engined/lora`` stores them: ``a`` ``[in, n * S * R]`` (member
 ``[rows, in]``, ``ys[i]`` ``[rows, out_i]``, ``slots`` ``[rows]`` uint32.
 
 Work split: one thread group of 256 per (row, member, tile of 1 024 outputs).
-It first forms its row's ``R`` values ``x·A`` for its member and slot: each
-thread takes every 256th input and its ``R`` contiguous columns of A into ``R``
-registers (a few loads in flight per input, 16 inputs for a 4 096-wide row),
-then warp shuffles and shared memory sum them; then each thread adds
-``Σ_r h_r B[r, o]`` to 4 outputs, reading B and y along the row. The ``x·A`` of
-a row is formed once per tile: redundant arithmetic bought to avoid a second
-launch, which is why only decode-sized steps take this path. A row on the base
+It first forms its row's ``R`` values ``x·A`` for its member and slot, threads
+striding the input in ``256 / R`` lanes per column (a lane's ``R`` neighbours
+read one contiguous run of A), summed through shared memory; then each thread
+adds ``Σ_r h_r B[r, o]`` to 4 outputs, reading B and y along the row. The
+``x·A`` of a row is formed once per tile: redundant arithmetic (a few hundred
+multiply-adds per thread) bought to avoid a second launch. A row on the base
 copies its outputs.
 
 CUDA only: Metal runs the MLX operations until this source is compiled on a
@@ -48,7 +47,7 @@ def _source(n: int) -> str:
         f"  if (m < 0) {{ if (rest < (y{i}_shape[1] + TILE - 1) / TILE) {{ m = {i}; }} "
         f"else {{ rest -= (y{i}_shape[1] + TILE - 1) / TILE; }} }}" for i in range(n))
     return f"""
-  __shared__ float part[({THREADS} / 32) * R];
+  __shared__ float part[{THREADS}];
   __shared__ float h[R];
   const int tid = threadIdx.x;
   const int per_row = {tiles};
@@ -71,35 +70,23 @@ def _source(n: int) -> str:
     for (int o = lo + tid; o < hi; o += {THREADS}) z_row[o] = y_row[o];
     return;
   }}
-  // Each thread takes inputs tid, tid + THREADS, ...: for each, x[k] times the R contiguous columns of its
-  // member's and slot's A, kept in R registers; then a warp sum and a sum over the warps per column.
   const int n_in = x_shape[1];
+  const int lanes = {THREADS} / R;
+  const int r = tid % R;
+  const int lane = tid / R;
   const int width = a_shape[1];
-  const int col0 = (m * NS + (int)slot - 1) * R;
-  const T* x_row = x + (size_t)row * n_in;
-  float acc[R];
-#pragma unroll
-  for (int q = 0; q < R; ++q) acc[q] = 0.0f;
-  for (int k = tid; k < n_in; k += {THREADS}) {{
-    const float xk = static_cast<float>(x_row[k]);
-    const T* a_k = a + (size_t)k * width + col0;
-#pragma unroll
-    for (int q = 0; q < R; ++q) acc[q] += xk * static_cast<float>(a_k[q]);
+  const int col = (m * NS + (int)slot - 1) * R + r;
+  float acc = 0.0f;
+  if (lane < lanes) {{
+    const T* x_row = x + (size_t)row * n_in;
+    for (int k = lane; k < n_in; k += lanes) acc += static_cast<float>(x_row[k]) * static_cast<float>(a[(size_t)k * width + col]);
   }}
-  const int lane = tid & 31;
-  const int warp = tid >> 5;
-#pragma unroll
-  for (int q = 0; q < R; ++q) {{
-    float v = acc[q];
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-    if (lane == 0) part[warp * R + q] = v;
-  }}
+  part[tid] = acc;
   __syncthreads();
   if (tid < R) {{
-    float sum = 0.0f;
-    for (int w = 0; w < {THREADS} / 32; ++w) sum += part[w * R + tid];
-    h[tid] = sum;
+    float s = 0.0f;
+    for (int j = 0; j < lanes; ++j) s += part[j * R + tid];
+    h[tid] = s;
   }}
   __syncthreads();
   const T* b_slot = b + (size_t)((int)slot - 1) * R * out;
@@ -122,7 +109,7 @@ def _kernel(n: int):
     )
 
 
-MAX_RANK = 64  # a thread holds one float per rank column
+MAX_RANK = THREADS  # a rank's columns each take at least one thread
 
 
 def lora_outputs(x: mx.array, a: mx.array, bs: list[mx.array], ys: list[mx.array], slots: mx.array,
