@@ -13,22 +13,28 @@ from tests.engined.test_lora import _engine, _load, random_adapter, setups, writ
 from tests.tiny_models import fresh_seed
 
 
+def _llama_engine(setups, tmp_path, suffixes):
+    """A LoRA engine on the tiny llama with adapters A and B of every projection, or (``suffixes``) of those
+    projections only."""
+    model_dir, a_dir, b_dir, _ = setups("llama")
+    if suffixes:
+        base = _load(model_dir, "float32").model
+        rng = np.random.default_rng(fresh_seed(f"adapters of {suffixes}"))
+        dirs = []
+        for name in ("a", "b"):
+            pairs = {k: v for k, v in random_adapter(base, 4, rng).items() if k.endswith(suffixes)}
+            dirs.append(write_mlx_lm(tmp_path / name, pairs, scale=1.0, num_layers=len(base.layers)))
+        a_dir, b_dir = dirs
+    return _engine(model_dir, "float32", a_dir, b_dir)
+
+
 # Per llama layer, every projection adapted: A products for q/k/v, o, gate/up and down, and seven B (separate
 # products: 14). Only q and v adapted: one A product and two B.
 @pytest.mark.parametrize("suffixes,a_products,b_products", [(None, 4, 7), (("q_proj", "v_proj"), 1, 2)],
                          ids=["all", "q_v"])
 def test_one_mixed_step_runs_one_a_product_per_shared_input(setups, tmp_path, monkeypatch, suffixes, a_products,
                                                             b_products):
-    model_dir, a_dir, b_dir, _ = setups("llama")
-    if suffixes:
-        base = _load(model_dir, "float32").model
-        rng = np.random.default_rng(fresh_seed("q/v adapters"))
-        dirs = []
-        for name in ("a", "b"):
-            pairs = {k: v for k, v in random_adapter(base, 4, rng).items() if k.endswith(suffixes)}
-            dirs.append(write_mlx_lm(tmp_path / name, pairs, scale=1.0, num_layers=len(base.layers)))
-        a_dir, b_dir = dirs
-    engine = _engine(model_dir, "float32", a_dir, b_dir)
+    engine = _llama_engine(setups, tmp_path, suffixes)
     for i, lora in enumerate(["A", None, "B"]):
         engine.add_request(f"r{i}", [3, 4, 5, 6], SamplingParams(max_tokens=1), lora_name=lora)
     calls = {"matmul": [], "addmm": [], "gather_mm": []}
@@ -95,16 +101,7 @@ def test_the_fused_path_hands_each_member_its_own_output(setups, tmp_path, monke
     them, the others take theirs, whatever the mix of adapters and base rows; the logits equal the MLX
     operations' path (one launch per shared input, none for a group no adapter targets). A step past
     FUSED_MAX_TOKENS takes the MLX operations."""
-    model_dir, a_dir, b_dir, _ = setups("llama")
-    if suffixes:
-        base = _load(model_dir, "float32").model
-        rng = np.random.default_rng(fresh_seed("q/v adapters, fused"))
-        dirs = []
-        for name in ("a", "b"):
-            pairs = {k: v for k, v in random_adapter(base, 4, rng).items() if k.endswith(suffixes)}
-            dirs.append(write_mlx_lm(tmp_path / name, pairs, scale=1.0, num_layers=len(base.layers)))
-        a_dir, b_dir = dirs
-    engine = _engine(model_dir, "float32", a_dir, b_dir)
+    engine = _llama_engine(setups, tmp_path, suffixes)
     for i, lora in enumerate(["A", None, "B", "A"]):
         engine.add_request(f"r{i}", [3, 4, 5, 6, 7][: 3 + i % 3], SamplingParams(max_tokens=1), lora_name=lora)
     batch = engine.scheduler.schedule()
