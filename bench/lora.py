@@ -55,7 +55,7 @@ from engined.loaders import load_model
 from engined.lora.layers import install, lora_term
 from engined.runner import forward
 from shared.config import EngineConfig
-from shared.sampling import SamplingParams
+from shared.protocol import SamplingParams
 
 NUM_ADAPTERS = 4
 SHAPES = {

@@ -45,8 +45,7 @@ from engined.speculative import Speculator
 from engined.structured import GrammarCompiler
 from shared.config import EngineConfig
 from shared.errors import ContextLengthError, InvalidRequestError, NotFoundError
-from shared.protocol import TASKS, EngineStats, LoraAdapter, ModelInfo, RequestOutput
-from shared.sampling import SamplingParams
+from shared.protocol import TASKS, EngineStats, LoraAdapter, ModelInfo, RequestOutput, SamplingParams
 
 log = logging.getLogger("mlxd.engine")
 

@@ -30,7 +30,7 @@ from engined.scheduler import SchedulerOutput
 from engined.speculative import Verifier
 from shared.config import EngineConfig
 from shared.errors import MemoryBudgetError
-from shared.sampling import SamplingParams
+from shared.protocol import SamplingParams
 
 log = logging.getLogger("mlxd.engine")
 

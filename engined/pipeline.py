@@ -49,7 +49,7 @@ from engined.runner import ModelRunner, forward, forward_pooled
 from engined.scheduler import SchedulerOutput
 from shared.config import EngineConfig
 from shared.errors import ModelLoadError
-from shared.sampling import SamplingParams
+from shared.protocol import SamplingParams
 
 log = logging.getLogger("mlxd.engine")
 

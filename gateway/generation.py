@@ -23,8 +23,7 @@ import msgspec
 
 from gateway.detokenizer import IncrementalDetokenizer, StopMatcher
 from shared.errors import MlxdError
-from shared.protocol import Logprob, RequestOutput
-from shared.sampling import SamplingParams
+from shared.protocol import Logprob, RequestOutput, SamplingParams
 
 
 @dataclass

@@ -26,8 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from shared.errors import ContextLengthError, InvalidRequestError, MlxdError
-from shared.protocol import EngineInfo
-from shared.sampling import INT64_MAX, INT64_MIN, SamplingParams, StructuredSpec
+from shared.protocol import INT64_MAX, INT64_MIN, EngineInfo, SamplingParams, StructuredSpec
 from shared.serve_config import generation_sampling_keys
 
 MAX_STOP_STRINGS = 16

@@ -11,7 +11,7 @@ from engined.kv.block_pool import BlockPool
 from engined.kv.manager import IDLE_RELEASE_S
 from engined.loaders import load_model
 from shared.config import EngineConfig
-from shared.sampling import SamplingParams
+from shared.protocol import SamplingParams
 from tests.tiny_models import make_tiny_model, seeded_rng
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)

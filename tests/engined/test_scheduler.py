@@ -12,7 +12,7 @@ from hypothesis import given, settings, strategies as st
 from engined.kv import KVCacheManager
 from engined.request import Request, Status
 from engined.scheduler import Scheduler, SchedulerOutput, attended_keys
-from shared.sampling import SamplingParams
+from shared.protocol import SamplingParams
 from tests.tiny_models import fresh_seed
 
 blocks_only = KVCacheManager.blocks_only

@@ -13,7 +13,7 @@ from collections import deque
 from engined.kv import KVCacheManager
 from engined.request import Request
 from engined.scheduler import Scheduler
-from shared.sampling import SamplingParams
+from shared.protocol import SamplingParams
 from tests.engined.test_scheduler import check_invariants, complete
 from tests.tiny_models import fresh_seed
 

@@ -9,7 +9,7 @@ from gateway.parsers import TOOL_PARSERS
 from gateway.structured import (marker_literal, one_spec, response_format_spec, structured_outputs_spec,
                                 tool_plan)
 from shared.errors import InvalidRequestError
-from shared.sampling import StructuredSpec
+from shared.protocol import StructuredSpec
 
 TOOLS = [{"type": "function", "function": {"name": "add", "parameters": {
     "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}, "required": ["a", "b"]}}},
