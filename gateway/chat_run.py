@@ -38,7 +38,6 @@ from gateway.generation import DONE, KEEPALIVE, Generation, SSEResponse, event
 from gateway.parsers import (REASONING_PARSERS, ReasoningStream, ToolParser, ToolStream, keeps_special_tokens,
                              parse_complete)
 from gateway.state import GatewayState, open_request
-from gateway.tokenizer import message_dicts
 from gateway.structured import (NO_TOOLS, ToolPlan, marker_literal, one_spec, reasoning_aware, response_format_spec,
                                 structured_outputs_spec, tool_plan)
 from shared.errors import MlxdError
@@ -341,7 +340,7 @@ def chat_input(req: t.ChatCompletionRequest, app: str | None) -> ChatInput:
     if max_tokens is None:
         max_tokens, max_tokens_param = req.max_tokens, "max_tokens"
     return ChatInput(
-        message_dicts(req.messages), tools=req.tools, tool_choice=req.tool_choice,
+        P.message_dicts(req.messages), tools=req.tools, tool_choice=req.tool_choice,
         parallel_tool_calls=req.parallel_tool_calls, max_tokens=max_tokens, max_tokens_param=max_tokens_param,
         temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, stop=req.stop,
         response_format=req.response_format, continue_final=req.continue_final_message,

@@ -13,11 +13,10 @@ from starlette.requests import Request
 from gateway.access_log import AccessLoggedClient
 from gateway.engine_client import EngineClient
 from gateway.http_guards import decode_body
-from gateway.params import SamplingDefaults, sampling_defaults
+from gateway.params import SamplingDefaults, Tokenizer, load_chat_template, sampling_defaults
 from gateway.parsers import choose_parsers
-from gateway.tokenizer import Tokenizer, load_chat_template
-from shared.errors import AuthenticationError, EngineUnavailableError, InvalidRequestError, NotFoundError
 from shared.curve import check_endpoint
+from shared.errors import AuthenticationError, EngineUnavailableError, InvalidRequestError, NotFoundError
 from shared.keys import KeyChecker, default_keys_file
 from shared.paths import check_ipc_endpoint, default_engine_endpoint
 from shared.protocol import EngineInfo

@@ -7,7 +7,7 @@ import random
 import pytest
 
 from gateway.http_guards import MAX_JSON_DEPTH, decode, json_depth, loads
-from gateway.tokenizer import TemplateStepsExceeded, step_capped
+from gateway.params import TemplateStepsExceeded, step_capped
 from shared.errors import InvalidRequestError
 
 SEED = 20261201
