@@ -19,9 +19,8 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from engined.kv.block_pool import Block, BlockPool, extend_hashes
-from engined.kv.full_attention import FullAttentionGroup, PagedArrays
-from engined.kv.group import KVGroup
+from engined.kv.full_attention import BlockPool, FullAttentionGroup, PagedArrays, extend_hashes
+from engined.kv.group import Block, KVGroup
 from engined.kv.recurrent_state import RecurrentStateGroup
 from engined.kv.sliding_window import SlidingWindowGroup
 from engined.model_layers import LayerSpec

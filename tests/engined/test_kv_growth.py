@@ -7,7 +7,7 @@ import mlx.core as mx
 import pytest
 
 from engined.engine import Engine
-from engined.kv.block_pool import BlockPool
+from engined.kv.full_attention import BlockPool
 from engined.kv.manager import IDLE_RELEASE_S
 from engined.loaders import load_model
 from shared.config import EngineConfig
