@@ -17,6 +17,9 @@ Hugging Face's names (``max_new_tokens`` caps every request's max_tokens, as
 in vLLM); a request's own value always wins over a default, except that the
 cap still applies.
 
+A JSON value a field carries as text (tool-call arguments) is decoded here
+too, depth-checked (``loads``), as are whole bodies (``check_depth``).
+
 A prompt's tokens come from here too: the model's tokenizer and chat template
 (``Tokenizer``, at the end), loaded from the directory the engine names in its
 handshake (the engine's loader materializes one for GGUF files), always
@@ -33,7 +36,8 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
-from gateway.http_guards import loads
+import msgspec
+
 from shared.errors import ContextLengthError, InvalidRequestError, MlxdError
 from shared.hub import load_tokenizer
 from shared.protocol import INT64_MAX, INT64_MIN, EngineInfo, SamplingParams, StructuredSpec
@@ -49,6 +53,11 @@ CHAT_ROLES = ("system", "user", "assistant", "tool")
 # Python steps a request-supplied chat template may take to render (a long
 # conversation through a model's own template takes a few hundred thousand).
 TEMPLATE_MAX_STEPS = 5_000_000
+
+# Deeper than any real tool schema or tool-call arguments (a dozen levels), far
+# below what recursive code downstream (json, Jinja's tojson, grammar
+# compilers) survives; msgspec itself gives up near 1,000.
+MAX_JSON_DEPTH = 64
 
 
 @dataclass(frozen=True)
@@ -348,6 +357,38 @@ def check_task(info: EngineInfo, task: str) -> None:
         serves = " and ".join(_TASK_ROUTES[t] for t in info.tasks if t in _TASK_ROUTES)
         raise InvalidRequestError(f"the model `{info.served_model_name}` does not support {_TASK_ROUTES[task]}; "
                                   f"it serves {serves}", param="model")
+
+
+def json_depth(value) -> int:
+    """The nesting depth of decoded JSON (a scalar is 0, ``[]`` is 1), without recursion."""
+    deepest = 0
+    stack = [(value, 1)]
+    while stack:
+        v, d = stack.pop()
+        if isinstance(v, dict):
+            v = v.values()
+        elif not isinstance(v, list):
+            continue
+        deepest = max(deepest, d)
+        stack.extend((x, d + 1) for x in v if isinstance(x, (dict, list)))
+    return deepest
+
+
+def check_depth(value, param: str | None = None) -> None:
+    if json_depth(value) > MAX_JSON_DEPTH:
+        raise InvalidRequestError(f"JSON nested deeper than {MAX_JSON_DEPTH} levels", param=param)
+
+
+def loads(text: str | bytes, param: str | None = None):
+    """Any JSON value, depth-checked; InvalidRequestError for what is not JSON or nests too deep."""
+    try:
+        value = msgspec.json.decode(text)
+    except RecursionError:
+        raise InvalidRequestError(f"JSON nested deeper than {MAX_JSON_DEPTH} levels", param=param) from None
+    except msgspec.DecodeError as e:
+        raise InvalidRequestError(f"not valid JSON: {e}", param=param) from None
+    check_depth(value, param)
+    return value
 
 
 # The model's tokenizer and chat template.
