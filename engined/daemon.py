@@ -7,16 +7,17 @@ it takes what the wire's inbox holds, runs the next step and queues the
 outputs for the wire. A gateway that stops pinging is declared gone and its
 requests are aborted, freeing their blocks.
 
-The wire thread answers HELLO itself, and PING too while a step has run for over a second
-(a 60 s prefill is not a dead engine), notes when each gateway was last heard
-from, hands every other message to the engine thread's ``inbox`` in order (so
-a PING answered there reflects all that its gateway sent before it), and
-forwards what the engine thread ``send``s (over an inproc socket: ZeroMQ
-sockets are not shared between threads). Bad frames are logged and dropped.
+The wire thread answers HELLO itself, and PING too while a step has run for
+over a second (a 60 s prefill is not a dead engine), notes when each gateway
+was last heard from, hands every other message to the engine thread's
+``inbox`` in order (so a PING answered there reflects all that its gateway
+sent before it), and forwards what the engine thread ``send``s (over an inproc
+socket: ZeroMQ sockets are not shared between threads). Bad frames are logged
+and dropped.
 
 A gateway's send queue is bounded: a send past it fails at once (mandatory
-routing) and the wire thread decides: a PONG is dropped, anything else (or many
-PONGs) ends the gateway, which the engine thread learns as ``STALLED``.
+routing) and the wire thread decides: a PONG is dropped, anything else (or
+many PONGs) ends the gateway, which the engine thread learns as ``STALLED``.
 """
 
 from __future__ import annotations
