@@ -145,7 +145,7 @@ def engine_for(make_loaded, args, c: int, async_scheduling: bool):
 def run_mlxd(engine, prompts, max_tokens: int) -> tuple[float, dict]:
     import mlx.core as mx
 
-    from shared.sampling import SamplingParams
+    from shared.protocol import SamplingParams
 
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     steps0, wait0 = engine.num_steps, engine.sync_wait_s
@@ -198,7 +198,6 @@ def poisson(model, make_loaded, args, rows: list) -> None:
     import mlx.core as mx
     from mlx_lm.generate import BatchGenerator
 
-    from shared.sampling import SamplingParams
 
     rng = np.random.default_rng(args.seed + 1)
     n = args.poisson_requests

@@ -26,7 +26,7 @@ def main() -> None:
     import mlx.core as mx
 
     from bench.gpu_serving import DEFAULT_CACHE_LIMIT, SHAPES, build_models, engine_for, run_mlx_lm
-    from shared.sampling import SamplingParams
+    from shared.protocol import SamplingParams
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="qwen3-8b", choices=sorted(SHAPES))

@@ -157,7 +157,7 @@ def measure(args) -> dict:
     import mlx.core as mx
     import numpy as np
 
-    from shared.sampling import SamplingParams
+    from shared.protocol import SamplingParams
 
     out = {}
     for c in map(int, args.concurrency.split(",")):

@@ -50,7 +50,7 @@ from engined.engine import Engine
 from engined.loaders import load_model
 from engined.lora.layers import install
 from shared.config import EngineConfig
-from shared.sampling import SamplingParams
+from shared.protocol import SamplingParams
 
 NUM_ADAPTERS = 4
 SHAPES = {

@@ -25,7 +25,7 @@ from mlx_lm.generate import batch_generate
 from engined.engine import Engine
 from engined.loaders import load_model
 from shared.config import EngineConfig
-from shared.sampling import SamplingParams
+from shared.protocol import SamplingParams
 
 
 class _NoStop:

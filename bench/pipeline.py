@@ -95,7 +95,7 @@ def _rank0(config: EngineConfig, prompts: list[list[int]], max_tokens: int) -> d
 
         load_fast_blas()
         from engined.engine import Engine
-        from shared.sampling import SamplingParams
+        from shared.protocol import SamplingParams
 
         engine = Engine(config)
         params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)

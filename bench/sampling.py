@@ -21,7 +21,7 @@ import numpy as np
 
 from bench.offline_throughput import make_engine, make_prompts, time_it
 from engined.loaders import load_model
-from shared.sampling import SamplingParams
+from shared.protocol import SamplingParams
 
 
 def text_prompts(loaded, n: int) -> list[list[int]]:

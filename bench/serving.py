@@ -76,7 +76,7 @@ class InProcess:
 
     def run(self, prompts, max_tokens: int) -> tuple[float, int, int, float]:
         """(tokens/s, tokens, steps, seconds inside step()) of one batch."""
-        from shared.sampling import SamplingParams
+        from shared.protocol import SamplingParams
 
         params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
         self.runs += 1

@@ -27,7 +27,7 @@ load_fast_blas()
 from engined.engine import Engine  # noqa: E402
 from engined.loaders import load_model
 from shared.config import EngineConfig
-from shared.sampling import SamplingParams
+from shared.protocol import SamplingParams
 
 SNIPPETS = [
     "def area(width, height):\n    result = width * height\n    return result\n\n"

@@ -141,7 +141,7 @@ def timed(engine, prompts, params) -> tuple[float, list[list[int]], int]:
 def main(args) -> None:
     from engined.engine import Engine
     from shared.config import EngineConfig
-    from shared.sampling import SamplingParams
+    from shared.protocol import SamplingParams
 
     make_loaded, vocab = build(args.shape, args.seed, args.dtype)
     rng = np.random.default_rng(args.seed)

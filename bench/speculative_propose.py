@@ -28,7 +28,7 @@ from bench.device_waits import DeviceWaits  # noqa: E402
 from bench.speculative_mtp import SHAPES, ForcedDrafts, build, timed  # noqa: E402
 from engined.engine import Engine  # noqa: E402
 from shared.config import EngineConfig  # noqa: E402
-from shared.sampling import SamplingParams  # noqa: E402
+from shared.protocol import SamplingParams  # noqa: E402
 
 
 class CountedDrafts(ForcedDrafts):

@@ -26,7 +26,7 @@ from transformers import AutoTokenizer  # noqa: E402
 
 from engined.engine import Engine
 from shared.config import EngineConfig
-from shared.sampling import SamplingParams, StructuredSpec
+from shared.protocol import SamplingParams, StructuredSpec
 
 SCHEMA = {"type": "object", "properties": {"story": {"type": "string", "minLength": 400, "maxLength": 800}},
           "required": ["story"], "additionalProperties": False}

@@ -27,8 +27,7 @@ from engined.pooling import matryoshka_dimensions
 from engined.request import Request, Status, WaitingPlaces, take_output
 from shared.config import EngineConfig
 from shared.errors import ContextLengthError, InvalidRequestError, ModelLoadError
-from shared.protocol import TASKS, EngineStats, ModelInfo, RequestOutput
-from shared.sampling import SamplingParams
+from shared.protocol import TASKS, EngineStats, ModelInfo, RequestOutput, SamplingParams
 
 log = logging.getLogger("mlxd.engine")
 

@@ -31,7 +31,6 @@ import mlx.core as mx
 import kernels
 from engined import memory_guard, model_split, pipeline, proposers
 from engined.device import on_cpu
-from engined.kv import KVCacheManager
 from engined.loaders import LoadedModel, load_model
 from engined.lora.registry import LoraRegistry
 from engined.metrics import EngineMetrics
@@ -40,13 +39,12 @@ from engined.pooling import matryoshka_dimensions, pooled_results, score_token_i
 from engined.request import Request, WaitingPlaces, check_prompt, take_output
 from engined.runner import ModelRunner
 from engined.sampler import LaunchedStep, Sampler, needs_host_tokens
-from engined.scheduler import Scheduler, SchedulerOutput
+from engined.scheduler import KVCacheManager, Scheduler, SchedulerOutput
 from engined.speculative import Speculator
 from engined.structured import GrammarCompiler
 from shared.config import EngineConfig
 from shared.errors import ContextLengthError, InvalidRequestError, NotFoundError
-from shared.protocol import TASKS, EngineStats, LoraAdapter, ModelInfo, RequestOutput
-from shared.sampling import SamplingParams
+from shared.protocol import TASKS, EngineStats, LoraAdapter, ModelInfo, RequestOutput, SamplingParams
 
 log = logging.getLogger("mlxd.engine")
 

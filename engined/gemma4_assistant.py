@@ -44,13 +44,13 @@ from mlx_lm.utils import infer_quant_config
 
 import kernels
 from engined.draft_model import draft_loop, rows_for
-from engined.kv import KVCacheManager
 from engined.loaders.mlx_dir import dense_weights, gemma4_text_fields, resolve_hf_repo
 from engined.model_layers import float_dtype, text_model
 from engined.mtp import TargetHiddenStates
 from engined.request import Request
 from engined.runner import LastTokenNorm
 from engined.sampler import Sampler
+from engined.scheduler import KVCacheManager
 from kernels import AttentionMetadata
 from shared.errors import ModelLoadError
 

@@ -7,7 +7,7 @@ buffer cache is capped at that, and what is left becomes the KV pool's capacity.
 
 Admission counts on the whole capacity, but only part of it is resident: the
 pool starts with the blocks of one ``max_model_len`` request and grows in
-doubling steps as load needs (``kv.block_pool``), so an idle engine holds
+doubling steps as load needs (``kv.full_attention.BlockPool``), so an idle engine holds
 little. A growth step copies one array at a time after handing MLX's buffer
 cache back, so its transient is one array at full capacity, which must fit in
 the activations' room; the capacity is cut where it would not.
@@ -30,7 +30,7 @@ from engined.scheduler import SchedulerOutput
 from engined.speculative import Verifier
 from shared.config import EngineConfig
 from shared.errors import MemoryBudgetError
-from shared.sampling import SamplingParams
+from shared.protocol import SamplingParams
 
 log = logging.getLogger("mlxd.engine")
 

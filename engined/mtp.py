@@ -38,13 +38,13 @@ import mlx.nn as nn
 import numpy as np
 
 from engined.draft_model import draft_loop, rows_for
-from engined.kv import KVCacheManager
 from engined.kv.mtp_layer import MTPLayerGroup
 from engined.loaders.mlx_dir import MTPWeights
 from engined.model_layers import LayerSpec, float_dtype, layer_settings, text_model
 from engined.request import Request
 from engined.runner import LastTokenNorm, PagedAttention
 from engined.sampler import Sampler
+from engined.scheduler import KVCacheManager
 from engined.speculative import may_speculate
 from kernels import AttentionMetadata
 from shared.errors import ModelLoadError

@@ -41,15 +41,14 @@ import mlx.core as mx
 
 from engined import memory_guard, model_split
 from engined.device import on_cpu
-from engined.kv import KVCacheManager
 from engined.memory_guard import MemoryPlan
 from engined.rank_link import Link, Message, Op
 from engined.request import Request
 from engined.runner import ModelRunner, forward, forward_pooled
-from engined.scheduler import SchedulerOutput
+from engined.scheduler import KVCacheManager, SchedulerOutput
 from shared.config import EngineConfig
 from shared.errors import ModelLoadError
-from shared.sampling import SamplingParams
+from shared.protocol import SamplingParams
 
 log = logging.getLogger("mlxd.engine")
 

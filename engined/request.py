@@ -7,8 +7,7 @@ import enum
 import time
 
 from shared.errors import ContextLengthError, InvalidRequestError, OverloadedError
-from shared.protocol import Logprob, RequestOutput
-from shared.sampling import SamplingParams
+from shared.protocol import Logprob, RequestOutput, SamplingParams
 
 
 class Status(enum.Enum):

@@ -23,11 +23,10 @@ import mlx.nn as nn
 import numpy as np
 
 import kernels
-from engined.kv import KVCacheManager
 from engined.linear_attention import SlottedLinearAttention
 from engined.lora.registry import LoraRegistry
 from engined.model_layers import LayerSettings, LayerSpec, text_model, transformer_layers
-from engined.scheduler import SchedulerOutput
+from engined.scheduler import KVCacheManager, SchedulerOutput
 from shared.errors import ModelLoadError
 
 

@@ -32,7 +32,7 @@ import numpy as np
 
 from shared.errors import InvalidRequestError
 from shared.hub import load_tokenizer
-from shared.sampling import StructuredSpec
+from shared.protocol import StructuredSpec
 
 log = logging.getLogger("mlxd.structured")
 

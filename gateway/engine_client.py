@@ -25,8 +25,7 @@ from zmq.utils.monitor import parse_monitor_message
 from shared import protocol as p
 from shared.curve import secure_client
 from shared.errors import EngineUnavailableError, MlxdError, error_from_code
-from shared.protocol import Kind
-from shared.sampling import SamplingParams
+from shared.protocol import Kind, SamplingParams
 
 log = logging.getLogger("mlxd.gateway")
 

@@ -12,9 +12,7 @@ from starlette.responses import JSONResponse, Response
 
 from gateway import openai_types as t
 from gateway import params as P
-from gateway.http_guards import decode_body
-from gateway.state import GatewayState
-from gateway.tokenizer import message_dicts
+from gateway.server import GatewayState, decode_body
 from shared.errors import InvalidRequestError
 from shared.protocol import PROTOCOL_VERSION
 
@@ -96,7 +94,7 @@ async def tokenize(request: Request) -> Response:
     if (req.prompt is None) == (req.messages is None):
         raise InvalidRequestError("give exactly one of prompt and messages", param="prompt")
     if req.messages is not None:
-        messages = message_dicts(req.messages)
+        messages = P.message_dicts(req.messages)
         P.check_chat(messages, "messages", req.add_generation_prompt, req.continue_final_message, None, False)
 
         def count():

@@ -16,18 +16,31 @@ laid on top. Of a generation config only the sampling keys count, with
 Hugging Face's names (``max_new_tokens`` caps every request's max_tokens, as
 in vLLM); a request's own value always wins over a default, except that the
 cap still applies.
+
+A JSON value a field carries as text (tool-call arguments) is decoded here
+too, depth-checked (``loads``), as are whole bodies (``check_depth``).
+
+A prompt's tokens come from here too: the model's tokenizer and chat template
+(``Tokenizer``, at the end), loaded from the directory the engine names in its
+handshake (the engine's loader materializes one for GGUF files), always
+offline, and the messages as the plain dicts a template expects
+(``message_dicts``).
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import os
+import sys
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
+
 from shared.errors import ContextLengthError, InvalidRequestError, MlxdError
-from shared.protocol import EngineInfo
-from shared.sampling import INT64_MAX, INT64_MIN, SamplingParams, StructuredSpec
+from shared.hub import load_tokenizer
+from shared.protocol import INT64_MAX, INT64_MIN, EngineInfo, SamplingParams, StructuredSpec
 from shared.serve_config import generation_sampling_keys
 
 MAX_STOP_STRINGS = 16
@@ -40,6 +53,11 @@ CHAT_ROLES = ("system", "user", "assistant", "tool")
 # Python steps a request-supplied chat template may take to render (a long
 # conversation through a model's own template takes a few hundred thousand).
 TEMPLATE_MAX_STEPS = 5_000_000
+
+# Deeper than any real tool schema or tool-call arguments (a dozen levels), far
+# below what recursive code downstream (json, Jinja's tojson, grammar
+# compilers) survives; msgspec itself gives up near 1,000.
+MAX_JSON_DEPTH = 64
 
 
 @dataclass(frozen=True)
@@ -339,3 +357,211 @@ def check_task(info: EngineInfo, task: str) -> None:
         serves = " and ".join(_TASK_ROUTES[t] for t in info.tasks if t in _TASK_ROUTES)
         raise InvalidRequestError(f"the model `{info.served_model_name}` does not support {_TASK_ROUTES[task]}; "
                                   f"it serves {serves}", param="model")
+
+
+def json_depth(value) -> int:
+    """The nesting depth of decoded JSON (a scalar is 0, ``[]`` is 1), without recursion."""
+    deepest = 0
+    stack = [(value, 1)]
+    while stack:
+        v, d = stack.pop()
+        if isinstance(v, dict):
+            v = v.values()
+        elif not isinstance(v, list):
+            continue
+        deepest = max(deepest, d)
+        stack.extend((x, d + 1) for x in v if isinstance(x, (dict, list)))
+    return deepest
+
+
+def check_depth(value, param: str | None = None) -> None:
+    if json_depth(value) > MAX_JSON_DEPTH:
+        raise InvalidRequestError(f"JSON nested deeper than {MAX_JSON_DEPTH} levels", param=param)
+
+
+def loads(text: str | bytes, param: str | None = None):
+    """Any JSON value, depth-checked; InvalidRequestError for what is not JSON or nests too deep."""
+    try:
+        value = msgspec.json.decode(text)
+    except RecursionError:
+        raise InvalidRequestError(f"JSON nested deeper than {MAX_JSON_DEPTH} levels", param=param) from None
+    except msgspec.DecodeError as e:
+        raise InvalidRequestError(f"not valid JSON: {e}", param=param) from None
+    check_depth(value, param)
+    return value
+
+
+# The model's tokenizer and chat template.
+
+
+def load_chat_template(value: str | None) -> str | None:
+    """``--chat-template``: a Jinja template, or the path of a file holding one."""
+    if value and os.path.isfile(value):
+        with open(value, encoding="utf-8") as f:
+            return f.read()
+    return value
+
+
+class Tokenizer:
+    def __init__(self, tokenizer_dir: str, chat_template: str | None = None):
+        self.tokenizer_dir = tokenizer_dir
+        self.hf = load_tokenizer(tokenizer_dir)
+        # The Rust tokenizer decodes without transformers' clean-up rewriting of
+        # spaces, so incremental and whole decodes agree.
+        self._backend = getattr(self.hf, "backend_tokenizer", None) or getattr(self.hf, "_tokenizer", None)
+        self.chat_template = chat_template
+        self.max_token_bytes = self._max_token_bytes()
+
+    def _max_token_bytes(self) -> int | None:
+        """The most UTF-8 bytes of text one token can stand for; None when no bound is known.
+
+        A token's vocabulary entry is at least as long as the text it covers
+        (byte-level BPE spells each byte as one or two bytes of UTF-8,
+        SentencePiece a space as three, byte fallback a byte as six); its
+        decoded text is taken too, for vocabularies spelled otherwise. A
+        normalizer can shrink text before it is split (NFKC folds a 3-byte
+        full-width letter to 1 byte, others drop characters), so with one no
+        bound is claimed.
+        """
+        if self._backend is None or self._backend.normalizer is not None:
+            return None
+        longest = 0
+        for piece, token_id in self.hf.get_vocab().items():
+            text = self._backend.decode([token_id], skip_special_tokens=False)
+            longest = max(longest, len(piece.encode("utf-8")), len(text.encode("utf-8")))
+        return longest or None
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self.hf.encode(text, add_special_tokens=add_special_tokens)
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        if self._backend is not None:
+            return self._backend.decode(ids, skip_special_tokens=skip_special_tokens)
+        return self.hf.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def decoder(self, skip_special_tokens: bool = True):
+        return functools.partial(self.decode, skip_special_tokens=skip_special_tokens)
+
+    @functools.lru_cache(maxsize=65536)
+    def token_text(self, token_id: int) -> str:
+        """One token's text for logprobs (special tokens included)."""
+        return self.decode([token_id], skip_special_tokens=False)
+
+    def render_chat(self, messages: list, *, tools=None, chat_template: str | None = None,
+                    add_generation_prompt: bool = True, continue_final_message: bool = False,
+                    chat_template_kwargs: dict[str, Any] | None = None,
+                    max_steps: int | None = None) -> str:
+        """The prompt text for a conversation; InvalidRequestError for what the template rejects.
+
+        ``max_steps`` caps the Python steps of rendering (a request-supplied
+        template can loop for as long as it likes); the fields themselves are
+        checked by gateway.params before this is called.
+        """
+        template = chat_template or self.chat_template or getattr(self.hf, "chat_template", None)
+        if not template:
+            raise InvalidRequestError(
+                "this model has no chat template; start the gateway with --chat-template "
+                "or use /v1/completions", param="messages")
+        kwargs = dict(chat_template_kwargs or {})
+        reserved = sorted(set(kwargs) & _APPLY_PARAMETERS)
+        if reserved:
+            raise InvalidRequestError(f"chat_template_kwargs cannot set {', '.join(reserved)}",
+                                      param="chat_template_kwargs")
+
+        def apply():
+            return self.hf.apply_chat_template(
+                messages, tools=tools, chat_template=template, tokenize=False,
+                add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message, **kwargs)
+
+        try:
+            return apply() if max_steps is None else step_capped(apply, max_steps)
+        except TemplateStepsExceeded:
+            raise InvalidRequestError(f"the chat template took more than {max_steps} steps to render",
+                                      param="chat_template") from None
+        except InvalidRequestError:
+            raise
+        except Exception as e:  # template errors (raise_exception, bad roles) are the request's fault
+            raise InvalidRequestError(f"the chat template rejected the messages: {e}",
+                                      param="messages") from None
+
+
+# apply_chat_template's own arguments: chat_template_kwargs are template variables, never these.
+_APPLY_PARAMETERS = frozenset(("conversation", "tools", "documents", "chat_template", "add_generation_prompt",
+                               "continue_final_message", "tokenize", "sanitize_control_tokens", "padding",
+                               "truncation", "max_length", "return_tensors", "return_dict",
+                               "return_assistant_tokens_mask", "tokenizer_kwargs", "messages"))
+
+
+class TemplateStepsExceeded(BaseException):
+    """Not an Exception: template and library code that catches those must not swallow the cap."""
+
+
+def step_capped(fn, max_steps: int):
+    """``fn()`` in this thread, stopped with TemplateStepsExceeded after ``max_steps`` traced Python events.
+
+    A count of steps rather than a clock, so the cap gives the same answer on
+    a loaded machine; a trace function's exception surfaces in the traced
+    frame, which is how the render is stopped from outside its own code.
+    """
+    steps = 0
+
+    def trace(frame, event, arg):
+        nonlocal steps
+        steps += 1
+        if steps > max_steps:
+            raise TemplateStepsExceeded
+        return trace
+
+    sys.settrace(trace)
+    try:
+        return fn()
+    finally:
+        sys.settrace(None)
+        if steps > max_steps:
+            raise TemplateStepsExceeded
+
+
+def _template_tool_calls(calls, i: int) -> list:
+    """Tool calls of an assistant message with their arguments as objects.
+
+    OpenAI sends arguments as a JSON string; chat templates (transformers'
+    convention) expect a mapping and render it themselves.
+    """
+    out = []
+    for j, call in enumerate(calls):
+        f = call.get("function") if isinstance(call, dict) else None
+        args = f.get("arguments") if isinstance(f, dict) else None
+        if isinstance(args, str):
+            where = f"messages[{i}].tool_calls[{j}].function.arguments"
+            args = loads(args, param=where) if args.strip() else {}
+            call = {**call, "function": {**f, "arguments": args}}
+        out.append(call)
+    return out
+
+
+def message_dicts(messages) -> list[dict]:
+    """ChatMessage structs as the plain dicts chat templates expect; text parts joined."""
+    out = []
+    for i, m in enumerate(messages):
+        # Chat templates know no developer role (OpenAI's newer name for system).
+        d: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role}
+        content = m.content
+        if isinstance(content, list):
+            texts = []
+            for part in content:
+                if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                    raise InvalidRequestError(
+                        f"only text content parts are supported (got {part.get('type')!r})",
+                        param=f"messages[{i}].content")
+                texts.append(part["text"])
+            content = "\n".join(texts)
+        d["content"] = content if content is not None else ""
+        for name in ("name", "tool_calls", "tool_call_id", "reasoning_content"):
+            v = getattr(m, name)
+            if v is not None:
+                d[name] = v
+        if m.tool_calls:
+            d["tool_calls"] = _template_tool_calls(m.tool_calls, i)
+        out.append(d)
+    return out

@@ -16,10 +16,9 @@ from starlette.requests import Request
 
 from gateway import params as P
 from gateway.generation import unless_disconnected
-from gateway.state import GatewayState
+from gateway.server import GatewayState
 from shared.errors import ContextLengthError, InvalidRequestError, MlxdError
-from shared.protocol import EngineInfo, RequestOutput
-from shared.sampling import SamplingParams
+from shared.protocol import EngineInfo, RequestOutput, SamplingParams
 
 # Inputs one HTTP request may carry: each is an engine request and a place in its waiting queue
 # (which refuses, with 429, a request larger than it).

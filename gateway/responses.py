@@ -20,9 +20,9 @@ from starlette.responses import Response
 from gateway.chat_run import ChatInput, ChatRun
 from gateway.errors import error_body, to_mlxd_error
 from gateway.generation import KEEPALIVE, SSEResponse, named_event
-from gateway.http_guards import loads
+from gateway.params import loads
 from gateway.responses_tools import ResponsesTools, responses_tools
-from gateway.state import open_request
+from gateway.server import open_request
 from shared.errors import InvalidRequestError, MlxdError
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from starlette.routing import Route
 
 from gateway import anthropic, embeddings, info_routes, lora_routes, responses, scoring
-from gateway.chat_completions import chat_completions
+from gateway.chat_run import chat_completions
 from gateway.completions import completions
 
 ROUTES = [

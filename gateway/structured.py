@@ -15,7 +15,7 @@ from typing import Any
 from gateway.parsers import REASONING_PARSERS, TOOL_PARSERS, ToolParser
 from gateway.parsers.template_detect import DEFAULT_TOOL_FORMAT
 from shared.errors import InvalidRequestError
-from shared.sampling import StructuredSpec
+from shared.protocol import StructuredSpec
 
 
 @dataclass

@@ -16,7 +16,7 @@ from collections.abc import Callable
 
 import mlx.core as mx
 
-from kernels import gpu, numpy_attention, reference
+from kernels import gpu, paged_kv
 from kernels.paged_kv import AttentionMetadata, write_kv
 
 __all__ = ["BACKENDS", "AttentionMetadata", "paged_attention", "resolve_backend", "write_kv"]
@@ -44,10 +44,10 @@ def implementation(backend: str = "auto") -> Callable[..., mx.array]:
     without ``backend``, falling back to the reference by itself for what it does not cover."""
     which = resolve_backend(backend)
     if which == "host":
-        return numpy_attention.paged_attention
+        return paged_kv.host_attention
     if which in ("metal", "cuda"):
         return functools.partial(gpu.attention, which)
-    return reference.paged_attention
+    return paged_kv.reference_attention
 
 
 def paged_attention(
@@ -63,7 +63,7 @@ def paged_attention(
 ) -> mx.array:
     """Attention of packed queries ``q [T, H, D]`` over each request's paged context.
 
-    Same contract as ``reference.paged_attention`` (see there); returns ``[T, H, D]``
+    Same contract as ``paged_kv.reference_attention`` (see there); returns ``[T, H, D]``
     in ``q``'s dtype. The GPU kernels do not take ``sinks`` yet: with sinks the
     reference runs. ``backend`` is one of BACKENDS (see ``resolve_backend``).
     """

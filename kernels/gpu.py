@@ -24,7 +24,7 @@ import mlx.core as mx
 import numpy as np
 
 from kernels import gpu_geometry as geo
-from kernels import reference, source
+from kernels import paged_kv, source
 from kernels.paged_kv import AttentionMetadata, in_packed_order
 
 SDPA_CHUNK_TOKENS = 64  # prefill chunks at least this long may take MLX's fused SDPA (see chunks_take_sdpa)
@@ -332,7 +332,7 @@ def paged_attention(
     scale: float, sliding_window: int | None = None, softcap: float | None = None,
     route_chunks: bool = True,
 ) -> mx.array | None:
-    """The kernel's answer to ``reference.paged_attention``, or None where the kernel does not apply.
+    """The kernel's answer to ``paged_kv.reference_attention``, or None where the kernel does not apply.
 
     ``route_chunks=False`` keeps long chunks on the tile path (one launch for the whole batch).
     """
@@ -364,10 +364,10 @@ def attention(
     dialect: str, q: mx.array, k_cache: mx.array, v_cache: mx.array, meta: AttentionMetadata,
     scale: float, sliding_window: int | None = None, softcap: float | None = None, sinks: mx.array | None = None,
 ) -> mx.array:
-    """``reference.paged_attention``'s contract on a GPU: the kernel where it applies (no sinks yet), else
+    """``paged_kv.reference_attention``'s contract on a GPU: the kernel where it applies (no sinks yet), else
     the reference."""
     out = None if sinks is not None else paged_attention(dialect, q, k_cache, v_cache, meta, scale,
                                                          sliding_window, softcap)
     if out is None:
-        out = reference.paged_attention(q, k_cache, v_cache, meta, scale, sliding_window, softcap, sinks)
+        out = paged_kv.reference_attention(q, k_cache, v_cache, meta, scale, sliding_window, softcap, sinks)
     return out

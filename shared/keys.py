@@ -1,4 +1,4 @@
-"""Per-app API keys: `mlxd keys add|list|revoke`, checked by the gateway.
+"""Per-app API keys: the key file that `mlxd keys add|list|revoke` writes and the gateway checks.
 
 A key reads ``mlxd_<id>_<secret>``. The file keeps, per app, the key's id, a
 random salt and sha256(salt + secret); never the secret. The id finds the
@@ -8,8 +8,8 @@ nothing against guessing and would cost every request its time.
 
 The file is written whole to a temporary file of mode 0600 and renamed over
 the old one, so a gateway reading it never sees half a file; gateways reload
-it when its modification time or size changes, so a revoked key stops working
-at once, without a restart.
+it when its modification time or size changes (``gateway.server.KeyChecker``),
+so a revoked key stops working at once, without a restart.
 
 An app's key may name the LoRA adapters it may use (``mlxd keys add APP
 --loras A B``, changed later with ``mlxd keys loras APP ...``): for it the
@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-import logging
 import os
 import re
 import secrets
@@ -40,8 +39,6 @@ import msgspec
 
 from shared.errors import InvalidRequestError, MlxdError
 from shared.paths import config_dir
-
-log = logging.getLogger("mlxd.keys")
 
 # Short and plain: app names become metric labels and log fields.
 _APP_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
@@ -180,59 +177,3 @@ def match_key(keys: KeyFile, presented: str) -> str | None:
                 return k.app
             return None
     return None
-
-
-class KeyChecker:
-    """The gateway's view of the key file, reloaded whenever the file changes.
-
-    Built at start-up, it reads the file at once, so a damaged one is a
-    start-up error (MlxdError, naming the file) rather than every request's.
-    """
-
-    def __init__(self, path: str):
-        self.path = path
-        self._stamp: tuple | None = None
-        self._keys = KeyFile()
-        # Once keys were seen (the file or its marker), they stay required for this process.
-        self._required = False
-        self._damaged = False
-        self._refresh(at_start=True)
-
-    def _refresh(self, at_start: bool = False) -> None:
-        try:
-            st = os.stat(self.path)
-            stamp = (st.st_mtime_ns, st.st_size, st.st_ino)
-        except FileNotFoundError:
-            stamp = None
-        if stamp != self._stamp:
-            try:
-                self._keys = read_keys(self.path) if stamp is not None else KeyFile()
-                self._damaged = False
-            except MlxdError as e:
-                if at_start:
-                    raise
-                log.error("%s; refusing every request until it is fixed", e.message)
-                self._keys, self._damaged = KeyFile(), True
-            self._stamp = stamp
-        if stamp is not None or os.path.exists(required_marker(self.path)):
-            self._required = True
-
-    @property
-    def active(self) -> bool:
-        """Whether requests must present a key: any app has or ever had one (see the module doc)."""
-        self._refresh()
-        if self._damaged:
-            # Not the client's fault, and the file's path is the server's business.
-            raise MlxdError("the server's API key file is damaged; see the server log")
-        return self._required
-
-    def app_of(self, presented: str) -> str | None:
-        self._refresh()
-        return match_key(self._keys, presented)
-
-    def loras_of(self, app: str | None) -> list[str] | None:
-        """The adapters ``app`` may use (as the file says now); None: any (also for no app)."""
-        if app is None:
-            return None
-        self._refresh()
-        return next((k.loras for k in self._keys.keys if k.app == app), None)

@@ -28,7 +28,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import mlx.core as mx  # noqa: E402
 import numpy as np  # noqa: E402
 
-from kernels import gpu, reference  # noqa: E402
+from kernels import gpu, paged_kv  # noqa: E402
 from kernels import gpu_geometry as geo  # noqa: E402
 from tests.kernels.cases import dense_attention, host_gather_runs, make_case, rel_error  # noqa: E402
 from kernels.paged_kv import AttentionMetadata, write_kv  # noqa: E402
@@ -109,7 +109,7 @@ def correctness(rng, rows, log):
         errs = [rel_error(out, ref), rel_error(tiled, ref)]
         mine = float("nan") if any(e != e for e in errs) else max(errs)
         theirs = rel_error(
-            reference.paged_attention(case.q, case.k_cache, case.v_cache, case.meta, case.scale, window, softcap), ref)
+            paged_kv.reference_attention(case.q, case.k_cache, case.v_cache, case.meta, case.scale, window, softcap), ref)
         ok = mine == mine and mine < TOL[dtype]
         worst = max(worst, mine if mine == mine else float("inf"))
         p, _ = geo.plan_partitions(case.meta, "cuda")
@@ -193,7 +193,7 @@ def prefill(title, lens, h, hkv, d, bs, dt, scale, rng, md, log, shuffle=True):
     vp = mx.random.normal((n, hkv, longest, d)).astype(dt)
     mx.eval(q, qp, kp, vp)
     out_k = kernel(q, kc, vc, meta, scale)
-    out_r = reference.paged_attention(q, kc, vc, meta, scale)
+    out_r = paged_kv.reference_attention(q, kc, vc, meta, scale)
     perr = rel_error(out_k, out_r)
     plan = gpu._plan(meta, "cuda")
     layout = plan.context_layout(hkv, kc.shape[0])
@@ -214,7 +214,7 @@ def prefill(title, lens, h, hkv, d, bs, dt, scale, rng, md, log, shuffle=True):
         variants["gather"] = lambda: gpu.gather_runs("cuda", kc, vc, meta, layout)
     equal = len(set(lens)) == 1
     sec = interleaved(variants)
-    sec_r, _ = bench(lambda: reference.paged_attention(q, kc, vc, meta, scale), iters=5, reps=3)
+    sec_r, _ = bench(lambda: paged_kv.reference_attention(q, kc, vc, meta, scale), iters=5, reps=3)
     useful = sum(4 * h * d * x * (x + 1) / 2 for x in lens)
     padded_flops = 4 * n * h * d * longest * (longest + 1) / 2
     host_us = timed(lambda: kernel(q, kc, vc, meta, scale), 100)[0] * 1e6
@@ -300,7 +300,7 @@ def main() -> int:
 
         # The GPU launches become the reference; planning, routing and assembly run as on the GPU.
         def launch(plan, q, kc, vc, scale, window, softcap):
-            return reference.paged_attention(q, kc, vc, plan.meta, scale, window, softcap)
+            return paged_kv.reference_attention(q, kc, vc, plan.meta, scale, window, softcap)
 
         gpu._launch, gpu.gather_runs = launch, host_gather_runs
     else:
@@ -359,7 +359,7 @@ def main() -> int:
     q = mx.random.normal((nseq, h, d)).astype(dt)
     kv_bytes = 2 * nseq * ctx * hkv * d * 2 + 2 * q.nbytes + meta.block_tables.nbytes
     bound = kv_bytes / bw
-    err = rel_error(kernel(q, kc, vc, meta, scale), reference.paged_attention(q, kc, vc, meta, scale))
+    err = rel_error(kernel(q, kc, vc, meta, scale), paged_kv.reference_attention(q, kc, vc, meta, scale))
     drows = []
     dlog = []
     saved = (geo.lanes_per_token, geo.decode_unroll, geo.PARTITION_TOKENS, geo.DECODE_ACC_SHARED,
@@ -380,7 +380,7 @@ def main() -> int:
         p, _ = geo.plan_partitions(meta, "cuda")
         try:
             sec, spread = bench(lambda: kernel(q, kc, vc, meta, scale))
-            e = rel_error(kernel(q, kc, vc, meta, scale), reference.paged_attention(q, kc, vc, meta, scale))
+            e = rel_error(kernel(q, kc, vc, meta, scale), paged_kv.reference_attention(q, kc, vc, meta, scale))
         except Exception as exc:  # a variant that fails to build is reported, not fatal
             print(f"variant {lpt},{u},{part_tokens},{acc_shared},{min_groups}: {exc}", flush=True)
             continue
@@ -396,7 +396,7 @@ def main() -> int:
     (geo.lanes_per_token, geo.decode_unroll, geo.PARTITION_TOKENS, geo.DECODE_ACC_SHARED,
      gpu.DECODE_MIN_GROUPS) = saved
     meta.plans.clear()
-    sec, _ = bench(lambda: reference.paged_attention(q, kc, vc, meta, scale), iters=5, reps=3)
+    sec, _ = bench(lambda: paged_kv.reference_attention(q, kc, vc, meta, scale), iters=5, reps=3)
     drows.append(["reference (gather + SDPA)", f"{sec * 1e6:.0f}", f"{kv_bytes / sec / 1e12:.2f}", f"{bound / sec:.0%}",
                   f"{kv_bytes / HBM_CEILING / sec:.0%}", ""])
     kd = mx.random.normal((nseq, hkv, ctx, d)).astype(dt)
@@ -477,7 +477,7 @@ def main() -> int:
         for label, route in (("default", True), ("tile path only", False)):
             def call(qq, mm, _r=route):
                 return gpu.paged_attention("cuda", qq, kc, vc, mm, scale, route_chunks=_r)
-            err = rel_error(call(q, meta_mix), reference.paged_attention(q, kc, vc, meta_mix, scale))
+            err = rel_error(call(q, meta_mix), paged_kv.reference_attention(q, kc, vc, meta_mix, scale))
             s_mix, _ = bench(lambda: call(q, meta_mix), iters=10, reps=5)
             s_both, _ = bench(lambda: [call(q_dec, meta_dec), call(q_pre, meta_pre)], iters=10, reps=5)
             s_dec, _ = bench(lambda: call(q_dec, meta_dec), iters=10, reps=5)
@@ -485,7 +485,7 @@ def main() -> int:
             rows_md.append(f"| {label} | {s_mix * 1e6:.0f} | {s_dec * 1e6:.0f} | {s_pre * 1e6:.0f} | "
                            f"{s_both * 1e6:.0f} | {s_both / s_mix:.2f}x | {err:.1e} |")
             entry[label] = {"mixed": s_mix, "dec": s_dec, "pre": s_pre, "both": s_both, "err": err}
-        s_ref, _ = bench(lambda: reference.paged_attention(q, kc, vc, meta_mix, scale), iters=5, reps=3)
+        s_ref, _ = bench(lambda: paged_kv.reference_attention(q, kc, vc, meta_mix, scale), iters=5, reps=3)
         entry["reference"] = s_ref
         log["mixed"].append(entry)
         md += [f"### Mixed batch: {title}\n",

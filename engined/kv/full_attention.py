@@ -3,7 +3,7 @@
 Every request holds a table of blocks of ``block_size`` tokens each; a full
 block is registered under its chained hash once computed, so a later request
 with the same prefix takes a reference to it instead of computing it again
-(``block_pool`` keeps freed blocks findable until they are handed out again).
+(the pool keeps freed blocks findable until they are handed out again).
 The memory guard sizes this pool from the budget; every other group is sized
 from the configuration and set aside first.
 
@@ -19,16 +19,31 @@ window group and a draft model too. A layer that shares an earlier layer's K/V
 step object is its source's, which it only reads, after the source wrote this
 step's K/V. One pool entry serves both layers, and the memory guard bills it
 once.
+
+The block pool (``BlockPool``, at the end; the sliding-window group keeps one
+too) hands out fixed-size blocks by reference count and finds cached ones by
+their chained hash. A block with ``ref_count == 0`` sits in the free queue. If it also carries a
+hash, its contents stay valid and findable by that hash until the block is
+handed out again (evicted), least recently freed first; so cached prefixes
+never reduce capacity.
+
+The pool has a fixed ``capacity`` (what admission counts on) but only its
+first ``num_resident`` blocks exist: the owner's arrays follow that number.
+Blocks are added at the tail in large steps when an allocation would otherwise
+evict a cached prefix or run short, and ``shrink`` cuts free tail blocks off
+again, so resident memory follows demand while every block id stays valid.
 """
 
 from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict
 
 import mlx.core as mx
 import numpy as np
 
 import kernels
-from engined.kv.block_pool import Block, BlockPool
-from engined.kv.group import KVGroup
+from engined.kv.group import Block, KVGroup
 from engined.model_layers import LayerSpec
 from engined.request import Request
 from kernels import AttentionMetadata
@@ -239,3 +254,145 @@ class FullAttentionGroup(KVGroup):
     def step(self, scheduled, query_lens, seq_lens, caches) -> None:
         tables = [self.block_ids(r.request_id) for r, _ in scheduled]
         self.kv.steps(AttentionMetadata.build(query_lens, seq_lens, tables, self.block_size), caches)
+
+
+# The block pool: free queue with LRU eviction, reference counts, chained hashes.
+
+
+def hash_block(parent: bytes | None, token_ids: list[int], extra: bytes = b"") -> bytes:
+    """Hash of a full block, chained on its parent's so equal hashes mean equal prefixes.
+
+    A cryptographic digest, not Python's ``hash``: a collision would hand one
+    request another's KV. ``extra`` (the cache salt) enters the first block
+    only; the chain carries it to every later block.
+    """
+    if parent is None:
+        h = hashlib.blake2b(len(extra).to_bytes(4, "little") + extra, digest_size=16, person=b"mlxd-first")
+    else:
+        h = hashlib.blake2b(parent, digest_size=16, person=b"mlxd-chained")
+    h.update(np.asarray(token_ids, dtype=np.int64).tobytes())
+    return h.digest()
+
+
+def extend_hashes(req, num_blocks: int, block_size: int) -> None:
+    """Grow ``req.block_hashes`` to its first ``num_blocks`` full blocks (hashed once each)."""
+    hashes, bs = req.block_hashes, block_size
+    while len(hashes) < num_blocks:
+        i = len(hashes)
+        parent = hashes[-1] if hashes else None
+        hashes.append(hash_block(parent, req.token_ids[i * bs : (i + 1) * bs], req.cache_salt))
+
+
+class BlockPool:
+    def __init__(self, num_blocks: int, num_resident: int | None = None):
+        """``num_blocks`` is the capacity; ``num_resident`` (default: all of it) the blocks that exist now."""
+        resident = num_blocks if num_resident is None else min(num_resident, num_blocks)
+        self.capacity = num_blocks
+        self.blocks = [Block(i) for i in range(resident)]
+        # Insertion order is eviction order: the front is evicted first.
+        self.free_queue: OrderedDict[int, Block] = OrderedDict((b.block_id, b) for b in self.blocks)
+        self.cached: dict[bytes, Block] = {}
+
+    @property
+    def num_blocks(self) -> int:
+        """The capacity: every block the pool may ever hold (the unit admission counts in)."""
+        return self.capacity
+
+    @property
+    def num_resident(self) -> int:
+        return len(self.blocks)
+
+    @property
+    def num_free(self) -> int:
+        """Free blocks, counting those not resident yet (allocation adds them as needed)."""
+        return len(self.free_queue) + self.capacity - len(self.blocks)
+
+    def _shortfall(self, n: int) -> int:
+        """How many of ``n`` blocks the queue's front lacks before it would run out or reach a cached
+        prefix (0 once the pool is at its capacity: then it evicts, least recently used first)."""
+        if len(self.blocks) == self.capacity:
+            return 0
+        fresh = 0
+        for block in self.free_queue.values():
+            if fresh == n or block.block_hash is not None:
+                break
+            fresh += 1
+        return n - fresh
+
+    def _grow(self, shortfall: int) -> None:
+        """Add ``shortfall`` blocks or, in one large step, as many as the pool has (capped at the
+        capacity), at the front of the free queue: fresh blocks go out before a cached prefix is evicted."""
+        old = len(self.blocks)
+        new = min(self.capacity, max(2 * old, old + shortfall))
+        fresh = [Block(i) for i in range(old, new)]
+        self.blocks += fresh
+        for block in reversed(fresh):
+            self.free_queue[block.block_id] = block
+            self.free_queue.move_to_end(block.block_id, last=False)
+
+    def shrink(self, floor: int) -> int:
+        """Cut the resident blocks to the fewest (at least ``floor``) that keep every held block;
+        cached prefixes past the cut are dropped. Returns the new resident count."""
+        held = max((b.block_id for b in self.blocks if b.ref_count), default=-1)
+        cut = min(len(self.blocks), max(floor, held + 1))
+        for block in self.blocks[cut:]:
+            del self.free_queue[block.block_id]
+            if block.block_hash is not None and self.cached.get(block.block_hash) is block:
+                del self.cached[block.block_hash]
+        del self.blocks[cut:]
+        return cut
+
+    def allocate(self, n: int) -> list[Block]:
+        """Take ``n`` blocks from the front of the free queue, evicting their cached contents.
+
+        They are handed out in block order. Which blocks are evicted does not change, but a
+        request that recycles another's run (freed tail first, so queued in reverse) gets it
+        back consecutive and ascending, which lets GPU prefill read the cache in place
+        (``kernels.gpu``) instead of gathering a copy."""
+        assert n <= self.num_free, "caller must check num_free first"
+        shortfall = self._shortfall(n)
+        if shortfall:
+            self._grow(shortfall)
+        out = []
+        for _ in range(n):
+            _, block = self.free_queue.popitem(last=False)
+            assert block.ref_count == 0
+            if block.block_hash is not None:
+                if self.cached.get(block.block_hash) is block:
+                    del self.cached[block.block_hash]
+                block.block_hash = None
+            block.ref_count = 1
+            out.append(block)
+        out.sort(key=lambda b: b.block_id)
+        return out
+
+    def touch(self, blocks: list[Block]) -> None:
+        """Take a reference to cached blocks (a prefix hit), pulling free ones out of the queue."""
+        for block in blocks:
+            if block.ref_count == 0:
+                del self.free_queue[block.block_id]
+            block.ref_count += 1
+
+    def free(self, blocks: list[Block]) -> None:
+        """Drop one reference to each block; pass them tail first so a prefix's tail is evicted first."""
+        for block in blocks:
+            assert block.ref_count > 0, f"double free of block {block.block_id}"
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self.free_queue[block.block_id] = block
+
+    def lookup(self, block_hash: bytes) -> Block | None:
+        return self.cached.get(block_hash)
+
+    def cache(self, block: Block, block_hash: bytes) -> None:
+        """Register a full block under its chained hash (first writer wins)."""
+        if block.block_hash is None and block_hash not in self.cached:
+            block.block_hash = block_hash
+            self.cached[block_hash] = block
+
+    def check_whole(self) -> None:
+        """Invariant when no request holds blocks: every block free, no reference left."""
+        assert len(self.free_queue) == len(self.blocks)
+        assert all(b.ref_count == 0 for b in self.blocks)
+        ids = np.fromiter(self.free_queue.keys(), dtype=np.int64)
+        assert len(np.unique(ids)) == len(self.blocks)

@@ -1,19 +1,32 @@
-"""The contract every KV group keeps; ``engined.kv.manager`` composes them.
+"""The contract every KV group keeps; ``engined.scheduler.KVCacheManager`` composes them.
 
 A group owns one kind of per-layer cache for the layers it claims: its sizes,
 its arrays, its per-request tables, how far a cached prefix can serve it, and
 its part of allocate / commit / free. The defaults here are a group that needs
 nothing per request; a kind overrides what it keeps.
+
+A ``Block`` is what a group's tables hold and a cached prefix is made of; its
+pool (``full_attention.BlockPool``) hands it out.
 """
 
 from __future__ import annotations
 
 import mlx.core as mx
 
-from engined.kv.block_pool import Block
 from engined.model_layers import LayerSpec
 from engined.request import Request
 from shared.config import EngineConfig
+
+
+class Block:
+    """One block of a pool: its id, the references held to it, and the chained hash it is cached under."""
+
+    __slots__ = ("block_id", "ref_count", "block_hash")
+
+    def __init__(self, block_id: int):
+        self.block_id = block_id
+        self.ref_count = 0
+        self.block_hash: bytes | None = None
 
 
 class KVGroup:

@@ -35,7 +35,7 @@ from collections import OrderedDict
 import mlx.core as mx
 import numpy as np
 
-from engined.kv.block_pool import extend_hashes
+from engined.kv.full_attention import extend_hashes
 from engined.kv.group import KVGroup
 from engined.linear_attention import StateGroup, StatePlan, state_shapes
 from engined.model_layers import LayerSpec

@@ -19,9 +19,8 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from engined.kv.block_pool import Block, BlockPool
-from engined.kv.full_attention import PagedArrays
-from engined.kv.group import KVGroup
+from engined.kv.full_attention import BlockPool, PagedArrays
+from engined.kv.group import Block, KVGroup
 from engined.model_layers import LayerSpec
 from engined.request import Request
 from kernels import AttentionMetadata

@@ -34,7 +34,7 @@ def tokenizer():
 
     from engined.loaders import default_model_path
     from engined.loaders.gguf_tokenizer import build_tokenizer_dir
-    from gateway.tokenizer import Tokenizer
+    from gateway.params import Tokenizer
 
     path = default_model_path()
     _, meta = mx.load(path, return_metadata=True)

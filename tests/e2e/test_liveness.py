@@ -11,8 +11,7 @@ from engined.daemon import Daemon
 from engined.engine import Engine
 from shared import protocol as p
 from shared.config import EngineConfig
-from shared.protocol import Kind
-from shared.sampling import SamplingParams
+from shared.protocol import Kind, SamplingParams
 from tests.tiny_models import make_tiny_model
 
 HOLD_S = 20.0  # the longest the step is held: far past any ping's answer, were it answered

@@ -16,7 +16,7 @@ from transformers import AutoTokenizer
 
 from engined.engine import Engine
 from shared.config import EngineConfig
-from shared.sampling import SamplingParams
+from shared.protocol import SamplingParams
 from tests.e2e.serve_harness import Serve, gone
 
 FLAGS = ["--pipeline-parallel-size", "2", "--pipeline-timeout", "6", "--num-kv-blocks", "96",

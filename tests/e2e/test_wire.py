@@ -9,8 +9,7 @@ import pytest
 import zmq
 
 from shared import protocol as p
-from shared.protocol import Kind
-from shared.sampling import SamplingParams
+from shared.protocol import Kind, SamplingParams
 
 
 @pytest.fixture

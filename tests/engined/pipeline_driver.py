@@ -25,7 +25,7 @@ def main() -> int:
 
         load_fast_blas()
         from engined.engine import Engine
-        from shared.sampling import SamplingParams
+        from shared.protocol import SamplingParams
 
         engine = Engine(config)
         params = SamplingParams(temperature=0.0, max_tokens=int(sys.argv[3]) if len(sys.argv) > 3 else 8,

@@ -16,7 +16,7 @@ import pytest
 from engined.engine import Engine
 from engined.loaders import load_model
 from shared.config import EngineConfig
-from shared.sampling import SamplingParams
+from shared.protocol import SamplingParams
 from tests.tiny_models import fresh_seed, make_tiny_model
 
 

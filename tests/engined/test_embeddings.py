@@ -17,7 +17,7 @@ from engined.engine import Engine
 from engined.loaders import load_model
 from shared.config import EngineConfig
 from shared.errors import InvalidRequestError
-from shared.sampling import SamplingParams
+from shared.protocol import SamplingParams
 from tests.tiny_models import fresh_seed, make_tiny_model, seeded_rng
 
 TOL = 1e-4

@@ -15,7 +15,7 @@ import pytest
 from engined.encoder_engine import EncoderEngine, encoder_dir
 from shared.config import EngineConfig
 from shared.errors import ContextLengthError, InvalidRequestError, ModelLoadError, OverloadedError
-from shared.sampling import SamplingParams
+from shared.protocol import SamplingParams
 from tests.tiny_models import make_tiny_model, seeded_rng
 
 

@@ -8,7 +8,7 @@ from transformers import AutoTokenizer
 from engined.engine import Engine
 from shared.config import EngineConfig
 from shared.errors import ContextLengthError, InvalidRequestError
-from shared.sampling import SamplingParams
+from shared.protocol import SamplingParams
 
 
 @pytest.fixture(scope="module")

@@ -21,7 +21,7 @@ from engined.engine import Engine
 from engined.loaders import load_model
 from shared.config import EngineConfig
 from shared.errors import ModelLoadError
-from shared.sampling import SamplingParams
+from shared.protocol import SamplingParams
 from tests import model_support
 from tests.engined.test_parity import check_parity
 from tests.tiny_models import make_tiny_model, quantize_in_groups_of_32, seeded_rng, tiny_config

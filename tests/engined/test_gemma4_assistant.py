@@ -27,7 +27,7 @@ from engined.loaders import load_model
 from engined.model_layers import text_model
 from shared.config import EngineConfig
 from shared.errors import ModelLoadError
-from shared.sampling import SamplingParams, StructuredSpec
+from shared.protocol import SamplingParams, StructuredSpec
 from tests.engined.test_mtp import mixed_batch
 from tests.engined.test_speculative import CHI2_999, chi2_two_sample, waits_per_draft_round
 from tests.tiny_models import make_tiny_gemma4_assistant, make_tiny_model, seeded_rng

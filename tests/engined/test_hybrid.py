@@ -12,12 +12,12 @@ import numpy as np
 import pytest
 
 from engined.engine import Engine
-from engined.loaders import load_model
 from engined.kv.recurrent_state import RecurrentStateGroup
+from engined.loaders import load_model
 from engined.request import Request
 from engined.scheduler import SchedulerOutput
 from shared.config import EngineConfig
-from shared.sampling import SamplingParams
+from shared.protocol import SamplingParams
 from tests.tiny_models import make_tiny_model, seeded_rng
 
 REL_TOL = 2e-4

@@ -7,11 +7,11 @@ import mlx.core as mx
 import pytest
 
 from engined.engine import Engine
-from engined.kv.block_pool import BlockPool
-from engined.kv.manager import IDLE_RELEASE_S
+from engined.kv.full_attention import BlockPool
 from engined.loaders import load_model
+from engined.scheduler import IDLE_RELEASE_S
 from shared.config import EngineConfig
-from shared.sampling import SamplingParams
+from shared.protocol import SamplingParams
 from tests.tiny_models import make_tiny_model, seeded_rng
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)

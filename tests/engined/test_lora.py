@@ -23,7 +23,7 @@ from engined.loaders import load_model
 from engined.lora.adapters import read_adapter
 from shared.config import EngineConfig
 from shared.errors import InvalidRequestError, NotFoundError
-from shared.sampling import SamplingParams
+from shared.protocol import SamplingParams
 from tests.tiny_models import fresh_seed, make_tiny_model, quantize_in_groups_of_32
 
 ATTN = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj")

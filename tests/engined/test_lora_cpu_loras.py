@@ -10,7 +10,7 @@ import pytest
 from engined.lora.adapters import read_adapter
 from shared.config import EngineConfig
 from shared.errors import InvalidRequestError
-from shared.sampling import SamplingParams
+from shared.protocol import SamplingParams
 from tests.engined.test_lora import _engine, _module_shapes, _load, setups  # noqa: F401 (the fixture)
 from tests.tiny_models import fresh_seed
 

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from engined.lora.adapters import read_adapter
-from shared.sampling import SamplingParams
+from shared.protocol import SamplingParams
 from tests.engined.test_lora import _engine, _load, random_adapter, setups, write_mlx_lm  # noqa: F401 (setups)
 from tests.tiny_models import fresh_seed
 

@@ -13,7 +13,7 @@ from engined.loaders import load_model
 from engined.memory_guard import device_memory
 from shared.config import EngineConfig
 from shared.errors import MemoryBudgetError, OverloadedError
-from shared.sampling import SamplingParams
+from shared.protocol import SamplingParams
 from tests.tiny_models import make_tiny_model
 
 

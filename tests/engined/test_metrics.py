@@ -8,7 +8,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from engined.engine import Engine
 from engined.loaders import load_model
 from shared.config import EngineConfig
-from shared.sampling import SamplingParams
+from shared.protocol import SamplingParams
 from tests.tiny_models import make_tiny_model
 
 VLLM_NAMES = {

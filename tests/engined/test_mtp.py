@@ -22,13 +22,13 @@ from transformers import AutoTokenizer
 
 from engined.engine import Engine
 from engined.kv.mtp_layer import MTPLayerGroup
-from engined.metrics import StatsLog
 from engined.loaders import load_model
+from engined.metrics import StatsLog
 from engined.model_layers import text_model
 from engined.mtp import build_layer
 from shared.config import EngineConfig
 from shared.errors import ModelLoadError
-from shared.sampling import SamplingParams, StructuredSpec
+from shared.protocol import SamplingParams, StructuredSpec
 from tests.engined.test_speculative import CHI2_999, chi2_two_sample, waits_per_draft_round
 from tests.tiny_models import make_tiny_model, seeded_rng
 

@@ -15,7 +15,7 @@ from engined.loaders import load_model
 from engined.request import Request
 from engined.scheduler import SchedulerOutput
 from shared.config import EngineConfig
-from shared.sampling import SamplingParams
+from shared.protocol import SamplingParams
 from tests.tiny_models import ARCHS, fresh_seed, make_tiny_model, seeded_rng
 
 REL_TOL = 2e-4

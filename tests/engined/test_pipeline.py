@@ -20,7 +20,7 @@ import pytest
 
 from engined.engine import Engine
 from shared.config import EngineConfig
-from shared.sampling import SamplingParams
+from shared.protocol import SamplingParams
 from tests.e2e.serve_harness import gone
 from tests.tiny_models import fresh_seed, make_tiny_model, seeded_rng
 

@@ -6,7 +6,7 @@ import pytest
 from engined.engine import Engine
 from engined.loaders import load_model
 from shared.config import EngineConfig
-from shared.sampling import SamplingParams
+from shared.protocol import SamplingParams
 from tests.tiny_models import make_tiny_model
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)

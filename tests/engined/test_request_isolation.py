@@ -13,7 +13,7 @@ from engined.loaders import load_model
 from engined.structured import Grammar
 from shared.config import EngineConfig
 from shared.errors import InvalidRequestError
-from shared.sampling import SamplingParams, StructuredSpec
+from shared.protocol import SamplingParams, StructuredSpec
 from tests.tiny_models import fresh_seed, make_tiny_model, seeded_rng
 
 NGRAM = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}'

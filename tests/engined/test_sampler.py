@@ -10,7 +10,7 @@ import pytest
 
 from engined.request import Request
 from engined.sampler import _CANDIDATES, _NEG, Sampler
-from shared.sampling import SamplingParams
+from shared.protocol import SamplingParams
 
 
 def _request(i: int, params: SamplingParams, prompt: list[int], output: list[int]) -> Request:

@@ -9,10 +9,9 @@ import random
 
 from hypothesis import given, settings, strategies as st
 
-from engined.kv import KVCacheManager
 from engined.request import Request, Status
-from engined.scheduler import Scheduler, SchedulerOutput, attended_keys
-from shared.sampling import SamplingParams
+from engined.scheduler import KVCacheManager, Scheduler, SchedulerOutput, attended_keys
+from shared.protocol import SamplingParams
 from tests.tiny_models import fresh_seed
 
 blocks_only = KVCacheManager.blocks_only

@@ -12,7 +12,7 @@ from engined.request import Request
 from engined.sampler import Sampler
 from engined.speculative import Verifier, ngram_propose
 from shared.config import EngineConfig
-from shared.sampling import SamplingParams
+from shared.protocol import SamplingParams
 from tests.tiny_models import make_tiny_model, seeded_rng
 
 NGRAM = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}'

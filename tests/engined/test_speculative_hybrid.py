@@ -14,7 +14,7 @@ from engined.engine import Engine
 from engined.kv.recurrent_state import RecurrentStateGroup
 from engined.loaders import load_model
 from shared.config import EngineConfig
-from shared.sampling import SamplingParams
+from shared.protocol import SamplingParams
 from tests.tiny_models import make_tiny_model, seeded_rng
 
 NGRAM = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}'

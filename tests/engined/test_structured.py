@@ -12,7 +12,7 @@ from engined.engine import Engine
 from engined.speculative import can_speculate
 from shared.config import EngineConfig
 from shared.errors import InvalidRequestError
-from shared.sampling import SamplingParams, StructuredSpec
+from shared.protocol import SamplingParams, StructuredSpec
 
 PERSON = {
     "type": "object",

@@ -14,7 +14,7 @@ from engined.engine import Engine
 from engined.loaders import load_model
 from engined.metrics import build_1_2_5_buckets
 from shared.config import EngineConfig
-from shared.sampling import SamplingParams
+from shared.protocol import SamplingParams
 from tests.tiny_models import make_tiny_model
 
 TABLE = json.loads((pathlib.Path(__file__).parent / "vllm_metrics.json").read_text())

@@ -6,7 +6,7 @@ from engined.engine import Engine
 from engined.loaders import load_model
 from shared.config import EngineConfig
 from shared.errors import OverloadedError
-from shared.sampling import SamplingParams
+from shared.protocol import SamplingParams
 from tests.tiny_models import fresh_seed, make_tiny_model
 
 PARAMS = SamplingParams(max_tokens=2, temperature=0.0)

@@ -11,11 +11,11 @@ import numpy as np
 import pytest
 
 from engined.engine import Engine
-from engined.loaders import load_model
 from engined.kv.sliding_window import SlidingWindowGroup, first_visible_block, window_pool_blocks
+from engined.loaders import load_model
 from engined.request import Request
 from shared.config import EngineConfig
-from shared.sampling import SamplingParams
+from shared.protocol import SamplingParams
 from tests.engined.test_hybrid import assert_close, drive
 from tests.tiny_models import make_tiny_model, seeded_rng
 

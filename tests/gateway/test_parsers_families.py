@@ -175,7 +175,7 @@ def test_formats_spelled_in_special_tokens_keep_them_in_the_decoded_text():
 
 def test_a_constraint_waits_for_the_end_of_the_reasoning_the_parser_names():
     from gateway.structured import reasoning_aware
-    from shared.sampling import StructuredSpec
+    from shared.protocol import StructuredSpec
 
     spec = StructuredSpec("json_object")
     gemma = reasoning_aware(spec, "gemma4", "<|turn>model\n<|channel>thought\n", json.dumps)

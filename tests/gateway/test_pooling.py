@@ -4,9 +4,8 @@ import numpy as np
 import pytest
 
 from gateway.embeddings import check_dimensions, cut_dimensions
-from gateway.params import check_task
+from gateway.params import Tokenizer, check_task
 from gateway.scoring import pair_ids, score_pairs
-from gateway.tokenizer import Tokenizer
 from shared.errors import InvalidRequestError
 from shared.protocol import EngineInfo
 from tests.tiny_models import make_tiny_model, seeded_rng

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from gateway.structured import reasoning_aware, response_format_spec, structured_outputs_spec, tool_plan
-from shared.sampling import StructuredSpec
+from shared.protocol import StructuredSpec
 
 OPEN_PROMPT = "<|im_start|>assistant\n<think>\n"
 CLOSED_PROMPT = "<|im_start|>assistant\n"

@@ -6,8 +6,8 @@ import random
 
 import pytest
 
-from gateway.http_guards import MAX_JSON_DEPTH, decode, json_depth, loads
-from gateway.tokenizer import TemplateStepsExceeded, step_capped
+from gateway.params import MAX_JSON_DEPTH, TemplateStepsExceeded, json_depth, loads, step_capped
+from gateway.server import decode
 from shared.errors import InvalidRequestError
 
 SEED = 20261201

@@ -9,7 +9,7 @@ from gateway.parsers import TOOL_PARSERS
 from gateway.structured import (marker_literal, one_spec, response_format_spec, structured_outputs_spec,
                                 tool_plan)
 from shared.errors import InvalidRequestError
-from shared.sampling import StructuredSpec
+from shared.protocol import StructuredSpec
 
 TOOLS = [{"type": "function", "function": {"name": "add", "parameters": {
     "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}, "required": ["a", "b"]}}},
@@ -91,7 +91,7 @@ def test_chat_output_streams_what_it_returns_whole():
 
 def test_history_tool_call_arguments_reach_templates_as_objects():
     from gateway.openai_types import ChatMessage
-    from gateway.tokenizer import message_dicts
+    from gateway.params import message_dicts
 
     call = {"id": "call_1", "type": "function", "function": {"name": "add", "arguments": '{"a": 1, "b": 2}'}}
     msgs = message_dicts([ChatMessage(role="user", content="hi"),

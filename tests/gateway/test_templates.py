@@ -5,8 +5,7 @@ from __future__ import annotations
 import pytest
 
 from gateway.openai_types import ChatMessage
-from gateway.params import check_chat
-from gateway.tokenizer import load_chat_template, message_dicts
+from gateway.params import check_chat, load_chat_template, message_dicts
 from shared.errors import InvalidRequestError
 
 CONVO = [{"role": "user", "content": "Hi"}]

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import kernels
-from kernels import gpu, numpy_attention, reference, source
+from kernels import gpu, paged_kv, source
 from kernels import gpu_geometry as geo
 from tests.kernels.cases import dense_attention, host_gather_runs, make_case, rel_error
 from kernels.paged_kv import AttentionMetadata
@@ -42,7 +42,7 @@ def _mixed_lengths(rng, num_decode, prefill_chunks, max_ctx):
 
 
 def _check(case, sliding_window=None, softcap=None, dtype=mx.float32):
-    out = reference.paged_attention(case.q, case.k_cache, case.v_cache, case.meta, case.scale,
+    out = paged_kv.reference_attention(case.q, case.k_cache, case.v_cache, case.meta, case.scale,
                                     sliding_window=sliding_window, softcap=softcap)
     assert out.shape == case.q.shape and out.dtype == case.q.dtype
     ref = dense_attention(case, sliding_window=sliding_window, softcap=softcap)
@@ -109,11 +109,11 @@ def test_attention_dispatch_uses_host_path_on_cpu_and_reference_for_half_precisi
     assert kernels.resolve_backend() == "host"
     case = make_case(rng, [1, 3], [9, 5], 4, 2, 64, 8)
     a = kernels.paged_attention(case.q, case.k_cache, case.v_cache, case.meta, case.scale)
-    b = numpy_attention.paged_attention(case.q, case.k_cache, case.v_cache, case.meta, case.scale)
+    b = paged_kv.host_attention(case.q, case.k_cache, case.v_cache, case.meta, case.scale)
     assert mx.array_equal(a, b)
     half = make_case(rng, [1, 3], [9, 5], 4, 2, 64, 8, dtype=mx.float16)
     a = kernels.paged_attention(half.q, half.k_cache, half.v_cache, half.meta, half.scale)
-    b = reference.paged_attention(half.q, half.k_cache, half.v_cache, half.meta, half.scale)
+    b = paged_kv.reference_attention(half.q, half.k_cache, half.v_cache, half.meta, half.scale)
     assert mx.array_equal(a, b)
 
 
@@ -166,15 +166,15 @@ def test_kernel_subset_keeps_each_rows_context(rng):
     assert (np.asarray(sub.seq_lens) == meta.seq_lens_np[reqs]).all()
     assert (np.asarray(sub.block_tables) == np.asarray(meta.block_tables)[reqs]).all()
     assert (np.asarray(sub.positions) == np.asarray(meta.positions)[rows]).all()
-    alone = reference.paged_attention(case.q[mx.array(rows)], case.k_cache, case.v_cache, sub, case.scale)
-    full = reference.paged_attention(case.q, case.k_cache, case.v_cache, meta, case.scale)
+    alone = paged_kv.reference_attention(case.q[mx.array(rows)], case.k_cache, case.v_cache, sub, case.scale)
+    full = paged_kv.reference_attention(case.q, case.k_cache, case.v_cache, meta, case.scale)
     assert rel_error(alone, full[mx.array(rows)]) < 1e-6
 
 
 def _host_kernels(monkeypatch):
     """Stand-ins for the two GPU launches of the chunk route, so its planning and assembly run here."""
     def launch(plan, q, k_cache, v_cache, scale, window, softcap):
-        return reference.paged_attention(q, k_cache, v_cache, plan.meta, scale, window, softcap)
+        return paged_kv.reference_attention(q, k_cache, v_cache, plan.meta, scale, window, softcap)
 
     monkeypatch.setattr(gpu, "_launch", launch)
     monkeypatch.setattr(gpu, "gather_runs", host_gather_runs)
@@ -208,7 +208,7 @@ def test_kernel_chunk_route_batches_equal_chunks_and_keeps_packed_order(rng, mon
     assert (sub is None) == (len(rows) == 0) and len(rows) + meta.query_lens_np[long].sum() == meta.num_tokens
     for b0, n, ql, sl in runs:  # a run is adjacent chunks of one shape
         assert (meta.query_lens_np[b0 : b0 + n] == ql).all() and (meta.seq_lens_np[b0 : b0 + n] == sl).all()
-    want = reference.paged_attention(case.q, case.k_cache, case.v_cache, meta, case.scale)
+    want = paged_kv.reference_attention(case.q, case.k_cache, case.v_cache, meta, case.scale)
     got = gpu.paged_attention("cuda", case.q, case.k_cache, case.v_cache, meta, case.scale)
     assert rel_error(got, want) < 2e-3
 

@@ -6,7 +6,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from kernels import numpy_attention, reference
+from kernels import paged_kv
 from tests.kernels.cases import dense_attention, make_case, rel_error
 
 
@@ -19,7 +19,7 @@ def rng():
 
 def _batch(rng, max_ctx):
     """Decode rows, a chunk longer than a query block after cached context, a fresh chunk, interleaved."""
-    qlens = [1, 1, 1, numpy_attention.QUERY_BLOCK + int(rng.integers(1, 60)), int(rng.integers(2, 40)), 1]
+    qlens = [1, 1, 1, paged_kv.QUERY_BLOCK + int(rng.integers(1, 60)), int(rng.integers(2, 40)), 1]
     slens = [int(rng.integers(1, max_ctx)), 1, max_ctx, qlens[3] + int(rng.integers(0, max_ctx - qlens[3])),
              qlens[4], int(rng.integers(1, max_ctx))]
     order = rng.permutation(len(qlens))
@@ -31,7 +31,7 @@ def _batch(rng, max_ctx):
 def test_attention_host_mixed_batch_matches_dense(rng, num_heads, num_kv_heads, block_size):
     qlens, slens = _batch(rng, 700)
     case = make_case(rng, qlens, slens, num_heads, num_kv_heads, 64, block_size)
-    out = numpy_attention.paged_attention(case.q, case.k_cache, case.v_cache, case.meta, case.scale)
+    out = paged_kv.host_attention(case.q, case.k_cache, case.v_cache, case.meta, case.scale)
     assert out.shape == case.q.shape and out.dtype == mx.float32
     assert rel_error(out, dense_attention(case)) < 2e-5
 
@@ -41,7 +41,7 @@ def test_attention_host_mixed_batch_matches_dense(rng, num_heads, num_kv_heads, 
 def test_attention_host_window_and_softcap_match_dense(rng, window, softcap):
     qlens, slens = _batch(rng, 500)
     case = make_case(rng, qlens, slens, 8, 2, 64, 16)
-    out = numpy_attention.paged_attention(case.q, case.k_cache, case.v_cache, case.meta, case.scale,
+    out = paged_kv.host_attention(case.q, case.k_cache, case.v_cache, case.meta, case.scale,
                                sliding_window=window, softcap=softcap)
     assert rel_error(out, dense_attention(case, sliding_window=window, softcap=softcap)) < 2e-5
 
@@ -52,16 +52,16 @@ def test_attention_host_sinks_match_reference(rng, window):
     case = make_case(rng, qlens, slens, 8, 2, 64, 16)
     sinks = mx.array(rng.normal(size=8).astype(np.float32) * 3)
     args = (case.q, case.k_cache, case.v_cache, case.meta, case.scale, window, None, sinks)
-    ours, ref = numpy_attention.paged_attention(*args), reference.paged_attention(*args)
+    ours, ref = paged_kv.host_attention(*args), paged_kv.reference_attention(*args)
     assert rel_error(ours, ref) < 2e-5
     # The sinks must matter: without them the answer moves.
-    plain = numpy_attention.paged_attention(*args[:-1])
+    plain = paged_kv.host_attention(*args[:-1])
     assert rel_error(plain, ref) > 1e-3
 
 
 def test_attention_host_long_context_up_to_8k(rng):
     case = make_case(rng, [1, 1, 300], [8192, 4000, 8000], 8, 2, 128, 16)
-    out = numpy_attention.paged_attention(case.q, case.k_cache, case.v_cache, case.meta, case.scale)
+    out = paged_kv.host_attention(case.q, case.k_cache, case.v_cache, case.meta, case.scale)
     assert rel_error(out, dense_attention(case)) < 2e-5
-    assert numpy_attention.supported(case.q, case.k_cache)
-    assert not numpy_attention.supported(case.q.astype(mx.float16), case.k_cache.astype(mx.float16))
+    assert paged_kv.host_supported(case.q, case.k_cache)
+    assert not paged_kv.host_supported(case.q.astype(mx.float16), case.k_cache.astype(mx.float16))

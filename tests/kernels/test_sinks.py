@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import kernels
-from kernels import reference
+from kernels import paged_kv
 from tests.kernels.cases import make_case, rel_error
 
 
@@ -59,9 +59,9 @@ def test_sinks_mixed_batch_match_explicit_softmax(rng, sliding_window, softcap):
 
 def test_sinks_change_the_answer_and_none_keeps_the_old_contract(rng):
     case = make_case(rng, [1, 9], [20, 9], 4, 4, 16, 8)
-    plain = reference.paged_attention(case.q, case.k_cache, case.v_cache, case.meta, case.scale)
+    plain = paged_kv.reference_attention(case.q, case.k_cache, case.v_cache, case.meta, case.scale)
     zeros = np.full(4, -np.inf)  # a sink at -inf takes no mass: same as no sink
     assert rel_error(plain, mx.array(dense_with_sinks(case, zeros).astype(np.float32))) < 2e-5
-    heavy = reference.paged_attention(case.q, case.k_cache, case.v_cache, case.meta, case.scale,
+    heavy = paged_kv.reference_attention(case.q, case.k_cache, case.v_cache, case.meta, case.scale,
                                       sinks=mx.full((4,), 3.0))
     assert rel_error(heavy, plain) > 1e-2

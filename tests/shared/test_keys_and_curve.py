@@ -8,10 +8,11 @@ import stat
 
 import pytest
 
+from gateway.server import KeyChecker
 from mlxd import cli
-from shared.errors import MlxdError
 from shared.curve import InsecureEndpointError, check_endpoint, is_loopback, make_keys
-from shared.keys import KeyChecker, add_key, match_key, read_keys, revoke_key
+from shared.errors import MlxdError
+from shared.keys import add_key, match_key, read_keys, revoke_key
 from shared.paths import UnsafeDirectoryError, check_ipc_endpoint, check_private_dir
 
 

@@ -12,7 +12,7 @@ import subprocess
 import sys
 
 MODULES = ["engined", "engined.engine", "engined.daemon", "engined.process", "engined.device",
-           "engined.loaders", "engined.structured", "kernels", "gateway.tokenizer",
+           "engined.loaders", "engined.structured", "kernels", "gateway.params",
            "gateway.server", "mlxd.cli", "mlxd.serve", "service.managers", "shared.hub"]
 
 PROBE = """

@@ -6,8 +6,7 @@ import msgspec
 import pytest
 
 from shared import protocol as p
-from shared.protocol import Kind
-from shared.sampling import SamplingParams
+from shared.protocol import Kind, SamplingParams
 
 EXAMPLES = {
     Kind.HELLO: p.Hello(protocol_version=p.PROTOCOL_VERSION, pid=3),

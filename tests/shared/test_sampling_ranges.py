@@ -6,7 +6,7 @@ import pytest
 
 from shared import protocol as p
 from shared.errors import InvalidRequestError
-from shared.sampling import INT64_MAX, INT64_MIN, SamplingParams
+from shared.protocol import INT64_MAX, INT64_MIN, SamplingParams
 
 VOCAB = 1000
 

@@ -18,7 +18,7 @@ q = a[mx.array([1, 2, 3])]; t2 = time.perf_counter(); mx.eval(y); t3 = time.perf
 print(f"index with a new host array {1e3*(t2-t1):.2f} ms, rest {1e3*(t3-t2):.2f}", flush=True)
 # 2. profile the engine's step at c=64 decode
 from bench.gpu_serving import build_models, engine_for
-from shared.sampling import SamplingParams
+from shared.protocol import SamplingParams
 class A: max_num_batched_tokens = 8192; num_kv_blocks = 8192
 model, make_loaded, n = build_models("qwen3-8b", "bf16", 0)
 for mode in (False, True):
