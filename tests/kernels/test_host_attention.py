@@ -1,4 +1,5 @@
-"""The numpy host path (the CPU's attention) against the dense oracle and the pure-MLX reference."""
+"""The host path (`paged_kv.host_attention`, numpy: the CPU's attention) against the dense oracle and the pure-MLX
+reference."""
 
 from __future__ import annotations
 
