@@ -102,13 +102,13 @@ class ModelRunner:
         pieces = self.pieces(batch)
         fills = self.fills(batch, inflight) if inflight is not None else None
         caches = self.kv.step_caches(batch.scheduled)
-        if self.lora is None:
-            return forward_pooled(self.model, self.head, pieces, caches, num_logits, batch.hidden_rows, fills)
-        self.lora.set_step([r.lora_slot for r, _ in batch.scheduled], [n for _, n in batch.scheduled])
+        if self.lora is not None:
+            self.lora.set_step([r.lora_slot for r, _ in batch.scheduled], [n for _, n in batch.scheduled])
         try:
             return forward_pooled(self.model, self.head, pieces, caches, num_logits, batch.hidden_rows, fills)
         finally:
-            self.lora.set_step([], [])
+            if self.lora is not None:
+                self.lora.set_step([], [])
 
     @staticmethod
     def pieces(batch: SchedulerOutput) -> list[list[int]]:

@@ -73,10 +73,7 @@ class SharedInput:
             self._held = h * self.step.mask
             self._x = x
             self._left = sum(1 for m in self.members if m.live_slots)
-        h = self._held
-        self._left -= 1
-        if self._left <= 0:
-            self.clear()
+        h = self._take()
         return h if len(self.members) == 1 else h[column]
 
     def fused(self, x: mx.array, column: int) -> mx.array:
@@ -91,8 +88,12 @@ class SharedInput:
                                   self.step.slots, self.rank)
                 ys = [z.reshape(y.shape) for z, y in zip(zs, ys)]
             self._held, self._x, self._left = ys, x, len(members)
-        out = self._held[column]
+        return self._take()[column]
+
+    def _take(self):
+        """What is held for this input, dropped once the last member that takes it has."""
+        held = self._held
         self._left -= 1
         if self._left <= 0:
             self.clear()
-        return out
+        return held
