@@ -28,7 +28,9 @@ step() {  # step NAME CAP_S COMMAND...: run COMMAND under min(CAP_S, what is lef
 python3 -c 'import mlx.core as mx; print("mlx", mx.__version__, mx.default_device())' || exit 1
 for what in ${@:-mtp pipeline lora probe serving hoststep}; do
   case $what in
-    lora)  # issue 22: 4 adapters against the base at c=8 and 64 (target >= 0.8x)
+    lora)  # issue 22: 4 adapters against the base at c=8 and 64 (target >= 0.8x), once the kernel is checked
+      step lora_check 90 python3 -m bench.lora --check
+      grep -q "float32 rank 64" "$OUT/lora_check.log" || { echo "   kernels.lora failed its check"; continue; }
       step lora_term 60 python3 -m bench.lora --shape llama-8b --term --step-repeats 20
       step lora 150 python3 -m bench.lora --shape llama-8b --levels 8 64 --max-tokens 32 --prompt-lens 64 256 \
         --repeats 1 --step-repeats 5
@@ -38,9 +40,9 @@ for what in ${@:-mtp pipeline lora probe serving hoststep}; do
       step mtp 240 python3 -m bench.speculative --method mtp --shape qwen3_5-8b --levels 1 4 16 --k 3 \
         --p 0 0.5 0.7 0.9 1 --max-tokens 64 --prompt-tokens 256
       step mtp_propose 90 python3 -m bench.speculative_propose --shape qwen3_5-8b --levels 1 16 --ks 1 2 3 4 ;;
-    mtp_batch)  # issue 21: the curve at c = 4 and 16, fewer acceptance points
-      step mtp_batch 300 python3 -m bench.speculative --method mtp --shape qwen3_5-8b --levels 4 16 --k 3 \
-        --p 0 0.7 1 --max-tokens 64 --prompt-tokens 256 ;;
+    mtp_batch)  # issue 21: the curve at c = 4 and 16 in float32, where bf16's verify shapes moved the forced truth
+      step mtp_batch 300 python3 -m bench.speculative --method mtp --shape qwen3_5-8b --dtype float32 --levels 4 16 \
+        --k 3 --p 0 0.7 1 --max-tokens 64 --prompt-tokens 256 ;;
     pipeline_dtype)  # issue 23: do two batches in flight change outputs in float32 too, or only by bf16 rounding?
       for dtype in float32 bfloat16; do
         step "pipeline_$dtype" 150 python3 -m bench.pipeline --shape llama-1b --dtype $dtype \

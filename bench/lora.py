@@ -161,8 +161,8 @@ def step_cost(engine: Engine, prompts: list[list[int]], loras: list[str], repeat
 
 
 def kernel_check() -> None:
-    """``kernels.lora`` against the same term in float32 numpy, over dtypes, ranks, group sizes and row counts
-    (slots 0..4 mixed): the largest error relative to the output's scale, and a failure past the dtype's
+    """``kernels.lora`` against the same term in float32 numpy, over dtypes, ranks, group sizes, row counts and
+    input widths under and over a thread group's 256 (slots 0..4 mixed): the largest error relative to the output's scale, and a failure past the dtype's
     tolerance."""
     from kernels.lora import lora_outputs
 
@@ -171,8 +171,8 @@ def kernel_check() -> None:
     for dtype, tol in ((mx.float32, 1e-4), (mx.bfloat16, 2e-2)):
         for rank in (8, 16, 64):
             for outs in ((96,), (96, 40), (300, 64, 64)):
-                for rows in (1, 8, 67):
-                    d_in, s = 200, NUM_ADAPTERS
+                for rows, d_in in ((1, 200), (8, 1000), (67, 300)):
+                    s = NUM_ADAPTERS
                     x = rng.normal(size=(rows, d_in)).astype(np.float32)
                     a = rng.normal(size=(d_in, len(outs) * s * rank)).astype(np.float32) * 0.1
                     bs = [rng.normal(size=(s * rank, o)).astype(np.float32) * 0.1 for o in outs]
