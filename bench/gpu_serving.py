@@ -178,10 +178,10 @@ def closed_batches(model, make_loaded, args, rows: list) -> None:
                     for k, v in times_rep.items():
                         times[k].append(v)
             med = {k: statistics.median(v) for k, v in times.items()}
-            row = dict(model=args.label, workload=workload, c=c, tokens=total, seconds=med,
+            row = dict(model=args.label, workload=workload, c=c, tokens=total, seconds=med, each=times,
                        tok_s={k: total / v for k, v in med.items()},
                        ratio={m: med["mlx_lm"] / med[m] for m in engines},
-                       steps={m: steps[m][len(steps[m]) // 2] for m in engines},
+                       steps={m: steps[m] for m in engines},
                        budget=args.max_num_batched_tokens)
             rows.append(row)
             print(json.dumps(row), flush=True)

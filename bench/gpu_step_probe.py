@@ -6,8 +6,11 @@ difference of two ``batch_generate`` runs, 88 and 24 tokens, over 64 steps);
 then mlxd asynchronous and synchronous, 50 decode steps each, with MLX's
 buffer cache unlimited and again capped where the memory guard caps it (its
 warm-up's activations): a step that frees and allocates past the cap shows
-as host time. The asynchronous engine's steps are then profiled (cProfile,
-by own time and by cumulative time).
+as host time. The cap is timed first as the engine leaves it, then
+unlimited, capped again, and capped with the cache cleared whenever it is
+90 % full (MLX frees a released buffer at once, not into its cache, while the
+cache is at its limit). The asynchronous engine's steps are then profiled
+(cProfile, by own time and by cumulative time).
 
     python -m bench.gpu_step_probe [--model qwen3-8b]
 """
@@ -56,18 +59,27 @@ def main() -> None:
             for _ in range(10):  # the prefill and the first decode steps
                 engine.step()
 
-            def timed(engine, label: str, steps: int = 50) -> None:
-                t0, w0 = time.perf_counter(), engine.sync_wait_s
+            def timed(engine, label: str, steps: int = 50, clear_when_full: bool = False) -> None:
+                cache0 = mx.get_cache_memory()
+                t0, w0, clears = time.perf_counter(), engine.sync_wait_s, 0
                 for _ in range(steps):
                     engine.step()
+                    if clear_when_full and mx.get_cache_memory() >= 0.9 * limit:
+                        mx.clear_cache()
+                        clears += 1
                 dt = time.perf_counter() - t0
                 print(f"c={c} async={asynchronous} {label}: {1e3 * dt / steps:.2f} ms/step, waiting "
-                      f"{1e3 * (engine.sync_wait_s - w0) / steps:.2f}", flush=True)
+                      f"{1e3 * (engine.sync_wait_s - w0) / steps:.2f}; buffer cache {cache0 / 2**20:.0f} -> "
+                      f"{mx.get_cache_memory() / 2**20:.0f} MiB" + (f", {clears} clears" if clear_when_full else ""),
+                      flush=True)
 
+            limit = int(engine.memory.activations)
+            timed(engine, f"buffer cache capped at {limit / 2**20:.0f} MiB, as the engine runs")
             mx.set_cache_limit(1 << 40)
             timed(engine, "buffer cache unlimited")
-            mx.set_cache_limit(int(engine.memory.activations))
-            timed(engine, f"buffer cache capped at {engine.memory.activations / 2**20:.0f} MiB")
+            mx.set_cache_limit(limit)
+            timed(engine, "capped again")
+            timed(engine, "capped, cleared when 90 % full", clear_when_full=True)
             if asynchronous:
                 prof = cProfile.Profile()
                 prof.enable()

@@ -90,7 +90,7 @@ class Engine:
                                       kv.block_ids) if spec is not None else None)
         stores = [kv] + ([self.drafter] if self.drafter else []) + ([self.lora] if self.lora else [])
         self.memory = memory_guard.plan(self.runner, stores, config, self.max_model_len, loaded.vocab_size,
-                                        progress)
+                                        progress, kernels=backend in ("metal", "cuda") and not pipelined)
         if pipelined:
             self.memory = self.runner.agree(self.memory)
         log.info("%s", self.memory.describe())

@@ -98,9 +98,11 @@ class MemoryPlan:
         )
 
 
-def warm_up(runner, config: EngineConfig, max_model_len: int, vocab_size: int, progress: bool) -> int:
+def warm_up(runner, config: EngineConfig, max_model_len: int, vocab_size: int, progress: bool,
+            kernels: bool = False) -> int:
     """Run the largest prefill step (twice), the widest sampling and verification steps; returns
-    peak scratch bytes, with headroom.
+    peak scratch bytes, with headroom. ``kernels``: then ``warm_kernels``, whose small steps add
+    nothing to the peak.
 
     ``runner`` is an ``engined.runner.ModelRunner``; its KV manager is created
     just large enough for the step, and dropped again after.
@@ -138,11 +140,52 @@ def warm_up(runner, config: EngineConfig, max_model_len: int, vocab_size: int, p
     bar.update()
     bar.close()
     peak = mx.get_peak_memory() - base
-    kv.create(0)
+    if kernels:
+        warm_kernels(runner, sampler, vocab_size)
+    kv.create(0)  # also drops what the steps left: hybrid models' state snapshots
     mx.clear_cache()
     # Headroom for the spread above: serving's worst step, over hundreds of steps, is the top
     # of that spread, which two samples do not always reach (both were 13 % under it).
     return max(peak, 0) * 5 // 4
+
+
+def warm_kernels(runner, sampler: Sampler, vocab_size: int) -> None:
+    """Run five small steps, one of each kind a GPU kernel is compiled for, and sample them, so that
+    the first requests do not pay the compilation.
+
+    A GPU compiles the attention kernel once per variant (decode rows only, prefill tiles only,
+    both in one launch, a merge pass for contexts longer than one partition) and MLX's own
+    kernels per dtype and layout (a short chunk's gather, a long chunk's SDPA over cached
+    context), each on first use: on the H200 the first steps of short prefill chunks with a
+    cached prefix cost seconds (bench/gpu_serving_results.md, run 5). The warm-up's largest
+    step meets none of these. Its blocks and state slots are freed; ``warm_up`` then drops the
+    pool, and with it any state snapshot they left.
+    """
+    from kernels.gpu import SDPA_CHUNK_TOKENS
+    from kernels.gpu_geometry import PARTITION_TOKENS
+
+    kv = runner.kv
+    short, long = 16, PARTITION_TOKENS + SDPA_CHUNK_TOKENS
+    rng = np.random.default_rng(0)
+    a, b = (Request(f"warm-kernels-{i}", rng.integers(0, vocab_size, short).tolist(), SamplingParams(), 0)
+            for i in range(2))
+    try:
+        for scheduled in ([(a, short)], [(a, 1), (b, short)], [(a, 1), (b, 1)], [(a, 1), (b, long)],
+                          [(a, 1), (b, 1)]):
+            for req, n in scheduled:
+                # Each step ends every request's known tokens, so each samples a row, as decoding does.
+                missing = req.num_computed_tokens + n - len(req.token_ids)
+                req.token_ids.extend(rng.integers(0, vocab_size, max(missing, 0)).tolist())
+                if not kv.allocate(req, n):
+                    return  # a pool too small for this is one a GPU serving run never has
+            logits = runner.run(SchedulerOutput(scheduled))
+            sampled, _ = sampler(logits, [req for req, _ in scheduled])
+            mx.eval(sampled, kv.arrays())
+            for req, n in scheduled:
+                req.num_computed_tokens += n
+    finally:
+        kv.free(a)
+        kv.free(b)
 
 
 def _warm_up_verification(sampler: Sampler, reqs: list[Request], config: EngineConfig, tokens: int,
@@ -161,7 +204,7 @@ def _warm_up_verification(sampler: Sampler, reqs: list[Request], config: EngineC
 
 
 def plan(runner, stores: list, config: EngineConfig, max_model_len: int, vocab_size: int,
-         progress: bool = False) -> MemoryPlan:
+         progress: bool = False, kernels: bool = False) -> MemoryPlan:
     """Warm up, then choose the pool size; raises MemoryBudgetError when one full-length request cannot fit.
 
     ``stores`` are what holds KV arrays (the runner's KV manager, a draft
@@ -173,7 +216,7 @@ def plan(runner, stores: list, config: EngineConfig, max_model_len: int, vocab_s
     # started in a process that dropped another does not count the old one as its weights.
     gc.collect()
     weights = mx.get_active_memory()
-    activations = warm_up(runner, config, max_model_len, vocab_size, progress)
+    activations = warm_up(runner, config, max_model_len, vocab_size, progress, kernels)
     mx.set_cache_limit(activations)
     return size_pool(weights, activations, stores, config, max_model_len)
 

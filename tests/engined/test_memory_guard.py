@@ -133,3 +133,30 @@ def test_speculation_bills_the_verification_steps_scratch(tmp_path):
     assert spec.metrics.spec_draft_tokens._value.get() > 0
     m = spec.memory
     assert mx.get_peak_memory() <= m.weights + m.kv_bytes + m.activations, (mx.get_peak_memory(), m)
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "qwen3_5"])
+def test_kernel_warm_up_hands_its_slots_back(tmp_path, arch):
+    """warm_kernels (run in the warm-up where a GPU compiles kernels) frees what its steps took: every
+    block, nothing in the prefix cache, every live state slot; a request after it generates what it
+    does on an engine that never ran it. Here on the CPU's attention: what is checked is the steps'
+    bookkeeping, the same on every backend. (A hybrid's state snapshots from its blocks are dropped
+    with the warm-up's pool; here they stay, keyed by prompts no request sends.)"""
+    from engined import memory_guard
+
+    path = make_tiny_model(tmp_path, arch, seed=5, max_position_embeddings=4096)
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    prompt = list(range(3, 40))
+    cfg = dict(num_kv_blocks=128, max_num_batched_tokens=256, max_num_seqs=4)
+    plain = Engine(EngineConfig(**cfg), loaded=load_model(str(path)))
+    warmed = Engine(EngineConfig(**cfg), loaded=load_model(str(path)))
+    kv = warmed.runner.kv
+    pools = [g.pool for g in kv.groups if hasattr(g, "pool")]
+    states = [g for g in kv.groups if hasattr(g, "free_live")]
+    assert bool(states) == (arch == "qwen3_5")
+    free = [p.num_free for p in pools]
+    memory_guard.warm_kernels(warmed.runner, warmed.sampler, warmed.loaded.vocab_size)
+    assert [p.num_free for p in pools] == free
+    assert all(not p.cached for p in pools)
+    assert all(not g.live and len(g.free_live) == g.num_live for g in states)
+    assert warmed.generate([prompt], params) == plain.generate([prompt], params)
