@@ -16,11 +16,9 @@ Layouts, as ``engined/lora`` stores them: ``a`` ``[in, n * S * R]`` (member
 ``[rows, in]``, ``ys[i]`` ``[rows, out_i]``, ``slots`` ``[rows]`` uint32.
 
 Work split: one thread group of 256 per (row, member, tile of 1 024 outputs).
-It first forms its row's ``R`` values ``x·A`` for its member and slot: each
-thread holds ``R`` sums in registers over every 256th input (one x and one
-contiguous run of ``R`` A values per input, so 16 dependent steps for a
-4 096-wide input, where one sum per thread took 256), reduced across each
-warp by shuffles and across the 8 warps through shared memory; then each thread
+It first forms its row's ``R`` values ``x·A`` for its member and slot, threads
+striding the input in ``256 / R`` lanes per column (a lane's ``R`` neighbours
+read one contiguous run of A), summed through shared memory; then each thread
 adds ``Σ_r h_r B[r, o]`` to 4 outputs, reading B and y along the row. The
 ``x·A`` of a row is formed once per tile: redundant arithmetic (a few hundred
 multiply-adds per thread) bought to avoid a second launch. A row on the base
@@ -49,7 +47,7 @@ def _source(n: int) -> str:
         f"  if (m < 0) {{ if (rest < (y{i}_shape[1] + TILE - 1) / TILE) {{ m = {i}; }} "
         f"else {{ rest -= (y{i}_shape[1] + TILE - 1) / TILE; }} }}" for i in range(n))
     return f"""
-  __shared__ float part[{THREADS // 32} * R];
+  __shared__ float part[{THREADS}];
   __shared__ float h[R];
   const int tid = threadIdx.x;
   const int per_row = {tiles};
@@ -73,30 +71,21 @@ def _source(n: int) -> str:
     return;
   }}
   const int n_in = x_shape[1];
+  const int lanes = {THREADS} / R;
+  const int r = tid % R;
+  const int lane = tid / R;
   const int width = a_shape[1];
-  const T* x_row = x + (size_t)row * n_in;
-  const T* a_cols = a + (m * NS + (int)slot - 1) * R;
-  float acc[R];
-#pragma unroll
-  for (int q = 0; q < R; ++q) acc[q] = 0.0f;
-  for (int k = tid; k < n_in; k += {THREADS}) {{
-    const float xk = static_cast<float>(x_row[k]);
-    const T* a_k = a_cols + (size_t)k * width;
-#pragma unroll
-    for (int q = 0; q < R; ++q) acc[q] += xk * static_cast<float>(a_k[q]);
+  const int col = (m * NS + (int)slot - 1) * R + r;
+  float acc = 0.0f;
+  if (lane < lanes) {{
+    const T* x_row = x + (size_t)row * n_in;
+    for (int k = lane; k < n_in; k += lanes) acc += static_cast<float>(x_row[k]) * static_cast<float>(a[(size_t)k * width + col]);
   }}
-  const int warp = tid / 32;
-#pragma unroll
-  for (int q = 0; q < R; ++q) {{
-    float v = acc[q];
-#pragma unroll
-    for (int off = 16; off > 0; off /= 2) v += __shfl_down_sync(0xffffffffu, v, off);
-    if (tid % 32 == 0) part[warp * R + q] = v;
-  }}
+  part[tid] = acc;
   __syncthreads();
   if (tid < R) {{
     float s = 0.0f;
-    for (int w = 0; w < {THREADS // 32}; ++w) s += part[w * R + tid];
+    for (int j = 0; j < lanes; ++j) s += part[j * R + tid];
     h[tid] = s;
   }}
   __syncthreads();
@@ -120,7 +109,7 @@ def _kernel(n: int):
     )
 
 
-MAX_RANK = 64  # each thread holds R float sums in registers
+MAX_RANK = THREADS  # a rank's columns each take at least one thread
 
 
 def lora_outputs(x: mx.array, a: mx.array, bs: list[mx.array], ys: list[mx.array], slots: mx.array,

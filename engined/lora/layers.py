@@ -36,10 +36,9 @@ from engined.model_layers import transformer_layers
 
 
 # The most tokens a step may hold for the fused kernel: it forms each row's x·A once per tile of outputs, so
-# its redundant work grows with the rows. On an H200, Llama-8B's decode step with every projection adapted
-# took 22.9 ms through it against 25.2 ms through the MLX operations at 8 rows, but 48.8 against 30.2 ms at
-# 64 (bench/lora_results.md).
-FUSED_MAX_TOKENS = 16
+# its redundant arithmetic grows with the rows; on an H200 it led the MLX operations in a decode step (8-64
+# rows) and took twice their time at 512 rows (bench/lora_results.md).
+FUSED_MAX_TOKENS = 128
 
 
 class LoraStep:
