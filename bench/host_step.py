@@ -214,7 +214,15 @@ def compare(args) -> None:
                                  capture_output=True).stdout
         subprocess.run(["tar", "-x", "-C", str(base)], input=archive, check=True)
         trees = {args.compare: base, "tree": root}
-        worker = [a for a in sys.argv[1:] if a not in ("--compare", args.compare, "--rounds", str(args.rounds))]
+        # Every argument but --compare and --rounds with their values (a value alone may equal another's).
+        argv, worker = sys.argv[1:], []
+        i = 0
+        while i < len(argv):
+            if argv[i] in ("--compare", "--rounds"):
+                i += 2
+                continue
+            worker.append(argv[i])
+            i += 1
         runs: dict[str, list[dict]] = {k: [] for k in trees}
         for rnd in range(args.rounds):
             names = list(trees) if rnd % 2 == 0 else list(trees)[::-1]  # each goes first in turn

@@ -18,6 +18,8 @@ state slots (``linear_attention``).
 
 from __future__ import annotations
 
+import copy
+
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
@@ -140,6 +142,31 @@ class ModelRunner:
 _KEPT = ("q_proj", "k_proj", "v_proj", "qkv_proj", "o_proj", "q_norm", "k_norm", "v_norm", "rope")
 
 
+def fuse_linears(parts: list[nn.Module]) -> nn.Module | None:
+    """One linear whose output is ``parts``' outputs side by side, or None where they cannot be one:
+    not all plain ``nn.Linear`` (or all ``nn.QuantizedLinear`` of one bit width, group size and mode),
+    a bias on some only, or different input widths. A LoRA wrapper is neither, so adapted
+    projections stay apart.
+
+    Built from the first part with its arrays replaced by the concatenations, evaluated here so the
+    parts' arrays are freed as soon as nothing else holds them.
+    """
+    kind = type(parts[0])
+    if kind not in (nn.Linear, nn.QuantizedLinear) or any(type(p) is not kind for p in parts):
+        return None
+    settings = ("group_size", "bits", "mode") if kind is nn.QuantizedLinear else ()
+    names = ("weight", "scales", "biases") if kind is nn.QuantizedLinear else ("weight",)
+    if any(getattr(p, k, None) != getattr(parts[0], k, None) for p in parts for k in settings):
+        return None
+    if len({"bias" in p for p in parts}) > 1 or len({p.weight.shape[1] for p in parts}) > 1:
+        return None
+    fused = copy.copy(parts[0])
+    for name in names + (("bias",) if "bias" in parts[0] else ()):
+        setattr(fused, name, mx.concatenate([p[name] for p in parts], axis=0))
+    mx.eval(fused.parameters())
+    return fused
+
+
 class PagedAttention(nn.Module):
     def __init__(self, inner: nn.Module, settings: LayerSettings, backend: str = "auto", shares_kv: bool = False):
         super().__init__()
@@ -161,6 +188,18 @@ class PagedAttention(nn.Module):
         self._v_norm = "v_norm" in self
         self._q_width = s.n_heads * s.head_dim
         self._qkv_width = self._q_width + s.n_kv_heads * s.head_dim
+        self._fused_qkv = s.fused_qkv
+        # Three projections of one input as one matmul, as vLLM's QKVParallelLinear: a decode step on
+        # a GPU is bound by the host's cost per launched operation, and this saves two per layer.
+        if not (s.fused_qkv or shares_kv or s.k_is_v) and all(n in self for n in ("q_proj", "k_proj", "v_proj")):
+            fused = fuse_linears([self.q_proj, self.k_proj, self.v_proj])
+            if fused is not None:
+                self._q_width = self.q_proj.weight.shape[0]
+                self._qkv_width = self._q_width + self.k_proj.weight.shape[0]
+                for name in ("q_proj", "k_proj", "v_proj"):
+                    self.pop(name)
+                self.qkv_proj = fused
+                self._fused_qkv = True
 
     def _rope(self, x: mx.array, positions: mx.array) -> mx.array:
         # Each token is its own "batch" row so RoPE takes a per-token offset.
@@ -196,7 +235,7 @@ class PagedAttention(nn.Module):
                                "engined.runner.ModelRunner")
         s = self.settings
         t = x.shape[1]
-        if s.fused_qkv:
+        if self._fused_qkv:
             q, k, v = mx.split(self.qkv_proj(x), [self._q_width, self._qkv_width], axis=-1)
         else:
             q = self.q_proj(x)
@@ -216,7 +255,7 @@ class PagedAttention(nn.Module):
         if self.shares_kv:
             kc, vc = cache.read()
         else:
-            if not s.fused_qkv:
+            if not self._fused_qkv:
                 k = self.k_proj(x)
                 v = None if s.k_is_v else self.v_proj(x)
             kc, vc = cache.write(*self._kv(k, v, positions))

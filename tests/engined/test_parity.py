@@ -52,6 +52,7 @@ def check_parity(loaded, reference_model, vocab, block_size):
         err = mx.abs(logits[row] - ref).max().item()
         scale = mx.abs(ref).max().item()
         assert err <= REL_TOL * scale, f"row {row}: max error {err:.3g} vs scale {scale:.3g}"
+    return engine
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -64,3 +65,21 @@ def test_parity_tiny_random_models(arch, tmp_path):
 def test_parity_smollm2_gguf():
     reference = load_model("").model
     check_parity(load_model(""), reference, vocab=49152, block_size=16)
+
+
+@pytest.mark.parametrize("bits", [None, 4], ids=["float", "4-bit"])
+def test_q_k_v_run_as_one_projection_with_mlx_lm_s_logits(bits, tmp_path):
+    """The runner joins q/k/v into one linear (plain or quantized alike, a bias too: qwen2's), and the
+    packed step still computes mlx_lm's logits over the three apart."""
+    from tests.tiny_models import quantize_in_groups_of_32
+
+    path = make_tiny_model(tmp_path / "qwen2", "qwen2", seed=fresh_seed("qwen2 model"))
+    loaded, reference = load_model(str(path)), load_model(str(path)).model
+    if bits:
+        quantize_in_groups_of_32(loaded.model, bits)
+        quantize_in_groups_of_32(reference, bits)
+    engine = check_parity(loaded, reference, vocab=272, block_size=8)
+    for layer in engine.runner.model.layers:
+        attn = layer.self_attn
+        assert "qkv_proj" in attn and "q_proj" not in attn and "bias" in attn.qkv_proj
+        assert type(attn.qkv_proj).__name__ == ("QuantizedLinear" if bits else "Linear")
