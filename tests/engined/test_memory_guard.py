@@ -160,3 +160,27 @@ def test_kernel_warm_up_hands_its_slots_back(tmp_path, arch):
     assert all(not p.cached for p in pools)
     assert all(not g.live and len(g.free_live) == g.num_live for g in states)
     assert warmed.generate([prompt], params) == plain.generate([prompt], params)
+
+
+@pytest.mark.parametrize("setup", ["lora", "mtp"])
+def test_kernel_warm_up_runs_with_adapters_and_with_mtp(tmp_path, setup):
+    """The same steps on an engine with LoRA slots (the runner sets each step's adapter rows) and on a
+    hybrid one speculating with its MTP layer (whose K/V is a group of the KV manager): every block
+    comes back and the engine generates after them as before."""
+    import json
+
+    from engined import memory_guard
+
+    arch, extra = (("llama", dict(enable_lora=True)) if setup == "lora" else
+                   ("qwen3_5", dict(speculative_config=json.dumps({"method": "mtp", "num_speculative_tokens": 2}))))
+    path = make_tiny_model(tmp_path, arch, seed=6, mtp=setup == "mtp", max_position_embeddings=4096)
+    cfg = dict(num_kv_blocks=128, max_num_batched_tokens=256, max_num_seqs=4, **extra)
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    plain = Engine(EngineConfig(**cfg), loaded=load_model(str(path)))
+    warmed = Engine(EngineConfig(**cfg), loaded=load_model(str(path)))
+    pools = [g.pool for g in warmed.runner.kv.groups if hasattr(g, "pool")]
+    free = [p.num_free for p in pools]
+    memory_guard.warm_kernels(warmed.runner, warmed.sampler, warmed.loaded.vocab_size)
+    assert [p.num_free for p in pools] == free
+    prompt = list(range(3, 30))
+    assert warmed.generate([prompt], params) == plain.generate([prompt], params)
