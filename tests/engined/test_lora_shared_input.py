@@ -113,7 +113,6 @@ def test_the_fused_path_hands_each_member_its_own_output(setups, tmp_path, monke
         return _kernel_contract(*args)
 
     monkeypatch.setattr("engined.lora.shared_input.lora_outputs", launch)
-    monkeypatch.setattr("engined.lora.layers.FUSED_MAX_TOKENS", batch.num_tokens)
     engine.lora.step.fused = True
     fused = engine.runner.run(batch)
     np.testing.assert_allclose(np.array(fused), np.array(ops), rtol=1e-4, atol=1e-4)

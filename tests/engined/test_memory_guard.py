@@ -135,19 +135,26 @@ def test_speculation_bills_the_verification_steps_scratch(tmp_path):
     assert mx.get_peak_memory() <= m.weights + m.kv_bytes + m.activations, (mx.get_peak_memory(), m)
 
 
-@pytest.mark.parametrize("arch", ["qwen3", "qwen3_5"])
-def test_kernel_warm_up_hands_its_slots_back(tmp_path, arch):
+SPEC_MTP = '{"method": "mtp", "num_speculative_tokens": 2}'
+
+
+@pytest.mark.parametrize("arch, extra", [("qwen3", {}), ("qwen3_5", {}), ("llama", dict(enable_lora=True)),
+                                         ("qwen3_5", dict(speculative_config=SPEC_MTP))],
+                         ids=["dense", "hybrid", "lora", "hybrid-mtp"])
+def test_kernel_warm_up_hands_its_slots_back(tmp_path, arch, extra):
     """warm_kernels (run in the warm-up where a GPU compiles kernels) frees what its steps took: every
     block, nothing in the prefix cache, every live state slot; a request after it generates what it
-    does on an engine that never ran it. Here on the CPU's attention: what is checked is the steps'
-    bookkeeping, the same on every backend. (A hybrid's state snapshots from its blocks are dropped
-    with the warm-up's pool; here they stay, keyed by prompts no request sends.)"""
+    does on an engine that never ran it. Also with LoRA slots (the runner sets each step's adapter
+    rows) and with an MTP layer (whose K/V is a group of the KV manager). Here on the CPU's
+    attention: what is checked is the steps' bookkeeping, the same on every backend. (A hybrid's
+    state snapshots from its blocks are dropped with the warm-up's pool; here they stay, keyed by
+    prompts no request sends.)"""
     from engined import memory_guard
 
-    path = make_tiny_model(tmp_path, arch, seed=5, max_position_embeddings=4096)
+    path = make_tiny_model(tmp_path, arch, seed=5, mtp="speculative_config" in extra, max_position_embeddings=4096)
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     prompt = list(range(3, 40))
-    cfg = dict(num_kv_blocks=128, max_num_batched_tokens=256, max_num_seqs=4)
+    cfg = dict(num_kv_blocks=128, max_num_batched_tokens=256, max_num_seqs=4, **extra)
     plain = Engine(EngineConfig(**cfg), loaded=load_model(str(path)))
     warmed = Engine(EngineConfig(**cfg), loaded=load_model(str(path)))
     kv = warmed.runner.kv
@@ -159,28 +166,4 @@ def test_kernel_warm_up_hands_its_slots_back(tmp_path, arch):
     assert [p.num_free for p in pools] == free
     assert all(not p.cached for p in pools)
     assert all(not g.live and len(g.free_live) == g.num_live for g in states)
-    assert warmed.generate([prompt], params) == plain.generate([prompt], params)
-
-
-@pytest.mark.parametrize("setup", ["lora", "mtp"])
-def test_kernel_warm_up_runs_with_adapters_and_with_mtp(tmp_path, setup):
-    """The same steps on an engine with LoRA slots (the runner sets each step's adapter rows) and on a
-    hybrid one speculating with its MTP layer (whose K/V is a group of the KV manager): every block
-    comes back and the engine generates after them as before."""
-    import json
-
-    from engined import memory_guard
-
-    arch, extra = (("llama", dict(enable_lora=True)) if setup == "lora" else
-                   ("qwen3_5", dict(speculative_config=json.dumps({"method": "mtp", "num_speculative_tokens": 2}))))
-    path = make_tiny_model(tmp_path, arch, seed=6, mtp=setup == "mtp", max_position_embeddings=4096)
-    cfg = dict(num_kv_blocks=128, max_num_batched_tokens=256, max_num_seqs=4, **extra)
-    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
-    plain = Engine(EngineConfig(**cfg), loaded=load_model(str(path)))
-    warmed = Engine(EngineConfig(**cfg), loaded=load_model(str(path)))
-    pools = [g.pool for g in warmed.runner.kv.groups if hasattr(g, "pool")]
-    free = [p.num_free for p in pools]
-    memory_guard.warm_kernels(warmed.runner, warmed.sampler, warmed.loaded.vocab_size)
-    assert [p.num_free for p in pools] == free
-    prompt = list(range(3, 30))
     assert warmed.generate([prompt], params) == plain.generate([prompt], params)
