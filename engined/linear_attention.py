@@ -6,7 +6,9 @@ in an ``ArraysCache`` (a short convolution window and the recurrent matrix).
 group of the step's plan (all decode rows as one batch, each prefill piece on
 its own), handing it an ``ArraysCache`` filled from the request's state slots
 and writing what it leaves there back to the slots. The layer's arithmetic is
-mlx_lm's, unchanged; only where its state lives differs.
+mlx_lm's, unchanged; only where its state lives differs, and, on a CUDA GPU,
+which kernel runs its recurrence (``kernels.gated_delta``: mlx_lm has one for
+Metal only).
 """
 
 from __future__ import annotations
@@ -48,15 +50,31 @@ class StatePlan:
 
 
 class SlottedLinearAttention(nn.Module):
-    def __init__(self, inner: nn.Module):
+    def __init__(self, inner: nn.Module, recurrence=None):
+        """``recurrence``: a function with mlx_lm's ``gated_delta_update`` signature that the layer runs
+        in its place (``kernels.gated_delta.recurrence``), or None for mlx_lm's own."""
         super().__init__()
         self.inner = inner
+        self.recurrence = recurrence
 
     def __call__(self, x: mx.array, mask=None, cache=None) -> mx.array:
         """``cache``: this layer's ``engined.kv.recurrent_state.StateLayerStep`` (the plan, its slot arrays)."""
         if cache is None:
             raise RuntimeError("a linear-attention layer ran without state slots: run the model through "
                                "engined.runner.ModelRunner")
+        # The family's layer calls the update by its module-level name; the swap lasts while this layer
+        # builds its graph (the engine builds one step at a time, on one thread).
+        scope = type(self.inner).__call__.__globals__
+        if self.recurrence is None or "gated_delta_update" not in scope:
+            return self._run(x, cache)
+        own = scope["gated_delta_update"]
+        scope["gated_delta_update"] = self.recurrence
+        try:
+            return self._run(x, cache)
+        finally:
+            scope["gated_delta_update"] = own
+
+    def _run(self, x: mx.array, cache) -> mx.array:
         plan: StatePlan = cache.plan
         arrays = cache.arrays  # replaced element-wise as the groups write them
         hidden = x.shape[-1]

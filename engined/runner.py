@@ -25,6 +25,7 @@ import mlx.nn as nn
 import numpy as np
 
 import kernels
+from kernels import gated_delta
 from engined.linear_attention import SlottedLinearAttention
 from engined.lora.registry import LoraRegistry
 from engined.model_layers import LayerSettings, LayerSpec, text_model, transformer_layers
@@ -298,9 +299,10 @@ def install(model: nn.Module, specs: list[LayerSpec], backend: str = "auto") -> 
     ``specs`` are ``model_layers.read_layers(model)``; returns the wrapped final norm.
     """
     layers = transformer_layers(model)
+    recurrence = gated_delta.recurrence(kernels.resolve_backend(backend))
     for spec, layer in zip(specs, layers):
         if spec.linear is not None:
-            layer.linear_attn = SlottedLinearAttention(spec.linear)
+            layer.linear_attn = SlottedLinearAttention(spec.linear, recurrence)
         else:
             layer.self_attn = PagedAttention(layer.self_attn, spec.settings, backend, spec.kv_source is not None)
     inner_model = text_model(model).model

@@ -10,14 +10,17 @@ holds at most max_num_seqs live states, and frees them when requests end.
 import mlx.core as mx
 import numpy as np
 import pytest
+from mlx_lm.models import gated_delta as mlx_lm_gated_delta
 
 from engined.engine import Engine
+from engined.linear_attention import SlottedLinearAttention
 from engined.kv.recurrent_state import RecurrentStateGroup
 from engined.loaders import load_model
 from engined.request import Request
 from engined.scheduler import SchedulerOutput
 from shared.config import EngineConfig
 from shared.protocol import SamplingParams
+from kernels import gated_delta
 from tests.tiny_models import make_tiny_model, seeded_rng
 
 REL_TOL = 2e-4
@@ -84,6 +87,54 @@ def test_chunked_prefill_across_blocks_then_resume_from_cached_prefix(hybrid):
     assert_close(logits[0], reference, b_tokens)
     assert_close(logits[1], reference, c.token_ids)
     assert_close(logits[2], reference, d.token_ids[:10])
+
+
+def test_a_substituted_recurrence_runs_in_every_linear_layer_and_is_put_back(hybrid):
+    """The hook a CUDA GPU's kernel enters by (``kernels.gated_delta.recurrence``): every linear layer of
+    every group of a step runs the engine's update, mlx_lm's own name is restored after each layer, and
+    the logits are the reference's."""
+    path, reference = hybrid
+    engine = Engine(EngineConfig(num_kv_blocks=64, block_size=8), loaded=load_model(str(path)))
+    layers = [m for m in engine.runner.model.modules() if isinstance(m, SlottedLinearAttention)]
+    assert layers and all(layer.recurrence is None for layer in layers)  # the CPU runs mlx_lm's own
+    calls = []
+
+    def recording(*args, **kwargs):
+        calls.append(args[0].shape[:2])
+        return mlx_lm_gated_delta.gated_delta_update(*args, **kwargs)
+
+    for layer in layers:
+        layer.recurrence = recording
+    rng = seeded_rng()
+    prompt = rng.integers(0, 256, size=19).tolist()
+    a, d = Request("a", prompt, GREEDY, 0), Request("d", rng.integers(0, 256, size=6).tolist(), GREEDY, 0)
+    logits = drive(engine, [[(d, 6)], [(a, 19), (d, 1)]])
+    assert_close(logits[0], reference, prompt)
+    # Every token of both steps (d's prompt; a's prompt beside d's decode row) went through every layer's
+    # update, in groups cut where the plan keeps snapshots.
+    assert sum(b * t for b, t in calls) == (6 + 19 + 1) * len(layers)
+    assert len(calls) >= 3 * len(layers)
+    for layer in layers:
+        assert type(layer.inner).__call__.__globals__["gated_delta_update"] is mlx_lm_gated_delta.gated_delta_update
+
+
+@pytest.mark.parametrize("lower_bound, neg", [(None, False), (None, True), (-5.0, False)])
+def test_the_kernel_s_update_gates_as_mlx_lm_s(lower_bound, neg):
+    """``kernels.gated_delta.update`` computes the gates as mlx_lm does; here both run mlx_lm's loop (the
+    kernel itself needs a CUDA GPU: ``bench/kernels/gated_delta_check.py`` compares it there)."""
+    rng = seeded_rng()
+    b, t, hk, hv, dk, dv = 2, 5, 2, 4, 32, 16
+    arr = lambda *shape: mx.array(rng.standard_normal(shape).astype(np.float32))  # noqa: E731
+    args = (arr(b, t, hk, dk) * 0.2, arr(b, t, hk, dk) * 0.2, arr(b, t, hv, dv), arr(b, t, hv), arr(b, t, hv),
+            arr(hv), arr(hv), arr(b, hv, dv, dk))
+    mask = mx.array(rng.random((b, t)) < 0.8)
+    kw = dict(use_kernel=False, lower_bound=lower_bound, allow_neg_eigval=neg)
+    ours = gated_delta.update(*args, mask, **kw)
+    theirs = mlx_lm_gated_delta.gated_delta_update(*args, mask, **kw)
+    for x, y in zip(ours, theirs):
+        assert mx.array_equal(x, y)
+    assert gated_delta.recurrence("cuda") is gated_delta.update
+    assert all(gated_delta.recurrence(b) is None for b in ("metal", "host", "reference"))
 
 
 def test_without_a_snapshot_a_cached_prefix_is_not_used(hybrid):
