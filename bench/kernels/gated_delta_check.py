@@ -43,6 +43,9 @@ def check(rng) -> bool:
                     mask = mx.array(rng.random((b, t)) < 0.7) if masked else None
                     y, s = gated_delta.gated_delta(q, k, v, g, beta, state, mask)
                     ry, rs = gated_delta_ops(q, k, v, g, beta, state, mask)
+                    if mask is not None:  # a padding token's output is unused (the loop's and Metal's differ)
+                        keep = mask[..., None, None]
+                        y, ry = mx.where(keep, y, 0), mx.where(keep, ry, 0)
                     ey = (mx.abs(y.astype(mx.float32) - ry.astype(mx.float32)).max()
                           / mx.maximum(mx.abs(ry.astype(mx.float32)).max(), 1e-6)).item()
                     es = (mx.abs(s - rs).max() / mx.maximum(mx.abs(rs).max(), 1e-6)).item()
