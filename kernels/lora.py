@@ -18,7 +18,8 @@ Layouts, as ``engined/lora`` stores them: ``a`` ``[in, n * S * R]`` (member
 Work split: one thread group of 256 per (row, member, tile of 1 024 outputs).
 It first forms its row's ``R`` values ``x·A`` for its member and slot, threads
 striding the input in ``256 / R`` lanes per column (a lane's ``R`` neighbours
-read one contiguous run of A), summed through shared memory; then each thread
+read one contiguous run of A), each thread with ``UNROLL`` sums in flight,
+summed through shared memory; then each thread
 adds ``Σ_r h_r B[r, o]`` to 4 outputs, reading B and y along the row. The
 ``x·A`` of a row is formed once per tile: redundant arithmetic (a few hundred
 multiply-adds per thread) bought to avoid a second launch. A row on the base
@@ -36,6 +37,7 @@ import mlx.core as mx
 
 THREADS = 256
 TILE = 1024  # outputs per thread group: 4 per thread
+UNROLL = 8  # loads of A in flight per thread in the x·A phase
 
 
 def _source(n: int) -> str:
@@ -76,12 +78,28 @@ def _source(n: int) -> str:
   const int lane = tid / R;
   const int width = a_shape[1];
   const int col = (m * NS + (int)slot - 1) * R + r;
-  float acc = 0.0f;
+  // U independent sums, so that U loads of A are in flight per thread rather than one at a time:
+  // the loop is a chain of global loads, and its latency, not its arithmetic, is this phase's time.
+  float acc[U];
+#pragma unroll
+  for (int u = 0; u < U; ++u) acc[u] = 0.0f;
   if (lane < lanes) {{
     const T* x_row = x + (size_t)row * n_in;
-    for (int k = lane; k < n_in; k += lanes) acc += static_cast<float>(x_row[k]) * static_cast<float>(a[(size_t)k * width + col]);
+    const T* a_col = a + col;
+    int k = lane;
+    for (; k + (U - 1) * lanes < n_in; k += U * lanes) {{
+#pragma unroll
+      for (int u = 0; u < U; ++u) {{
+        const int kk = k + u * lanes;
+        acc[u] += static_cast<float>(x_row[kk]) * static_cast<float>(a_col[(size_t)kk * width]);
+      }}
+    }}
+    for (; k < n_in; k += lanes) acc[0] += static_cast<float>(x_row[k]) * static_cast<float>(a_col[(size_t)k * width]);
   }}
-  part[tid] = acc;
+  float total = 0.0f;
+#pragma unroll
+  for (int u = 0; u < U; ++u) total += acc[u];
+  part[tid] = total;
   __syncthreads();
   if (tid < R) {{
     float s = 0.0f;
@@ -122,7 +140,7 @@ def lora_outputs(x: mx.array, a: mx.array, bs: list[mx.array], ys: list[mx.array
     tiles = sum(-(-y.shape[1] // TILE) for y in ys)
     return _kernel(n)(
         inputs=[x, a, slots, *bs, *ys],
-        template=[("T", x.dtype), ("R", rank), ("NS", num_adapters), ("TILE", TILE)],
+        template=[("T", x.dtype), ("R", rank), ("NS", num_adapters), ("TILE", TILE), ("U", UNROLL)],
         grid=(rows * tiles * THREADS, 1, 1),
         threadgroup=(THREADS, 1, 1),
         output_shapes=[y.shape for y in ys],

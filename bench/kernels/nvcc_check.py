@@ -1,4 +1,5 @@
-"""Compile the CUDA dialect of the kernel source with a local nvcc, as MLX would wrap it.
+"""Compile the CUDA kernels with a local nvcc, as MLX would wrap them: paged attention (every
+dialect configuration), the LoRA term (``kernels.lora``) and the gated delta rule (``kernels.gated_delta``).
 
 No GPU needed: it catches syntax and type errors before device time is spent.
 Usage: python bench/kernels/nvcc_check.py [--arch sm_90]
@@ -14,10 +15,11 @@ import tempfile
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 
-from kernels import gpu, gpu_geometry, source  # noqa: E402
+from kernels import gated_delta, gpu, gpu_geometry, lora, source  # noqa: E402
 
 SIZES = {"float32": 4, "float16": 2, "bfloat16": 2}
-CUDA_TYPES = {"float32": "float", "float16": "__half", "bfloat16": "__nv_bfloat16", "int32": "int32_t"}
+CUDA_TYPES = {"float32": "float", "float16": "__half", "bfloat16": "__nv_bfloat16", "int32": "int32_t",
+              "uint32": "uint32_t", "bool": "bool"}
 
 
 def wrap(name, header, body, inputs, outputs, template):
@@ -42,6 +44,43 @@ def wrap(name, header, body, inputs, outputs, template):
     return "\n".join(lines)
 
 
+def compile_one(tag: str, text: str, arch: str) -> bool:
+    with tempfile.NamedTemporaryFile("w", suffix=".cu", delete=False) as f:
+        f.write(text)
+    r = subprocess.run(["nvcc", "-std=c++17", f"-arch={arch}", "-c", "-o", os.devnull, "-Xptxas", "-v", f.name],
+                       capture_output=True, text=True)
+    regs = [ln for ln in r.stderr.splitlines() if "registers" in ln or "spill" in ln]
+    print(f"{tag}: rc={r.returncode} {' | '.join(x.strip() for x in regs)}")
+    if r.returncode:
+        print(r.stderr[-3000:])
+    os.unlink(f.name)
+    return r.returncode == 0
+
+
+def other_kernels(arch: str) -> bool:
+    """The LoRA term for groups of 1-3 members, and the gated delta rule, in bf16 and float32. An input
+    whose ``NAME_shape`` the source reads gets that array too, as MLX passes it."""
+    ok = True
+    for dt in ("bfloat16", "float32"):
+        for n in (1, 2, 3):
+            ins = [("x", dt), ("a", dt), ("slots", "uint32")] + [(f"b{i}", dt) for i in range(n)] + \
+                  [(f"y{i}", dt) for i in range(n)]
+            shapes = [(f"{name}_shape", "int32") for name, _ in ins if name != "slots"]
+            text = wrap("lora", "", lora._source(n), ins + shapes, [(f"z{i}", dt) for i in range(n)],
+                        [("T", dt), ("R", 16), ("NS", 4), ("TILE", lora.TILE), ("U", lora.UNROLL)])
+            ok &= compile_one(f"lora {dt} members={n}", text, arch)
+        for mask in (False, True):
+            for vec in (False, True):
+                ins = [("q", dt), ("k", dt), ("v", dt), ("g", "float32"), ("beta", dt), ("state_in", "float32"),
+                       ("iparams", "int32"), ("mask", "bool")]
+                text = wrap("gated_delta", gated_delta._HEADER, gated_delta._SOURCE, ins,
+                            [("y", dt), ("state_out", "float32")],
+                            [("InT", dt), ("GT", "float32"), ("BT", dt), ("StT", "float32"), ("Dk", 128),
+                             ("Dv", 128), ("Hk", 16), ("Hv", 32), ("MASK", mask), ("VEC", vec)])
+                ok &= compile_one(f"gated delta {dt} mask={mask} vec={vec}", text, arch)
+    return ok
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--arch", default="sm_90")
@@ -49,10 +88,10 @@ def main() -> int:
     ap.add_argument("--acc-registers", action="store_true", help="decode accumulators stay in registers")
     ap.add_argument("--quick", action="store_true", help="one half and one float configuration only")
     args = ap.parse_args()
+    ok = other_kernels(args.arch)
     h, b = source.render_main("cuda")
     rh, rb = source.render_reduce("cuda")
     gh_, gb_ = source.render_gather("cuda")
-    ok = True
     configs = [(dt, d, g) for dt in ("bfloat16", "float16", "float32")
                for d, g in ((128, 4), (64, 1), (80, 8), (96, 2), (256, 2))]
     if args.quick:
