@@ -4,7 +4,7 @@
 # its CUDA backend must be importable. Logs go to $OUT (default bench/results/gpu_suite); a benchmark's
 # rows are written as they come, so a cut run keeps what it measured.
 #   bash bench/gpu_suite.sh [mtp pipeline lora probe serving hoststep]   (default: all, in that order;
-#   also: gdn mtp_c16 pipeline_dtype serving_c1 ttft_http, follow-ups not in the default)
+#   also: gdn hybrid_probe mtp_c16 pipeline_dtype serving_c1 ttft_http, follow-ups not in the default)
 # The order: the runs whose result alone completes an issue (#21's curve, #23's scaling: no target to
 # reach) before those measured against a target (#22's 0.8x, #26's ratios), so a short lease closes most.
 # BUDGET_S (default 1140) is the whole run's limit; a step gets what is left, up to its own cap.
@@ -42,6 +42,8 @@ for what in ${@:-mtp pipeline lora probe serving hoststep}; do
       step mtp_propose 90 python3 -m bench.speculative_propose --shape qwen3_5-8b --levels 1 16 --ks 1 2 3 4 ;;
     gdn)  # the CUDA gated-delta kernel against mlx_lm's loop: equal, then faster (hybrid prefill, MTP windows)
       step gdn_check 120 python3 -m bench.kernels.gated_delta_check ;;
+    hybrid_probe)  # issue 21: which layers make a hybrid's verification step 3-4x a plain one at c >= 4
+      step hybrid_probe 240 python3 -m bench.hybrid_step_probe --shape qwen3_5-8b --levels 1 4 16 --k 3 --p 0 1 ;;
     mtp_c16)  # issue 21: the curve at c = 16, fewer acceptance points (the default step ends during c = 4)
       step mtp_c16 300 python3 -m bench.speculative --method mtp --shape qwen3_5-8b --levels 16 --k 3 \
         --p 0 0.7 1 --max-tokens 64 --prompt-tokens 256 ;;
@@ -70,7 +72,7 @@ for what in ${@:-mtp pipeline lora probe serving hoststep}; do
         --rate 2 --num-prompts 48 --out "$OUT" ;;
     hoststep)  # issue 26: the host part of a step with the real kernels
       step host_step 120 python3 -m bench.host_step --concurrency 1,16,64 --async ;;
-    *) echo "unknown: $what (mtp pipeline lora probe serving hoststep gdn mtp_c16 pipeline_dtype serving_c1 ttft_http)"; exit 2 ;;
+    *) echo "unknown: $what (mtp pipeline lora probe serving hoststep gdn hybrid_probe mtp_c16 pipeline_dtype serving_c1 ttft_http)"; exit 2 ;;
   esac
 done
 echo "== done in $(( $(date +%s) - T0 ))s; logs in $OUT"
