@@ -18,27 +18,17 @@ import argparse
 import json
 from pathlib import Path
 
-_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-
-
 def write_tokenizer(out: Path, vocab_size: int, context: int) -> None:
     """Bytes, the ChatML specials, then ordinary words (" w<i>") up to ``vocab_size``: prompts encode
     to bytes, and any id a random model samples decodes to text."""
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+    from tests import tiny_models
 
-    from tests.tiny_models import CHAT_TEMPLATE, byte_chars
-
-    tokens = byte_chars() + _SPECIALS
-    tokens += [f"Ġw{i}" for i in range(vocab_size - len(tokens))]
-    tok = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=[]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in _SPECIALS])
-    tok.save(str(out / "tokenizer.json"))
-    (out / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<|endoftext|>", "eos_token": "<|im_end|>",
-        "pad_token": "<|endoftext|>", "add_bos_token": False, "clean_up_tokenization_spaces": False,
-        "model_max_length": context, "chat_template": CHAT_TEMPLATE}, indent=2))
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    tokens = tiny_models.byte_chars() + specials
+    special = [False] * 256 + [True] * len(specials)
+    words = vocab_size - len(tokens)
+    tiny_models.write_tokenizer(out, tokens + [f"Ġw{i}" for i in range(words)], [], special + [False] * words,
+                                "<|endoftext|>", "<|im_end|>", context)
 
 
 def write_checkpoint(shape: str, dtype: str, seed: int, out: Path) -> Path:

@@ -64,8 +64,10 @@ class SlottedLinearAttention(nn.Module):
                                "engined.runner.ModelRunner")
         # The family's layer calls the update by its module-level name; the swap lasts while this layer
         # builds its graph (the engine builds one step at a time, on one thread).
+        if self.recurrence is None:
+            return self._run(x, cache)
         scope = type(self.inner).__call__.__globals__
-        if self.recurrence is None or "gated_delta_update" not in scope:
+        if "gated_delta_update" not in scope:
             return self._run(x, cache)
         own = scope["gated_delta_update"]
         scope["gated_delta_update"] = self.recurrence

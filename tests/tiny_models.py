@@ -243,9 +243,17 @@ def tiny_spm_vocab(vocab_size: int) -> tuple[list[str], list[float], list[int]]:
 
 
 def _write_tokenizer(out: Path, config: dict) -> None:
+    tokens, merges, special = tiny_vocab(config["vocab_size"])
+    write_tokenizer(out, tokens, merges, special, tokens[config["bos_token_id"]], tokens[config["eos_token_id"]],
+                    config["max_position_embeddings"])
+
+
+def write_tokenizer(out: Path, tokens: list[str], merges: list[tuple[str, str]], special: list[bool], bos: str,
+                    eos: str, context: int) -> None:
+    """A byte-level BPE tokenizer with the ChatML template, in Hugging Face's files: ``tokens`` in id
+    order (``special[i]``: token i is an added special token), ``bos`` also the pad token."""
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
-    tokens, merges, special = tiny_vocab(config["vocab_size"])
     tok = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     tok.decoder = decoders.ByteLevel()
@@ -253,12 +261,12 @@ def _write_tokenizer(out: Path, config: dict) -> None:
     tok.save(str(out / "tokenizer.json"))
     tok_config = {
         "tokenizer_class": "PreTrainedTokenizerFast",
-        "bos_token": tokens[config["bos_token_id"]],
-        "eos_token": tokens[config["eos_token_id"]],
-        "pad_token": tokens[config["bos_token_id"]],
+        "bos_token": bos,
+        "eos_token": eos,
+        "pad_token": bos,
         "add_bos_token": False,
         "clean_up_tokenization_spaces": False,
-        "model_max_length": config["max_position_embeddings"],
+        "model_max_length": context,
         "chat_template": CHAT_TEMPLATE,
     }
     (out / "tokenizer_config.json").write_text(json.dumps(tok_config, indent=2))
