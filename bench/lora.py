@@ -161,38 +161,34 @@ def step_cost(engine: Engine, prompts: list[list[int]], loras: list[str], repeat
 
 
 def kernel_check() -> None:
-    """``kernels.lora`` against the same term in float32 numpy, over dtypes, ranks, group sizes, row counts and
-    input widths under and over a thread group's 256 (slots 0..4 mixed): the largest error relative to the output's scale, and a failure past the dtype's
-    tolerance."""
-    from kernels.lora import lora_outputs
+    """``kernels.lora`` against the same term in float32 numpy, over dtypes, ranks (48: a joined q/k/v group's at
+    rank 16), output widths under and over a tile, row counts and input widths under and over a thread
+    group's 256 (slots 0..4 mixed): the largest error relative to the output's scale, and a failure past the
+    dtype's tolerance."""
+    from kernels.lora import lora_output
 
     rng = np.random.default_rng(0)
     worst = {}
+    s = NUM_ADAPTERS
     for dtype, tol in ((mx.float32, 1e-4), (mx.bfloat16, 2e-2)):
-        for rank in (8, 16, 64):
-            for outs in ((96,), (96, 40), (300, 64, 64)):
+        for rank in (8, 16, 48, 64):
+            for out in (40, 300, 1500):
                 for rows, d_in in ((1, 200), (8, 1000), (67, 300)):
-                    s = NUM_ADAPTERS
                     x = rng.normal(size=(rows, d_in)).astype(np.float32)
-                    a = rng.normal(size=(d_in, len(outs) * s * rank)).astype(np.float32) * 0.1
-                    bs = [rng.normal(size=(s * rank, o)).astype(np.float32) * 0.1 for o in outs]
-                    ys = [rng.normal(size=(rows, o)).astype(np.float32) for o in outs]
+                    a = rng.normal(size=(d_in, s * rank)).astype(np.float32) * 0.1
+                    b = rng.normal(size=(s * rank, out)).astype(np.float32) * 0.1
+                    y = rng.normal(size=(rows, out)).astype(np.float32)
                     slots = rng.integers(0, s + 1, rows).astype(np.uint32)
-                    cast = [mx.array(v).astype(dtype) for v in [x, a, *bs, *ys]]
-                    got = lora_outputs(cast[0], cast[1], cast[2:2 + len(outs)], cast[2 + len(outs):],
-                                       mx.array(slots), rank)
-                    x, a = (np.array(v.astype(mx.float32)) for v in cast[:2])
-                    for i, (b, y, z) in enumerate(zip(cast[2:2 + len(outs)], cast[2 + len(outs):], got)):
-                        b, y = np.array(b.astype(mx.float32)), np.array(y.astype(mx.float32))
-                        want = y.copy()
-                        for row, slot in enumerate(slots):
-                            if slot:
-                                cols = slice((i * s + slot - 1) * rank, (i * s + slot) * rank)
-                                want[row] += x[row] @ a[:, cols] @ b[(slot - 1) * rank:slot * rank]
-                        err = float(np.abs(np.array(z.astype(mx.float32)) - want).max() / np.abs(want).max())
-                        key = (str(dtype), rank)
-                        worst[key] = max(worst.get(key, 0.0), err)
-                        assert err < tol, (dtype, rank, outs, rows, i, err)
+                    x, a, b, y = (mx.array(v).astype(dtype) for v in (x, a, b, y))
+                    z = lora_output(x, a, b, y, mx.array(slots), rank)
+                    x, a, b, want = (np.array(v.astype(mx.float32)) for v in (x, a, b, y))
+                    for row, slot in enumerate(slots):
+                        if slot:
+                            cols = slice((slot - 1) * rank, slot * rank)
+                            want[row] += x[row] @ a[:, cols] @ b[cols]
+                    err = float(np.abs(np.array(z.astype(mx.float32)) - want).max() / np.abs(want).max())
+                    worst[(str(dtype), rank)] = max(worst.get((str(dtype), rank), 0.0), err)
+                    assert err < tol, (dtype, rank, out, rows, err)
     for (dtype, rank), err in worst.items():
         print(f"kernels.lora {dtype} rank {rank}: largest relative error {err:.2e}", flush=True)
 
@@ -212,8 +208,8 @@ def _alternate(runs: dict, repeats: int) -> dict[str, float]:
 
 def term_cost(shape: str, rank: int, repeats: int) -> None:
     """One projection's LoRA term alone, rows spread round-robin over 4 adapters; then the projections that
-    read one input (q/k/v, gate/up), their terms apart against one shared x·A."""
-    from kernels.lora import lora_outputs
+    read one input (q/k/v, gate/up), apart against joined as one group (base and term)."""
+    from kernels.lora import lora_output
 
     dims = SHAPES[shape]
     dtype = mx.float32 if mx.default_device() == mx.cpu else mx.bfloat16  # MLX's CPU gather_mm: float32 only
@@ -250,40 +246,39 @@ def term_cost(shape: str, rank: int, repeats: int) -> None:
                 "dense": lambda: mx.addmm(x @ w.T, (x @ a_all) * mask, b_all),
             }
             if cuda:
-                runs["fused"] = lambda: lora_outputs(x, a_all, [b_all], [x @ w.T], slot, rank)
+                runs["fused"] = lambda: lora_output(x, a_all, b_all, x @ w.T, slot, rank)
             us = _alternate(runs, repeats)
             print(f"| {d_in} x {d_out} | {rows} | {us['base']:.0f} | {us['gather']:.0f} | {us['dense']:.0f} | "
                   + (f"{us['fused']:.0f} |" if cuda else "- |"), flush=True)
     hidden, kv = dims["hidden_size"], dims["hidden_size"] * dims["num_key_value_heads"] // dims["num_attention_heads"]
-    print("\n| projections (in x outs) | rows | base matmuls (us) | + terms apart (us) | + shared x·A (us) "
-          "| fused kernel (us) |")
-    print("|---|---|---|---|---|---|")
-    width = NUM_ADAPTERS * rank
+    print("\n| projections (in x outs) | rows | base matmuls apart (us) | joined base (us) | + terms apart (us) "
+          "| joined, + one term (us) | joined, fused kernel (us) |")
+    print("|---|---|---|---|---|---|---|")
     for outs in ((hidden, kv, kv), (dims["intermediate_size"],) * 2):
-        n = len(outs)
+        width = len(outs) * rank  # the group's columns per slot (engined/lora/groups.py)
         ws = [mx.random.normal((o, hidden)).astype(dtype) * 0.02 for o in outs]
-        a_s = [mx.random.normal((hidden, width)).astype(dtype) * 0.02 for _ in outs]
-        b_s = [mx.random.normal((width, o)).astype(dtype) * 0.02 for o in outs]
-        a_cat = mx.concatenate(a_s, axis=-1)
+        w_cat = mx.concatenate(ws, axis=0)
+        a_s = [mx.random.normal((hidden, NUM_ADAPTERS * rank)).astype(dtype) * 0.02 for _ in outs]
+        b_s = [mx.random.normal((NUM_ADAPTERS * rank, o)).astype(dtype) * 0.02 for o in outs]
+        a_cat = mx.random.normal((hidden, NUM_ADAPTERS * width)).astype(dtype) * 0.02
+        b_cat = mx.random.normal((NUM_ADAPTERS * width, sum(outs))).astype(dtype) * 0.02  # block-diagonal there
         for rows in (8, 64, 512):
             x = mx.random.normal((rows, hidden)).astype(dtype)
             slot, mask = masks(rows)
-            mx.eval(ws, a_s, b_s, a_cat, x, mask)
-
-            def shared():  # what SharedInput does
-                h = (x @ a_cat).reshape(rows, n, width).swapaxes(0, 1) * mask
-                return [mx.addmm(x @ w.T, h[i], bi) for i, (w, bi) in enumerate(zip(ws, b_s))]
-
+            group_mask = mx.repeat(mask[:, ::rank], width, axis=1)
+            mx.eval(ws, w_cat, a_s, b_s, a_cat, b_cat, x, mask, group_mask)
             runs = {
                 "base": lambda: [x @ w.T for w in ws],
+                "joined": lambda: x @ w_cat.T,
                 "apart": lambda: [mx.addmm(x @ w.T, (x @ ai) * mask, bi) for w, ai, bi in zip(ws, a_s, b_s)],
-                "shared": shared,
+                "group": lambda: mx.addmm(x @ w_cat.T, (x @ a_cat) * group_mask, b_cat),
             }
             if cuda:
-                runs["fused"] = lambda: lora_outputs(x, a_cat, b_s, [x @ w.T for w in ws], slot, rank)
+                runs["fused"] = lambda: lora_output(x, a_cat, b_cat, x @ w_cat.T, slot, width)
             us = _alternate(runs, repeats)
-            print(f"| {hidden} x {'+'.join(map(str, outs))} | {rows} | {us['base']:.0f} | {us['apart']:.0f} "
-                  f"| {us['shared']:.0f} | " + (f"{us['fused']:.0f} |" if cuda else "- |"), flush=True)
+            print(f"| {hidden} x {'+'.join(map(str, outs))} | {rows} | {us['base']:.0f} | {us['joined']:.0f} "
+                  f"| {us['apart']:.0f} | {us['group']:.0f} | " + (f"{us['fused']:.0f} |" if cuda else "- |"),
+                  flush=True)
 
 
 def make_prompts(n: int, vocab: int, seed: int, lengths: tuple[int, int]) -> list[list[int]]:

@@ -18,8 +18,6 @@ state slots (``linear_attention``).
 
 from __future__ import annotations
 
-import copy
-
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
@@ -27,6 +25,7 @@ import numpy as np
 import kernels
 from kernels import gated_delta
 from engined.linear_attention import SlottedLinearAttention
+from engined.linear_join import fuse_linears
 from engined.lora.registry import LoraRegistry
 from engined.model_layers import LayerSettings, LayerSpec, text_model, transformer_layers
 from engined.scheduler import KVCacheManager, SchedulerOutput
@@ -141,31 +140,6 @@ class ModelRunner:
 # The modules of an mlx_lm attention that the paged form keeps, under the same names (so parameter
 # paths, quantization and adapters stay as mlx_lm has them); each is there only in some families.
 _KEPT = ("q_proj", "k_proj", "v_proj", "qkv_proj", "o_proj", "q_norm", "k_norm", "v_norm", "rope")
-
-
-def fuse_linears(parts: list[nn.Module]) -> nn.Module | None:
-    """One linear whose output is ``parts``' outputs side by side, or None where they cannot be one:
-    not all plain ``nn.Linear`` (or all ``nn.QuantizedLinear`` of one bit width, group size and mode),
-    a bias on some only, or different input widths. A LoRA wrapper is neither, so adapted
-    projections stay apart.
-
-    Built from the first part with its arrays replaced by the concatenations, evaluated here so the
-    parts' arrays are freed as soon as nothing else holds them.
-    """
-    kind = type(parts[0])
-    if kind not in (nn.Linear, nn.QuantizedLinear) or any(type(p) is not kind for p in parts):
-        return None
-    settings = ("group_size", "bits", "mode") if kind is nn.QuantizedLinear else ()
-    names = ("weight", "scales", "biases") if kind is nn.QuantizedLinear else ("weight",)
-    if any(getattr(p, k, None) != getattr(parts[0], k, None) for p in parts for k in settings):
-        return None
-    if len({"bias" in p for p in parts}) > 1 or len({p.weight.shape[1] for p in parts}) > 1:
-        return None
-    fused = copy.copy(parts[0])
-    for name in names + (("bias",) if "bias" in parts[0] else ()):
-        setattr(fused, name, mx.concatenate([p[name] for p in parts], axis=0))
-    mx.eval(fused.parameters())
-    return fused
 
 
 class PagedAttention(nn.Module):

@@ -1,29 +1,27 @@
-"""The LoRA term of the projections that read one input, fused into one CUDA kernel per input.
+"""The LoRA term of a projection group, fused with its base output into one CUDA kernel launch.
 
-``lora_outputs(x, a, bs, ys, slots, rank)`` returns ``ys[i] + x·A_i[slot]·B_i[slot]``
-for every member ``i`` of a group (q/k/v, gate/up, or one projection alone),
-each row with its own slot's adapter (slot 0: the base, no term), in one
-launch. Written with MLX operations the same term is a matmul over every
-resident slot's A, a masking multiply and one ``addmm`` per member (the
-CPU's path, ``engined/lora``): ``2 + n`` operations per group, 15 per llama
-layer, and on an H200 a decode step is bound by the host's cost per launched
-operation, not by the term's few MFLOP (bench/lora_results.md). Here it is 4
-launches per layer.
+``lora_output(x, a, b, y, slots, rank)`` returns ``y + x·A[slot]·B[slot]``
+row by row, each row with its own slot's adapter (slot 0: the base, no term),
+in one launch. Written with MLX operations the same term is a matmul over
+every resident slot's A, a masking multiply and one ``addmm`` (the CPU's
+path, ``engined/lora/groups.py``), and on an H200 a decode step is bound by
+the host's cost per launched operation, not by the term's few MFLOP
+(bench/lora_results.md). A group of joined projections (q/k/v, gate/up) is
+one projection of rank ``n * R`` to it, whose B is block-diagonal.
 
-Layouts, as ``engined/lora`` stores them: ``a`` ``[in, n * S * R]`` (member
-``i``, slot ``s``: columns ``(i * S + s - 1) * R`` onwards), ``bs[i]``
-``[S * R, out_i]`` (slot ``s``: rows ``(s - 1) * R`` onwards), ``x``
-``[rows, in]``, ``ys[i]`` ``[rows, out_i]``, ``slots`` ``[rows]`` uint32.
+Layouts, as ``engined/lora/groups.py`` stores them: ``a`` ``[in, S * R]``
+(slot ``s``: columns ``(s - 1) * R`` onwards), ``b`` ``[S * R, out]`` (slot
+``s``: rows ``(s - 1) * R`` onwards), ``x`` ``[rows, in]``, ``y`` ``[rows,
+out]``, ``slots`` ``[rows]`` uint32.
 
-Work split: one thread group of 256 per (row, member, tile of 1 024 outputs).
-It first forms its row's ``R`` values ``x·A`` for its member and slot, threads
-striding the input in ``256 / R`` lanes per column (a lane's ``R`` neighbours
-read one contiguous run of A), each thread with ``UNROLL`` sums in flight,
-summed through shared memory; then each thread
-adds ``Σ_r h_r B[r, o]`` to 4 outputs, reading B and y along the row. The
-``x·A`` of a row is formed once per tile: redundant arithmetic (a few hundred
-multiply-adds per thread) bought to avoid a second launch. A row on the base
-copies its outputs.
+Work split: one thread group of 256 per (row, tile of 1 024 outputs). It
+first forms its row's ``R`` values ``x·A`` for its slot, threads striding the
+input in ``256 / R`` lanes per column (a lane's ``R`` neighbours read one
+contiguous run of A), each thread with ``UNROLL`` sums in flight, summed
+through shared memory; then each thread adds ``Σ_r h_r B[r, o]`` to 4
+outputs, reading B and y along the row. The ``x·A`` of a row is formed once
+per tile: redundant arithmetic (a few hundred multiply-adds per thread) bought
+to avoid a second launch. A row on the base copies its outputs.
 
 CUDA only: Metal runs the MLX operations until this source is compiled on a
 Mac. Accumulation is in float32 whatever the weights' dtype.
@@ -38,31 +36,16 @@ import mlx.core as mx
 THREADS = 256
 TILE = 1024  # outputs per thread group: 4 per thread
 UNROLL = 8  # loads of A in flight per thread in the x·A phase
+MAX_RANK = THREADS  # a rank's columns each take at least one thread
 
-
-def _source(n: int) -> str:
-    """The kernel body for a group of ``n`` members (inputs ``b0..``, ``y0..``; outputs ``z0..``)."""
-    pick = "\n".join(
-        f"  if (m == {i}) {{ b = b{i}; y = y{i}; z = z{i}; out = y{i}_shape[1]; }}" for i in range(n))
-    tiles = " + ".join(f"(y{i}_shape[1] + TILE - 1) / TILE" for i in range(n))
-    member = "\n".join(
-        f"  if (m < 0) {{ if (rest < (y{i}_shape[1] + TILE - 1) / TILE) {{ m = {i}; }} "
-        f"else {{ rest -= (y{i}_shape[1] + TILE - 1) / TILE; }} }}" for i in range(n))
-    return f"""
+_SOURCE = f"""
   __shared__ float part[{THREADS}];
   __shared__ float h[R];
   const int tid = threadIdx.x;
-  const int per_row = {tiles};
+  const int out = y_shape[1];
+  const int per_row = (out + TILE - 1) / TILE;
   const int row = blockIdx.x / per_row;
-  int rest = blockIdx.x % per_row;
-  int m = -1;
-{member}
-  const int tile = rest;
-  const T* b = b0;
-  const T* y = y0;
-  T* z = z0;
-  int out = y0_shape[1];
-{pick}
+  const int tile = blockIdx.x % per_row;
   const unsigned int slot = slots[row];
   const int lo = tile * TILE;
   const int hi = min(lo + TILE, out);
@@ -77,7 +60,7 @@ def _source(n: int) -> str:
   const int r = tid % R;
   const int lane = tid / R;
   const int width = a_shape[1];
-  const int col = (m * NS + (int)slot - 1) * R + r;
+  const int col = ((int)slot - 1) * R + r;
   // U independent sums, so that U loads of A are in flight per thread rather than one at a time:
   // the loop is a chain of global loads, and its latency, not its arithmetic, is this phase's time.
   float acc[U];
@@ -118,31 +101,20 @@ def _source(n: int) -> str:
 
 
 @lru_cache(maxsize=None)
-def _kernel(n: int):
-    return mx.fast.cuda_kernel(
-        name=f"mlxd_lora_{n}",
-        input_names=["x", "a", "slots"] + [f"b{i}" for i in range(n)] + [f"y{i}" for i in range(n)],
-        output_names=[f"z{i}" for i in range(n)],
-        source=_source(n),
-    )
+def _kernel():
+    return mx.fast.cuda_kernel(name="mlxd_lora", input_names=["x", "a", "slots", "b", "y"], output_names=["z"],
+                               source=_SOURCE)
 
 
-MAX_RANK = THREADS  # a rank's columns each take at least one thread
-
-
-def lora_outputs(x: mx.array, a: mx.array, bs: list[mx.array], ys: list[mx.array], slots: mx.array,
-                 rank: int) -> list[mx.array]:
-    """Each ``ys[i] + (x @ A_i[slot]) @ B_i[slot]`` row by row (see the module's docstring for layouts);
-    ``rank`` at most ``MAX_RANK``."""
-    n = len(bs)
-    rows = x.shape[0]
-    num_adapters = bs[0].shape[0] // rank
-    tiles = sum(-(-y.shape[1] // TILE) for y in ys)
-    return _kernel(n)(
-        inputs=[x, a, slots, *bs, *ys],
-        template=[("T", x.dtype), ("R", rank), ("NS", num_adapters), ("TILE", TILE), ("U", UNROLL)],
-        grid=(rows * tiles * THREADS, 1, 1),
+def lora_output(x: mx.array, a: mx.array, b: mx.array, y: mx.array, slots: mx.array, rank: int) -> mx.array:
+    """``y + (x @ A[slot]) @ B[slot]`` row by row (see the module's docstring for layouts); ``rank`` at most
+    ``MAX_RANK``."""
+    tiles = -(-y.shape[1] // TILE)
+    return _kernel()(
+        inputs=[x, a, slots, b, y],
+        template=[("T", x.dtype), ("R", rank), ("TILE", TILE), ("U", UNROLL)],
+        grid=(x.shape[0] * tiles * THREADS, 1, 1),
         threadgroup=(THREADS, 1, 1),
-        output_shapes=[y.shape for y in ys],
-        output_dtypes=[y.dtype for y in ys],
-    )
+        output_shapes=[y.shape],
+        output_dtypes=[y.dtype],
+    )[0]

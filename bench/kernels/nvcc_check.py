@@ -58,17 +58,17 @@ def compile_one(tag: str, text: str, arch: str) -> bool:
 
 
 def other_kernels(arch: str) -> bool:
-    """The LoRA term for groups of 1-3 members, and the gated delta rule, in bf16 and float32. An input
+    """The LoRA term at a member's rank and a joined q/k/v group's, and the gated delta rule, in bf16 and
+    float32. An input
     whose ``NAME_shape`` the source reads gets that array too, as MLX passes it."""
     ok = True
     for dt in ("bfloat16", "float32"):
-        for n in (1, 2, 3):
-            ins = [("x", dt), ("a", dt), ("slots", "uint32")] + [(f"b{i}", dt) for i in range(n)] + \
-                  [(f"y{i}", dt) for i in range(n)]
+        for rank in (16, 48):
+            ins = [("x", dt), ("a", dt), ("slots", "uint32"), ("b", dt), ("y", dt)]
             shapes = [(f"{name}_shape", "int32") for name, _ in ins if name != "slots"]
-            text = wrap("lora", "", lora._source(n), ins + shapes, [(f"z{i}", dt) for i in range(n)],
-                        [("T", dt), ("R", 16), ("NS", 4), ("TILE", lora.TILE), ("U", lora.UNROLL)])
-            ok &= compile_one(f"lora {dt} members={n}", text, arch)
+            text = wrap("lora", "", lora._SOURCE, ins + shapes, [("z", dt)],
+                        [("T", dt), ("R", rank), ("TILE", lora.TILE), ("U", lora.UNROLL)])
+            ok &= compile_one(f"lora {dt} rank={rank}", text, arch)
         for mask in (False, True):
             for vec in (False, True):
                 ins = [("q", dt), ("k", dt), ("v", dt), ("g", "float32"), ("beta", dt), ("state_in", "float32"),

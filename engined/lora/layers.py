@@ -1,23 +1,22 @@
 """Linear layers that add each token's own adapter's low-rank term: many adapters in one packed step.
 
-Every wrapped linear holds the resident adapters' B stacked by slot along its
-rows, ``lora_b`` ``[S * R, out]`` (slot ``s`` in rows ``(s-1)*R:s*R``), and
-takes its A columns from the ``SharedInput`` of the projections that read its
-input (q/k/v share one, gate/up one, any other linear has its own). ``S`` is
-``--max-loras``, ``R`` is ``--max-lora-rank``; smaller ranks are zero-padded,
-the scale is folded into ``b``; the base model (slot 0) has no columns. The
-runner sets the step's per-token slots on the shared ``LoraStep`` before a
-forward, which makes one mask ``[tokens, S * R]``, ones on each token's own
-slot's columns: a layer's term is ``((x @ A_all) * mask) @ B_all``, two dense
-matmuls over every resident slot, the second fused with the base's output
-(``addmm``). One forward for the whole batch whatever its mix of adapters, the
-base weights untouched, and no gather: MLX's ``gather_mm`` (what vLLM's punica
-kernels do) ran each row apart on CUDA, 100-170 us per projection on an H200
-where the arithmetic is a few MFLOP (bench/lora_results.md). The price is
-arithmetic on every resident slot's columns, ``S * R`` of them per projection
-(64 at 4 adapters of rank 16 against 4 096 outputs of Llama-8B's q_proj). A
-step with no adapter skips the term, as does a projection that no resident
-adapter targets.
+Every wrapped linear is a member of a ``ProjectionGroup`` (``groups.py``):
+q/k/v of one layer are one, gate/up one, any other linear a group of its
+own. A group holds the resident adapters' A and B stacked by slot, ``S`` slots
+of ``R`` columns per member (``S`` is ``--max-loras``, ``R`` is
+``--max-lora-rank``; smaller ranks are zero-padded, the scale is folded into
+``b``; the base model, slot 0, has no columns). The runner sets the step's
+per-token slots on the shared ``LoraStep`` before a forward, which gives masks
+with ones on each token's own slot's columns: a group's term is ``((x @ A) *
+mask) @ B``, two dense matmuls over every resident slot, the second fused with
+the base's output (``addmm``). One forward for the whole batch whatever its
+mix of adapters, the base weights untouched, and no gather: MLX's
+``gather_mm`` (what vLLM's punica kernels do) ran each row apart on CUDA,
+100-170 us per projection on an H200 where the arithmetic is a few MFLOP
+(bench/lora_results.md). The price is arithmetic on every resident slot's
+columns, ``S * R`` of them per member (64 at 4 adapters of rank 16 against
+4 096 outputs of Llama-8B's q_proj). A step with no adapter, or a group that
+no resident adapter targets, skips the term.
 
 Mixture-of-experts layers (mlx_lm's ``SwitchGLU``) hold one pair per slot
 and expert, gathered by ``slot * experts + expert`` per routed row: their rows
@@ -31,7 +30,8 @@ import mlx.nn as nn
 import numpy as np
 from mlx_lm.models.switch_layers import SwitchGLU
 
-from engined.lora.shared_input import SharedInput
+from engined.linear_join import fuse_linears
+from engined.lora.groups import ProjectionGroup, dims
 from engined.model_layers import transformer_layers
 
 
@@ -42,39 +42,36 @@ FUSED_MAX_TOKENS = 128
 
 
 class LoraStep:
-    """What the runner sets for one forward (``set``): ``slots``, each packed token's uint32 slot, and, for the
-    MLX operations' path, ``mask``, ``[tokens, S * R]`` with ones on each token's own slot's columns; both
-    None on a step with no adapter. ``fused`` (CUDA): steps of at most ``FUSED_MAX_TOKENS`` run the dense
-    terms as ``kernels.lora``'s one launch per input instead (``kernel``). ``inputs`` are the layers'
-    ``SharedInput`` groups, whose held products a new step drops."""
+    """What the runner sets for one forward (``set``): ``slots``, each packed token's uint32 slot, None on a step
+    with no adapter, and for the MLX operations' path ``mask(width)``, ``[tokens, S * width]`` with ones on
+    each token's own slot's ``width`` columns. ``fused`` (CUDA): steps of at most ``FUSED_MAX_TOKENS`` run
+    the dense terms as ``kernels.lora``'s one launch per group instead (``kernel``). ``inputs`` are the
+    layers' groups, whose held outputs a new step drops."""
 
-    def __init__(self, num_adapters: int, rank: int, dtype: mx.Dtype, fused: bool = False):
-        # Each column's slot: S blocks of R columns, slot 1 first (the base has none).
-        self._column_slots = np.repeat(np.arange(1, num_adapters + 1, dtype=np.uint32), rank)
+    def __init__(self, num_adapters: int, dtype: mx.Dtype, fused: bool = False):
+        self.num_adapters = num_adapters
         self.dtype = dtype
         self.fused = fused
         self.kernel = False
         self.slots: mx.array | None = None
-        self.mask: mx.array | None = None
-        self.inputs: list[SharedInput] = []
+        self.inputs: list[ProjectionGroup] = []
+        self._host_slots = np.zeros(0, np.uint32)
+        self._masks: dict[int, mx.array] = {}
 
     def set(self, slots: np.ndarray) -> None:
         for group in self.inputs:
             group.clear()
         self.kernel = self.fused and len(slots) <= FUSED_MAX_TOKENS
-        self.mask = None
-        if not slots.any():
-            self.slots = None
-            return
-        self.slots = mx.array(slots)
-        if not self.kernel:
-            self.mask = mx.array(slots[:, None] == self._column_slots[None, :]).astype(self.dtype)
+        self._masks = {}
+        self._host_slots = slots
+        self.slots = mx.array(slots) if slots.any() else None
 
-
-def _dims(linear: nn.Module) -> tuple[int, int]:
-    """(in, out) of a dense or quantized linear (quantized weights pack 32 // bits inputs per word)."""
-    out, packed = linear.weight.shape[-2:]
-    return (packed * 32 // linear.bits if "scales" in linear else packed), out
+    def mask(self, width: int) -> mx.array:
+        """Ones where each token's own slot's ``width`` columns are (slot 1's first; the base has none)."""
+        if width not in self._masks:
+            columns = np.repeat(np.arange(1, self.num_adapters + 1, dtype=np.uint32), width)
+            self._masks[width] = mx.array(self._host_slots[:, None] == columns[None, :]).astype(self.dtype)
+        return self._masks[width]
 
 
 def _padded(pair, a_shape: tuple, b_shape: tuple) -> tuple[np.ndarray, np.ndarray]:
@@ -89,49 +86,34 @@ def _padded(pair, a_shape: tuple, b_shape: tuple) -> tuple[np.ndarray, np.ndarra
 
 
 class SlottedLoraLinear(nn.Module):
-    """A linear plus each row's adapter term: its A columns in its ``SharedInput``, its B (``lora_b``) here."""
+    """One member of a ``ProjectionGroup``, called as the linear it replaces: its slice of the group's output.
+    The group's first member holds the group's arrays in the module tree (``linear``, ``lora_a``,
+    ``lora_b``)."""
 
-    def __init__(self, linear: nn.Module, shared: SharedInput, column: int, num_adapters: int, rank: int,
-                 dtype: mx.Dtype):
+    def __init__(self, group: ProjectionGroup, member: int, input_dims: int, output_dims: int):
         super().__init__()
-        self.linear = linear
-        self.shared = shared  # a plain object, outside the module tree (its members share it)
-        self.column = column
-        self.input_dims, self.output_dims = _dims(linear)
-        self.lora_b = mx.zeros((num_adapters * rank, self.output_dims), dtype)
-        # Slots whose adapter targets this projection: with none, its term is zero and skipped.
-        self.live_slots: set[int] = set()
+        self.group = group  # a plain object, outside the module tree (its members share it)
+        self.member = member
+        self.input_dims, self.output_dims = input_dims, output_dims
+        if member == 0:
+            self.linear, self.lora_a, self.lora_b = group.base, group.a, group.b
 
     def expected_shapes(self, rank: int) -> tuple[tuple, tuple]:
         return (self.input_dims, rank), (rank, self.output_dims)
 
     def stacks(self) -> list[mx.array]:
-        """The slot stacks this wrapper owns (the group's A is its first member's)."""
-        return [self.shared.a, self.lora_b] if self.shared.members[0] is self else [self.lora_b]
+        """The slot stacks this member holds (a group's are its first member's)."""
+        return [self.group.a, self.group.b] if self.member == 0 else []
 
     def write(self, slot: int, pair: tuple[np.ndarray, np.ndarray] | None) -> list[mx.array]:
         """Put an adapter's ``(a, b)`` (None: it adapts nothing here) into ``slot``; the arrays changed."""
-        r = self.shared.rank
+        r = self.group.rank
         a, b = _padded(pair, (self.input_dims, r), (r, self.output_dims))
-        if pair is None:
-            self.live_slots.discard(slot)
-        else:
-            self.live_slots.add(slot)
-        self.shared.write(self.column, slot, a)
-        self.lora_b[(slot - 1) * r:slot * r] = mx.array(b).astype(self.lora_b.dtype)
-        return [self.shared.a, self.lora_b]
+        self.group.write(self.member, slot, a, b, pair is not None)
+        return [self.group.a, self.group.b]
 
     def __call__(self, x: mx.array) -> mx.array:
-        shared = self.shared
-        if shared.step.slots is None:
-            return self.linear(x)
-        if shared.step.kernel:
-            return shared.fused(x, self.column)
-        y = self.linear(x)
-        if not self.live_slots:
-            return y
-        h = shared.product(x, self.column)  # [rows, S * R], zero but each row's own slot's columns
-        return mx.addmm(y.reshape(-1, self.output_dims), h, self.lora_b).reshape(y.shape)
+        return self.group.output(x, self.member)
 
 
 def _sort_rows(x: mx.array, indices: mx.array):
@@ -147,7 +129,7 @@ class SlottedLoraSwitchGLU(nn.Module):
 
     Stacks by ``slot * experts + expert``; gate_proj's and up_proj's A share one
     stack (``gate_up_a``, gate's columns first), as a dense layer's do in its
-    ``SharedInput``: one product of the routed rows for both.
+    ``ProjectionGroup``: one product of the routed rows for both.
     """
 
     PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
@@ -158,7 +140,7 @@ class SlottedLoraSwitchGLU(nn.Module):
         self.step = step
         self.rank = rank
         self.num_experts = inner.gate_proj.weight.shape[0]
-        self.dims = {name: _dims(getattr(inner, name)) for name in self.PROJECTIONS}
+        self.dims = {name: dims(getattr(inner, name)) for name in self.PROJECTIONS}
         n = num_slots * self.num_experts
         d_in = self.dims["gate_proj"][0]
         self.gate_up_a = mx.zeros((n, d_in, 2 * rank), dtype)
@@ -234,7 +216,7 @@ class SlottedLoraSwitchGLU(nn.Module):
 
 
 _LINEARS = (nn.Linear, nn.QuantizedLinear)
-# Sibling projections that mlx_lm's attention and MLP blocks call on one input: one SharedInput each.
+# Sibling projections that mlx_lm's attention and MLP blocks call on one input: one ProjectionGroup each.
 _SHARED = {"q_proj": "qkv", "k_proj": "qkv", "v_proj": "qkv", "gate_proj": "gate_up", "up_proj": "gate_up"}
 
 
@@ -250,11 +232,11 @@ def install(model: nn.Module, num_adapters: int, rank: int, dtype: mx.Dtype, exp
     SwitchGLU's three projections (``...switch_mlp.gate_proj``) share its
     wrapper and name their ``projection``, a linear's is None. A SwitchGLU's
     projections are switch layers, not linears, so they are never wrapped twice.
-    Sibling q/k/v (and gate/up) linears of one input size share a ``SharedInput``;
-    every other linear has one of its own. Linear-attention layers of hybrid
+    Sibling q/k/v (and gate/up) linears of one input size are one ``ProjectionGroup``
+    where ``fuse_linears`` can join them; every other linear is a group of its own. Linear-attention layers of hybrid
     models keep their own projections (their recurrent state is not adapted).
     """
-    step = LoraStep(num_adapters, rank, dtype, fused)
+    step = LoraStep(num_adapters, dtype, fused)
     layers = transformer_layers(model)
     prefix = "model.layers" if getattr(getattr(model, "model", None), "layers", None) is layers else "layers"
     targets: dict[str, tuple[nn.Module, str | None]] = {}
@@ -268,15 +250,16 @@ def install(model: nn.Module, num_adapters: int, rank: int, dtype: mx.Dtype, exp
                                                              expert_dtype or dtype)))
             elif isinstance(module, _LINEARS):
                 parent, _, leaf = name.rpartition(".")
-                key = (parent, _SHARED[leaf], _dims(module)[0]) if leaf in _SHARED else (name,)
+                key = (parent, _SHARED[leaf], dims(module)[0]) if leaf in _SHARED else (name,)
                 groups.setdefault(key, []).append((name, module))
         swaps = list(switches)
         for members in groups.values():
-            shared = SharedInput(step, num_adapters, _dims(members[0][1])[0], rank, len(members), dtype)
-            for column, (name, module) in enumerate(sorted(members)):
-                wrapper = SlottedLoraLinear(module, shared, column, num_adapters, rank, dtype)
-                shared.members.append(wrapper)
-                swaps.append((name, wrapper))
+            members.sort(key=lambda m: m[0])
+            joined = fuse_linears([m for _, m in members]) if len(members) > 1 else None
+            for part in [members] if joined is not None or len(members) == 1 else [[m] for m in members]:
+                group = ProjectionGroup(step, part[0][1] if joined is None else joined,
+                                        [dims(m)[1] for _, m in part], num_adapters, rank, dtype)
+                swaps += [(name, SlottedLoraLinear(group, j, *dims(m))) for j, (name, m) in enumerate(part)]
         for name, wrapper in swaps:
             _set(layer, name, wrapper)
             if isinstance(wrapper, SlottedLoraSwitchGLU):

@@ -31,7 +31,6 @@ import numpy as np
 from engined.device import on_cpu
 from engined.lora import layers
 from engined.lora.adapters import CONFIG, MLX_WEIGHTS, PEFT_WEIGHTS, AdapterWeights, read_adapter
-from kernels import lora as lora_kernel
 from shared.errors import InvalidRequestError, MlxdError, NotFoundError
 
 
@@ -67,8 +66,7 @@ class LoraRegistry:
         # MLX's CPU gather_mm takes float32 only: a half-precision model's expert adapters run in float32 there.
         cpu = on_cpu()
         self.step, self.targets = layers.install(model, max_loras, max_lora_rank, dtype, mx.float32 if cpu else dtype,
-                                                 fused=mx.cuda.is_available() and not cpu
-                                                 and max_lora_rank <= lora_kernel.MAX_RANK)
+                                                 fused=mx.cuda.is_available() and not cpu)
         self.adapters: dict[str, Adapter] = {}
         # name -> its weights in host memory, at most max_cpu_loras; most recently used last.
         self._host: OrderedDict[str, AdapterWeights] = OrderedDict()

@@ -1,7 +1,7 @@
-"""q/k/v (and gate/up) take one x·A product per input, and projections that no resident adapter targets add no
-term: MLX's own ``matmul`` (the x·A products) and ``addmm`` (each projection's B, added to its output) calls
-counted while one mixed packed step's graph is built, and no ``gather_mm`` (that its logits equal mlx_lm's fused
-forward is test_lora's)."""
+"""q/k/v (and gate/up) run as one group: one x·A product and one B product per input, and groups that no resident
+adapter targets add no term: MLX's own ``matmul`` (the x·A products) and ``addmm`` (each group's B, added to its
+output) calls counted while one mixed packed step's graph is built, and no ``gather_mm`` (that its logits equal
+mlx_lm's fused forward is test_lora's)."""
 
 import mlx.core as mx
 import numpy as np
@@ -28,12 +28,12 @@ def _llama_engine(setups, tmp_path, suffixes):
     return _engine(model_dir, "float32", a_dir, b_dir)
 
 
-# Per llama layer, every projection adapted: A products for q/k/v, o, gate/up and down, and seven B (separate
-# products: 14). Only q and v adapted: one A product and two B.
-@pytest.mark.parametrize("suffixes,a_products,b_products", [(None, 4, 7), (("q_proj", "v_proj"), 1, 2)],
+# Per llama layer, every projection adapted: one A and one B product for each of q/k/v, o, gate/up and down
+# (apart, 7 of each). Only q and v adapted: one of each, for q/k/v.
+@pytest.mark.parametrize("suffixes,a_products,b_products", [(None, 4, 4), (("q_proj", "v_proj"), 1, 1)],
                          ids=["all", "q_v"])
-def test_one_mixed_step_runs_one_a_product_per_shared_input(setups, tmp_path, monkeypatch, suffixes, a_products,
-                                                            b_products):
+def test_one_mixed_step_runs_one_a_and_one_b_product_per_group(setups, tmp_path, monkeypatch, suffixes, a_products,
+                                                           b_products):
     engine = _llama_engine(setups, tmp_path, suffixes)
     for i, lora in enumerate(["A", None, "B"]):
         engine.add_request(f"r{i}", [3, 4, 5, 6], SamplingParams(max_tokens=1), lora_name=lora)
@@ -58,10 +58,11 @@ def test_one_mixed_step_runs_one_a_product_per_shared_input(setups, tmp_path, mo
 
 
 def test_a_projection_called_on_another_input_gets_its_own_product(setups):
-    """The shared product belongs to the array it was made from: k_proj called on another one (a model that
-    feeds its projections apart) still gets its own x·A, and v_proj, back on q's input, too."""
+    """A group's output belongs to the array it was made from: k_proj called on another one (a model that
+    feeds its projections apart) still gets its own, and v_proj, back on q's input, too."""
     model_dir, a_dir, b_dir, _ = setups("llama")
     engine = _engine(model_dir, "float32", a_dir, b_dir)
+    base = _load(model_dir, "float32").model.layers[0].self_attn
     slot = engine.lora.acquire("A")
     pairs = read_adapter(str(a_dir)).modules
     attn = engine.runner.model.layers[0].self_attn
@@ -75,32 +76,28 @@ def test_a_projection_called_on_another_input_gets_its_own_product(setups):
         engine.lora.set_step([], [])
     for (name, x), out in zip(calls, got):
         a, b = pairs[f"model.layers.0.self_attn.{name}"]
-        want = np.array(getattr(attn, name).linear(x)) + np.array(x) @ a @ b
+        want = np.array(getattr(base, name)(x)) + np.array(x) @ a @ b
         np.testing.assert_allclose(np.array(out), want, rtol=1e-4, atol=1e-4, err_msg=name)
 
 
-def _kernel_contract(x, a, bs, ys, slots, rank):
-    """``kernels.lora.lora_outputs`` as its docstring states it, in numpy: the CUDA kernel itself runs only on a
+def _kernel_contract(x, a, b, y, slots, rank):
+    """``kernels.lora.lora_output`` as its docstring states it, in numpy: the CUDA kernel itself runs only on a
     CUDA device (``python -m bench.lora --check`` holds it to the same numbers there)."""
-    x, a, slots = np.array(x), np.array(a), np.array(slots)
-    s = bs[0].shape[0] // rank
-    out = []
-    for i, (b, y) in enumerate(zip(bs, ys)):
-        z = np.array(y).copy()
-        for row, slot in enumerate(slots):
-            if slot:
-                cols = slice((i * s + slot - 1) * rank, (i * s + slot) * rank)
-                z[row] += x[row] @ a[:, cols] @ np.array(b)[(slot - 1) * rank:slot * rank]
-        out.append(mx.array(z))
-    return out
+    x, a, b, slots = np.array(x), np.array(a), np.array(b), np.array(slots)
+    z = np.array(y).copy()
+    for row, slot in enumerate(slots):
+        if slot:
+            cols = slice((slot - 1) * rank, slot * rank)
+            z[row] += x[row] @ a[:, cols] @ b[cols]
+    return mx.array(z)
 
 
 @pytest.mark.parametrize("suffixes", [None, ("q_proj", "v_proj")], ids=["all", "q_v"])
 def test_the_fused_path_hands_each_member_its_own_output(setups, tmp_path, monkeypatch, suffixes):
-    """On CUDA one launch per input gives every member of a group its output: the first member's call makes
-    them, the others take theirs, whatever the mix of adapters and base rows; the logits equal the MLX
-    operations' path (one launch per shared input, none for a group no adapter targets). A step past
-    FUSED_MAX_TOKENS takes the MLX operations."""
+    """On CUDA one launch per group gives every member its output: the first member's call makes them, the
+    others take theirs, whatever the mix of adapters and base rows; the logits equal the MLX operations' path
+    (one launch per group, none for a group no adapter targets). A step past FUSED_MAX_TOKENS takes the MLX
+    operations."""
     engine = _llama_engine(setups, tmp_path, suffixes)
     for i, lora in enumerate(["A", None, "B", "A"]):
         engine.add_request(f"r{i}", [3, 4, 5, 6, 7][: 3 + i % 3], SamplingParams(max_tokens=1), lora_name=lora)
@@ -109,15 +106,17 @@ def test_the_fused_path_hands_each_member_its_own_output(setups, tmp_path, monke
     launches = []
 
     def launch(*args):
-        launches.append(len(args[2]))
+        launches.append(args[-1])
         return _kernel_contract(*args)
 
-    monkeypatch.setattr("engined.lora.shared_input.lora_outputs", launch)
+    monkeypatch.setattr("engined.lora.groups.lora_output", launch)
     engine.lora.step.fused = True
     fused = engine.runner.run(batch)
     np.testing.assert_allclose(np.array(fused), np.array(ops), rtol=1e-4, atol=1e-4)
-    # Groups per llama layer: q/k/v (3 members), o, gate/up (2), down; q/v-only adapters reach q/k/v alone.
-    per_layer = [3] if suffixes else [3, 1, 2, 1]
+    # Groups per llama layer: q/k/v, o, gate/up, down, each one projection to the kernel of the group's rank
+    # (members x R); q/v-only adapters reach q/k/v alone.
+    r = engine.lora.max_lora_rank
+    per_layer = [3 * r] if suffixes else [3 * r, r, 2 * r, r]
     assert launches == per_layer * len(engine.runner.model.layers)
     monkeypatch.setattr("engined.lora.layers.FUSED_MAX_TOKENS", batch.num_tokens - 1)
     launches.clear()

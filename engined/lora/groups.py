@@ -1,0 +1,102 @@
+"""The projections of one layer that read one input (q/k/v, gate/up), run as one linear and one adapter term.
+
+A layer's q_proj, k_proj and v_proj are called on the same array, as are its
+MLP's gate_proj and up_proj. A group joins its members' base weights into
+one linear (``engined/linear_join.py``) and their adapters into one term of
+``n * R`` columns per slot: A ``[in, S * n * R]``, slot ``s``'s columns
+``(s-1)*n*R`` onwards, member ``i``'s ``R`` of them at ``i*R``; B ``[S * n *
+R, out_1 + .. + out_n]``, block-diagonal (member ``i``'s rows reach only its
+own outputs). The group's whole output, base plus every row's term, is then
+
+    y = addmm(base(x), (x @ A) * mask, B)
+
+four operations however many members, where separate projections took
+``2 + 2n`` (7 for q/k/v with the A product already shared): a decode step
+on a GPU is bound by the host's cost per operation (bench/lora_results.md).
+The price is B's zero blocks: ``n`` times the memory and arithmetic of the
+members' B products, which are rank-sized against the base's. A projection
+of an input of its own (o_proj, down_proj), or members that cannot be joined
+(``fuse_linears``: mixed kinds or widths), are groups of one.
+
+The output is made at the first member's call and kept beside the array it
+was made from; members called with that same array (mlx_lm's attention and
+MLP pass one ``x``) take their slices, and the last one drops it, so no
+layer's input is held past its layer (a step's ``LoraStep.set`` drops what a
+member never called left). A member called with another array gets an output
+made from that one: right for any model, merely slower for one that feeds
+its projections apart. A group that no resident adapter targets runs its base
+alone.
+
+On CUDA, in a decode-sized step (``LoraStep.kernel``), the term is one
+``kernels.lora`` launch instead of the three MLX operations: the group is one
+projection of rank ``n * R`` to it (at most ``MAX_RANK``).
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+
+from kernels.lora import MAX_RANK, lora_output
+
+
+def dims(linear: nn.Module) -> tuple[int, int]:
+    """(in, out) of a dense or quantized linear (quantized weights pack 32 // bits inputs per word)."""
+    out, packed = linear.weight.shape[-2:]
+    return (packed * 32 // linear.bits if "scales" in linear else packed), out
+
+
+class ProjectionGroup:
+    """One input's projections: ``base`` (their joined linear), ``a`` and ``b`` (the slots' adapter columns,
+    laid out as the module's docstring says), ``live`` (per member, the slots whose adapter targets it)."""
+
+    def __init__(self, step, base: nn.Module, outs: list[int], num_adapters: int, rank: int, dtype: mx.Dtype):
+        self.step = step
+        self.base = base
+        self.rank = rank
+        self.width = len(outs) * rank  # one slot's columns
+        self.offsets = list(itertools.accumulate(outs, initial=0))
+        self.a = mx.zeros((dims(base)[0], num_adapters * self.width), dtype)
+        self.b = mx.zeros((num_adapters * self.width, self.offsets[-1]), dtype)
+        self.live: list[set[int]] = [set() for _ in outs]
+        self._x: mx.array | None = None
+        self._held = None
+        self._left = 0
+        step.inputs.append(self)
+
+    def clear(self) -> None:
+        self._x = self._held = None
+        self._left = 0
+
+    def write(self, member: int, slot: int, a: np.ndarray, b: np.ndarray, live: bool) -> None:
+        """Member ``member``'s adapter ``a`` ``[in, R]``, ``b`` ``[R, out]`` in ``slot``."""
+        start = (slot - 1) * self.width + member * self.rank
+        rows, cols = slice(start, start + self.rank), slice(self.offsets[member], self.offsets[member + 1])
+        self.a[:, rows] = mx.array(a).astype(self.a.dtype)
+        self.b[rows, cols] = mx.array(b).astype(self.b.dtype)
+        (self.live[member].add if live else self.live[member].discard)(slot)
+
+    def output(self, x: mx.array, member: int) -> mx.array:
+        """Member ``member``'s output for ``x``: its base projection plus each row's adapter term."""
+        if x is not self._x:
+            y = self.base(x)
+            step = self.step
+            if step.slots is not None and any(self.live):
+                flat, rows = y.reshape(-1, y.shape[-1]), x.reshape(-1, x.shape[-1])
+                if step.kernel and self.width <= MAX_RANK:
+                    z = lora_output(rows, self.a, self.b, flat, step.slots, self.width)
+                else:
+                    h = mx.matmul(rows.astype(self.a.dtype), self.a) * step.mask(self.width)
+                    z = mx.addmm(flat, h, self.b)
+                y = z.reshape(y.shape)
+            n = len(self.live)
+            self._held = [y] if n == 1 else mx.split(y, self.offsets[1:-1], axis=-1)
+            self._x, self._left = x, n
+        held = self._held[member]
+        self._left -= 1
+        if self._left <= 0:
+            self.clear()
+        return held
