@@ -121,8 +121,8 @@ def write_adapters(model, root: Path, rank: int, targets: list[str] | None = Non
 
 
 def step_cost(engine: Engine, prompts: list[list[int]], loras: list[str], repeats: int) -> dict[str, float]:
-    """Median seconds of one packed decode step's forward: rows on their adapters (on CUDA also through the
-    MLX operations instead of the fused kernel, "ops"), and the same rows on the base."""
+    """Median seconds of one packed decode step's forward: rows on their adapters, and the same rows on the
+    base."""
     params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)  # room for the step measured
     ids = [f"step-{i}" for i in range(len(prompts))]
     for rid, prompt, lora in zip(ids, prompts, loras):
@@ -133,64 +133,26 @@ def step_cost(engine: Engine, prompts: list[list[int]], loras: list[str], repeat
     batch = engine.scheduler.schedule()
     slots = [r.lora_slot for r, _ in batch.scheduled]
     assert len(batch.scheduled) == len(prompts) and all(n == 1 for _, n in batch.scheduled)
-    fused = engine.lora.step.fused
 
-    def timed(adapters: bool, kernel: bool = fused) -> float:
+    def timed(adapters: bool) -> float:
         for (r, _), slot in zip(batch.scheduled, slots):
             r.lora_slot = slot if adapters else 0
-        engine.lora.step.fused = kernel
         start = time.perf_counter()
         mx.eval(engine.runner.run(batch))
         return time.perf_counter() - start
 
     runs = {"adapters": lambda: timed(True), "base": lambda: timed(False)}
-    if fused:
-        runs["ops"] = lambda: timed(True, False)
     times = {k: [] for k in runs}
     for i in range(repeats + 1):
         for k, run in runs.items():
             t = run()
             if i:
                 times[k].append(t)
-    engine.lora.step.fused = fused
     for (r, _), slot in zip(batch.scheduled, slots):
         r.lora_slot = slot
     engine.abort(ids)
     engine.step()
     return {k: statistics.median(t) for k, t in times.items()}
-
-
-def kernel_check() -> None:
-    """``kernels.lora`` against the same term in float32 numpy, over dtypes, ranks (48: a joined q/k/v group's at
-    rank 16), output widths under and over a tile, row counts and input widths under and over a thread
-    group's 256 (slots 0..4 mixed): the largest error relative to the output's scale, and a failure past the
-    dtype's tolerance."""
-    from kernels.lora import lora_output
-
-    rng = np.random.default_rng(0)
-    worst = {}
-    s = NUM_ADAPTERS
-    for dtype, tol in ((mx.float32, 1e-4), (mx.bfloat16, 2e-2)):
-        for rank in (8, 16, 48, 64):
-            for out in (40, 300, 1500):
-                for rows, d_in in ((1, 200), (8, 1000), (67, 300)):
-                    x = rng.normal(size=(rows, d_in)).astype(np.float32)
-                    a = rng.normal(size=(d_in, s * rank)).astype(np.float32) * 0.1
-                    b = rng.normal(size=(s * rank, out)).astype(np.float32) * 0.1
-                    y = rng.normal(size=(rows, out)).astype(np.float32)
-                    slots = rng.integers(0, s + 1, rows).astype(np.uint32)
-                    x, a, b, y = (mx.array(v).astype(dtype) for v in (x, a, b, y))
-                    z = lora_output(x, a, b, y, mx.array(slots), rank)
-                    x, a, b, want = (np.array(v.astype(mx.float32)) for v in (x, a, b, y))
-                    for row, slot in enumerate(slots):
-                        if slot:
-                            cols = slice((slot - 1) * rank, slot * rank)
-                            want[row] += x[row] @ a[:, cols] @ b[cols]
-                    err = float(np.abs(np.array(z.astype(mx.float32)) - want).max() / np.abs(want).max())
-                    worst[(str(dtype), rank)] = max(worst.get((str(dtype), rank), 0.0), err)
-                    assert err < tol, (dtype, rank, out, rows, err)
-    for (dtype, rank), err in worst.items():
-        print(f"kernels.lora {dtype} rank {rank}: largest relative error {err:.2e}", flush=True)
 
 
 def _alternate(runs: dict, repeats: int) -> dict[str, float]:
@@ -209,8 +171,6 @@ def _alternate(runs: dict, repeats: int) -> dict[str, float]:
 def term_cost(shape: str, rank: int, repeats: int) -> None:
     """One projection's LoRA term alone, rows spread round-robin over 4 adapters; then the projections that
     read one input (q/k/v, gate/up), apart against joined as one group (base and term)."""
-    from kernels.lora import lora_output
-
     dims = SHAPES[shape]
     dtype = mx.float32 if mx.default_device() == mx.cpu else mx.bfloat16  # MLX's CPU gather_mm: float32 only
 
@@ -220,10 +180,8 @@ def term_cost(shape: str, rank: int, repeats: int) -> None:
         mask = np.repeat(np.eye(NUM_ADAPTERS + 1)[spread][:, 1:], rank, axis=1)
         return mx.array(spread.astype(np.uint32)), mx.array(mask).astype(dtype)
 
-    cuda = mx.cuda.is_available() and dtype != mx.float32
-    print("\n| projection (in x out) | rows | base matmul (us) | + term, gather_mm (us) | + term, dense masked (us) "
-          "| + term, fused kernel (us) |")
-    print("|---|---|---|---|---|---|")
+    print("\n| projection (in x out) | rows | base matmul (us) | + term, gather_mm (us) | + term, dense masked (us) |")
+    print("|---|---|---|---|---|")
     for d_in, d_out in ((dims["hidden_size"], dims["hidden_size"]), (dims["hidden_size"], dims["intermediate_size"])):
         w = mx.random.normal((d_out, d_in)).astype(dtype) * 0.02
         a = mx.random.normal((NUM_ADAPTERS + 1, d_in, rank)).astype(dtype) * 0.02
@@ -245,15 +203,13 @@ def term_cost(shape: str, rank: int, repeats: int) -> None:
                 "gather": gathered,
                 "dense": lambda: mx.addmm(x @ w.T, (x @ a_all) * mask, b_all),
             }
-            if cuda:
-                runs["fused"] = lambda: lora_output(x, a_all, b_all, x @ w.T, slot, rank)
             us = _alternate(runs, repeats)
-            print(f"| {d_in} x {d_out} | {rows} | {us['base']:.0f} | {us['gather']:.0f} | {us['dense']:.0f} | "
-                  + (f"{us['fused']:.0f} |" if cuda else "- |"), flush=True)
+            print(f"| {d_in} x {d_out} | {rows} | {us['base']:.0f} | {us['gather']:.0f} | {us['dense']:.0f} |",
+                  flush=True)
     hidden, kv = dims["hidden_size"], dims["hidden_size"] * dims["num_key_value_heads"] // dims["num_attention_heads"]
     print("\n| projections (in x outs) | rows | base matmuls apart (us) | joined base (us) | + terms apart (us) "
-          "| joined, + one term (us) | joined, fused kernel (us) |")
-    print("|---|---|---|---|---|---|---|")
+          "| joined, + one term (us) |")
+    print("|---|---|---|---|---|---|")
     for outs in ((hidden, kv, kv), (dims["intermediate_size"],) * 2):
         width = len(outs) * rank  # the group's columns per slot (engined/lora/groups.py)
         ws = [mx.random.normal((o, hidden)).astype(dtype) * 0.02 for o in outs]
@@ -264,7 +220,7 @@ def term_cost(shape: str, rank: int, repeats: int) -> None:
         b_cat = mx.random.normal((NUM_ADAPTERS * width, sum(outs))).astype(dtype) * 0.02  # block-diagonal there
         for rows in (8, 64, 512):
             x = mx.random.normal((rows, hidden)).astype(dtype)
-            slot, mask = masks(rows)
+            _, mask = masks(rows)
             group_mask = mx.repeat(mask[:, ::rank], width, axis=1)
             mx.eval(ws, w_cat, a_s, b_s, a_cat, b_cat, x, mask, group_mask)
             runs = {
@@ -273,12 +229,9 @@ def term_cost(shape: str, rank: int, repeats: int) -> None:
                 "apart": lambda: [mx.addmm(x @ w.T, (x @ ai) * mask, bi) for w, ai, bi in zip(ws, a_s, b_s)],
                 "group": lambda: mx.addmm(x @ w_cat.T, (x @ a_cat) * group_mask, b_cat),
             }
-            if cuda:
-                runs["fused"] = lambda: lora_output(x, a_cat, b_cat, x @ w_cat.T, slot, width)
             us = _alternate(runs, repeats)
             print(f"| {hidden} x {'+'.join(map(str, outs))} | {rows} | {us['base']:.0f} | {us['joined']:.0f} "
-                  f"| {us['apart']:.0f} | {us['group']:.0f} | " + (f"{us['fused']:.0f} |" if cuda else "- |"),
-                  flush=True)
+                  f"| {us['apart']:.0f} | {us['group']:.0f} |", flush=True)
 
 
 def make_prompts(n: int, vocab: int, seed: int, lengths: tuple[int, int]) -> list[list[int]]:
@@ -300,10 +253,7 @@ def main() -> None:
     ap.add_argument("--targets", nargs="+", default=None, metavar="NAME",
                     help="adapt only the projections so named (PEFT's common: q_proj v_proj); default all")
     ap.add_argument("--term", action="store_true", help="time one projection's LoRA term only (of --shape)")
-    ap.add_argument("--check", action="store_true", help="check kernels.lora against numpy (CUDA), then exit")
     args = ap.parse_args()
-    if args.check:
-        return kernel_check()
     if args.term:
         return term_cost(args.shape or "llama-8b", args.rank, args.step_repeats)
 
@@ -354,8 +304,7 @@ def main() -> None:
                 t = step_cost(lora, prompts, spread, args.step_repeats)
                 steps.append((level, t))
                 print(f"c={level}: one decode step's forward: {t['adapters'] * 1e3:.1f} ms on 4 adapters"
-                      + (f" ({t['ops'] * 1e3:.1f} ms through MLX operations)" if "ops" in t else "")
-                      + f", {t['base'] * 1e3:.1f} ms on the base ({t['base'] / t['adapters']:.2f}x)", flush=True)
+                      f", {t['base'] * 1e3:.1f} ms on the base ({t['base'] / t['adapters']:.2f}x)", flush=True)
     print("\n| concurrent requests | base tok/s | 4 adapters tok/s | ratio | LoRA on, base requests tok/s | ratio |")
     print("|---|---|---|---|---|---|")
     for level, r in rows:
@@ -363,12 +312,10 @@ def main() -> None:
         a, o = r.get("4 adapters", float("nan")), r.get("lora on, base requests", float("nan"))
         print(f"| {level} | {b:.1f} | {a:.1f} | {a / b:.2f}x | {o:.1f} | {o / b:.2f}x |")
     if steps:
-        print("\n| concurrent requests | decode step, 4 adapters (ms) | same, MLX operations (ms) "
-              "| same step, base rows (ms) | ratio |")
-        print("|---|---|---|---|---|")
+        print("\n| concurrent requests | decode step, 4 adapters (ms) | same step, base rows (ms) | ratio |")
+        print("|---|---|---|---|")
         for level, t in steps:
-            ops = f"{t['ops'] * 1e3:.1f}" if "ops" in t else "-"
-            print(f"| {level} | {t['adapters'] * 1e3:.1f} | {ops} | {t['base'] * 1e3:.1f} "
+            print(f"| {level} | {t['adapters'] * 1e3:.1f} | {t['base'] * 1e3:.1f} "
                   f"| {t['base'] / t['adapters']:.2f}x |")
 
 

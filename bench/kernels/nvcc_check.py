@@ -1,5 +1,5 @@
 """Compile the CUDA kernels with a local nvcc, as MLX would wrap them: paged attention (every
-dialect configuration), the LoRA term (``kernels.lora``) and the gated delta rule (``kernels.gated_delta``).
+dialect configuration) and the gated delta rule (``kernels.gated_delta``).
 
 No GPU needed: it catches syntax and type errors before device time is spent.
 Usage: python bench/kernels/nvcc_check.py [--arch sm_90]
@@ -15,7 +15,7 @@ import tempfile
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 
-from kernels import gated_delta, gpu, gpu_geometry, lora, source  # noqa: E402
+from kernels import gated_delta, gpu, gpu_geometry, source  # noqa: E402
 
 SIZES = {"float32": 4, "float16": 2, "bfloat16": 2}
 CUDA_TYPES = {"float32": "float", "float16": "__half", "bfloat16": "__nv_bfloat16", "int32": "int32_t",
@@ -58,17 +58,9 @@ def compile_one(tag: str, text: str, arch: str) -> bool:
 
 
 def other_kernels(arch: str) -> bool:
-    """The LoRA term at a member's rank and a joined q/k/v group's, and the gated delta rule, in bf16 and
-    float32. An input
-    whose ``NAME_shape`` the source reads gets that array too, as MLX passes it."""
+    """The gated delta rule, in bf16 and float32."""
     ok = True
     for dt in ("bfloat16", "float32"):
-        for rank in (16, 48):
-            ins = [("x", dt), ("a", dt), ("slots", "uint32"), ("b", dt), ("y", dt)]
-            shapes = [(f"{name}_shape", "int32") for name, _ in ins if name != "slots"]
-            text = wrap("lora", "", lora._SOURCE, ins + shapes, [("z", dt)],
-                        [("T", dt), ("R", rank), ("TILE", lora.TILE), ("U", lora.UNROLL)])
-            ok &= compile_one(f"lora {dt} rank={rank}", text, arch)
         for mask in (False, True):
             for vec in (False, True):
                 ins = [("q", dt), ("k", dt), ("v", dt), ("g", "float32"), ("beta", dt), ("state_in", "float32"),

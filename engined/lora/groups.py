@@ -26,10 +26,6 @@ member never called left). A member called with another array gets an output
 made from that one: right for any model, merely slower for one that feeds
 its projections apart. A group that no resident adapter targets runs its base
 alone.
-
-On CUDA, in a decode-sized step (``LoraStep.kernel``), the term is one
-``kernels.lora`` launch instead of the three MLX operations: the group is one
-projection of rank ``n * R`` to it (at most ``MAX_RANK``).
 """
 
 from __future__ import annotations
@@ -40,7 +36,6 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from kernels.lora import MAX_RANK, lora_output
 
 
 def dims(linear: nn.Module) -> tuple[int, int]:
@@ -85,13 +80,8 @@ class ProjectionGroup:
             y = self.base(x)
             step = self.step
             if step.slots is not None and any(self.live):
-                flat, rows = y.reshape(-1, y.shape[-1]), x.reshape(-1, x.shape[-1])
-                if step.kernel and self.width <= MAX_RANK:
-                    z = lora_output(rows, self.a, self.b, flat, step.slots, self.width)
-                else:
-                    h = mx.matmul(rows.astype(self.a.dtype), self.a) * step.mask(self.width)
-                    z = mx.addmm(flat, h, self.b)
-                y = z.reshape(y.shape)
+                h = mx.matmul(x.reshape(-1, x.shape[-1]).astype(self.a.dtype), self.a) * step.mask(self.width)
+                y = mx.addmm(y.reshape(-1, y.shape[-1]), h, self.b).reshape(y.shape)
             n = len(self.live)
             self._held = [y] if n == 1 else mx.split(y, self.offsets[1:-1], axis=-1)
             self._x, self._left = x, n

@@ -35,24 +35,14 @@ from engined.lora.groups import ProjectionGroup, dims
 from engined.model_layers import transformer_layers
 
 
-# The most tokens a step may hold for the fused kernel: it forms each row's x·A once per tile of outputs, so
-# its redundant arithmetic grows with the rows; on an H200 it led the MLX operations in a decode step (8-64
-# rows) and took twice their time at 512 rows (bench/lora_results.md).
-FUSED_MAX_TOKENS = 128
-
-
 class LoraStep:
     """What the runner sets for one forward (``set``): ``slots``, each packed token's uint32 slot, None on a step
-    with no adapter, and for the MLX operations' path ``mask(width)``, ``[tokens, S * width]`` with ones on
-    each token's own slot's ``width`` columns. ``fused`` (CUDA): steps of at most ``FUSED_MAX_TOKENS`` run
-    the dense terms as ``kernels.lora``'s one launch per group instead (``kernel``). ``inputs`` are the
-    layers' groups, whose held outputs a new step drops."""
+    with no adapter, and ``mask(width)``, ``[tokens, S * width]`` with ones on each token's own slot's
+    ``width`` columns. ``inputs`` are the layers' groups, whose held outputs a new step drops."""
 
-    def __init__(self, num_adapters: int, dtype: mx.Dtype, fused: bool = False):
+    def __init__(self, num_adapters: int, dtype: mx.Dtype):
         self.num_adapters = num_adapters
         self.dtype = dtype
-        self.fused = fused
-        self.kernel = False
         self.slots: mx.array | None = None
         self.inputs: list[ProjectionGroup] = []
         self._host_slots = np.zeros(0, np.uint32)
@@ -61,7 +51,6 @@ class LoraStep:
     def set(self, slots: np.ndarray) -> None:
         for group in self.inputs:
             group.clear()
-        self.kernel = self.fused and len(slots) <= FUSED_MAX_TOKENS
         self._masks = {}
         self._host_slots = slots
         self.slots = mx.array(slots) if slots.any() else None
@@ -220,12 +209,10 @@ _LINEARS = (nn.Linear, nn.QuantizedLinear)
 _SHARED = {"q_proj": "qkv", "k_proj": "qkv", "v_proj": "qkv", "gate_proj": "gate_up", "up_proj": "gate_up"}
 
 
-def install(model: nn.Module, num_adapters: int, rank: int, dtype: mx.Dtype, expert_dtype: mx.Dtype | None = None,
-            fused: bool = False):
+def install(model: nn.Module, num_adapters: int, rank: int, dtype: mx.Dtype, expert_dtype: mx.Dtype | None = None):
     """Wrap every linear and SwitchGLU of the transformer layers for ``num_adapters`` resident adapters of rank
     up to ``rank``; returns the step and the targets. Slots are in ``dtype``, an expert layer's in
-    ``expert_dtype`` (default ``dtype``: MLX's CPU ``gather_mm`` takes float32 only); ``fused``: dense terms
-    through ``kernels.lora`` (CUDA).
+    ``expert_dtype`` (default ``dtype``: MLX's CPU ``gather_mm`` takes float32 only).
 
     ``targets[path] = (wrapper, projection)``: paths are mlx_lm's from the model's
     root (``model.layers.0.self_attn.q_proj``), the names adapters use; a
@@ -236,7 +223,7 @@ def install(model: nn.Module, num_adapters: int, rank: int, dtype: mx.Dtype, exp
     where ``fuse_linears`` can join them; every other linear is a group of its own. Linear-attention layers of hybrid
     models keep their own projections (their recurrent state is not adapted).
     """
-    step = LoraStep(num_adapters, dtype, fused)
+    step = LoraStep(num_adapters, dtype)
     layers = transformer_layers(model)
     prefix = "model.layers" if getattr(getattr(model, "model", None), "layers", None) is layers else "layers"
     targets: dict[str, tuple[nn.Module, str | None]] = {}

@@ -64,9 +64,8 @@ class LoraRegistry:
         self.max_lora_rank = max_lora_rank
         self.max_cpu_loras = max(max_cpu_loras or max_loras, max_loras)
         # MLX's CPU gather_mm takes float32 only: a half-precision model's expert adapters run in float32 there.
-        cpu = on_cpu()
-        self.step, self.targets = layers.install(model, max_loras, max_lora_rank, dtype, mx.float32 if cpu else dtype,
-                                                 fused=mx.cuda.is_available() and not cpu)
+        self.step, self.targets = layers.install(model, max_loras, max_lora_rank, dtype,
+                                                 mx.float32 if on_cpu() else dtype)
         self.adapters: dict[str, Adapter] = {}
         # name -> its weights in host memory, at most max_cpu_loras; most recently used last.
         self._host: OrderedDict[str, AdapterWeights] = OrderedDict()
