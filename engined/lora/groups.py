@@ -46,7 +46,8 @@ def dims(linear: nn.Module) -> tuple[int, int]:
 
 class ProjectionGroup:
     """One input's projections: ``base`` (their joined linear), ``a`` and ``b`` (the slots' adapter columns,
-    laid out as the module's docstring says), ``live`` (per member, the slots whose adapter targets it)."""
+    laid out as the module's docstring says; ``a`` None where they are ``base``'s last output rows:
+    ``folded``), ``live`` (per member, the slots whose adapter targets it)."""
 
     def __init__(self, step, base: nn.Module, outs: list[int], num_adapters: int, rank: int, dtype: mx.Dtype):
         self.step = step
@@ -54,13 +55,27 @@ class ProjectionGroup:
         self.rank = rank
         self.width = len(outs) * rank  # one slot's columns
         self.offsets = list(itertools.accumulate(outs, initial=0))
-        self.a = mx.zeros((dims(base)[0], num_adapters * self.width), dtype)
-        self.b = mx.zeros((num_adapters * self.width, self.offsets[-1]), dtype)
+        columns, d_in = num_adapters * self.width, dims(base)[0]
+        # A plain base of the slots' dtype takes A's columns as extra output rows, so that its one matmul
+        # also gives x·A: one operation fewer per group in a step bound by the host's cost per operation.
+        # A quantized base cannot (its rows are packed), nor one of another dtype.
+        self.folded = type(base) is nn.Linear and base.weight.dtype == dtype
+        self.a = None if self.folded else mx.zeros((d_in, columns), dtype)
+        if self.folded:
+            base.weight = mx.concatenate([base.weight, mx.zeros((columns, d_in), dtype)])
+            if "bias" in base:
+                base.bias = mx.concatenate([base.bias, mx.zeros((columns,), base.bias.dtype)])
+        self.b = mx.zeros((columns, self.offsets[-1]), dtype)
+        self.nbytes = columns * (d_in + self.offsets[-1]) * dtype.size  # the slots' A and B
         self.live: list[set[int]] = [set() for _ in outs]
         self._x: mx.array | None = None
         self._held = None
         self._left = 0
         step.inputs.append(self)
+
+    def arrays(self) -> list[mx.array]:
+        """The arrays the slots are written into."""
+        return [self.base.weight if self.folded else self.a, self.b]
 
     def clear(self) -> None:
         self._x = self._held = None
@@ -70,7 +85,11 @@ class ProjectionGroup:
         """Member ``member``'s adapter ``a`` ``[in, R]``, ``b`` ``[R, out]`` in ``slot``."""
         start = (slot - 1) * self.width + member * self.rank
         rows, cols = slice(start, start + self.rank), slice(self.offsets[member], self.offsets[member + 1])
-        self.a[:, rows] = mx.array(a).astype(self.a.dtype)
+        if self.folded:
+            out = self.offsets[-1]
+            self.base.weight[out + start:out + start + self.rank] = mx.array(a.T).astype(self.b.dtype)
+        else:
+            self.a[:, rows] = mx.array(a).astype(self.a.dtype)
         self.b[rows, cols] = mx.array(b).astype(self.b.dtype)
         (self.live[member].add if live else self.live[member].discard)(slot)
 
@@ -78,10 +97,16 @@ class ProjectionGroup:
         """Member ``member``'s output for ``x``: its base projection plus each row's adapter term."""
         if x is not self._x:
             y = self.base(x)
-            step = self.step
+            step, out = self.step, self.offsets[-1]
+            h = None
+            if self.folded:
+                y, h = y[..., :out], y[..., out:]
             if step.slots is not None and any(self.live):
-                h = mx.matmul(x.reshape(-1, x.shape[-1]).astype(self.a.dtype), self.a) * step.mask(self.width)
-                y = mx.addmm(y.reshape(-1, y.shape[-1]), h, self.b).reshape(y.shape)
+                if h is None:
+                    h = mx.matmul(x.astype(self.a.dtype), self.a)
+                # The mask takes h's shape (free: it is contiguous), so that neither h nor y, slices of the
+                # folded base's output, is copied to be reshaped.
+                y = mx.addmm(y, h * step.mask(self.width).reshape(h.shape), self.b)
             n = len(self.live)
             self._held = [y] if n == 1 else mx.split(y, self.offsets[1:-1], axis=-1)
             self._x, self._left = x, n

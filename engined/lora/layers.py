@@ -85,21 +85,29 @@ class SlottedLoraLinear(nn.Module):
         self.member = member
         self.input_dims, self.output_dims = input_dims, output_dims
         if member == 0:
-            self.linear, self.lora_a, self.lora_b = group.base, group.a, group.b
+            self.linear, self.lora_b = group.base, group.b
+            if group.a is not None:
+                self.lora_a = group.a
 
     def expected_shapes(self, rank: int) -> tuple[tuple, tuple]:
         return (self.input_dims, rank), (rank, self.output_dims)
 
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the slots' A and B this member holds (a group's are its first member's)."""
+        return self.group.nbytes if self.member == 0 else 0
+
     def stacks(self) -> list[mx.array]:
-        """The slot stacks this member holds (a group's are its first member's)."""
-        return [self.group.a, self.group.b] if self.member == 0 else []
+        """The arrays that hold this member's slots (a group's are its first member's): B, and A or the
+        folded base's weight."""
+        return self.group.arrays() if self.member == 0 else []
 
     def write(self, slot: int, pair: tuple[np.ndarray, np.ndarray] | None) -> list[mx.array]:
         """Put an adapter's ``(a, b)`` (None: it adapts nothing here) into ``slot``; the arrays changed."""
         r = self.group.rank
         a, b = _padded(pair, (self.input_dims, r), (r, self.output_dims))
         self.group.write(self.member, slot, a, b, pair is not None)
-        return [self.group.a, self.group.b]
+        return self.group.arrays()
 
     def __call__(self, x: mx.array) -> mx.array:
         return self.group.output(x, self.member)
@@ -146,6 +154,10 @@ class SlottedLoraSwitchGLU(nn.Module):
 
     def stacks(self) -> list[mx.array]:
         return [v for v in self.values() if isinstance(v, mx.array)]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in self.stacks())
 
     def write(self, name: str, slot: int, pair: tuple[np.ndarray, np.ndarray] | None) -> list[mx.array]:
         """Put an adapter's ``(a, b)`` for projection ``name`` (None: none) into ``slot``; the arrays changed."""
@@ -244,9 +256,10 @@ def install(model: nn.Module, num_adapters: int, rank: int, dtype: mx.Dtype, exp
             members.sort(key=lambda m: m[0])
             joined = fuse_linears([m for _, m in members]) if len(members) > 1 else None
             for part in [members] if joined is not None or len(members) == 1 else [[m] for m in members]:
+                shapes = [dims(m) for _, m in part]  # before the group folds A into a lone base's weight
                 group = ProjectionGroup(step, part[0][1] if joined is None else joined,
-                                        [dims(m)[1] for _, m in part], num_adapters, rank, dtype)
-                swaps += [(name, SlottedLoraLinear(group, j, *dims(m))) for j, (name, m) in enumerate(part)]
+                                        [out for _, out in shapes], num_adapters, rank, dtype)
+                swaps += [(name, SlottedLoraLinear(group, j, *shapes[j])) for j, (name, _) in enumerate(part)]
         for name, wrapper in swaps:
             _set(layer, name, wrapper)
             if isinstance(wrapper, SlottedLoraSwitchGLU):

@@ -83,8 +83,8 @@ class LoraRegistry:
 
     @property
     def nbytes(self) -> int:
-        """Bytes of the slot stacks (weights the memory guard counts)."""
-        return sum(a.nbytes for a in self.arrays())
+        """Bytes of the slots' A and B (weights the memory guard counts)."""
+        return sum(w.nbytes for w in self._wrappers())
 
     @property
     def host_bytes(self) -> int:

@@ -13,28 +13,30 @@ from tests.engined.test_lora import _engine, _load, random_adapter, setups, writ
 from tests.tiny_models import fresh_seed
 
 
-def _llama_engine(setups, tmp_path, suffixes):
+def _llama_engine(setups, tmp_path, suffixes, weights="float32"):
     """A LoRA engine on the tiny llama with adapters A and B of every projection, or (``suffixes``) of those
     projections only."""
-    model_dir, a_dir, b_dir, _ = setups("llama")
+    model_dir, a_dir, b_dir, _ = setups("llama", weights)
     if suffixes:
-        base = _load(model_dir, "float32").model
+        base = _load(model_dir, weights).model
         rng = np.random.default_rng(fresh_seed(f"adapters of {suffixes}"))
         dirs = []
         for name in ("a", "b"):
             pairs = {k: v for k, v in random_adapter(base, 4, rng).items() if k.endswith(suffixes)}
             dirs.append(write_mlx_lm(tmp_path / name, pairs, scale=1.0, num_layers=len(base.layers)))
         a_dir, b_dir = dirs
-    return _engine(model_dir, "float32", a_dir, b_dir)
+    return _engine(model_dir, weights, a_dir, b_dir)
 
 
-# Per llama layer, every projection adapted: one A and one B product for each of q/k/v, o, gate/up and down
-# (apart, 7 of each). Only q and v adapted: one of each, for q/k/v.
-@pytest.mark.parametrize("suffixes,a_products,b_products", [(None, 4, 4), (("q_proj", "v_proj"), 1, 1)],
-                         ids=["all", "q_v"])
-def test_one_mixed_step_runs_one_a_and_one_b_product_per_group(setups, tmp_path, monkeypatch, suffixes, a_products,
-                                                           b_products):
-    engine = _llama_engine(setups, tmp_path, suffixes)
+# Per llama layer, every projection adapted: one B product for each group (q/k/v, o, gate/up, down; apart,
+# 7), and one x·A product for each where the base is quantized; a plain base's own matmul gives x·A (A's
+# columns are its weight's last rows), so there are none. Only q and v adapted: the q/k/v group's alone.
+@pytest.mark.parametrize("suffixes,weights,a_products,b_products", [
+    (None, "float32", 0, 4), (None, "4-bit", 4, 4), (("q_proj", "v_proj"), "float32", 0, 1),
+    (("q_proj", "v_proj"), "4-bit", 1, 1)], ids=["all", "all-4-bit", "q_v", "q_v-4-bit"])
+def test_one_mixed_step_runs_one_b_product_per_group(setups, tmp_path, monkeypatch, suffixes, weights, a_products,
+                                                     b_products):
+    engine = _llama_engine(setups, tmp_path, suffixes, weights)
     for i, lora in enumerate(["A", None, "B"]):
         engine.add_request(f"r{i}", [3, 4, 5, 6], SamplingParams(max_tokens=1), lora_name=lora)
     calls = {"matmul": [], "addmm": [], "gather_mm": []}
