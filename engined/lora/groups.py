@@ -10,9 +10,12 @@ own outputs). The group's whole output, base plus every row's term, is then
 
     y = addmm(base(x), (x @ A) * mask, B)
 
-four operations however many members, where separate projections took
-``2 + 2n`` (7 for q/k/v with the A product already shared): a decode step
-on a GPU is bound by the host's cost per operation (bench/lora_results.md).
+four operations however many members, three where the base is plain (not
+quantized) and of the slots' dtype: then A's columns are its weight's last
+output rows (``folded``) and its one matmul gives ``[y | x @ A]``. Separate
+projections took ``2 + 2n`` (7 for q/k/v with the A product already shared),
+and a decode step on a GPU is bound by the host's cost per operation
+(bench/lora_results.md).
 The price is B's zero blocks: ``n`` times the memory and arithmetic of the
 members' B products, which are rank-sized against the base's. A projection
 of an input of its own (o_proj, down_proj), or members that cannot be joined
