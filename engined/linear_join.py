@@ -2,13 +2,17 @@
 
 A step on a GPU is bound by the host's cost per launched operation, so
 joining projections that read the same array saves whole operations per
-layer, as vLLM's ``QKVParallelLinear`` does. Used by the paged attention and
-by the LoRA groups (``engined/lora/groups.py``).
+layer, as vLLM's ``QKVParallelLinear`` and ``MergedColumnParallelLinear`` do.
+The paged attention joins its own q/k/v (``fuse_linears``); an MLP's
+gate/up, called by mlx_lm's code one by one, become ``JoinedMember`` views of
+one ``JoinedLinears`` (``join_siblings``), as the LoRA groups do for both
+(``engined/lora/groups.py``).
 """
 
 from __future__ import annotations
 
 import copy
+import itertools
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -36,3 +40,72 @@ def fuse_linears(parts: list[nn.Module]) -> nn.Module | None:
         setattr(fused, name, mx.concatenate([p[name] for p in parts], axis=0))
     mx.eval(fused.parameters())
     return fused
+
+
+class JoinedLinears:
+    """The joined ``base`` of members whose outputs are ``outs`` wide, in order.
+
+    The output is made at the first member's call and kept beside the array it
+    was made from; members called with that same array (mlx_lm's attention and
+    MLP pass one ``x``) take their slices, and the last one drops it, so no
+    layer's input is held past its layer. A member called with another array
+    gets an output made from that one: right for any model, merely slower for
+    one that feeds its projections apart.
+    """
+
+    def __init__(self, base: nn.Module, outs: list[int]):
+        self.base = base
+        self.offsets = list(itertools.accumulate(outs, initial=0))
+        self._x: mx.array | None = None
+        self._held: list[mx.array] | None = None
+        self._left = 0
+
+    def clear(self) -> None:
+        self._x = self._held = None
+        self._left = 0
+
+    def joined(self, x: mx.array) -> mx.array:
+        """Every member's output for ``x``, side by side."""
+        return self.base(x)
+
+    def output(self, x: mx.array, member: int) -> mx.array:
+        if x is not self._x:
+            n = len(self.offsets) - 1
+            y = self.joined(x)
+            self._held = [y] if n == 1 else mx.split(y, self.offsets[1:-1], axis=-1)
+            self._x, self._left = x, n
+        held = self._held[member]
+        self._left -= 1
+        if self._left <= 0:
+            self.clear()
+        return held
+
+
+class JoinedMember(nn.Module):
+    """One member of a ``JoinedLinears``, called as the linear it replaced; the first member holds the joined
+    linear in the module tree (``linear``)."""
+
+    def __init__(self, joined: JoinedLinears, member: int):
+        super().__init__()
+        self.joined = joined  # a plain object, outside the module tree (its members share it)
+        self.member = member
+        if member == 0:
+            self.linear = joined.base
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return self.joined.output(x, self.member)
+
+
+def join_siblings(parent: nn.Module, names: tuple[str, ...]) -> bool:
+    """Replace ``parent``'s linears ``names`` (all present, joinable by ``fuse_linears``) by views of one
+    joined linear; whether it did."""
+    if not all(name in parent for name in names):
+        return False
+    parts = [parent[name] for name in names]
+    base = fuse_linears(parts)
+    if base is None:
+        return False
+    joined = JoinedLinears(base, [p.weight.shape[0] for p in parts])
+    for i, name in enumerate(names):
+        setattr(parent, name, JoinedMember(joined, i))
+    return True

@@ -25,7 +25,7 @@ import numpy as np
 import kernels
 from kernels import gated_delta
 from engined.linear_attention import SlottedLinearAttention
-from engined.linear_join import fuse_linears
+from engined.linear_join import fuse_linears, join_siblings
 from engined.lora.registry import LoraRegistry
 from engined.model_layers import LayerSettings, LayerSpec, text_model, transformer_layers
 from engined.scheduler import KVCacheManager, SchedulerOutput
@@ -268,7 +268,8 @@ class LastTokenNorm(nn.Module):
 
 
 def install(model: nn.Module, specs: list[LayerSpec], backend: str = "auto") -> LastTokenNorm:
-    """Swap every attention for a PagedAttention and every linear layer for its slotted form.
+    """Swap every attention for a PagedAttention and every linear layer for its slotted form; join each MLP's
+    gate and up projections.
 
     ``specs`` are ``model_layers.read_layers(model)``; returns the wrapped final norm.
     """
@@ -279,6 +280,10 @@ def install(model: nn.Module, specs: list[LayerSpec], backend: str = "auto") -> 
             layer.linear_attn = SlottedLinearAttention(spec.linear, recurrence)
         else:
             layer.self_attn = PagedAttention(layer.self_attn, spec.settings, backend, spec.kv_source is not None)
+        # An MLP's gate and up projections as one matmul, one operation fewer per layer (LoRA's groups have
+        # joined them already where adapters are on; experts' switch layers are not linears).
+        for _, module in layer.named_modules():
+            join_siblings(module, ("gate_proj", "up_proj"))
     inner_model = text_model(model).model
     norm = getattr(inner_model, "norm", None)
     if norm is None:

@@ -21,24 +21,18 @@ members' B products, which are rank-sized against the base's. A projection
 of an input of its own (o_proj, down_proj), or members that cannot be joined
 (``fuse_linears``: mixed kinds or widths), are groups of one.
 
-The output is made at the first member's call and kept beside the array it
-was made from; members called with that same array (mlx_lm's attention and
-MLP pass one ``x``) take their slices, and the last one drops it, so no
-layer's input is held past its layer (a step's ``LoraStep.set`` drops what a
-member never called left). A member called with another array gets an output
-made from that one: right for any model, merely slower for one that feeds
-its projections apart. A group that no resident adapter targets runs its base
-alone.
+The output is made at the first member's call and kept for the others
+(``JoinedLinears``); a step's ``LoraStep.set`` drops what a member never
+called left. A group that no resident adapter targets runs its base alone.
 """
 
 from __future__ import annotations
-
-import itertools
 
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
+from engined.linear_join import JoinedLinears
 
 
 def dims(linear: nn.Module) -> tuple[int, int]:
@@ -47,17 +41,16 @@ def dims(linear: nn.Module) -> tuple[int, int]:
     return (packed * 32 // linear.bits if "scales" in linear else packed), out
 
 
-class ProjectionGroup:
+class ProjectionGroup(JoinedLinears):
     """One input's projections: ``base`` (their joined linear), ``a`` and ``b`` (the slots' adapter columns,
     laid out as the module's docstring says; ``a`` None where they are ``base``'s last output rows:
     ``folded``), ``live`` (per member, the slots whose adapter targets it)."""
 
     def __init__(self, step, base: nn.Module, outs: list[int], num_adapters: int, rank: int, dtype: mx.Dtype):
+        super().__init__(base, outs)
         self.step = step
-        self.base = base
         self.rank = rank
         self.width = len(outs) * rank  # one slot's columns
-        self.offsets = list(itertools.accumulate(outs, initial=0))
         columns, d_in = num_adapters * self.width, dims(base)[0]
         # A plain base of the slots' dtype takes A's columns as extra output rows, so that its one matmul
         # also gives x·A: one operation fewer per group in a step bound by the host's cost per operation.
@@ -71,18 +64,11 @@ class ProjectionGroup:
         self.b = mx.zeros((columns, self.offsets[-1]), dtype)
         self.nbytes = columns * (d_in + self.offsets[-1]) * dtype.size  # the slots' A and B
         self.live: list[set[int]] = [set() for _ in outs]
-        self._x: mx.array | None = None
-        self._held = None
-        self._left = 0
         step.inputs.append(self)
 
     def arrays(self) -> list[mx.array]:
         """The arrays the slots are written into."""
         return [self.base.weight if self.folded else self.a, self.b]
-
-    def clear(self) -> None:
-        self._x = self._held = None
-        self._left = 0
 
     def write(self, member: int, slot: int, a: np.ndarray, b: np.ndarray, live: bool) -> None:
         """Member ``member``'s adapter ``a`` ``[in, R]``, ``b`` ``[R, out]`` in ``slot``."""
@@ -96,25 +82,17 @@ class ProjectionGroup:
         self.b[rows, cols] = mx.array(b).astype(self.b.dtype)
         (self.live[member].add if live else self.live[member].discard)(slot)
 
-    def output(self, x: mx.array, member: int) -> mx.array:
-        """Member ``member``'s output for ``x``: its base projection plus each row's adapter term."""
-        if x is not self._x:
-            y = self.base(x)
-            step, out = self.step, self.offsets[-1]
-            h = None
-            if self.folded:
-                y, h = y[..., :out], y[..., out:]
-            if step.slots is not None and any(self.live):
-                if h is None:
-                    h = mx.matmul(x.astype(self.a.dtype), self.a)
-                # The mask takes h's shape (free: it is contiguous), so that neither h nor y, slices of the
-                # folded base's output, is copied to be reshaped.
-                y = mx.addmm(y, h * step.mask(self.width).reshape(h.shape), self.b)
-            n = len(self.live)
-            self._held = [y] if n == 1 else mx.split(y, self.offsets[1:-1], axis=-1)
-            self._x, self._left = x, n
-        held = self._held[member]
-        self._left -= 1
-        if self._left <= 0:
-            self.clear()
-        return held
+    def joined(self, x: mx.array) -> mx.array:
+        """The base projections plus each row's adapter term."""
+        y = self.base(x)
+        step, out = self.step, self.offsets[-1]
+        h = None
+        if self.folded:
+            y, h = y[..., :out], y[..., out:]
+        if step.slots is not None and any(self.live):
+            if h is None:
+                h = mx.matmul(x.astype(self.a.dtype), self.a)
+            # The mask takes h's shape (free: it is contiguous), so that neither h nor y, slices of the
+            # folded base's output, is copied to be reshaped.
+            y = mx.addmm(y, h * step.mask(self.width).reshape(h.shape), self.b)
+        return y

@@ -30,7 +30,7 @@ import mlx.nn as nn
 import numpy as np
 from mlx_lm.models.switch_layers import SwitchGLU
 
-from engined.linear_join import fuse_linears
+from engined.linear_join import JoinedMember, fuse_linears
 from engined.lora.groups import ProjectionGroup, dims
 from engined.model_layers import transformer_layers
 
@@ -74,18 +74,16 @@ def _padded(pair, a_shape: tuple, b_shape: tuple) -> tuple[np.ndarray, np.ndarra
     return a, b
 
 
-class SlottedLoraLinear(nn.Module):
+class SlottedLoraLinear(JoinedMember):
     """One member of a ``ProjectionGroup``, called as the linear it replaces: its slice of the group's output.
     The group's first member holds the group's arrays in the module tree (``linear``, ``lora_a``,
     ``lora_b``)."""
 
     def __init__(self, group: ProjectionGroup, member: int, input_dims: int, output_dims: int):
-        super().__init__()
-        self.group = group  # a plain object, outside the module tree (its members share it)
-        self.member = member
+        super().__init__(group, member)
         self.input_dims, self.output_dims = input_dims, output_dims
         if member == 0:
-            self.linear, self.lora_b = group.base, group.b
+            self.lora_b = group.b
             if group.a is not None:
                 self.lora_a = group.a
 
@@ -95,22 +93,19 @@ class SlottedLoraLinear(nn.Module):
     @property
     def nbytes(self) -> int:
         """Bytes of the slots' A and B this member holds (a group's are its first member's)."""
-        return self.group.nbytes if self.member == 0 else 0
+        return self.joined.nbytes if self.member == 0 else 0
 
     def stacks(self) -> list[mx.array]:
         """The arrays that hold this member's slots (a group's are its first member's): B, and A or the
         folded base's weight."""
-        return self.group.arrays() if self.member == 0 else []
+        return self.joined.arrays() if self.member == 0 else []
 
     def write(self, slot: int, pair: tuple[np.ndarray, np.ndarray] | None) -> list[mx.array]:
         """Put an adapter's ``(a, b)`` (None: it adapts nothing here) into ``slot``; the arrays changed."""
-        r = self.group.rank
+        r = self.joined.rank
         a, b = _padded(pair, (self.input_dims, r), (r, self.output_dims))
-        self.group.write(self.member, slot, a, b, pair is not None)
-        return self.group.arrays()
-
-    def __call__(self, x: mx.array) -> mx.array:
-        return self.group.output(x, self.member)
+        self.joined.write(self.member, slot, a, b, pair is not None)
+        return self.joined.arrays()
 
 
 def _sort_rows(x: mx.array, indices: mx.array):

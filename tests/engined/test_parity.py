@@ -68,9 +68,10 @@ def test_parity_smollm2_gguf():
 
 
 @pytest.mark.parametrize("bits", [None, 4], ids=["float", "4-bit"])
-def test_q_k_v_run_as_one_projection_with_mlx_lm_s_logits(bits, tmp_path):
-    """The runner joins q/k/v into one linear (plain or quantized alike, a bias too: qwen2's), and the
-    packed step still computes mlx_lm's logits over the three apart."""
+def test_q_k_v_and_gate_up_run_as_one_projection_each_with_mlx_lm_s_logits(bits, tmp_path):
+    """The runner joins q/k/v into one linear (plain or quantized alike, a bias too: qwen2's), and each MLP's
+    gate/up into another that both members read their slices of; the packed step still computes mlx_lm's
+    logits over the projections apart."""
     from tests.tiny_models import quantize_in_groups_of_32
 
     path = make_tiny_model(tmp_path / "qwen2", "qwen2", seed=fresh_seed("qwen2 model"))
@@ -83,3 +84,6 @@ def test_q_k_v_run_as_one_projection_with_mlx_lm_s_logits(bits, tmp_path):
         attn = layer.self_attn
         assert "qkv_proj" in attn and "q_proj" not in attn and "bias" in attn.qkv_proj
         assert type(attn.qkv_proj).__name__ == ("QuantizedLinear" if bits else "Linear")
+        gate, up = layer.mlp.gate_proj, layer.mlp.up_proj
+        assert type(gate).__name__ == type(up).__name__ == "JoinedMember" and gate.joined is up.joined
+        assert type(gate.linear).__name__ == ("QuantizedLinear" if bits else "Linear") and "linear" not in up
