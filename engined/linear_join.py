@@ -18,6 +18,12 @@ import mlx.core as mx
 import mlx.nn as nn
 
 
+def dims(linear: nn.Module) -> tuple[int, int]:
+    """(in, out) of a dense or quantized linear (quantized weights pack 32 // bits inputs per word)."""
+    out, packed = linear.weight.shape[-2:]
+    return (packed * 32 // linear.bits if "scales" in linear else packed), out
+
+
 def fuse_linears(parts: list[nn.Module]) -> nn.Module | None:
     """One linear whose output is ``parts``' outputs side by side, or None where they cannot be one:
     not all plain ``nn.Linear`` (or all ``nn.QuantizedLinear`` of one bit width, group size and mode),
@@ -105,7 +111,7 @@ def join_siblings(parent: nn.Module, names: tuple[str, ...]) -> bool:
     base = fuse_linears(parts)
     if base is None:
         return False
-    joined = JoinedLinears(base, [p.weight.shape[0] for p in parts])
+    joined = JoinedLinears(base, [dims(p)[1] for p in parts])
     for i, name in enumerate(names):
         setattr(parent, name, JoinedMember(joined, i))
     return True

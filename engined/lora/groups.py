@@ -32,13 +32,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from engined.linear_join import JoinedLinears
-
-
-def dims(linear: nn.Module) -> tuple[int, int]:
-    """(in, out) of a dense or quantized linear (quantized weights pack 32 // bits inputs per word)."""
-    out, packed = linear.weight.shape[-2:]
-    return (packed * 32 // linear.bits if "scales" in linear else packed), out
+from engined.linear_join import JoinedLinears, dims
 
 
 class ProjectionGroup(JoinedLinears):

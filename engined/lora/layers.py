@@ -30,8 +30,8 @@ import mlx.nn as nn
 import numpy as np
 from mlx_lm.models.switch_layers import SwitchGLU
 
-from engined.linear_join import JoinedMember, fuse_linears
-from engined.lora.groups import ProjectionGroup, dims
+from engined.linear_join import JoinedMember, dims, fuse_linears
+from engined.lora.groups import ProjectionGroup
 from engined.model_layers import transformer_layers
 
 
