@@ -7,7 +7,7 @@ attention layout (36 layers, 32 query heads, 8 KV heads, head_dim 128) but a
 tiny hidden and MLP width and vocabulary, so the device work is small and the
 graph is the same op for op; ``c`` requests decoding in the in-process Engine.
 
-The attention route is the CUDA path's (``--backend cuda``): ``kernels.gpu``
+The attention route is the CUDA path's (``--backend cuda``): ``engined.kernels.gpu``
 plans and prepares every launch as on the GPU, and only the kernel objects are
 stand-ins (MLX builds no CUDA kernel without a CUDA back-end), each returning
 lazy zeros of the launch's output shapes. The C++ cost of a real kernel call is
@@ -44,7 +44,7 @@ SHAPE = dict(model_type="qwen3", hidden_size=64, num_hidden_layers=36, intermedi
 
 
 def _stand_in_kernels():
-    """``kernels.gpu._kernels`` for a machine without CUDA: callables taking a launch's arguments
+    """``engined.kernels.gpu._kernels`` for a machine without CUDA: callables taking a launch's arguments
     and returning lazy zeros of its output shapes, so the route runs up to the launch itself."""
     import mlx.core as mx
 
@@ -66,9 +66,9 @@ def build_engine(c: int, prompt_len: int, max_tokens: int, backend: str, async_s
     from shared.config import EngineConfig
 
     if backend == "cuda" and not mx.cuda.is_available():
-        import kernels.gpu
+        from engined.kernels import gpu
 
-        kernels.gpu._kernels = _stand_in_kernels()
+        gpu._kernels = _stand_in_kernels()
     model_cls, args_cls = _get_classes(SHAPE)
     mx.random.seed(seed)
     model = model_cls(args_cls.from_dict(SHAPE))

@@ -21,7 +21,7 @@ from engined.request import Request
 from engined.runner import forward_pooled, install
 from engined.sampler import Sampler, row_key
 from engined.structured import DraftWalk
-from kernels import AttentionMetadata
+from engined.kernels import AttentionMetadata
 from shared.errors import ModelLoadError
 
 # Keeps the draft's sampling noise independent of the verifier's for the same seed and position.

@@ -28,7 +28,7 @@ from concurrent.futures import wait as wait_futures
 
 import mlx.core as mx
 
-import kernels
+from engined import kernels
 from engined import memory_guard, model_split, pipeline, proposers
 from engined.device import on_cpu
 from engined.loaders import LoadedModel, load_model

@@ -42,7 +42,7 @@ from mlx.utils import tree_flatten
 from mlx_lm.models.gemma4_text import DecoderLayer, ModelArgs
 from mlx_lm.utils import infer_quant_config
 
-import kernels
+from engined import kernels
 from engined.draft_model import draft_loop, rows_for
 from engined.loaders.mlx_dir import dense_weights, gemma4_text_fields, resolve_hf_repo
 from engined.model_layers import float_dtype, text_model
@@ -51,7 +51,7 @@ from engined.request import Request
 from engined.runner import LastTokenNorm
 from engined.sampler import Sampler
 from engined.scheduler import KVCacheManager
-from kernels import AttentionMetadata
+from engined.kernels import AttentionMetadata
 from shared.errors import ModelLoadError
 
 MODEL_TYPE = "gemma4_assistant"

@@ -7,7 +7,7 @@ group of the step's plan (all decode rows as one batch, each prefill piece on
 its own), handing it an ``ArraysCache`` filled from the request's state slots
 and writing what it leaves there back to the slots. The layer's arithmetic is
 mlx_lm's, unchanged; only where its state lives differs, and, on a CUDA GPU,
-which kernel runs its recurrence (``kernels.gated_delta``: mlx_lm has one for
+which kernel runs its recurrence (``engined.kernels.gated_delta``: mlx_lm has one for
 Metal only).
 """
 
@@ -52,7 +52,7 @@ class StatePlan:
 class SlottedLinearAttention(nn.Module):
     def __init__(self, inner: nn.Module, recurrence=None):
         """``recurrence``: a function with mlx_lm's ``gated_delta_update`` signature that the layer runs
-        in its place (``kernels.gated_delta.recurrence``), or None for mlx_lm's own."""
+        in its place (``engined.kernels.gated_delta.recurrence``), or None for mlx_lm's own."""
         super().__init__()
         self.inner = inner
         self.recurrence = recurrence

@@ -161,8 +161,8 @@ def warm_kernels(runner, sampler: Sampler, vocab_size: int) -> None:
     step meets none of these. Its blocks and state slots are freed; ``warm_up`` then drops the
     pool, and with it any state snapshot they left.
     """
-    from kernels.gpu import SDPA_CHUNK_TOKENS
-    from kernels.gpu_geometry import PARTITION_TOKENS
+    from engined.kernels.gpu import SDPA_CHUNK_TOKENS
+    from engined.kernels.gpu_geometry import PARTITION_TOKENS
 
     kv = runner.kv
     short, long = 16, PARTITION_TOKENS + SDPA_CHUNK_TOKENS

@@ -46,7 +46,7 @@ from engined.runner import LastTokenNorm, PagedAttention
 from engined.sampler import Sampler
 from engined.scheduler import KVCacheManager
 from engined.speculative import may_speculate
-from kernels import AttentionMetadata
+from engined.kernels import AttentionMetadata
 from shared.errors import ModelLoadError
 
 FAMILIES = ("qwen3_next", "qwen3_5", "qwen3_5_moe", "glm4_moe")

@@ -288,7 +288,7 @@ def serve_worker(config: EngineConfig, group: mx.distributed.Group, joined: thre
     ``joined`` is set once the group is whole (rank 0's going away then ends this rank)."""
     from engined.loaders import load_model
     from engined.model_layers import float_dtype, read_layers
-    import kernels
+    from engined import kernels
 
     config = config.for_device(gpu=not on_cpu())  # the same batch limits as rank 0's engine
     loaded = load_model(config.model, config.dtype)

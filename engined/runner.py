@@ -4,7 +4,7 @@ The one change mlxd makes to an mlx_lm model, made here (``install``): its
 attention modules read the paged KV. Each attention module is swapped for a
 ``PagedAttention`` that keeps the original projections, norms and RoPE,
 writes this step's K/V into the paged cache by ``slot_mapping`` and runs the
-``kernels.paged_attention`` implementation chosen at start-up over the packed
+``engined.kernels.paged_attention`` implementation chosen at start-up over the packed
 batch. Everything token-wise (embeddings, norms, MLP, MoE, head) runs
 unchanged on the packed ``[1, T, hidden]`` activations.
 
@@ -22,8 +22,8 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-import kernels
-from kernels import gated_delta
+from engined import kernels
+from engined.kernels import gated_delta
 from engined.linear_attention import SlottedLinearAttention
 from engined.linear_join import fuse_linears, join_siblings
 from engined.lora.registry import LoraRegistry

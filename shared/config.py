@@ -6,7 +6,7 @@ import msgspec
 
 from shared.errors import InvalidRequestError
 
-# kernels.BACKENDS, spelled out here because shared/ does not import the kernels (nor MLX).
+# engined.kernels.BACKENDS, spelled out here because shared/ does not import the kernels (nor MLX).
 ATTENTION_BACKENDS = ("auto", "reference", "host", "metal", "cuda")
 DTYPES = ("auto", "float32", "float16", "bfloat16", "quantized")
 # What the engine serves: auto is embed for an encoder (BERT-like) folder, generate otherwise.

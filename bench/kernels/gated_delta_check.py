@@ -1,4 +1,4 @@
-"""``kernels.gated_delta`` on a CUDA GPU: equal to mlx_lm's loop of operations, then how much faster.
+"""``engined.kernels.gated_delta`` on a CUDA GPU: equal to mlx_lm's loop of operations, then how much faster.
 
     python3 -m bench.kernels.gated_delta_check
 
@@ -19,7 +19,7 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.gated_delta import gated_delta_ops
 
-from kernels import gated_delta
+from engined.kernels import gated_delta
 
 SEED = 20261203
 

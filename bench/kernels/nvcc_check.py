@@ -1,5 +1,5 @@
 """Compile the CUDA kernels with a local nvcc, as MLX would wrap them: paged attention (every
-dialect configuration) and the gated delta rule (``kernels.gated_delta``).
+dialect configuration) and the gated delta rule (``engined.kernels.gated_delta``).
 
 No GPU needed: it catches syntax and type errors before device time is spent.
 Usage: python bench/kernels/nvcc_check.py [--arch sm_90]
@@ -15,7 +15,7 @@ import tempfile
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 
-from kernels import gated_delta, gpu, gpu_geometry, source  # noqa: E402
+from engined.kernels import gated_delta, gpu, gpu_geometry, source  # noqa: E402
 
 SIZES = {"float32": 4, "float16": 2, "bfloat16": 2}
 CUDA_TYPES = {"float32": "float", "float16": "__half", "bfloat16": "__nv_bfloat16", "int32": "int32_t",

@@ -16,7 +16,7 @@ import threading
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-PACKAGES = ("mlxd", "shared", "gateway", "engined", "kernels", "service")
+PACKAGES = ("mlxd", "shared", "gateway", "engined", "service")
 
 
 def main() -> int:

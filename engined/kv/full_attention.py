@@ -42,11 +42,11 @@ from collections import OrderedDict
 import mlx.core as mx
 import numpy as np
 
-import kernels
+from engined import kernels
 from engined.kv.group import Block, KVGroup
 from engined.model_layers import LayerSpec
 from engined.request import Request
-from kernels import AttentionMetadata
+from engined.kernels import AttentionMetadata
 from shared.config import EngineConfig
 
 
@@ -348,7 +348,7 @@ class BlockPool:
         They are handed out in block order. Which blocks are evicted does not change, but a
         request that recycles another's run (freed tail first, so queued in reverse) gets it
         back consecutive and ascending, which lets GPU prefill read the cache in place
-        (``kernels.gpu``) instead of gathering a copy."""
+        (``engined.kernels.gpu``) instead of gathering a copy."""
         assert n <= self.num_free, "caller must check num_free first"
         shortfall = self._shortfall(n)
         if shortfall:

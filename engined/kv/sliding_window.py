@@ -23,7 +23,7 @@ from engined.kv.full_attention import BlockPool, PagedArrays
 from engined.kv.group import Block, KVGroup
 from engined.model_layers import LayerSpec
 from engined.request import Request
-from kernels import AttentionMetadata
+from engined.kernels import AttentionMetadata
 from shared.config import EngineConfig
 
 

@@ -20,7 +20,7 @@ from engined.request import Request
 from engined.scheduler import SchedulerOutput
 from shared.config import EngineConfig
 from shared.protocol import SamplingParams
-from kernels import gated_delta
+from engined.kernels import gated_delta
 from tests.tiny_models import make_tiny_model, seeded_rng
 
 REL_TOL = 2e-4
@@ -90,7 +90,7 @@ def test_chunked_prefill_across_blocks_then_resume_from_cached_prefix(hybrid):
 
 
 def test_a_substituted_recurrence_runs_in_every_linear_layer_and_is_put_back(hybrid):
-    """The hook a CUDA GPU's kernel enters by (``kernels.gated_delta.recurrence``): every linear layer of
+    """The hook a CUDA GPU's kernel enters by (``engined.kernels.gated_delta.recurrence``): every linear layer of
     every group of a step runs the engine's update, mlx_lm's own name is restored after each layer, and
     the logits are the reference's."""
     path, reference = hybrid
@@ -120,7 +120,7 @@ def test_a_substituted_recurrence_runs_in_every_linear_layer_and_is_put_back(hyb
 
 @pytest.mark.parametrize("lower_bound, neg", [(None, False), (None, True), (-5.0, False)])
 def test_the_kernel_s_update_gates_as_mlx_lm_s(lower_bound, neg):
-    """``kernels.gated_delta.update`` computes the gates as mlx_lm does; here both run mlx_lm's loop (the
+    """``engined.kernels.gated_delta.update`` computes the gates as mlx_lm does; here both run mlx_lm's loop (the
     kernel itself needs a CUDA GPU: ``bench/kernels/gated_delta_check.py`` compares it there)."""
     rng = seeded_rng()
     b, t, hk, hv, dk, dv = 2, 5, 2, 4, 32, 16

@@ -12,7 +12,7 @@ import subprocess
 import sys
 
 MODULES = ["engined", "engined.engine", "engined.daemon", "engined.process", "engined.device",
-           "engined.loaders", "engined.structured", "kernels", "gateway.params",
+           "engined.loaders", "engined.structured", "engined.kernels", "gateway.params",
            "gateway.server", "mlxd.cli", "mlxd.serve", "service.managers", "shared.hub"]
 
 PROBE = """
@@ -40,7 +40,7 @@ def test_importing_the_packages_sets_no_variable_and_loads_no_blas():
 
 
 def test_the_attention_backend_is_a_setting_with_the_kernels_names():
-    import kernels
+    from engined import kernels
     from shared.config import ATTENTION_BACKENDS, EngineConfig
     from shared.errors import InvalidRequestError
 

@@ -144,6 +144,6 @@ def update(q: mx.array, k: mx.array, v: mx.array, a: mx.array, b: mx.array, A_lo
 
 
 def recurrence(backend: str):
-    """The gated-delta update linear layers run for this attention backend (``kernels.resolve_backend``'s
+    """The gated-delta update linear layers run for this attention backend (``engined.kernels.resolve_backend``'s
     answer), or None for mlx_lm's own: its Metal kernel on a Mac, its loop on the CPU."""
     return update if backend == "cuda" else None

@@ -16,8 +16,8 @@ from collections.abc import Callable
 
 import mlx.core as mx
 
-from kernels import gpu, paged_kv
-from kernels.paged_kv import AttentionMetadata, write_kv
+from engined.kernels import gpu, paged_kv
+from engined.kernels.paged_kv import AttentionMetadata, write_kv
 
 __all__ = ["BACKENDS", "AttentionMetadata", "paged_attention", "resolve_backend", "write_kv"]
 

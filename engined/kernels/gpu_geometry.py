@@ -2,7 +2,7 @@
 shared memory they need per dialect (Metal's 32 KB, CUDA's dynamic shared memory), decided from
 the head size, the GQA group and a step's longest decode context alone.
 
-``kernels.gpu`` plans and launches the kernel with these numbers; ``bench/kernels/cuda_check.py``
+``engined.kernels.gpu`` plans and launches the kernel with these numbers; ``bench/kernels/cuda_check.py``
 sweeps the tunables here (lanes per token, unroll, partition size, where decode accumulators wait).
 """
 
@@ -12,8 +12,8 @@ from functools import lru_cache
 
 import mlx.core as mx
 
-from kernels import source
-from kernels.paged_kv import AttentionMetadata
+from engined.kernels import source
+from engined.kernels.paged_kv import AttentionMetadata
 
 HEAD_DIMS = (64, 80, 96, 128, 256)
 # Threadgroup memory a Metal thread group may use; CUDA takes dynamic shared memory up to this.
