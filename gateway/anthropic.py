@@ -21,7 +21,7 @@ from starlette.responses import Response
 from gateway.chat_run import ChatInput, ChatRun, render
 from gateway.errors import anthropic_sse_error_event
 from gateway.generation import KEEPALIVE, SSEResponse, named_event
-from gateway.server import open_request
+from gateway.state import open_request
 from shared.errors import InvalidRequestError, MlxdError
 
 

@@ -37,7 +37,7 @@ from gateway.errors import sse_error_event
 from gateway.generation import DONE, KEEPALIVE, Generation, SSEResponse, event
 from gateway.parsers import (REASONING_PARSERS, ReasoningStream, ToolParser, ToolStream, keeps_special_tokens,
                              parse_complete)
-from gateway.server import GatewayState, open_request
+from gateway.state import GatewayState, open_request
 from gateway.structured import (NO_TOOLS, ToolPlan, marker_literal, one_spec, reasoning_aware, response_format_spec,
                                 structured_outputs_spec, tool_plan)
 from shared.errors import MlxdError

@@ -14,7 +14,8 @@ import msgspec
 from starlette.requests import Request
 from starlette.responses import PlainTextResponse, Response
 
-from gateway.server import GatewayState, decode_body
+from gateway.bodies import decode_body
+from gateway.state import GatewayState
 from shared.errors import ForbiddenError, InvalidRequestError
 
 

@@ -16,7 +16,7 @@ from starlette.requests import Request
 
 from gateway import params as P
 from gateway.generation import unless_disconnected
-from gateway.server import GatewayState
+from gateway.state import GatewayState
 from shared.errors import ContextLengthError, InvalidRequestError, MlxdError
 from shared.protocol import EngineInfo, RequestOutput, SamplingParams
 

@@ -22,7 +22,7 @@ from gateway.errors import error_body, to_mlxd_error
 from gateway.generation import KEEPALIVE, SSEResponse, named_event
 from gateway.params import loads
 from gateway.responses_tools import ResponsesTools, responses_tools
-from gateway.server import open_request
+from gateway.state import open_request
 from shared.errors import InvalidRequestError, MlxdError
 
 

@@ -24,7 +24,7 @@ from starlette.responses import Response
 from gateway import params as P
 from gateway import pooling_types as t
 from gateway.pooled import MAX_INPUTS, check_ids, input_ids, run_pooled, vectors
-from gateway.server import GatewayState, open_request
+from gateway.state import GatewayState, open_request
 from shared.errors import InvalidRequestError
 
 

@@ -1,5 +1,7 @@
 """`mlxd gateway`: the Starlette app, what every request passes through before its route (HTTP metrics,
-the guards, the API key, the process's state), and how it runs under uvicorn and shuts down.
+the guards), and how it runs under uvicorn and shuts down. The process's state and the opening every
+route shares (the API key, the body, the engine, the model) are ``gateway.state``'s; bodies are read
+and decoded by ``gateway.bodies``.
 
 On SIGTERM/SIGINT the gateway stops accepting connections and gives open
 requests ``shutdown_timeout`` seconds to finish; then it ends each one that
@@ -17,12 +19,6 @@ written for vLLM's HTTP series reads these; ``status`` is the exact code
 (``/v1/models/{model:path}``), or ``none`` for a path no route matches: a
 scanner's stream of made-up paths cannot grow the series without bound. Each
 app builds its own registry (several gateways may live in one test process).
-
-What one gateway process holds (``GatewayState``): its config, the engine
-client, the current model's tokenizer, and its view of the key file
-(``KeyChecker``, reloaded whenever the file changes, so a revoked key stops
-working at once; ``shared.keys`` is the file itself, which `mlxd keys`
-writes). ``open_request`` is the opening every model route shares.
 
 The guards refuse what a slow, hostile or foreign HTTP client sends before a
 route reads a field.
@@ -49,25 +45,17 @@ answers. So:
   preflight that the rule above refuses.
 
 Refusals are 403/415 in the shape of the route's API.
-
-Request bodies (``decode_body``): size, time and nesting bounded, JSON into a
-typed Struct. Everything there raises InvalidRequestError (or a subclass with
-its own status), so that a hostile body is a 4xx and never an exception the
-route did not expect.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import ipaddress
 import logging
-import os
 import signal
 import sys
 import time
-from typing import TypeVar
 
 import h11
 import msgspec
@@ -77,21 +65,14 @@ from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.middleware.cors import CORSMiddleware
-from starlette.requests import Request
 from starlette.routing import Match
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from gateway.access_log import AccessLoggedClient
-from gateway.engine_client import EngineClient
 from gateway.errors import ANTHROPIC_PREFIX, error_response, handle_exception
-from gateway.params import MAX_JSON_DEPTH, SamplingDefaults, Tokenizer, check_depth, load_chat_template, sampling_defaults
-from gateway.parsers import check_names, choose_parsers
-from shared.curve import check_endpoint
-from shared.errors import (AuthenticationError, EngineUnavailableError, ForbiddenError, InvalidRequestError, MlxdError,
-                           NotFoundError, RequestTimeoutError, RequestTooLargeError, UnsupportedMediaTypeError)
-from shared.keys import KeyFile, default_keys_file, match_key, read_keys, required_marker
-from shared.paths import check_ipc_endpoint, default_engine_endpoint
-from shared.protocol import EngineInfo
+from gateway.parsers import check_names
+from gateway.routes import ROUTES
+from gateway.state import GatewayState
+from shared.errors import ForbiddenError, InvalidRequestError, MlxdError, UnsupportedMediaTypeError
 from shared.serve_config import GatewayConfig
 
 log = logging.getLogger("mlxd.gateway")
@@ -105,9 +86,6 @@ UNMATCHED = "none"
 
 
 def build_app(config: GatewayConfig) -> Starlette:
-    # The routes import this module (its state and guards), so the table is read when an app is built.
-    from gateway.routes import ROUTES
-
     check_names(config.tool_call_parser, config.reasoning_parser)
     state = GatewayState(config)
     metrics = GatewayMetrics()
@@ -140,186 +118,6 @@ def build_app(config: GatewayConfig) -> Starlette:
     app.state.gw = state
     app.state.metrics = metrics
     return app
-
-
-# What one gateway process holds: its config, the engine client, the current model's tokenizer.
-
-
-def exposure_warning(host: str, keys_required: bool) -> str | None:
-    """A warning when the gateway listens beyond loopback with no key required, else None."""
-    try:
-        loopback = host == "localhost" or ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        loopback = False
-    if loopback or keys_required:
-        return None
-    return (f"listening on {host} with no API key: anyone who can reach this port can use the model "
-            "(set --api-key or add keys with `mlxd keys add APP`)")
-
-
-class GatewayState:
-    def __init__(self, config: GatewayConfig):
-        self.config = config
-        self.chat_template = load_chat_template(config.chat_template)
-        self.tokenizer: Tokenizer | None = None
-        # The flags' parsers; "auto" is resolved from the model's chat template once it is known.
-        self.parsers = choose_parsers(config.tool_call_parser, config.reasoning_parser, self.chat_template)
-        self.sampling_defaults = SamplingDefaults(**config.generation_override)
-        self.keys = KeyChecker(config.keys_file or default_keys_file())
-        endpoint = config.engine_endpoint or default_engine_endpoint()
-        # A socket planted in a directory others can write would receive every prompt.
-        check_ipc_endpoint(endpoint, create=False)
-        check_endpoint(endpoint, config.curve_keys)
-        client_class = AccessLoggedClient if config.enable_log_requests else EngineClient
-        self.client = client_class(endpoint, engine_timeout=config.engine_timeout,
-                                   on_ready=self._on_engine_ready, curve_keys=config.curve_keys)
-        warning = exposure_warning(config.host, config.api_key is not None or self.keys.active)
-        if warning:
-            log.warning(warning)
-
-    async def _on_engine_ready(self, info: EngineInfo) -> None:
-        """Load the tokenizer of the engine's model (again only if the model changed)."""
-        if self.tokenizer is None or self.tokenizer.tokenizer_dir != info.tokenizer_dir:
-            log.info("loading the tokenizer from %s", info.tokenizer_dir)
-            self.tokenizer = await asyncio.to_thread(Tokenizer, info.tokenizer_dir, self.chat_template)
-            cfg = self.config
-            template = self.chat_template or getattr(self.tokenizer.hf, "chat_template", None)
-            self.parsers = choose_parsers(cfg.tool_call_parser, cfg.reasoning_parser, template)
-            log.info("parsers: tool calls %s (tool choice format %s), reasoning %s",
-                     self.parsers.tool, self.parsers.tool_format, self.parsers.reasoning)
-            try:
-                self.sampling_defaults = sampling_defaults(cfg.generation_config, info.tokenizer_dir,
-                                                           cfg.generation_override)
-            except InvalidRequestError as e:
-                # A model's broken file must not keep the gateway from serving: say so, use OpenAI's.
-                log.warning("ignoring the model's generation config: %s", e.message)
-                self.sampling_defaults = SamplingDefaults(**cfg.generation_override)
-            log.info("sampling defaults: %s", self.sampling_defaults)
-
-    def check_auth(self, request: Request) -> str | None:
-        """The app of the request's key (None for --api-key or no auth); 401 for a bad key.
-
-        Keys are required when --api-key is set or any app has a key (`mlxd keys add`).
-        """
-        key = self.config.api_key
-        keys_active = self.keys.active
-        if key is None and not keys_active:
-            return None
-        header = request.headers.get("authorization", "")
-        scheme, _, token = header.partition(" ")
-        if scheme.lower() != "bearer":
-            # Anthropic's clients send the key as x-api-key.
-            token = request.headers.get("x-api-key", "")
-        token = token.strip()
-        if token:
-            if key is not None and hmac.compare_digest(token.encode(), key.encode()):
-                return None
-            if keys_active:
-                app = self.keys.app_of(token)
-                if app is not None:
-                    return app
-        raise AuthenticationError("invalid or missing API key")
-
-    def require_ready(self):
-        """(EngineInfo, Tokenizer) of a connected engine, or EngineUnavailableError (503)."""
-        client = self.client
-        if not client.ready or client.info is None or self.tokenizer is None:
-            raise EngineUnavailableError(f"the engine is not available: {client.unavailable_reason}")
-        return client.info, self.tokenizer
-
-    def adapters_for(self, app: str | None) -> list:
-        """The LoRA adapters served that ``app`` (``check_auth``'s answer) may use, in order."""
-        allowed = self.keys.loras_of(app)
-        return [a for a in self.client.lora_adapters if allowed is None or a.name in allowed]
-
-    def check_model(self, name: str | None, app: str | None) -> str:
-        """The name to answer with (the base's or a LoRA adapter ``app`` may use); NotFoundError (404) for
-        another. An adapter the app's key does not allow is answered as OpenAI answers a model a key has
-        no access to: 404, never saying whether it exists."""
-        info = self.client.info
-        if name is None or name in (info.served_model_name, info.model_id):
-            return info.served_model_name
-        adapters = [a.name for a in self.adapters_for(app)]
-        if name in adapters:
-            return name
-        raise NotFoundError(f"The model `{name}` does not exist or you do not have access to it; this server "
-                            f"serves `{info.served_model_name}`"
-                            + (f" and the LoRA adapters {', '.join(f'`{a}`' for a in adapters)}" if adapters else "")
-                            + ".", param="model")
-
-    def lora_name(self, model: str) -> str | None:
-        """The adapter a checked model name (``check_model``'s answer) runs under; None for the base."""
-        return None if model == self.client.info.served_model_name else model
-
-
-Body = TypeVar("Body")
-
-
-async def open_request(request: Request, typ: type[Body]) -> tuple[GatewayState, str, Body, str]:
-    """The opening every model route shares, in the order its errors must come: the key (401), the
-    body (400), the engine (503), the model the key may use (404). Returns (state, app, body, model)."""
-    gw: GatewayState = request.app.state.gw
-    app = gw.check_auth(request)
-    req = await decode_body(request, typ)
-    gw.require_ready()
-    return gw, app, req, gw.check_model(req.model, app)
-
-
-class KeyChecker:
-    """The gateway's view of the key file, reloaded whenever the file changes.
-
-    Built at start-up, it reads the file at once, so a damaged one is a
-    start-up error (MlxdError, naming the file) rather than every request's.
-    """
-
-    def __init__(self, path: str):
-        self.path = path
-        self.marker = required_marker(path)
-        self._stamp: tuple | None = None
-        self._keys = KeyFile()
-        # Once keys were seen (the file or its marker), they stay required for this process.
-        self._required = False
-        self._damaged = False
-        self._refresh(at_start=True)
-
-    def _refresh(self, at_start: bool = False) -> None:
-        try:
-            st = os.stat(self.path)
-            stamp = (st.st_mtime_ns, st.st_size, st.st_ino)
-        except FileNotFoundError:
-            stamp = None
-        if stamp != self._stamp:
-            try:
-                self._keys = read_keys(self.path) if stamp is not None else KeyFile()
-                self._damaged = False
-            except MlxdError as e:
-                if at_start:
-                    raise
-                log.error("%s; refusing every request until it is fixed", e.message)
-                self._keys, self._damaged = KeyFile(), True
-            self._stamp = stamp
-        if stamp is not None or os.path.exists(self.marker):
-            self._required = True
-
-    @property
-    def active(self) -> bool:
-        """Whether requests must present a key: any app has or ever had one (see the module doc)."""
-        self._refresh()
-        if self._damaged:
-            # Not the client's fault, and the file's path is the server's business.
-            raise MlxdError("the server's API key file is damaged; see the server log")
-        return self._required
-
-    def app_of(self, presented: str) -> str | None:
-        self._refresh()
-        return match_key(self._keys, presented)
-
-    def loras_of(self, app: str | None) -> list[str] | None:
-        """The adapters ``app`` may use (as the file says now); None: any (also for no app)."""
-        if app is None:
-            return None
-        self._refresh()
-        return next((k.loras for k in self._keys.keys if k.app == app), None)
 
 
 # HTTP metrics (see the module docstring).
@@ -497,60 +295,6 @@ class BrowserGuard:
                 await response(scope, receive, send)
                 return
         await self.app(scope, receive, send)
-
-
-# Request bodies.
-
-# Far above any context window's worth of text; stops a client from filling the gateway's memory.
-MAX_BODY_BYTES = 64 << 20
-
-
-async def read_body(request: Request) -> bytes:
-    """The request body, refusing (413) one over MAX_BODY_BYTES before or while reading it, and
-    (408) one whose next chunk does not arrive within --request-timeout seconds (a client that
-    stops mid-body would otherwise hold its connection and its task)."""
-    idle_timeout = request.app.state.gw.config.request_timeout
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > MAX_BODY_BYTES:
-        raise RequestTooLargeError(f"the request body is over {MAX_BODY_BYTES >> 20} MiB")
-    chunks, size = [], 0
-    stream = request.stream().__aiter__()
-    while True:
-        try:
-            chunk = await asyncio.wait_for(stream.__anext__(), idle_timeout)
-        except StopAsyncIteration:
-            break
-        except asyncio.TimeoutError:
-            raise RequestTimeoutError(f"no part of the request body arrived for {idle_timeout:g} s") from None
-        size += len(chunk)
-        if size > MAX_BODY_BYTES:
-            raise RequestTooLargeError(f"the request body is over {MAX_BODY_BYTES >> 20} MiB")
-        chunks.append(chunk)
-    return b"".join(chunks)
-
-
-def decode(body: bytes, typ):
-    """``body`` as a ``typ`` Struct; msgspec's ValidationError (a 400 naming the field) when it does not fit."""
-    try:
-        value = msgspec.json.decode(body)
-    except RecursionError:
-        raise InvalidRequestError(f"the request body nests deeper than {MAX_JSON_DEPTH} levels") from None
-    except msgspec.DecodeError as e:
-        raise InvalidRequestError(f"the request body is not valid JSON: {e}") from None
-    check_depth(value)
-    return msgspec.convert(value, typ)
-
-
-# Bodies above this are decoded in a worker thread: tens of MB of JSON take the loop's time.
-THREAD_DECODE_BYTES = 1 << 20
-
-
-async def decode_body(request: Request, typ):
-    """Read and decode a request body into ``typ``."""
-    body = await read_body(request)
-    if len(body) > THREAD_DECODE_BYTES:
-        return await asyncio.to_thread(decode, body, typ)
-    return decode(body, typ)
 
 
 # Running: uvicorn, and how the gateway stops.

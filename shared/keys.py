@@ -8,7 +8,7 @@ nothing against guessing and would cost every request its time.
 
 The file is written whole to a temporary file of mode 0600 and renamed over
 the old one, so a gateway reading it never sees half a file; gateways reload
-it when its modification time or size changes (``gateway.server.KeyChecker``),
+it when its modification time or size changes (``gateway.state.KeyChecker``),
 so a revoked key stops working at once, without a restart.
 
 An app's key may name the LoRA adapters it may use (``mlxd keys add APP

@@ -6,8 +6,8 @@ import random
 
 import pytest
 
+from gateway.bodies import decode
 from gateway.params import MAX_JSON_DEPTH, TemplateStepsExceeded, json_depth, loads, step_capped
-from gateway.server import decode
 from shared.errors import InvalidRequestError
 
 SEED = 20261201

@@ -8,7 +8,7 @@ import stat
 
 import pytest
 
-from gateway.server import KeyChecker
+from gateway.state import KeyChecker
 from mlxd import cli
 from shared.curve import InsecureEndpointError, check_endpoint, is_loopback, make_keys
 from shared.errors import MlxdError

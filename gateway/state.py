@@ -1,0 +1,209 @@
+"""What one gateway process holds (``GatewayState``): its config, the engine client, the current
+model's tokenizer and parsers, and its view of the key file (``KeyChecker``, reloaded whenever the
+file changes, so a revoked key stops working at once; ``shared.keys`` is the file itself, which
+`mlxd keys` writes). ``open_request`` is the opening every model route shares.
+
+The routes import this module and ``gateway.bodies``; ``gateway.server`` builds the app over them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import ipaddress
+import logging
+import os
+from typing import TypeVar
+
+from starlette.requests import Request
+
+from gateway.access_log import AccessLoggedClient
+from gateway.bodies import decode_body
+from gateway.engine_client import EngineClient
+from gateway.params import SamplingDefaults, Tokenizer, load_chat_template, sampling_defaults
+from gateway.parsers import choose_parsers
+from shared.curve import check_endpoint
+from shared.errors import AuthenticationError, EngineUnavailableError, InvalidRequestError, MlxdError, NotFoundError
+from shared.keys import KeyFile, default_keys_file, match_key, read_keys, required_marker
+from shared.paths import check_ipc_endpoint, default_engine_endpoint
+from shared.protocol import EngineInfo
+from shared.serve_config import GatewayConfig
+
+log = logging.getLogger("mlxd.gateway")
+
+
+def exposure_warning(host: str, keys_required: bool) -> str | None:
+    """A warning when the gateway listens beyond loopback with no key required, else None."""
+    try:
+        loopback = host == "localhost" or ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        loopback = False
+    if loopback or keys_required:
+        return None
+    return (f"listening on {host} with no API key: anyone who can reach this port can use the model "
+            "(set --api-key or add keys with `mlxd keys add APP`)")
+
+
+class GatewayState:
+    def __init__(self, config: GatewayConfig):
+        self.config = config
+        self.chat_template = load_chat_template(config.chat_template)
+        self.tokenizer: Tokenizer | None = None
+        # The flags' parsers; "auto" is resolved from the model's chat template once it is known.
+        self.parsers = choose_parsers(config.tool_call_parser, config.reasoning_parser, self.chat_template)
+        self.sampling_defaults = SamplingDefaults(**config.generation_override)
+        self.keys = KeyChecker(config.keys_file or default_keys_file())
+        endpoint = config.engine_endpoint or default_engine_endpoint()
+        # A socket planted in a directory others can write would receive every prompt.
+        check_ipc_endpoint(endpoint, create=False)
+        check_endpoint(endpoint, config.curve_keys)
+        client_class = AccessLoggedClient if config.enable_log_requests else EngineClient
+        self.client = client_class(endpoint, engine_timeout=config.engine_timeout,
+                                   on_ready=self._on_engine_ready, curve_keys=config.curve_keys)
+        warning = exposure_warning(config.host, config.api_key is not None or self.keys.active)
+        if warning:
+            log.warning(warning)
+
+    async def _on_engine_ready(self, info: EngineInfo) -> None:
+        """Load the tokenizer of the engine's model (again only if the model changed)."""
+        if self.tokenizer is None or self.tokenizer.tokenizer_dir != info.tokenizer_dir:
+            log.info("loading the tokenizer from %s", info.tokenizer_dir)
+            self.tokenizer = await asyncio.to_thread(Tokenizer, info.tokenizer_dir, self.chat_template)
+            cfg = self.config
+            template = self.chat_template or getattr(self.tokenizer.hf, "chat_template", None)
+            self.parsers = choose_parsers(cfg.tool_call_parser, cfg.reasoning_parser, template)
+            log.info("parsers: tool calls %s (tool choice format %s), reasoning %s",
+                     self.parsers.tool, self.parsers.tool_format, self.parsers.reasoning)
+            try:
+                self.sampling_defaults = sampling_defaults(cfg.generation_config, info.tokenizer_dir,
+                                                           cfg.generation_override)
+            except InvalidRequestError as e:
+                # A model's broken file must not keep the gateway from serving: say so, use OpenAI's.
+                log.warning("ignoring the model's generation config: %s", e.message)
+                self.sampling_defaults = SamplingDefaults(**cfg.generation_override)
+            log.info("sampling defaults: %s", self.sampling_defaults)
+
+    def check_auth(self, request: Request) -> str | None:
+        """The app of the request's key (None for --api-key or no auth); 401 for a bad key.
+
+        Keys are required when --api-key is set or any app has a key (`mlxd keys add`).
+        """
+        key = self.config.api_key
+        keys_active = self.keys.active
+        if key is None and not keys_active:
+            return None
+        header = request.headers.get("authorization", "")
+        scheme, _, token = header.partition(" ")
+        if scheme.lower() != "bearer":
+            # Anthropic's clients send the key as x-api-key.
+            token = request.headers.get("x-api-key", "")
+        token = token.strip()
+        if token:
+            if key is not None and hmac.compare_digest(token.encode(), key.encode()):
+                return None
+            if keys_active:
+                app = self.keys.app_of(token)
+                if app is not None:
+                    return app
+        raise AuthenticationError("invalid or missing API key")
+
+    def require_ready(self):
+        """(EngineInfo, Tokenizer) of a connected engine, or EngineUnavailableError (503)."""
+        client = self.client
+        if not client.ready or client.info is None or self.tokenizer is None:
+            raise EngineUnavailableError(f"the engine is not available: {client.unavailable_reason}")
+        return client.info, self.tokenizer
+
+    def adapters_for(self, app: str | None) -> list:
+        """The LoRA adapters served that ``app`` (``check_auth``'s answer) may use, in order."""
+        allowed = self.keys.loras_of(app)
+        return [a for a in self.client.lora_adapters if allowed is None or a.name in allowed]
+
+    def check_model(self, name: str | None, app: str | None) -> str:
+        """The name to answer with (the base's or a LoRA adapter ``app`` may use); NotFoundError (404) for
+        another. An adapter the app's key does not allow is answered as OpenAI answers a model a key has
+        no access to: 404, never saying whether it exists."""
+        info = self.client.info
+        if name is None or name in (info.served_model_name, info.model_id):
+            return info.served_model_name
+        adapters = [a.name for a in self.adapters_for(app)]
+        if name in adapters:
+            return name
+        raise NotFoundError(f"The model `{name}` does not exist or you do not have access to it; this server "
+                            f"serves `{info.served_model_name}`"
+                            + (f" and the LoRA adapters {', '.join(f'`{a}`' for a in adapters)}" if adapters else "")
+                            + ".", param="model")
+
+    def lora_name(self, model: str) -> str | None:
+        """The adapter a checked model name (``check_model``'s answer) runs under; None for the base."""
+        return None if model == self.client.info.served_model_name else model
+
+
+Body = TypeVar("Body")
+
+
+async def open_request(request: Request, typ: type[Body]) -> tuple[GatewayState, str, Body, str]:
+    """The opening every model route shares, in the order its errors must come: the key (401), the
+    body (400), the engine (503), the model the key may use (404). Returns (state, app, body, model)."""
+    gw: GatewayState = request.app.state.gw
+    app = gw.check_auth(request)
+    req = await decode_body(request, typ)
+    gw.require_ready()
+    return gw, app, req, gw.check_model(req.model, app)
+
+
+class KeyChecker:
+    """The gateway's view of the key file, reloaded whenever the file changes.
+
+    Built at start-up, it reads the file at once, so a damaged one is a
+    start-up error (MlxdError, naming the file) rather than every request's.
+    """
+
+    def __init__(self, path: str):
+        self.path = path
+        self.marker = required_marker(path)
+        self._stamp: tuple | None = None
+        self._keys = KeyFile()
+        # Once keys were seen (the file or its marker), they stay required for this process.
+        self._required = False
+        self._damaged = False
+        self._refresh(at_start=True)
+
+    def _refresh(self, at_start: bool = False) -> None:
+        try:
+            st = os.stat(self.path)
+            stamp = (st.st_mtime_ns, st.st_size, st.st_ino)
+        except FileNotFoundError:
+            stamp = None
+        if stamp != self._stamp:
+            try:
+                self._keys = read_keys(self.path) if stamp is not None else KeyFile()
+                self._damaged = False
+            except MlxdError as e:
+                if at_start:
+                    raise
+                log.error("%s; refusing every request until it is fixed", e.message)
+                self._keys, self._damaged = KeyFile(), True
+            self._stamp = stamp
+        if stamp is not None or os.path.exists(self.marker):
+            self._required = True
+
+    @property
+    def active(self) -> bool:
+        """Whether requests must present a key: any app has or ever had one (see the module doc)."""
+        self._refresh()
+        if self._damaged:
+            # Not the client's fault, and the file's path is the server's business.
+            raise MlxdError("the server's API key file is damaged; see the server log")
+        return self._required
+
+    def app_of(self, presented: str) -> str | None:
+        self._refresh()
+        return match_key(self._keys, presented)
+
+    def loras_of(self, app: str | None) -> list[str] | None:
+        """The adapters ``app`` may use (as the file says now); None: any (also for no app)."""
+        if app is None:
+            return None
+        self._refresh()
+        return next((k.loras for k in self._keys.keys if k.app == app), None)
