@@ -208,8 +208,8 @@ def term_cost(shape: str, rank: int, repeats: int) -> None:
                   flush=True)
     hidden, kv = dims["hidden_size"], dims["hidden_size"] * dims["num_key_value_heads"] // dims["num_attention_heads"]
     print("\n| projections (in x outs) | rows | base matmuls apart (us) | joined base (us) | + terms apart (us) "
-          "| joined, + one term (us) | same, x·A folded into the base (us) |")
-    print("|---|---|---|---|---|---|---|")
+          "| joined, + one term (us) | same, x·A folded into the base (us) | folded, term added to the whole (us) |")
+    print("|---|---|---|---|---|---|---|---|")
     for outs in ((hidden, kv, kv), (dims["intermediate_size"],) * 2):
         width = len(outs) * rank  # the group's columns per slot (engined/lora/groups.py)
         ws = [mx.random.normal((o, hidden)).astype(dtype) * 0.02 for o in outs]
@@ -219,15 +219,21 @@ def term_cost(shape: str, rank: int, repeats: int) -> None:
         a_cat = mx.random.normal((hidden, NUM_ADAPTERS * width)).astype(dtype) * 0.02
         b_cat = mx.random.normal((NUM_ADAPTERS * width, sum(outs))).astype(dtype) * 0.02  # block-diagonal there
         w_ext, out = mx.concatenate([w_cat, a_cat.T]), sum(outs)  # A's columns as the base's last output rows
+        # B with zero columns for x·A's, so that addmm's addend is the whole base output, not a slice of it.
+        b_ext = mx.concatenate([b_cat, mx.zeros((b_cat.shape[0], a_cat.shape[1]), dtype)], axis=1)
         for rows in (8, 64, 512):
             x = mx.random.normal((rows, hidden)).astype(dtype)
             _, mask = masks(rows)
             group_mask = mx.repeat(mask[:, ::rank], width, axis=1)
-            mx.eval(ws, w_cat, a_s, b_s, a_cat, b_cat, w_ext, x, mask, group_mask)
+            mx.eval(ws, w_cat, a_s, b_s, a_cat, b_cat, w_ext, b_ext, x, mask, group_mask)
 
             def folded():
                 y = x @ w_ext.T
                 return mx.addmm(y[:, :out], y[:, out:] * group_mask, b_cat)
+
+            def whole():
+                z = x @ w_ext.T
+                return mx.addmm(z, z[:, out:] * group_mask, b_ext)[:, :out]
 
             runs = {
                 "base": lambda: [x @ w.T for w in ws],
@@ -235,10 +241,11 @@ def term_cost(shape: str, rank: int, repeats: int) -> None:
                 "apart": lambda: [mx.addmm(x @ w.T, (x @ ai) * mask, bi) for w, ai, bi in zip(ws, a_s, b_s)],
                 "group": lambda: mx.addmm(x @ w_cat.T, (x @ a_cat) * group_mask, b_cat),
                 "folded": folded,
+                "whole": whole,
             }
             us = _alternate(runs, repeats)
             print(f"| {hidden} x {'+'.join(map(str, outs))} | {rows} | {us['base']:.0f} | {us['joined']:.0f} "
-                  f"| {us['apart']:.0f} | {us['group']:.0f} | {us['folded']:.0f} |", flush=True)
+                  f"| {us['apart']:.0f} | {us['group']:.0f} | {us['folded']:.0f} | {us['whole']:.0f} |", flush=True)
 
 
 def make_prompts(n: int, vocab: int, seed: int, lengths: tuple[int, int]) -> list[list[int]]:

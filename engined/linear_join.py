@@ -78,7 +78,9 @@ class JoinedLinears:
         if x is not self._x:
             n = len(self.offsets) - 1
             y = self.joined(x)
-            self._held = [y] if n == 1 else mx.split(y, self.offsets[1:-1], axis=-1)
+            # A wider output has columns past the members' (a LoRA group's x·A): cut off and dropped.
+            cuts = self.offsets[1:] if y.shape[-1] > self.offsets[-1] else self.offsets[1:-1]
+            self._held = mx.split(y, cuts, axis=-1) if cuts else [y]
             self._x, self._left = x, n
         held = self._held[member]
         self._left -= 1

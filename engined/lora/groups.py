@@ -12,7 +12,10 @@ own outputs). The group's whole output, base plus every row's term, is then
 
 four operations however many members, three where the base is plain (not
 quantized) and of the slots' dtype: then A's columns are its weight's last
-output rows (``folded``) and its one matmul gives ``[y | x @ A]``. Separate
+output rows (``folded``) and its one matmul gives ``z = [y | x @ A]``, and B
+has as many zero columns more, so that ``addmm`` adds the term to the whole
+of ``z``: a slice of it as addmm's addend would be copied first (MLX's
+``AddMM`` wants a row-contiguous addend), one kernel more. Separate
 projections took ``2 + 2n`` (7 for q/k/v with the A product already shared),
 and a decode step on a GPU is bound by the host's cost per operation
 (bench/lora_results.md).
@@ -55,8 +58,9 @@ class ProjectionGroup(JoinedLinears):
             base.weight = mx.concatenate([base.weight, mx.zeros((columns, d_in), dtype)])
             if "bias" in base:
                 base.bias = mx.concatenate([base.bias, mx.zeros((columns,), base.bias.dtype)])
-        self.b = mx.zeros((columns, self.offsets[-1]), dtype)
-        self.nbytes = columns * (d_in + self.offsets[-1]) * dtype.size  # the slots' A and B
+        # A folded group's B reaches its x·A columns too, with zeros: see the module's docstring.
+        self.b = mx.zeros((columns, self.offsets[-1] + (columns if self.folded else 0)), dtype)
+        self.nbytes = columns * d_in * dtype.size + self.b.nbytes  # the slots' A and B
         self.live: list[set[int]] = [set() for _ in outs]
         step.inputs.append(self)
 
@@ -77,16 +81,10 @@ class ProjectionGroup(JoinedLinears):
         (self.live[member].add if live else self.live[member].discard)(slot)
 
     def joined(self, x: mx.array) -> mx.array:
-        """The base projections plus each row's adapter term."""
+        """The base projections plus each row's adapter term; a folded group's ``x·A`` columns follow
+        (``JoinedLinears.output`` cuts them off)."""
         y = self.base(x)
-        step, out = self.step, self.offsets[-1]
-        h = None
-        if self.folded:
-            y, h = y[..., :out], y[..., out:]
-        if step.slots is not None and any(self.live):
-            if h is None:
-                h = mx.matmul(x.astype(self.a.dtype), self.a)
-            # The mask takes h's shape (free: it is contiguous), so that neither h nor y, slices of the
-            # folded base's output, is copied to be reshaped.
-            y = mx.addmm(y, h * step.mask(self.width).reshape(h.shape), self.b)
+        if self.step.slots is not None and any(self.live):
+            h = y[..., self.offsets[-1]:] if self.folded else mx.matmul(x.astype(self.a.dtype), self.a)
+            y = mx.addmm(y, h * self.step.mask(self.width, h.shape), self.b)
         return y
