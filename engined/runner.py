@@ -177,16 +177,16 @@ class PagedAttention(nn.Module):
                 self._fused_qkv = True
 
     def _rope(self, x: mx.array, positions: mx.array) -> mx.array:
-        # Each token is its own "batch" row so RoPE takes a per-token offset.
-        return self.rope(mx.expand_dims(x, 2), offset=positions).squeeze(2)
+        """``x [T, H, 1, D]``: each token its own "batch" row, so that RoPE takes a per-token offset."""
+        return self.rope(x, offset=positions).squeeze(2)
 
     def _kv(self, k: mx.array, v: mx.array | None, positions: mx.array) -> tuple[mx.array, mx.array]:
         """This step's ``k, v [T, H_kv, D]`` from the projections' outputs (``v`` None: V is K's)."""
-        s, t = self.settings, k.shape[1]
+        s, t = self.settings, k.shape[0]
         v = k if v is None else v
         if s.qk_norm_whole:
             k = self.k_norm(k)
-        k, v = k.reshape(t, s.n_kv_heads, -1), v.reshape(t, s.n_kv_heads, -1)
+        k, v = k.reshape(t, s.n_kv_heads, 1, -1), v.reshape(t, s.n_kv_heads, -1)
         if self._k_norm_heads:
             k = self.k_norm(k)
         if self._v_norm:
@@ -210,13 +210,16 @@ class PagedAttention(nn.Module):
                                "engined.runner.ModelRunner")
         s = self.settings
         t = x.shape[1]
+        # The layer runs on [T, hidden], [T, heads, 1, D] around RoPE: a 3-D input costs a matmul a flatten
+        # and an unflatten, and a step on a GPU is bound by the host's cost per operation.
+        x = x.reshape(t, -1)
         if self._fused_qkv:
             q, k, v = mx.split(self.qkv_proj(x), [self._q_width, self._qkv_width], axis=-1)
         else:
             q = self.q_proj(x)
         if s.qk_norm_whole:
             q = self.q_norm(q)
-        q = q.reshape(t, s.n_heads, -1)
+        q = q.reshape(t, s.n_heads, 1, -1)
         if s.output_gate:
             q, gate = mx.split(q, 2, axis=-1)
         if self._q_norm_heads:
@@ -236,10 +239,10 @@ class PagedAttention(nn.Module):
             kc, vc = cache.write(*self._kv(k, v, positions))
         out = self.attend(q, kc, vc, meta, s.scale, s.sliding_window, s.softcap,
                           self.sinks if s.has_sinks else None)
-        out = out.reshape(1, t, -1)
+        out = out.reshape(t, -1)
         if s.output_gate:
-            out = out * mx.sigmoid(gate.reshape(1, t, -1))
-        out = self.o_proj(out)
+            out = out * mx.sigmoid(gate.reshape(t, -1))
+        out = self.o_proj(out).reshape(1, t, -1)
         # K/V pass between layers through the pool, never as arrays: a sharing layer reads its
         # source's step object, so the K/V and offset handed back are None.
         return (out, None, None) if s.returns_kv else out
