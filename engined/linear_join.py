@@ -57,6 +57,11 @@ class JoinedLinears:
     layer's input is held past its layer. A member called with another array
     gets an output made from that one: right for any model, merely slower for
     one that feeds its projections apart.
+
+    The outputs are 2-D, ``[tokens, out]``, whatever the input's leading axes (the packed step's
+    ``[1, T, in]``): a matmul of a 3-D input flattens and unflattens it, two graph nodes, and what
+    follows the members (an MLP's activation and down projection, then the residual add, which
+    broadcasts) takes 2-D as well.
     """
 
     def __init__(self, base: nn.Module, outs: list[int]):
@@ -77,7 +82,7 @@ class JoinedLinears:
     def output(self, x: mx.array, member: int) -> mx.array:
         if x is not self._x:
             n = len(self.offsets) - 1
-            y = self.joined(x)
+            y = self.joined(x if x.ndim == 2 else x.reshape(-1, x.shape[-1]))
             # A wider output has columns past the members' (a LoRA group's x·A): cut off and dropped.
             cuts = self.offsets[1:] if y.shape[-1] > self.offsets[-1] else self.offsets[1:-1]
             self._held = mx.split(y, cuts, axis=-1) if cuts else [y]

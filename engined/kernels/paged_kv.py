@@ -99,15 +99,21 @@ class AttentionMetadata:
 
 
 def write_kv(
-    k_cache: mx.array, v_cache: mx.array, k: mx.array, v: mx.array, slot_mapping: mx.array
+    k_cache: mx.array, v_cache: mx.array, k: mx.array, v: mx.array, meta: AttentionMetadata
 ) -> tuple[mx.array, mx.array]:
-    """Scatter new rows ``k, v [T, H_kv, D]`` into the caches at ``slot_mapping``; returns the new caches."""
-    nb, bs, hkv, d = k_cache.shape
-    kf = k_cache.reshape(nb * bs, hkv, d)
-    vf = v_cache.reshape(nb * bs, hkv, d)
-    kf[slot_mapping] = k.astype(kf.dtype)
-    vf[slot_mapping] = v.astype(vf.dtype)
-    return kf.reshape(nb, bs, hkv, d), vf.reshape(nb, bs, hkv, d)
+    """Scatter new rows ``k, v [T, H_kv, D]`` into the caches at ``meta.slot_mapping``; returns the new caches.
+
+    Indexed by (block, offset in it), split once per step for every layer: scattering into the flattened
+    cache would cost each layer four reshapes more, on a step bound by the host's cost per operation.
+    """
+    bs = k_cache.shape[1]
+    where = meta.plans.get(("write", bs))
+    if where is None:
+        where = meta.plans["write", bs] = (meta.slot_mapping // bs, meta.slot_mapping % bs)
+    blocks, offsets = where
+    k_cache[blocks, offsets] = k.astype(k_cache.dtype)
+    v_cache[blocks, offsets] = v.astype(v_cache.dtype)
+    return k_cache, v_cache
 
 
 def in_packed_order(pieces: list[mx.array], rows: list[np.ndarray], num_tokens: int) -> mx.array:

@@ -83,7 +83,7 @@ class PagedLayerStep:
     def write(self, k: mx.array, v: mx.array) -> tuple[mx.array, mx.array]:
         """Write this step's ``k, v [T, H_kv, D]`` at the metadata's slots; returns the layer's new pools."""
         kv, i = self._kv, self._i
-        kv.k[i], kv.v[i] = kernels.write_kv(kv.k[i], kv.v[i], k, v, self.meta.slot_mapping)
+        kv.k[i], kv.v[i] = kernels.write_kv(kv.k[i], kv.v[i], k, v, self.meta)
         return kv.k[i], kv.v[i]
 
 

@@ -95,7 +95,7 @@ def test_attention_write_kv_then_read_back_matches_dense(rng):
     t = case.meta.num_tokens
     k_new = mx.array(rng.standard_normal((t, 2, 64)).astype(np.float32))
     v_new = mx.array(rng.standard_normal((t, 2, 64)).astype(np.float32))
-    kc, vc = kernels.write_kv(case.k_cache, case.v_cache, k_new, v_new, case.meta.slot_mapping)
+    kc, vc = kernels.write_kv(case.k_cache, case.v_cache, k_new, v_new, case.meta)
     cu = case.meta.cu_seqlens_q_np
     for i, (ql, sl) in enumerate(zip(qlens, slens)):
         case.k_dense[i][sl - ql:] = np.asarray(k_new[cu[i] : cu[i] + ql])
