@@ -47,6 +47,7 @@ import mlx.core as mx
 import numpy as np
 
 from engined.engine import Engine
+from engined.kernels import lora_term
 from engined.loaders import load_model
 from engined.lora.layers import install
 from shared.config import EngineConfig
@@ -208,8 +209,10 @@ def term_cost(shape: str, rank: int, repeats: int) -> None:
                   flush=True)
     hidden, kv = dims["hidden_size"], dims["hidden_size"] * dims["num_key_value_heads"] // dims["num_attention_heads"]
     print("\n| projections (in x outs) | rows | base matmuls apart (us) | joined base (us) | + terms apart (us) "
-          "| joined, + one term (us) | same, x·A folded into the base (us) | folded, term added to the whole (us) |")
-    print("|---|---|---|---|---|---|---|---|")
+          "| joined, + one term (us) | same, x·A folded into the base (us) | folded, term added to the whole (us) "
+          "| folded, term kernel (us) | kernel's largest error |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    cuda = mx.cuda.is_available()
     for outs in ((hidden, kv, kv), (dims["intermediate_size"],) * 2):
         width = len(outs) * rank  # the group's columns per slot (engined/lora/groups.py)
         ws = [mx.random.normal((o, hidden)).astype(dtype) * 0.02 for o in outs]
@@ -223,7 +226,7 @@ def term_cost(shape: str, rank: int, repeats: int) -> None:
         b_ext = mx.concatenate([b_cat, mx.zeros((b_cat.shape[0], a_cat.shape[1]), dtype)], axis=1)
         for rows in (8, 64, 512):
             x = mx.random.normal((rows, hidden)).astype(dtype)
-            _, mask = masks(rows)
+            slots, mask = masks(rows)
             group_mask = mx.repeat(mask[:, ::rank], width, axis=1)
             mx.eval(ws, w_cat, a_s, b_s, a_cat, b_cat, w_ext, b_ext, x, mask, group_mask)
 
@@ -235,6 +238,10 @@ def term_cost(shape: str, rank: int, repeats: int) -> None:
                 z = x @ w_ext.T
                 return mx.addmm(z, z[:, out:] * group_mask, b_ext)[:, :out]
 
+            def kernel():
+                z = x @ w_ext.T
+                return lora_term.add_term(z, z, out, b_ext, slots, width, out)
+
             runs = {
                 "base": lambda: [x @ w.T for w in ws],
                 "joined": lambda: x @ w_cat.T,
@@ -243,9 +250,20 @@ def term_cost(shape: str, rank: int, repeats: int) -> None:
                 "folded": folded,
                 "whole": whole,
             }
+            err = "-"
+            if cuda:  # the engine's form on CUDA (engined/kernels/lora_term.py), checked against MLX's
+                runs["kernel"] = kernel
+                # Checked with every fifth row on the base (slot 0: no term) among the adapters' rows.
+                on_base = mx.array(np.arange(rows) % 5 == 0)
+                z = x @ w_ext.T
+                want = mx.addmm(z, z[:, out:] * (group_mask * ~on_base[:, None]), b_ext)[:, :out]
+                got = lora_term.add_term(z, z, out, b_ext, mx.where(on_base, 0, slots).astype(mx.uint32), width, out)
+                want = want.astype(mx.float32)
+                err = f"{(mx.abs(got.astype(mx.float32) - want).max() / mx.abs(want).max()).item():.1e}"
             us = _alternate(runs, repeats)
             print(f"| {hidden} x {'+'.join(map(str, outs))} | {rows} | {us['base']:.0f} | {us['joined']:.0f} "
-                  f"| {us['apart']:.0f} | {us['group']:.0f} | {us['folded']:.0f} | {us['whole']:.0f} |", flush=True)
+                  f"| {us['apart']:.0f} | {us['group']:.0f} | {us['folded']:.0f} | {us['whole']:.0f} "
+                  f"| {us.get('kernel', float('nan')):.0f} | {err} |", flush=True)
 
 
 def make_prompts(n: int, vocab: int, seed: int, lengths: tuple[int, int]) -> list[list[int]]:

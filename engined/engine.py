@@ -72,8 +72,8 @@ class Engine:
                 "rejected draft tokens back", param="speculative_config",
             )
         # Adapter slots are made before the memory guard measures the weights, so it counts them.
-        self.lora = (LoraRegistry(loaded.model, config.max_loras, config.max_lora_rank, dtype, config.max_cpu_loras)
-                     if config.enable_lora else None)
+        self.lora = (LoraRegistry(loaded.model, config.max_loras, config.max_lora_rank, dtype, config.max_cpu_loras,
+                                  term_kernel=backend == "cuda") if config.enable_lora else None)
         self.runner = (pipeline.MirroredRunner(loaded.model, specs, kv, backend, config) if pipelined
                        else ModelRunner(loaded.model, specs, kv, backend, self.lora))
         kv = self.runner.kv  # on several ranks, the journal the other ranks replay

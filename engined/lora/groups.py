@@ -18,7 +18,10 @@ of ``z``: a slice of it as addmm's addend would be copied first (MLX's
 ``AddMM`` wants a row-contiguous addend), one kernel more. Separate
 projections took ``2 + 2n`` (7 for q/k/v with the A product already shared),
 and a decode step on a GPU is bound by the host's cost per operation
-(bench/lora_results.md).
+(bench/lora_results.md). Where attention runs on CUDA, a step of at most
+``lora_term.MAX_ROWS`` rows adds the term in one kernel instead of the mask
+and ``addmm`` (``engined/kernels/lora_term.py``: MLX's CUDA ``addmm`` asks
+cuBLASLt for an algorithm at every call), so a folded group is two launches.
 The price is B's zero blocks: ``n`` times the memory and arithmetic of the
 members' B products, which are rank-sized against the base's. A projection
 of an input of its own (o_proj, down_proj), or members that cannot be joined
@@ -35,6 +38,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
+from engined.kernels import lora_term
 from engined.linear_join import JoinedLinears, dims
 
 
@@ -81,10 +85,15 @@ class ProjectionGroup(JoinedLinears):
         (self.live[member].add if live else self.live[member].discard)(slot)
 
     def joined(self, x: mx.array) -> mx.array:
-        """The base projections plus each row's adapter term; a folded group's ``x·A`` columns follow
-        (``JoinedLinears.output`` cuts them off)."""
+        """The base projections plus each row's adapter term (``x`` is 2-D); a folded group's ``x·A`` columns
+        follow where MLX's operations add the term (``JoinedLinears.output`` cuts them off)."""
         y = self.base(x)
-        if self.step.slots is not None and any(self.live):
-            h = y[..., self.offsets[-1]:] if self.folded else mx.matmul(x.astype(self.a.dtype), self.a)
-            y = mx.addmm(y, h * self.step.mask(self.width, h.shape), self.b)
-        return y
+        step, out = self.step, self.offsets[-1]
+        if step.slots is None or not any(self.live):
+            return y
+        h = y if self.folded else mx.matmul(x.astype(self.a.dtype), self.a)
+        if step.term_kernel and y.shape[0] <= lora_term.MAX_ROWS and y.dtype == h.dtype == self.b.dtype:
+            return lora_term.add_term(y, h, out if self.folded else 0, self.b, step.slots, self.width, out)
+        if self.folded:
+            h = y[..., out:]
+        return mx.addmm(y, h * step.mask(self.width, h.shape), self.b)

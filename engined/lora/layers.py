@@ -38,11 +38,13 @@ from engined.model_layers import transformer_layers
 class LoraStep:
     """What the runner sets for one forward (``set``): ``slots``, each packed token's uint32 slot, None on a step
     with no adapter, and ``mask(width)``, ``[tokens, S * width]`` with ones on each token's own slot's
-    ``width`` columns. ``inputs`` are the layers' groups, whose held outputs a new step drops."""
+    ``width`` columns. ``inputs`` are the layers' groups, whose held outputs a new step drops. ``term_kernel``:
+    the groups add a decode step's terms with ``engined.kernels.lora_term`` (attention on CUDA)."""
 
-    def __init__(self, num_adapters: int, dtype: mx.Dtype):
+    def __init__(self, num_adapters: int, dtype: mx.Dtype, term_kernel: bool = False):
         self.num_adapters = num_adapters
         self.dtype = dtype
+        self.term_kernel = term_kernel
         self.slots: mx.array | None = None
         self.inputs: list[ProjectionGroup] = []
         self._host_slots = np.zeros(0, np.uint32)
@@ -219,7 +221,8 @@ _LINEARS = (nn.Linear, nn.QuantizedLinear)
 _SHARED = {"q_proj": "qkv", "k_proj": "qkv", "v_proj": "qkv", "gate_proj": "gate_up", "up_proj": "gate_up"}
 
 
-def install(model: nn.Module, num_adapters: int, rank: int, dtype: mx.Dtype, expert_dtype: mx.Dtype | None = None):
+def install(model: nn.Module, num_adapters: int, rank: int, dtype: mx.Dtype, expert_dtype: mx.Dtype | None = None,
+            term_kernel: bool = False):
     """Wrap every linear and SwitchGLU of the transformer layers for ``num_adapters`` resident adapters of rank
     up to ``rank``; returns the step and the targets. Slots are in ``dtype``, an expert layer's in
     ``expert_dtype`` (default ``dtype``: MLX's CPU ``gather_mm`` takes float32 only).
@@ -233,7 +236,7 @@ def install(model: nn.Module, num_adapters: int, rank: int, dtype: mx.Dtype, exp
     where ``fuse_linears`` can join them; every other linear is a group of its own. Linear-attention layers of hybrid
     models keep their own projections (their recurrent state is not adapted).
     """
-    step = LoraStep(num_adapters, dtype)
+    step = LoraStep(num_adapters, dtype, term_kernel)
     layers = transformer_layers(model)
     prefix = "model.layers" if getattr(getattr(model, "model", None), "layers", None) is layers else "layers"
     targets: dict[str, tuple[nn.Module, str | None]] = {}

@@ -59,13 +59,13 @@ def _stamp(path: str) -> tuple:
 
 class LoraRegistry:
     def __init__(self, model: nn.Module, max_loras: int, max_lora_rank: int, dtype: mx.Dtype,
-                 max_cpu_loras: int | None = None):
+                 max_cpu_loras: int | None = None, term_kernel: bool = False):
         self.max_loras = max_loras
         self.max_lora_rank = max_lora_rank
         self.max_cpu_loras = max(max_cpu_loras or max_loras, max_loras)
         # MLX's CPU gather_mm takes float32 only: a half-precision model's expert adapters run in float32 there.
         self.step, self.targets = layers.install(model, max_loras, max_lora_rank, dtype,
-                                                 mx.float32 if on_cpu() else dtype)
+                                                 mx.float32 if on_cpu() else dtype, term_kernel)
         self.adapters: dict[str, Adapter] = {}
         # name -> its weights in host memory, at most max_cpu_loras; most recently used last.
         self._host: OrderedDict[str, AdapterWeights] = OrderedDict()

@@ -1,0 +1,62 @@
+"""A LoRA group's term added to its base output in one CUDA kernel, for a decode step's few rows.
+
+A group's output is ``y + (h * mask) @ B`` (``engined/lora/groups.py``): ``h``
+every resident slot's ``x·A`` columns, ``mask`` each row's own slot's. Through
+MLX that is a multiply and an ``addmm``, and MLX's CUDA backend builds an
+``addmm``'s cuBLASLt descriptors and asks cuBLASLt's heuristic for an
+algorithm at every evaluation: a host cost that a decode step, bound by the
+host, pays once per group per layer (``bench/lora_results.md``). Here one
+thread per (row, output column) reads only its row's own slot's ``W``
+columns of ``h`` and rows of ``B``: no mask, no matmul library, one launch.
+
+Rows past ``MAX_ROWS`` (prefill chunks) keep MLX's operations: there the
+matrix units are worth the call's cost, and each row here reads its slot's
+``B`` (``W x OUT``) on its own.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+import mlx.core as mx
+
+MAX_ROWS = 128
+_THREADS = 256
+
+# Grid: x the output columns (one thread each), y the rows. ``h`` is read from column ``HOFF`` on, so that a
+# folded group passes its one base output as both ``y`` and ``h``.
+_SOURCE = r"""
+  const int j = blockIdx.x * blockDim.x + threadIdx.x;
+  const int t = blockIdx.y;
+  if (j >= OUT) return;
+  float acc = static_cast<float>(y[(size_t)t * LDY + j]);
+  const uint32_t s = slots[t];
+  if (s > 0) {
+    const int c0 = (int)(s - 1) * W;
+    const T* h_ = h + (size_t)t * LDH + HOFF + c0;
+    const T* b_ = b + (size_t)c0 * NB + j;
+#pragma unroll
+    for (int k = 0; k < W; ++k) acc += static_cast<float>(h_[k]) * static_cast<float>(b_[(size_t)k * NB]);
+  }
+  out[(size_t)t * OUT + j] = static_cast<T>(acc);
+"""
+
+
+@lru_cache(maxsize=None)
+def _kernel():
+    return mx.fast.cuda_kernel(name="mlxd_lora_term", input_names=["y", "h", "b", "slots"], output_names=["out"],
+                               source=_SOURCE)
+
+
+def add_term(y: mx.array, h: mx.array, h_offset: int, b: mx.array, slots: mx.array, width: int, out: int
+             ) -> mx.array:
+    """``[rows, out]``: ``y[:, :out]`` plus each row's own slot's term, ``h[:, h_offset + (s-1)*width :][:width]
+    @ b[(s-1)*width :][:width, :out]`` for slot ``s`` (none for slot 0, the base). ``y`` and ``h`` are 2-D and
+    row-contiguous (they may be one array), ``slots`` uint32 ``[rows]``."""
+    rows = y.shape[0]
+    return _kernel()(
+        inputs=[y, h, b, slots],
+        template=[("T", y.dtype), ("W", width), ("OUT", out), ("LDY", y.shape[1]), ("LDH", h.shape[1]),
+                  ("HOFF", h_offset), ("NB", b.shape[1])],
+        grid=(-(-out // _THREADS) * _THREADS, rows, 1), threadgroup=(_THREADS, 1, 1),
+        output_shapes=[(rows, out)], output_dtypes=[y.dtype])[0]
