@@ -321,8 +321,10 @@ def main() -> None:
                     print(f"c={level}: {name} failed: {type(e).__name__}: {e}", flush=True)
                     del systems[name]
             times = {name: [] for name in systems}
-            for _ in range(args.repeats):  # alternating, so that background load falls on all alike
-                for name, run in systems.items():
+            order = list(systems)
+            for i in range(args.repeats):  # alternating, so that background load falls on all alike,
+                for name in order[i % len(order):] + order[:i % len(order)]:  # each system first in turn
+                    run = systems[name]
                     start = time.perf_counter()
                     run()
                     times[name].append(time.perf_counter() - start)
