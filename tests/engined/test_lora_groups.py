@@ -81,3 +81,42 @@ def test_a_projection_called_on_another_input_gets_its_own_product(setups):
         want = np.array(getattr(base, name)(x)) + np.array(x) @ a @ b
         # A group's outputs are [tokens, out] whatever the input's leading axes (linear_join.JoinedLinears).
         np.testing.assert_allclose(np.array(out), want.reshape(3, -1), rtol=1e-4, atol=1e-4, err_msg=name)
+
+
+def _term_by_rows(y, h, h_offset, b, slots, width, out):
+    """``engined.kernels.lora_term.add_term``'s contract, row by row in MLX (the kernel itself needs CUDA)."""
+    rows = []
+    for t, s in enumerate(np.array(slots).tolist()):
+        row = y[t, :out]
+        if s:
+            c0 = h_offset + (s - 1) * width
+            row = row + h[t, c0:c0 + width] @ b[(s - 1) * width:s * width, :out]
+        rows.append(row)
+    return mx.stack(rows)
+
+
+@pytest.mark.parametrize("weights", ["float32", "4-bit"])
+def test_the_term_kernels_arguments_give_the_masked_terms_logits(setups, tmp_path, monkeypatch, weights):
+    """Where attention runs on CUDA a decode step's groups hand their term to ``lora_term.add_term``: with that
+    contract computed row by row, one mixed step (A, the base, B) has the logits of MLX's mask and addmm, for
+    a folded group (x·A in the base output, read from its last columns) and a quantized one (x·A apart).
+    ``python -m bench.lora --term`` checks the kernel against the same operations on a GPU."""
+    from engined.kernels import lora_term
+
+    engine = _llama_engine(setups, tmp_path, None, weights)
+    prompts = {"A": [3, 4, 5, 6], None: [7, 8, 9], "B": [10, 11]}
+    for i, (lora, prompt) in enumerate(prompts.items()):
+        engine.add_request(f"r{i}", prompt, SamplingParams(max_tokens=1), lora_name=lora)
+    batch = engine.scheduler.schedule()
+    want = engine.runner.run(batch)
+    calls = []
+
+    def term(*args):
+        calls.append(args[-1])
+        return _term_by_rows(*args)
+
+    monkeypatch.setattr(lora_term, "add_term", term)
+    engine.lora.step.term_kernel = True
+    got = engine.runner.run(batch)
+    assert len(calls) == 4 * len(engine.runner.model.layers)  # q/k/v, o, gate/up and down of every layer
+    np.testing.assert_allclose(np.array(got), np.array(want), rtol=1e-4, atol=1e-4)
