@@ -1,5 +1,6 @@
 """Compile the CUDA kernels with a local nvcc, as MLX would wrap them: paged attention (every
-dialect configuration) and the gated delta rule (``engined.kernels.gated_delta``).
+dialect configuration), the gated delta rule (``engined.kernels.gated_delta``) and the LoRA term
+(``engined.kernels.lora_term``).
 
 No GPU needed: it catches syntax and type errors before device time is spent.
 Usage: python bench/kernels/nvcc_check.py [--arch sm_90]
@@ -15,7 +16,7 @@ import tempfile
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 
-from engined.kernels import gated_delta, gpu, gpu_geometry, source  # noqa: E402
+from engined.kernels import gated_delta, gpu, gpu_geometry, lora_term, source  # noqa: E402
 
 SIZES = {"float32": 4, "float16": 2, "bfloat16": 2}
 CUDA_TYPES = {"float32": "float", "float16": "__half", "bfloat16": "__nv_bfloat16", "int32": "int32_t",
@@ -58,8 +59,13 @@ def compile_one(tag: str, text: str, arch: str) -> bool:
 
 
 def other_kernels(arch: str) -> bool:
-    """The gated delta rule, in bf16 and float32."""
+    """The gated delta rule, in bf16 and float32; the LoRA term of a folded q/k/v group (Llama-8B's shape)."""
     ok = True
+    for dt in ("bfloat16", "float16", "float32"):
+        text = wrap("lora_term", "", lora_term._SOURCE, [("y", dt), ("h", dt), ("b", dt), ("slots", "uint32")],
+                    [("out", dt)], [("T", dt), ("W", 48), ("OUT", 6144), ("LDY", 6336), ("LDH", 6336),
+                                    ("HOFF", 6144), ("NB", 6336)])
+        ok &= compile_one(f"lora term {dt}", text, arch)
     for dt in ("bfloat16", "float32"):
         for mask in (False, True):
             for vec in (False, True):
