@@ -4,7 +4,7 @@
 # its CUDA backend must be importable. Logs go to $OUT (default bench/results/gpu_suite); a benchmark's
 # rows are written as they come, so a cut run keeps what it measured.
 #   bash bench/gpu_suite.sh [mtp pipeline lora probe serving hoststep]   (default: all, in that order;
-#   also: gdn hybrid_probe mtp_c16 pipeline_dtype serving_c1 ttft_http, follow-ups not in the default)
+#   also: gdn hybrid_probe mtp_c16 pipeline_dtype serving_c1 ttft_http skinny, follow-ups not in the default)
 # The order: the runs whose result alone completes an issue (#21's curve, #23's scaling: no target to
 # reach) before those measured against a target (#22's 0.8x, #26's ratios), so a short lease closes most.
 # BUDGET_S (default 1140) is the whole run's limit; a step gets what is left, up to its own cap.
@@ -68,9 +68,11 @@ for what in ${@:-mtp pipeline lora probe serving hoststep}; do
     ttft_http)  # issue 26: TTFT under Poisson arrivals over HTTP, mlxd serve against mlx_lm.server
       step ttft_http 480 python3 -m bench.gpu_ttft --model qwen3-8b --dtype bf16 --dir /tmp/ckpt-qwen3-8b \
         --rate 2 --num-prompts 48 --out "$OUT" ;;
+    skinny)  # issue 26: a few-row GEMM of our own against cuBLASLt's host cost per matmul (c = 16's steps)
+      step skinny 150 python3 bench/kernels/skinny_gemm.py --rows 2 8 16 --npw 4 8 ;;
     hoststep)  # issue 26: the host part of a step with the real kernels
       step host_step 120 python3 -m bench.host_step --concurrency 1,16,64 --async ;;
-    *) echo "unknown: $what (mtp pipeline lora probe serving hoststep gdn hybrid_probe mtp_c16 pipeline_dtype serving_c1 ttft_http)"; exit 2 ;;
+    *) echo "unknown: $what (mtp pipeline lora probe serving hoststep gdn hybrid_probe mtp_c16 pipeline_dtype serving_c1 ttft_http skinny)"; exit 2 ;;
   esac
 done
 echo "== done in $(( $(date +%s) - T0 ))s; logs in $OUT"
