@@ -101,7 +101,8 @@ class AttentionMetadata:
 def write_kv(
     k_cache: mx.array, v_cache: mx.array, k: mx.array, v: mx.array, meta: AttentionMetadata
 ) -> tuple[mx.array, mx.array]:
-    """Scatter new rows ``k, v [T, H_kv, D]`` into the caches at ``meta.slot_mapping``; returns the new caches.
+    """Scatter new rows ``k, v [T, H_kv, D]`` into the caches at ``meta.slot_mapping``; returns the new caches,
+    which are also what ``k_cache`` and ``v_cache`` now hold (MLX's indexed assignment replaces them).
 
     Indexed by (block, offset in it), split once per step for every layer: scattering into the flattened
     cache would cost each layer four reshapes more, on a step bound by the host's cost per operation.

@@ -96,4 +96,4 @@ class ProjectionGroup(JoinedLinears):
             return lora_term.add_term(y, h, out if self.folded else 0, self.b, step.slots, self.width, out)
         if self.folded:
             h = y[..., out:]
-        return mx.addmm(y, h * step.mask(self.width, h.shape), self.b)
+        return mx.addmm(y, h * step.mask(self.width), self.b)

@@ -57,14 +57,12 @@ class LoraStep:
         self._host_slots = slots
         self.slots = mx.array(slots) if slots.any() else None
 
-    def mask(self, width: int, shape: tuple[int, ...]) -> mx.array:
-        """Ones where each token's own slot's ``width`` columns are (slot 1's first; the base has none), in
-        ``shape`` (the packed ``[1, tokens, S * width]``): made in the shape it is used in, once a step, so that
-        no group adds a broadcast or a reshape of its own."""
+    def mask(self, width: int) -> mx.array:
+        """Ones where each token's own slot's ``width`` columns are (slot 1's first; the base has none), in the
+        groups' 2-D ``[tokens, S * width]``: no group adds a broadcast or a reshape of its own."""
         if width not in self._masks:
             columns = np.repeat(np.arange(1, self.num_adapters + 1, dtype=np.uint32), width)
-            ones = self._host_slots[:, None] == columns[None, :]
-            self._masks[width] = mx.array(ones.reshape(shape)).astype(self.dtype)
+            self._masks[width] = mx.array(self._host_slots[:, None] == columns[None, :]).astype(self.dtype)
         return self._masks[width]
 
 
