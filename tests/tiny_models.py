@@ -37,6 +37,32 @@ def fresh_seed(label: str = "rng") -> int:
 def seeded_rng(seed: int | None = None) -> np.random.Generator:
     """A numpy generator on ``seed``, or on a fresh printed one (``fresh_seed``)."""
     return np.random.default_rng(fresh_seed() if seed is None else seed)
+
+
+# Packed steps of different shapes sum in different orders: float32 logits may differ in the last bits.
+TIE = 1e-4
+
+
+def assert_greedy_equal_up_to_ties(model, prompts: list[list[int]], got: list[list[int]],
+                                   expected: list[list[int]]) -> None:
+    """Each of ``got`` is ``expected``, or first parts from it where ``model``'s own forward over the
+    shared prefix puts both tokens within ``TIE`` (relative to the largest logit) of its greedy choice;
+    what follows a tie is the other branch's and is not compared."""
+    import mlx.core as mx
+
+    for i, (prompt, g, e) in enumerate(zip(prompts, got, expected)):
+        j = next((j for j, (a, b) in enumerate(zip(g, e)) if a != b), None)
+        if j is None:
+            assert len(g) == len(e), (i, g, e)
+            continue
+        logits = np.asarray(model(mx.array([prompt + e[:j]]))[0, -1].astype(mx.float32))
+        top, margin = logits.max(), TIE * max(1.0, float(np.abs(logits).max()))
+        assert top - logits[g[j]] <= margin and top - logits[e[j]] <= margin, (
+            f"request {i} leaves the greedy path at token {j}: {g[j]} for {e[j]}, logits "
+            f"{logits[g[j]]:.6f} and {logits[e[j]]:.6f}, the best {top:.6f}")
+        print(f"request {i}: a tie at token {j} ({g[j]}, {e[j]}: {logits[g[j]]:.7f}, {logits[e[j]]:.7f})")
+
+
 QTYPES = ("F32", "F16", "Q8_0", "Q4_0", "Q4_1")
 
 _BASE = {
