@@ -168,9 +168,12 @@ class Sampler:
 
     @staticmethod
     def _limits(reqs: list[Request], top_k: list[int], v: int) -> tuple[mx.array, mx.array, mx.array]:
-        """Per-row (top_k with 0 as the whole row, top_p, min_p) as ``[S, 1]`` columns."""
+        """Per-row (top_k with 0 as the whole row, top_p with 1 as no limit, min_p) as ``[S, 1]`` columns.
+
+        A top_p of 1 is infinite here: a float32 cumulative sum of a peaked row reaches 1.0 before its
+        tail, and ``before < 1.0`` would then drop tokens that top_p 1 keeps."""
         return (mx.array([k or v for k in top_k])[:, None],
-                mx.array([r.params.top_p for r in reqs], dtype=mx.float32)[:, None],
+                mx.array([r.params.top_p if r.params.top_p < 1.0 else np.inf for r in reqs], dtype=mx.float32)[:, None],
                 mx.array([r.params.min_p for r in reqs], dtype=mx.float32)[:, None])
 
     def _penalize(self, logits: mx.array, reqs: list[Request]) -> mx.array:

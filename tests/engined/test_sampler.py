@@ -28,7 +28,8 @@ def _oracle_truncate(logits: np.ndarray, top_k: int, top_p: float, min_p: float)
     keep = np.ones(len(logits), bool)
     if top_k > 0:
         keep &= np.arange(len(logits)) < top_k
-    keep &= before < top_p
+    if top_p < 1.0:  # 1: no limit, whatever the float sums reach
+        keep &= before < top_p
     keep &= probs >= min_p * probs[0]
     kept = np.zeros(len(logits), bool)
     kept[order[keep]] = True
