@@ -15,6 +15,12 @@ therefore not in these numbers; everything in Python above it is. On a CUDA
 machine the real kernels run.
 ``--backend reference`` measures the pure-MLX route instead.
 
+``--lora`` measures each level twice, the second time on an engine with
+four random rank-16 adapters of every projection (``--max-loras 4``), the
+requests spread over them round-robin, and prints the ratio: the host time
+that LoRA's groups add to a step. The CUDA route's term kernel
+(``engined.kernels.lora_term``) is a stand-in there too.
+
 Per step it reports the host time (the step's wall time less the time spent
 waiting for the device's tokens) and, in a second pass with timers around the
 stages, where it goes: schedule, inputs and metadata, per-layer graph building
@@ -57,7 +63,19 @@ def _stand_in_kernels():
     return kernels
 
 
-def build_engine(c: int, prompt_len: int, max_tokens: int, backend: str, async_scheduling: bool, seed: int):
+def _stand_in_term_kernel():
+    """``engined.kernels.lora_term._kernel`` for a machine without CUDA: the base output's first columns,
+    a view of the launch's output shape. Lazy zeros would free the graph of the base's matmul too."""
+
+    def launch(inputs, output_shapes, **_):
+        (rows, out), = output_shapes
+        return [inputs[0][:rows, :out]]
+
+    return launch
+
+
+def build_engine(c: int, prompt_len: int, max_tokens: int, backend: str, async_scheduling: bool, seed: int,
+                 adapters: list[Path] | None = None):
     import mlx.core as mx
     from mlx_lm.utils import _get_classes
 
@@ -66,9 +84,10 @@ def build_engine(c: int, prompt_len: int, max_tokens: int, backend: str, async_s
     from shared.config import EngineConfig
 
     if backend == "cuda" and not mx.cuda.is_available():
-        from engined.kernels import gpu
+        from engined.kernels import gpu, lora_term
 
         gpu._kernels = _stand_in_kernels()
+        lora_term._kernel = _stand_in_term_kernel
     model_cls, args_cls = _get_classes(SHAPE)
     mx.random.seed(seed)
     model = model_cls(args_cls.from_dict(SHAPE))
@@ -82,8 +101,23 @@ def build_engine(c: int, prompt_len: int, max_tokens: int, backend: str, async_s
     # A small model length keeps the memory guard's warm-up prefill (one request that long) cheap on the CPU.
     cfg = EngineConfig(max_num_seqs=c, max_num_batched_tokens=2048, num_kv_blocks=blocks,
                        max_model_len=prompt_len + max_tokens + 16,
-                       attention_backend=backend, async_scheduling=async_scheduling)
+                       attention_backend=backend, async_scheduling=async_scheduling,
+                       **(dict(enable_lora=True, max_loras=len(adapters), max_lora_rank=LORA_RANK,
+                               lora_modules=[f"a{k}={d}" for k, d in enumerate(adapters)]) if adapters else {}))
     return Engine(cfg, loaded=loaded)
+
+
+LORA_RANK = 16
+
+
+def write_adapters(root: Path, seed: int) -> list[Path]:
+    """Four random mlx_lm-format adapters of every projection of ``SHAPE``'s layers (bench.lora's)."""
+    from mlx_lm.utils import _get_classes
+
+    from bench.lora import write_adapters as write
+
+    model_cls, args_cls = _get_classes(SHAPE)
+    return write(model_cls(args_cls.from_dict(SHAPE)), root, LORA_RANK, seed=seed)
 
 
 class Timers:
@@ -151,57 +185,74 @@ def instrument(engine, t: Timers) -> None:
     t.wrap(type(layers[0]), "__call__", "layers")
     t.wrap(type(layers[0].self_attn), "__call__", "attention")
     t.wrap(LaunchedStep, "sample", "sample+launch")
+    if engine.lora is not None:
+        from engined.lora.groups import ProjectionGroup
+        from engined.lora.layers import LoraStep
+
+        t.wrap(ProjectionGroup, "joined", "lora groups")  # inside the layers' (and attention's) stage
+        t.wrap(LoraStep, "set", "lora set")
 
 
 def measure(args) -> dict:
+    """Each level's result, keyed by its concurrency ("64"; on the adapters "64 lora")."""
+    out = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        adapters = write_adapters(Path(tmp), args.seed) if args.lora else []
+        for c in map(int, args.concurrency.split(",")):
+            for lora in ([False, True] if adapters else [False]):
+                out[f"{c} lora" if lora else str(c)] = measure_level(args, c, adapters if lora else None)
+    return out
+
+
+def measure_level(args, c: int, adapters: list[Path] | None) -> dict:
+    """One engine's steps at ``c`` requests (on ``adapters``, round-robin, when given)."""
     import mlx.core as mx
     import numpy as np
 
     from shared.protocol import SamplingParams
 
-    out = {}
-    for c in map(int, args.concurrency.split(",")):
-        # The pool holds just what the run needs: on the CPU each K/V write copies its layer's pool.
-        max_tokens = args.warmup + 2 * args.steps + 4
-        engine = build_engine(c, args.prompt_len, max_tokens, args.backend, args.async_scheduling, args.seed)
-        rng = np.random.default_rng(args.seed)
-        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-        for i in range(c):
-            engine.add_request(f"r{i}", rng.integers(0, SHAPE["vocab_size"], args.prompt_len).tolist(), params)
-        while any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.requests.values()):
-            engine.step()
-        for _ in range(args.warmup):
-            engine.step()
+    # The pool holds just what the run needs: on the CPU each K/V write copies its layer's pool.
+    max_tokens = args.warmup + 2 * args.steps + 4
+    engine = build_engine(c, args.prompt_len, max_tokens, args.backend, args.async_scheduling, args.seed, adapters)
+    rng = np.random.default_rng(args.seed)
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    for i in range(c):
+        engine.add_request(f"r{i}", rng.integers(0, SHAPE["vocab_size"], args.prompt_len).tolist(), params,
+                           lora_name=f"a{i % len(adapters)}" if adapters else None)
+    while any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.requests.values()):
+        engine.step()
+    for _ in range(args.warmup):
+        engine.step()
 
-        def timed_steps(n, timers):
-            t0 = time.perf_counter()
-            for _ in range(n):
-                engine.step()
-            wall = time.perf_counter() - t0
-            timers.remove()
-            return wall
-
-        n, layers = args.steps, SHAPE["num_hidden_layers"]
-        base = Timers()
-        host_stages(engine, base)
-        wall = timed_steps(n, base)
-        timers = Timers()
-        host_stages(engine, timers)
-        instrument(engine, timers)
-        timed_steps(n, timers)
-        stages = {k: 1e3 * v / n for k, v in timers.s.items()}
-        out[c] = dict(
-            host_ms=1e3 * host_s(base.s) / n, wall_ms=1e3 * wall / n, launch_ms=1e3 * base.s["launch"] / n,
-            instrumented_host_ms=1e3 * host_s(timers.s) / n,
-            stages_ms={k: round(v, 3) for k, v in stages.items()},
-            layer_us=1e3 * stages["layers"] / layers, attention_us=1e3 * stages["attention"] / layers,
-        )
-        engine.abort(list(engine.requests))
-        while engine.has_unfinished():
+    def timed_steps(n, timers):
+        t0 = time.perf_counter()
+        for _ in range(n):
             engine.step()
-        del engine
-        mx.clear_cache()
-    return out
+        wall = time.perf_counter() - t0
+        timers.remove()
+        return wall
+
+    n, layers = args.steps, SHAPE["num_hidden_layers"]
+    base = Timers()
+    host_stages(engine, base)
+    wall = timed_steps(n, base)
+    timers = Timers()
+    host_stages(engine, timers)
+    instrument(engine, timers)
+    timed_steps(n, timers)
+    stages = {k: 1e3 * v / n for k, v in timers.s.items()}
+    result = dict(
+        host_ms=1e3 * host_s(base.s) / n, wall_ms=1e3 * wall / n, launch_ms=1e3 * base.s["launch"] / n,
+        instrumented_host_ms=1e3 * host_s(timers.s) / n,
+        stages_ms={k: round(v, 3) for k, v in stages.items()},
+        layer_us=1e3 * stages["layers"] / layers, attention_us=1e3 * stages["attention"] / layers,
+    )
+    engine.abort(list(engine.requests))
+    while engine.has_unfinished():
+        engine.step()
+    del engine
+    mx.clear_cache()
+    return result
 
 
 def compare(args) -> None:
@@ -261,6 +312,7 @@ def main() -> None:
                    help="asynchronous steps, as on a GPU (default: synchronous, so that the CPU's device "
                         "work never runs while the host builds)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--lora", action="store_true", help="each level again on 4 adapters (rank 16, every projection)")
     p.add_argument("--json", action="store_true", help="one JSON line (what --compare reads)")
     p.add_argument("--compare", metavar="REV", help="also run git revision REV's code, alternating")
     p.add_argument("--rounds", type=int, default=3)
@@ -278,6 +330,10 @@ def main() -> None:
               f"{r['instrumented_host_ms']:.2f} "
               f"with timers), decoder layer {r['layer_us']:.1f} us, attention {r['attention_us']:.1f} us")
         print("   stages ms/step: " + ", ".join(f"{k} {v:.2f}" for k, v in r["stages_ms"].items()))
+        if c.endswith(" lora"):
+            plain = res[c.split()[0]]
+            print(f"   4 adapters against the base: host {r['host_ms'] / plain['host_ms']:.2f}x, "
+                  f"decoder layer {r['layer_us'] / plain['layer_us']:.2f}x")
 
 
 if __name__ == "__main__":
