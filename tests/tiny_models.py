@@ -7,6 +7,8 @@ a llama.cpp GGUF file the way llama.cpp's converter would (tensor names, Q/K
 row permutation for llama, F32 norms, 2-D weights in ``qtype``);
 ``gguf_roundtrip_weights`` gives the weights as they come back out of that
 quantization, for parity checks. Everything is deterministic in ``seed``.
+``seeded_rng`` prints the seeds of random tests; ``assert_greedy_equal_up_to_ties`` compares
+greedy outputs of differently packed steps.
 """
 
 from __future__ import annotations
