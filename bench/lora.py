@@ -12,7 +12,8 @@ same prompts, greedy, every request ``--max-tokens`` long. Three systems:
   (what enabling LoRA costs requests that use none).
 
 Each level runs each system once as warm-up, then ``--repeats`` times,
-alternating; reports generated tokens/s (median) and the ratio to ``base``.
+alternating; reports generated tokens/s (median) and the ratio to ``base``,
+and the whole runs' milliseconds a step (engine steps, prefill included).
 Then one decode step of ``c`` rows (every prefill done) is forwarded
 ``--step-repeats`` times with its rows' adapters and as many times with
 every row on the base, alternating step by step: the LoRA term's own cost,
@@ -285,12 +286,15 @@ def main() -> None:
     ap.add_argument("--targets", nargs="+", default=None, metavar="NAME",
                     help="adapt only the projections so named (PEFT's common: q_proj v_proj); default all")
     ap.add_argument("--term", action="store_true", help="time one projection's LoRA term only (of --shape)")
+    ap.add_argument("--no-async", action="store_true",
+                    help="engines without asynchronous scheduling (a step's host and device time add up)")
     args = ap.parse_args()
     if args.term:
         return term_cost(args.shape or "llama-8b", args.rank, args.step_repeats)
 
     top = max(args.levels)
     common = dict(max_num_seqs=top, max_num_batched_tokens=2048, enable_prefix_caching=False,
+                  async_scheduling=False if args.no_async else None,
                   num_kv_blocks=top * (args.prompt_lens[1] + args.max_tokens) // 16 + 2 * top)
     make = random_model_maker(args.shape) if args.shape else (lambda: load_model(args.model))
     with tempfile.TemporaryDirectory() as tmp:
@@ -307,33 +311,33 @@ def main() -> None:
         for level in args.levels:
             prompts = make_prompts(level, base.info.vocab_size, level, tuple(args.prompt_lens))
             spread = [f"a{i % NUM_ADAPTERS}" for i in range(level)]
-            systems = {
-                "base": lambda: base.generate(prompts, params),
-                "4 adapters": lambda: lora.generate(prompts, params, spread),
-                "lora on, base requests": lambda: lora.generate(prompts, params),
-            }
+            systems = {"base": (base, None), "4 adapters": (lora, spread), "lora on, base requests": (lora, None)}
             if not args.repeats:  # the step measurement alone
                 systems = {}
-            for name, run in list(systems.items()):
+            for name, (engine, loras) in list(systems.items()):
                 try:
-                    run()  # warm-up
+                    engine.generate(prompts, params, loras)  # warm-up
                 except Exception as e:  # report what broke and keep the others' numbers
                     print(f"c={level}: {name} failed: {type(e).__name__}: {e}", flush=True)
                     del systems[name]
             times = {name: [] for name in systems}
+            per_step = {name: [] for name in systems}
             order = list(systems)
             for i in range(args.repeats):  # alternating, so that background load falls on all alike,
                 for name in order[i % len(order):] + order[:i % len(order)]:  # each system first in turn
-                    run = systems[name]
-                    start = time.perf_counter()
-                    run()
+                    engine, loras = systems[name]
+                    before, start = engine.num_steps, time.perf_counter()
+                    engine.generate(prompts, params, loras)
                     times[name].append(time.perf_counter() - start)
+                    per_step[name].append(times[name][-1] / max(1, engine.num_steps - before))
             tokens = level * args.max_tokens
             rate = {name: tokens / statistics.median(t) for name, t in times.items()}
             if "base" in rate:
                 rows.append((level, rate))
                 print(f"c={level}: " + "   ".join(f"{n} {r:.1f} tok/s ({r / rate['base']:.2f}x)"
                                                  for n, r in rate.items()), flush=True)
+                print(f"c={level}: whole runs' ms a step (median): " + "   ".join(
+                    f"{n} {statistics.median(t) * 1e3:.2f}" for n, t in per_step.items()), flush=True)
             if args.step_repeats:
                 t = step_cost(lora, prompts, spread, args.step_repeats)
                 steps.append((level, t))

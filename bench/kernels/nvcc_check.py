@@ -1,6 +1,7 @@
 """Compile the CUDA kernels with a local nvcc, as MLX would wrap them: paged attention (every
 dialect configuration), the gated delta rule (``engined.kernels.gated_delta``), the LoRA term
-(``engined.kernels.lora_term``) and the few-row GEMM of ``bench/kernels/skinny_gemm.py``.
+(``engined.kernels.lora_term``) and the few-row GEMMs of ``bench/kernels/skinny_gemm.py`` and
+``bench/kernels/lora_gemm_check.py``.
 
 No GPU needed: it catches syntax and type errors before device time is spent.
 Usage: python bench/kernels/nvcc_check.py [--arch sm_90]
@@ -27,11 +28,14 @@ def wrap(name, header, body, inputs, outputs, template):
     """Mirror of the signature MLX generates for mx.fast.cuda_kernel (inputs const, outputs mutable)."""
     lines = [
         "#include <cuda_bf16.h>", "#include <cuda_fp16.h>", "#include <cstdint>",
-        "#include <cooperative_groups.h>", header,
+        "#include <cooperative_groups.h>", "#include <cuda/std/array>",
+        "using Shape = cuda::std::array<int32_t, 10>;", header,
         "namespace mlx::core::cu {", "namespace cg = cooperative_groups;",
         f"__global__ void {name}(",
     ]
-    params = [f"    const {CUDA_TYPES[t]}* {n}" for n, t in inputs]
+    # An input named ``*_shape`` is the shape MLX passes by value after its array where the source reads it.
+    params = [f"    const __grid_constant__ Shape {n}" if n.endswith("_shape") else f"    const {CUDA_TYPES[t]}* {n}"
+              for n, t in inputs]
     params += [f"    {CUDA_TYPES[t]}* {n}" for n, t in outputs]
     lines.append(",\n".join(params) + ") {")
     for k, v in template:
@@ -62,12 +66,25 @@ def other_kernels(arch: str) -> bool:
     """The gated delta rule, in bf16 and float32; the LoRA term of a folded q/k/v group (Llama-8B's shape)."""
     ok = True
     for dt in ("bfloat16", "float16", "float32"):
-        text = wrap("lora_term", "", lora_term._SOURCE, [("y", dt), ("h", dt), ("b", dt), ("slots", "uint32")],
-                    [("out", dt)], [("T", dt), ("W", 48), ("OUT", 6144), ("LDY", 6336), ("LDH", 6336),
-                                    ("HOFF", 6144), ("NB", 6336)])
+        text = wrap("lora_term", "", lora_term._SOURCE,
+                    [("y", dt), ("y_shape", None), ("h", dt), ("h_shape", None), ("b", dt), ("b_shape", None),
+                     ("slots", "uint32")], [("out", dt)], [("T", dt), ("W", 48), ("OUT", 6144), ("HOFF", 6144)])
         ok &= compile_one(f"lora term {dt}", text, arch)
     sys.path.insert(0, os.path.dirname(__file__))
-    import skinny_gemm  # noqa: E402 (bench/kernels/skinny_gemm.py, a script beside this one)
+    import lora_gemm_check  # noqa: E402 (scripts beside this one)
+    import skinny_gemm  # noqa: E402
+
+    for dt in ("bfloat16", "float16"):
+        for mp, npw, members, rank in ((2, 8, (4096, 1024, 1024), 16), (8, 8, (14336, 14336), 16),
+                                       (16, 4, (4096,), 64), (4, 8, (4096,), 8)):
+            offsets = [sum(members[:i]) for i in range(len(members) + 1)]
+            bounds = (offsets[1:-1] + [offsets[-1]] * 2)[:2]
+            text = wrap("lora_gemm", "", lora_gemm_check.GEMM_SOURCE,
+                        [("x", dt), ("x_shape", None), ("w", dt), ("b", dt), ("slots", "uint32")], [("out", dt)],
+                        [("T", dt), ("MP", mp), ("K", 4096), ("N", offsets[-1]), ("WD", len(members) * rank),
+                         ("R", rank), ("NPW", npw), ("WARPS", 8), ("OFF1", bounds[0]), ("OFF2", bounds[1]),
+                         ("LDB", offsets[-1] + 4 * len(members) * rank)])
+            ok &= compile_one(f"lora gemm {dt} MP={mp} NPW={npw} members={len(members)} R={rank}", text, arch)
 
     for m, npw in ((2, 8), (16, 4), (16, 8)):
         text = wrap("skinny_gemm", "", skinny_gemm.SOURCE, [("x", "bfloat16"), ("w", "bfloat16")], [("out", "bfloat16")],

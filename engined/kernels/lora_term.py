@@ -24,19 +24,21 @@ MAX_ROWS = 128
 _THREADS = 256
 
 # Grid: x the output columns (one thread each), y the rows. ``h`` is read from column ``HOFF`` on, so that a
-# folded group passes its one base output as both ``y`` and ``h``.
+# folded group passes its one base output as both ``y`` and ``h``. The leading dimensions are the arrays'
+# shapes, passed at launch: each template argument is text MLX formats into the kernel's source at every call.
 _SOURCE = r"""
   const int j = blockIdx.x * blockDim.x + threadIdx.x;
   const int t = blockIdx.y;
   if (j >= OUT) return;
-  float acc = static_cast<float>(y[(size_t)t * LDY + j]);
+  const int ldy = y_shape[1], ldh = h_shape[1], nb = b_shape[1];
+  float acc = static_cast<float>(y[(size_t)t * ldy + j]);
   const uint32_t s = slots[t];
   if (s > 0) {
     const int c0 = (int)(s - 1) * W;
-    const T* h_ = h + (size_t)t * LDH + HOFF + c0;
-    const T* b_ = b + (size_t)c0 * NB + j;
+    const T* h_ = h + (size_t)t * ldh + HOFF + c0;
+    const T* b_ = b + (size_t)c0 * nb + j;
 #pragma unroll
-    for (int k = 0; k < W; ++k) acc += static_cast<float>(h_[k]) * static_cast<float>(b_[(size_t)k * NB]);
+    for (int k = 0; k < W; ++k) acc += static_cast<float>(h_[k]) * static_cast<float>(b_[(size_t)k * nb]);
   }
   out[(size_t)t * OUT + j] = static_cast<T>(acc);
 """
@@ -54,9 +56,12 @@ def add_term(y: mx.array, h: mx.array, h_offset: int, b: mx.array, slots: mx.arr
     @ b[(s-1)*width :][:width, :out]`` for slot ``s`` (none for slot 0, the base). ``y`` and ``h`` are 2-D and
     row-contiguous (they may be one array), ``slots`` uint32 ``[rows]``."""
     rows = y.shape[0]
-    return _kernel()(
-        inputs=[y, h, b, slots],
-        template=[("T", y.dtype), ("W", width), ("OUT", out), ("LDY", y.shape[1]), ("LDH", h.shape[1]),
-                  ("HOFF", h_offset), ("NB", b.shape[1])],
-        grid=(-(-out // _THREADS) * _THREADS, rows, 1), threadgroup=(_THREADS, 1, 1),
-        output_shapes=[(rows, out)], output_dtypes=[y.dtype])[0]
+    return _kernel()(inputs=[y, h, b, slots], template=_template(y.dtype, width, out, h_offset),
+                     grid=(-(-out // _THREADS) * _THREADS, rows, 1), threadgroup=(_THREADS, 1, 1),
+                     output_shapes=[(rows, out)], output_dtypes=[y.dtype])[0]
+
+
+@lru_cache(maxsize=None)
+def _template(dtype: mx.Dtype, width: int, out: int, h_offset: int) -> list:
+    """A group's template arguments, the same at every call: built once (a step makes ~128 calls)."""
+    return [("T", dtype), ("W", width), ("OUT", out), ("HOFF", h_offset)]
