@@ -13,7 +13,8 @@ same prompts, greedy, every request ``--max-tokens`` long. Three systems:
 
 Each level runs each system once as warm-up, then ``--repeats`` times,
 alternating; reports generated tokens/s (median) and the ratio to ``base``,
-and the whole runs' milliseconds a step (engine steps, prefill included).
+and the whole runs' two phases: the time until every request has its first
+token (the prefill), then the milliseconds a step.
 Then one decode step of ``c`` rows (every prefill done) is forwarded
 ``--step-repeats`` times with its rows' adapters and as many times with
 every row on the base, alternating step by step: the LoRA term's own cost,
@@ -120,6 +121,28 @@ def write_adapters(model, root: Path, rank: int, targets: list[str] | None = Non
             {"fine_tune_type": "lora", "lora_parameters": {"rank": rank, "scale": 1.0, "dropout": 0.0}}))
         dirs.append(d)
     return dirs
+
+
+def timed_run(engine: Engine, prompts: list[list[int]], params: SamplingParams, loras: list[str] | None
+              ) -> tuple[float, float, int]:
+    """``Engine.generate`` of ``prompts`` in two phases: seconds until every request has its first token (the
+    prefill), then seconds and steps until every one has finished (the decode)."""
+    ids = [f"run-{i}" for i in range(len(prompts))]
+    for rid, prompt, lora in zip(ids, prompts, loras or [None] * len(prompts)):
+        engine.add_request(rid, prompt, params, lora_name=lora)
+    started, finished = set(), set()
+    start = time.perf_counter()
+    first = steps = 0
+    while len(finished) < len(ids):
+        for out in engine.step():
+            started.add(out.request_id)
+            if out.finish_reason:
+                finished.add(out.request_id)
+        if first:
+            steps += 1
+        elif len(started) == len(ids):
+            first = time.perf_counter()
+    return first - start, time.perf_counter() - first, max(1, steps)
 
 
 def step_cost(engine: Engine, prompts: list[list[int]], loras: list[str], repeats: int) -> dict[str, float]:
@@ -321,23 +344,23 @@ def main() -> None:
                     print(f"c={level}: {name} failed: {type(e).__name__}: {e}", flush=True)
                     del systems[name]
             times = {name: [] for name in systems}
-            per_step = {name: [] for name in systems}
+            phases = {name: [] for name in systems}
             order = list(systems)
             for i in range(args.repeats):  # alternating, so that background load falls on all alike,
                 for name in order[i % len(order):] + order[:i % len(order)]:  # each system first in turn
-                    engine, loras = systems[name]
-                    before, start = engine.num_steps, time.perf_counter()
-                    engine.generate(prompts, params, loras)
+                    start = time.perf_counter()
+                    phases[name].append(timed_run(systems[name][0], prompts, params, systems[name][1]))
                     times[name].append(time.perf_counter() - start)
-                    per_step[name].append(times[name][-1] / max(1, engine.num_steps - before))
             tokens = level * args.max_tokens
             rate = {name: tokens / statistics.median(t) for name, t in times.items()}
             if "base" in rate:
                 rows.append((level, rate))
                 print(f"c={level}: " + "   ".join(f"{n} {r:.1f} tok/s ({r / rate['base']:.2f}x)"
                                                  for n, r in rate.items()), flush=True)
-                print(f"c={level}: whole runs' ms a step (median): " + "   ".join(
-                    f"{n} {statistics.median(t) * 1e3:.2f}" for n, t in per_step.items()), flush=True)
+                print(f"c={level}: whole runs' phases (median ms): " + "   ".join(
+                    f"{n}: until every first token {statistics.median(p[0] for p in ph) * 1e3:.1f}, then "
+                    f"{statistics.median(p[1] / p[2] for p in ph) * 1e3:.2f} a step"
+                    for n, ph in phases.items()), flush=True)
             if args.step_repeats:
                 t = step_cost(lora, prompts, spread, args.step_repeats)
                 steps.append((level, t))
