@@ -28,6 +28,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 
 import mlx.core as mx  # noqa: E402
 
+from bench.kernels.on_cuda import seeded_cuda  # noqa: E402
+
 from engined.kernels import lora_term  # noqa: E402
 
 WIDTH = 4096
@@ -56,11 +58,8 @@ def main() -> int:
     ap.add_argument("--ops", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=15)
     args = ap.parse_args()
-    if not mx.cuda.is_available():
-        print("needs MLX's CUDA back-end")
+    if not seeded_cuda():
         return 1
-    mx.random.seed(0)
-    print("seed 0")
     w = (mx.random.normal((WIDTH, WIDTH)) * 0.01).astype(mx.bfloat16)
     width, slots = 48, 4  # a q/k/v group's slot width at rank 16, 4 slots
     b = (mx.random.normal((slots * width, WIDTH + slots * width)) * 0.01).astype(mx.bfloat16)

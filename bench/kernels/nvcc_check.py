@@ -1,7 +1,6 @@
 """Compile the CUDA kernels with a local nvcc, as MLX would wrap them: paged attention (every
 dialect configuration), the gated delta rule (``engined.kernels.gated_delta``), the LoRA term
-(``engined.kernels.lora_term``) and the few-row GEMMs of ``bench/kernels/skinny_gemm.py`` and
-``bench/kernels/lora_gemm_check.py``.
+(``engined.kernels.lora_term``) and the few-row GEMM of ``bench/kernels/skinny_gemm.py``.
 
 No GPU needed: it catches syntax and type errors before device time is spent.
 Usage: python bench/kernels/nvcc_check.py [--arch sm_90]
@@ -71,20 +70,7 @@ def other_kernels(arch: str) -> bool:
                      ("slots", "uint32")], [("out", dt)], [("T", dt), ("W", 48), ("OUT", 6144), ("HOFF", 6144)])
         ok &= compile_one(f"lora term {dt}", text, arch)
     sys.path.insert(0, os.path.dirname(__file__))
-    import lora_gemm_check  # noqa: E402 (scripts beside this one)
-    import skinny_gemm  # noqa: E402
-
-    for dt in ("bfloat16", "float16"):
-        for mp, npw, members, rank in ((2, 8, (4096, 1024, 1024), 16), (8, 8, (14336, 14336), 16),
-                                       (16, 4, (4096,), 64), (4, 8, (4096,), 8)):
-            offsets = [sum(members[:i]) for i in range(len(members) + 1)]
-            bounds = (offsets[1:-1] + [offsets[-1]] * 2)[:2]
-            text = wrap("lora_gemm", "", lora_gemm_check.GEMM_SOURCE,
-                        [("x", dt), ("x_shape", None), ("w", dt), ("b", dt), ("slots", "uint32")], [("out", dt)],
-                        [("T", dt), ("MP", mp), ("K", 4096), ("N", offsets[-1]), ("WD", len(members) * rank),
-                         ("R", rank), ("NPW", npw), ("WARPS", 8), ("OFF1", bounds[0]), ("OFF2", bounds[1]),
-                         ("LDB", offsets[-1] + 4 * len(members) * rank)])
-            ok &= compile_one(f"lora gemm {dt} MP={mp} NPW={npw} members={len(members)} R={rank}", text, arch)
+    import skinny_gemm  # noqa: E402 (bench/kernels/skinny_gemm.py, a script beside this one)
 
     for m, npw in ((2, 8), (16, 4), (16, 8)):
         text = wrap("skinny_gemm", "", skinny_gemm.SOURCE, [("x", "bfloat16"), ("w", "bfloat16")], [("out", "bfloat16")],

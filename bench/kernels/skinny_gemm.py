@@ -42,6 +42,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 
 import mlx.core as mx  # noqa: E402
 
+from bench.kernels.on_cuda import seeded_cuda  # noqa: E402
+
 SOURCE = r"""
   constexpr int WARPS = 4;
   const int lane = threadIdx.x & 31;
@@ -111,11 +113,8 @@ def main() -> int:
     ap.add_argument("--npw", type=int, nargs="+", default=[4, 8])
     ap.add_argument("--repeats", type=int, default=10)
     args = ap.parse_args()
-    if not mx.cuda.is_available():
-        print("needs MLX's CUDA back-end")
+    if not seeded_cuda():
         return 1
-    mx.random.seed(0)
-    print("seed 0")
     weights = [[(mx.random.normal((n, k)) * 0.02).astype(mx.bfloat16) for n, k in SHAPES] for _ in range(LAYERS)]
     mx.eval(weights)
     print("| rows | NPW | largest error | step, mx.matmul (ms) | step, kernel (ms) | kernel / matmul |")
