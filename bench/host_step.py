@@ -108,7 +108,6 @@ def build_engine(c: int, prompt_len: int, max_tokens: int, backend: str, async_s
     return Engine(cfg, loaded=loaded)
 
 
-
 def write_adapters(root: Path, seed: int) -> list[Path]:
     """Four random mlx_lm-format adapters of every projection of ``SHAPE``'s layers (bench.lora's)."""
     from mlx_lm.utils import _get_classes

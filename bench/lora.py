@@ -348,8 +348,9 @@ def main() -> None:
             order = list(systems)
             for i in range(args.repeats):  # alternating, so that background load falls on all alike,
                 for name in order[i % len(order):] + order[:i % len(order)]:  # each system first in turn
+                    engine, loras = systems[name]
                     start = time.perf_counter()
-                    phases[name].append(timed_run(systems[name][0], prompts, params, systems[name][1]))
+                    phases[name].append(timed_run(engine, prompts, params, loras))
                     times[name].append(time.perf_counter() - start)
             tokens = level * args.max_tokens
             rate = {name: tokens / statistics.median(t) for name, t in times.items()}

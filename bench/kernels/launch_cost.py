@@ -35,13 +35,13 @@ from engined.kernels import lora_term  # noqa: E402
 WIDTH = 4096
 _TINY = """
   const int i = blockIdx.x * blockDim.x + threadIdx.x;
-  if (i < n_elems) out[i] = y[i];
+  if (i < ROWS * 4096) out[i] = y[i];
 """
 
 
 @lru_cache(maxsize=None)
 def tiny(long: bool):
-    source = ("/*" + "x" * 1500 + "*/\n" if long else "") + _TINY.replace("n_elems", "ROWS * 4096")
+    source = ("/*" + "x" * 1500 + "*/\n" if long else "") + _TINY
     return mx.fast.cuda_kernel(name=f"bench_tiny_{int(long)}", input_names=["y"], output_names=["out"],
                                source=source)
 
