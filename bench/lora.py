@@ -16,9 +16,11 @@ alternating; reports generated tokens/s (median) and the ratio to ``base``,
 and the whole runs' two phases: the time until every request has its first
 token (the prefill), then the milliseconds a step.
 Then one decode step of ``c`` rows (every prefill done) is forwarded
-``--step-repeats`` times with its rows' adapters and as many times with
-every row on the base, alternating step by step: the LoRA term's own cost,
-with far less of a busy machine's noise than whole runs.
+``--step-repeats`` times with its rows' adapters, as many times with every
+row on the base, and the same prompts' step as many times on the engine
+without LoRA, alternating step by step: the LoRA term's own cost and what
+enabling LoRA costs every row, with far less of a busy machine's noise than
+whole runs.
 ``--shape llama-8b`` runs a model of Llama-3.1-8B's shape with random bf16
 weights instead (no download; both engines share the same arrays), for a GPU.
 ``--term`` times only the LoRA term of one projection of the shape (its
@@ -145,19 +147,26 @@ def timed_run(engine: Engine, prompts: list[list[int]], params: SamplingParams, 
     return first - start, time.perf_counter() - first, max(1, steps)
 
 
-def step_cost(engine: Engine, prompts: list[list[int]], loras: list[str], repeats: int) -> dict[str, float]:
-    """Median seconds of one packed decode step's forward: rows on their adapters, and the same rows on the
-    base."""
+def _decode_batch(engine: Engine, prompts: list[list[int]], loras: list[str] | None, ids: list[str]):
+    """``engine``'s next batch once every one of ``prompts`` has its first token: one decode row each."""
     params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)  # room for the step measured
-    ids = [f"step-{i}" for i in range(len(prompts))]
-    for rid, prompt, lora in zip(ids, prompts, loras):
+    for rid, prompt, lora in zip(ids, prompts, loras or [None] * len(prompts)):
         engine.add_request(rid, prompt, params, lora_name=lora)
     reqs = [engine.requests[rid] for rid in ids]
     while any(r.num_output_tokens == 0 for r in reqs):
         engine.step()
     batch = engine.scheduler.schedule()
-    slots = [r.lora_slot for r, _ in batch.scheduled]
     assert len(batch.scheduled) == len(prompts) and all(n == 1 for _, n in batch.scheduled)
+    return batch
+
+
+def step_cost(engine: Engine, base: Engine, prompts: list[list[int]], loras: list[str], repeats: int
+              ) -> dict[str, float]:
+    """Median seconds of one packed decode step's forward: rows on their adapters, the same rows on the base,
+    and the same prompts' step on the engine without LoRA (``base``)."""
+    ids = [f"step-{i}" for i in range(len(prompts))]
+    batch, plain = _decode_batch(engine, prompts, loras, ids), _decode_batch(base, prompts, None, ids)
+    slots = [r.lora_slot for r, _ in batch.scheduled]
 
     def timed(adapters: bool) -> float:
         for (r, _), slot in zip(batch.scheduled, slots):
@@ -166,7 +175,12 @@ def step_cost(engine: Engine, prompts: list[list[int]], loras: list[str], repeat
         mx.eval(engine.runner.run(batch))
         return time.perf_counter() - start
 
-    runs = {"adapters": lambda: timed(True), "base": lambda: timed(False)}
+    def timed_plain() -> float:
+        start = time.perf_counter()
+        mx.eval(base.runner.run(plain))
+        return time.perf_counter() - start
+
+    runs = {"adapters": lambda: timed(True), "base": lambda: timed(False), "no lora": timed_plain}
     times = {k: [] for k in runs}
     for i in range(repeats + 1):
         for k, run in runs.items():
@@ -175,8 +189,9 @@ def step_cost(engine: Engine, prompts: list[list[int]], loras: list[str], repeat
                 times[k].append(t)
     for (r, _), slot in zip(batch.scheduled, slots):
         r.lora_slot = slot
-    engine.abort(ids)
-    engine.step()
+    for e in (engine, base):
+        e.abort(ids)
+        e.step()
     return {k: statistics.median(t) for k, t in times.items()}
 
 
@@ -363,10 +378,12 @@ def main() -> None:
                     f"{statistics.median(p[1] / p[2] for p in ph) * 1e3:.2f} a step"
                     for n, ph in phases.items()), flush=True)
             if args.step_repeats:
-                t = step_cost(lora, prompts, spread, args.step_repeats)
+                t = step_cost(lora, base, prompts, spread, args.step_repeats)
                 steps.append((level, t))
                 print(f"c={level}: one decode step's forward: {t['adapters'] * 1e3:.1f} ms on 4 adapters"
-                      f", {t['base'] * 1e3:.1f} ms on the base ({t['base'] / t['adapters']:.2f}x)", flush=True)
+                      f", {t['base'] * 1e3:.1f} ms on the base ({t['base'] / t['adapters']:.2f}x), "
+                      f"{t['no lora'] * 1e3:.1f} ms on the engine without LoRA "
+                      f"({t['no lora'] / t['adapters']:.2f}x)", flush=True)
     print("\n| concurrent requests | base tok/s | 4 adapters tok/s | ratio | LoRA on, base requests tok/s | ratio |")
     print("|---|---|---|---|---|---|")
     for level, r in rows:
@@ -374,11 +391,13 @@ def main() -> None:
         a, o = r.get("4 adapters", float("nan")), r.get("lora on, base requests", float("nan"))
         print(f"| {level} | {b:.1f} | {a:.1f} | {a / b:.2f}x | {o:.1f} | {o / b:.2f}x |")
     if steps:
-        print("\n| concurrent requests | decode step, 4 adapters (ms) | same step, base rows (ms) | ratio |")
-        print("|---|---|---|---|")
+        print("\n| concurrent requests | decode step, 4 adapters (ms) | same step, base rows (ms) | ratio "
+              "| engine without LoRA (ms) | ratio |")
+        print("|---|---|---|---|---|---|")
         for level, t in steps:
             print(f"| {level} | {t['adapters'] * 1e3:.1f} | {t['base'] * 1e3:.1f} "
-                  f"| {t['base'] / t['adapters']:.2f}x |")
+                  f"| {t['base'] / t['adapters']:.2f}x | {t['no lora'] * 1e3:.1f} "
+                  f"| {t['no lora'] / t['adapters']:.2f}x |")
 
 
 if __name__ == "__main__":
