@@ -54,6 +54,7 @@ from engined.engine import Engine
 from engined.kernels import lora_term
 from engined.loaders import load_model
 from engined.lora.layers import install
+from engined.model_layers import transformer_layers
 from shared.config import EngineConfig
 from shared.protocol import SamplingParams
 
@@ -195,6 +196,46 @@ def step_cost(engine: Engine, base: Engine, prompts: list[list[int]], loras: lis
     return {k: statistics.median(t) for k, t in times.items()}
 
 
+def prefill_cost(lora: Engine, base: Engine, prompts: list[list[int]], repeats: int) -> None:
+    """Median milliseconds of one prefill chunk's forward (the first batch of ``prompts``, no adapter) on the
+    engine without LoRA and on the LoRA engine, then of each projection kind over every layer on that many
+    rows, in each engine's form: where a base engine's prefill loses to the LoRA engine's."""
+    ids = [f"prefill-{i}" for i in range(len(prompts))]
+    params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    batches = {}
+    for name, engine in (("no lora", base), ("lora", lora)):
+        for rid, prompt in zip(ids, prompts):
+            engine.add_request(rid, prompt, params)
+        batches[name] = (engine, engine.scheduler.schedule())
+    rows = sum(n for _, n in batches["no lora"][1].scheduled)
+    runs = {name: (lambda e=e, b=b: e.runner.run(b)) for name, (e, b) in batches.items()}
+    ms = {k: v / 1e3 for k, v in _alternate(runs, repeats).items()}
+    print(f"one prefill chunk of {rows} tokens: " + ", ".join(f"{k} {v:.1f} ms" for k, v in ms.items()), flush=True)
+    x = mx.random.normal((rows, base.runner.model.args.hidden_size)).astype(mx.bfloat16)
+    wide = mx.random.normal((rows, base.runner.model.args.intermediate_size)).astype(mx.bfloat16)
+    mx.eval(x, wide)
+    for kind in ("q/k/v", "o", "gate/up", "down"):
+        runs = {}
+        for name, (engine, _) in batches.items():
+            layers = transformer_layers(engine.runner.model)
+            if kind == "q/k/v":
+                runs[name] = lambda ls=layers: [getattr(l.self_attn, p)(x) for l in ls
+                                                for p in ("qkv_proj", "q_proj", "k_proj", "v_proj")
+                                                if p in l.self_attn]
+            elif kind == "o":
+                runs[name] = lambda ls=layers: [l.self_attn.o_proj(x) for l in ls]
+            elif kind == "gate/up":
+                runs[name] = lambda ls=layers: [f(x) for l in ls for f in (l.mlp.gate_proj, l.mlp.up_proj)]
+            else:
+                runs[name] = lambda ls=layers: [l.mlp.down_proj(wide) for l in ls]
+        ms = {k: v / 1e3 for k, v in _alternate(runs, repeats).items()}
+        print(f"  {kind} of every layer on {rows} rows: " + ", ".join(f"{k} {v:.2f} ms" for k, v in ms.items()),
+              flush=True)
+    for engine, _ in batches.values():
+        engine.abort(ids)
+        engine.step()
+
+
 def _alternate(runs: dict, repeats: int) -> dict[str, float]:
     """Median microseconds of each of ``runs`` (name -> a function giving arrays), run in turn ``repeats``
     times after one warm-up round, so that background load falls on all alike."""
@@ -326,6 +367,10 @@ def main() -> None:
     ap.add_argument("--term", action="store_true", help="time one projection's LoRA term only (of --shape)")
     ap.add_argument("--no-async", action="store_true",
                     help="engines without asynchronous scheduling (a step's host and device time add up)")
+    ap.add_argument("--prefill", action="store_true",
+                    help="time one prefill chunk's forward and each projection kind on both engines, then stop")
+    ap.add_argument("--clear-cache", action="store_true",
+                    help="empty MLX's buffer cache before every timed run (no run reuses another's buffers)")
     args = ap.parse_args()
     if args.term:
         return term_cost(args.shape or "llama-8b", args.rank, args.step_repeats)
@@ -344,6 +389,9 @@ def main() -> None:
         print(f"device {mx.default_device()}, model {base.info.model_id}, rank {args.rank}, "
               f"{NUM_ADAPTERS} adapters of {' '.join(args.targets or ['every projection'])}, "
               f"slots {lora.lora.nbytes / 2**20:.1f} MiB", flush=True)
+        if args.prefill:
+            return prefill_cost(lora, base, make_prompts(top, base.info.vocab_size, top, tuple(args.prompt_lens)),
+                                args.step_repeats)
         params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
         rows, steps = [], []
         for level in args.levels:
@@ -364,6 +412,8 @@ def main() -> None:
             for i in range(args.repeats):  # alternating, so that background load falls on all alike,
                 for name in order[i % len(order):] + order[:i % len(order)]:  # each system first in turn
                     engine, loras = systems[name]
+                    if args.clear_cache:
+                        mx.clear_cache()
                     start = time.perf_counter()
                     phases[name].append(timed_run(engine, prompts, params, loras))
                     times[name].append(time.perf_counter() - start)
