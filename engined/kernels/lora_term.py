@@ -22,25 +22,41 @@ import mlx.core as mx
 
 MAX_ROWS = 128
 _THREADS = 256
+VECTOR = 4  # output columns a thread takes, its y, B and output read and written four at a time
 
-# Grid: x the output columns (one thread each), y the rows. ``h`` is read from column ``HOFF`` on, so that a
-# folded group passes its one base output as both ``y`` and ``h``. The leading dimensions are the arrays'
-# shapes, passed at launch: each template argument is text MLX formats into the kernel's source at every call.
-_SOURCE = r"""
-  const int j = blockIdx.x * blockDim.x + threadIdx.x;
+# Grid: x the output columns (``VECTOR`` a thread), y the rows. A thread per column issued a load instruction per
+# B value and per h value, and the load instructions bounded the kernel: under ncu, 13.6 us for q/k/v and 35 us
+# for gate/up at 64 rows, against their matmuls' 18 and 67 (``bench/lora_results.md``). Here one h load serves
+# ``VECTOR`` columns, and B's are one wide load each. ``h`` is read from column ``HOFF`` on, so that a folded
+# group passes its one base output as both ``y`` and ``h``. The leading dimensions are the arrays' shapes, passed
+# at launch: each template argument is text MLX formats into the kernel's source at every call.
+_SOURCE = f"  constexpr int V = {VECTOR};" + r"""
+  struct alignas(V * sizeof(T)) Pack { T v[V]; };
+  const int j = (blockIdx.x * blockDim.x + threadIdx.x) * V;
   const int t = blockIdx.y;
   if (j >= OUT) return;
   const int ldy = y_shape[1], ldh = h_shape[1], nb = b_shape[1];
-  float acc = static_cast<float>(y[(size_t)t * ldy + j]);
+  const Pack yv = *reinterpret_cast<const Pack*>(y + (size_t)t * ldy + j);
+  float acc[V];
+#pragma unroll
+  for (int i = 0; i < V; ++i) acc[i] = static_cast<float>(yv.v[i]);
   const uint32_t s = slots[t];
   if (s > 0) {
     const int c0 = (int)(s - 1) * W;
     const T* h_ = h + (size_t)t * ldh + HOFF + c0;
     const T* b_ = b + (size_t)c0 * nb + j;
 #pragma unroll
-    for (int k = 0; k < W; ++k) acc += static_cast<float>(h_[k]) * static_cast<float>(b_[(size_t)k * nb]);
+    for (int k = 0; k < W; ++k) {
+      const float hk = static_cast<float>(h_[k]);
+      const Pack bv = *reinterpret_cast<const Pack*>(b_ + (size_t)k * nb);
+#pragma unroll
+      for (int i = 0; i < V; ++i) acc[i] += hk * static_cast<float>(bv.v[i]);
+    }
   }
-  out[(size_t)t * OUT + j] = static_cast<T>(acc);
+  Pack o;
+#pragma unroll
+  for (int i = 0; i < V; ++i) o.v[i] = static_cast<T>(acc[i]);
+  *reinterpret_cast<Pack*>(out + (size_t)t * OUT + j) = o;
 """
 
 
@@ -54,11 +70,17 @@ def add_term(y: mx.array, h: mx.array, h_offset: int, b: mx.array, slots: mx.arr
              ) -> mx.array:
     """``[rows, out]``: ``y[:, :out]`` plus each row's own slot's term, ``h[:, h_offset + (s-1)*width :][:width]
     @ b[(s-1)*width :][:width, :out]`` for slot ``s`` (none for slot 0, the base). ``y`` and ``h`` are 2-D and
-    row-contiguous (they may be one array), ``slots`` uint32 ``[rows]``."""
-    rows = y.shape[0]
+    row-contiguous (they may be one array), ``y`` and ``b`` whole arrays, not views (their rows are read
+    ``VECTOR`` columns at a time: see ``fits``), ``slots`` uint32 ``[rows]``."""
+    rows, threads = y.shape[0], out // VECTOR
     return _kernel()(inputs=[y, h, b, slots], template=_template(y.dtype, width, out, h_offset),
-                     grid=(-(-out // _THREADS) * _THREADS, rows, 1), threadgroup=(_THREADS, 1, 1),
+                     grid=(-(-threads // _THREADS) * _THREADS, rows, 1), threadgroup=(_THREADS, 1, 1),
                      output_shapes=[(rows, out)], output_dtypes=[y.dtype])[0]
+
+
+def fits(y: mx.array, b: mx.array, out: int) -> bool:
+    """Whether ``add_term`` takes these: ``out`` and ``y``'s and ``b``'s rows whole ``VECTOR``-column packs."""
+    return out % VECTOR == 0 and y.shape[-1] % VECTOR == 0 and b.shape[-1] % VECTOR == 0
 
 
 @lru_cache(maxsize=None)

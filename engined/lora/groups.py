@@ -92,7 +92,8 @@ class ProjectionGroup(JoinedLinears):
         if step.slots is None or not any(self.live):
             return y
         h = y if self.folded else mx.matmul(x.astype(self.a.dtype), self.a)
-        if step.term_kernel and y.shape[0] <= lora_term.MAX_ROWS and y.dtype == h.dtype == self.b.dtype:
+        if (step.term_kernel and y.shape[0] <= lora_term.MAX_ROWS and y.dtype == h.dtype == self.b.dtype
+                and lora_term.fits(y, self.b, out)):
             return lora_term.add_term(y, h, out if self.folded else 0, self.b, step.slots, self.width, out)
         if self.folded:
             h = y[..., out:]

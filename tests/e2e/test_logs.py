@@ -7,6 +7,7 @@ import logging
 import os
 import re
 import signal
+import time
 
 import openai
 
@@ -17,6 +18,11 @@ CONNECTED = re.compile(r"gateway [0-9a-f]+ connected \(pid \d+\)")
 ACCESS = re.compile(r"mlxd\.access: (?P<id>\S+) app=(?P<app>\S+) (?P<method>[A-Z]+) (?P<route>\S+) (?P<status>\d{3}) "
                     r"prompt_tokens=(?P<prompt>\d+) cached_tokens=(?P<cached>\d+) generation_tokens=(?P<gen>\d+) "
                     r"ttft=(?P<ttft>[0-9.]+s|-) duration=(?P<duration>[0-9.]+)s$", re.M)
+
+
+def _v1_routes(log: str) -> list[tuple[str, str, str]]:
+    """(method, route, status) of each access line of an API route, in order."""
+    return [(m["method"], m["route"], m["status"]) for m in ACCESS.finditer(log) if m["route"].startswith("/v1/")]
 
 
 def test_one_connection_line_per_gateway_however_many_hellos_queued(tmp_path):
@@ -62,12 +68,17 @@ def test_serve_logs_one_access_line_per_request_and_one_connection_per_engine_li
         s.wait_healthy()
         client.completions.create(model=model, prompt="Hello", max_tokens=3, temperature=0,
                                   extra_body={"ignore_eos": True})
+        # The gateway writes a request's line once the response is sent, so the client can have its answer a
+        # moment before the line is there: stopping the server then would cut it off.
+        deadline = time.monotonic() + 30
+        while len(_v1_routes(s.log())) < 5 and time.monotonic() < deadline:
+            time.sleep(0.1)
     finally:
         s.stop()
     log = s.log()
     assert len(CONNECTED.findall(log)) == 2, log[-3000:]
     lines = [m.groupdict() for m in ACCESS.finditer(log)]
-    routes = [(m["method"], m["route"], m["status"]) for m in lines if m["route"].startswith("/v1/")]
+    routes = _v1_routes(log)
     assert routes == [("GET", "/v1/models", "200"), ("POST", "/v1/chat/completions", "200"),
                       ("POST", "/v1/chat/completions", "200"), ("POST", "/v1/completions", "404"),
                       ("POST", "/v1/completions", "200")], log[-3000:]
