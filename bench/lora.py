@@ -29,9 +29,11 @@ slot's A and B with each row's other slots' columns masked to zero, against
 ``gather_mm`` of each row's own slot (what vLLM's punica kernels do), beside
 the base matmul; then q/k/v's and gate/up's terms taken apart against one
 shared x·A (what the layers do): seconds, not minutes, on a GPU.
+``--prefill`` times one prefill chunk's forward (no adapter) on both engines,
+then each projection kind over every layer in each engine's form.
 
     python -m bench.lora [--model PATH | --shape NAME] [--levels 8 64] [--max-tokens 32] [--rank 16]
-                         [--prompt-lens 32 256] [--targets q_proj v_proj] [--term]
+                         [--prompt-lens 32 256] [--targets q_proj v_proj] [--term] [--prefill] [--clear-cache]
 """
 
 from __future__ import annotations
