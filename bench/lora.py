@@ -52,6 +52,7 @@ load_fast_blas()
 import mlx.core as mx
 import numpy as np
 
+from bench.kernels.on_cuda import alternating_ms
 from engined.engine import Engine
 from engined.kernels import lora_term
 from engined.loaders import load_model
@@ -211,7 +212,7 @@ def prefill_cost(lora: Engine, base: Engine, prompts: list[list[int]], repeats: 
         batches[name] = (engine, engine.scheduler.schedule())
     rows = sum(n for _, n in batches["no lora"][1].scheduled)
     runs = {name: (lambda e=e, b=b: e.runner.run(b)) for name, (e, b) in batches.items()}
-    ms = {k: v / 1e3 for k, v in _alternate(runs, repeats).items()}
+    ms = alternating_ms(runs, repeats)
     print(f"one prefill chunk of {rows} tokens: " + ", ".join(f"{k} {v:.1f} ms" for k, v in ms.items()), flush=True)
     x = mx.random.normal((rows, base.runner.model.args.hidden_size)).astype(mx.bfloat16)
     wide = mx.random.normal((rows, base.runner.model.args.intermediate_size)).astype(mx.bfloat16)
@@ -230,7 +231,7 @@ def prefill_cost(lora: Engine, base: Engine, prompts: list[list[int]], repeats: 
                 runs[name] = lambda ls=layers: [f(x) for l in ls for f in (l.mlp.gate_proj, l.mlp.up_proj)]
             else:
                 runs[name] = lambda ls=layers: [l.mlp.down_proj(wide) for l in ls]
-        ms = {k: v / 1e3 for k, v in _alternate(runs, repeats).items()}
+        ms = alternating_ms(runs, repeats)
         print(f"  {kind} of every layer on {rows} rows: " + ", ".join(f"{k} {v:.2f} ms" for k, v in ms.items()),
               flush=True)
     for engine, _ in batches.values():
@@ -239,16 +240,8 @@ def prefill_cost(lora: Engine, base: Engine, prompts: list[list[int]], repeats: 
 
 
 def _alternate(runs: dict, repeats: int) -> dict[str, float]:
-    """Median microseconds of each of ``runs`` (name -> a function giving arrays), run in turn ``repeats``
-    times after one warm-up round, so that background load falls on all alike."""
-    times = {k: [] for k in runs}
-    for i in range(repeats + 1):
-        for k, run in runs.items():
-            start = time.perf_counter()
-            mx.eval(run())
-            if i:
-                times[k].append(time.perf_counter() - start)
-    return {k: statistics.median(t) * 1e6 for k, t in times.items()}
+    """Median microseconds of each of ``runs`` (``bench.kernels.on_cuda.alternating_ms``)."""
+    return {k: ms * 1e3 for k, ms in alternating_ms(runs, repeats).items()}
 
 
 def term_cost(shape: str, rank: int, repeats: int) -> None:

@@ -18,15 +18,13 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
-import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 
 import mlx.core as mx  # noqa: E402
 
-from bench.kernels.on_cuda import seeded_cuda  # noqa: E402
+from bench.kernels.on_cuda import alternating_ms, seeded_cuda  # noqa: E402
 
 # Llama-8B's groups of one layer: (outputs, inputs, A columns at 4 adapters of rank 16).
 GROUPS = [(6144, 4096, 192), (4096, 4096, 64), (28672, 4096, 128), (4096, 14336, 64)]
@@ -61,14 +59,8 @@ def main() -> int:
     for rows in args.rows:
         xs = {k: mx.random.normal((rows, k)).astype(mx.bfloat16) for _, k, _ in GROUPS}
         mx.eval(xs)
-        times = {form: [] for form in forms}
-        for i in range(args.repeats + 1):  # alternating, so that background load falls on all alike
-            for form in forms:
-                start = time.perf_counter()
-                mx.eval([xs[w.shape[1]] @ w.T for layer in weights[form] for w in layer])
-                if i:
-                    times[form].append((time.perf_counter() - start) * 1e3)
-        med = {form: statistics.median(t) for form, t in times.items()}
+        med = alternating_ms({form: (lambda f=form: [xs[w.shape[1]] @ w.T for layer in weights[f] for w in layer])
+                              for form in forms}, args.repeats)
         print(f"| {rows} | " + " | ".join(f"{med[f]:.2f}" for f in forms) + " | " +
               " | ".join(f"{med[f] / med['base']:.2f}x" for f in forms[1:]) + " |", flush=True)
     return 0

@@ -18,9 +18,7 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
-import time
 
 import numpy as np
 
@@ -28,7 +26,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 
 import mlx.core as mx  # noqa: E402
 
-from bench.kernels.on_cuda import seeded_cuda  # noqa: E402
+from bench.kernels.on_cuda import alternating_ms, seeded_cuda  # noqa: E402
 
 
 def main() -> int:
@@ -55,15 +53,7 @@ def main() -> int:
         def on_device():
             return [mx.random.randint(0, 1000, (e,), dtype=mx.int32) + 1 for _ in range(n)]
 
-        runs = {"apart": apart, "packed": packed, "device": on_device}
-        times = {k: [] for k in runs}
-        for i in range(args.repeats + 1):
-            for k, run in runs.items():
-                start = time.perf_counter()
-                mx.eval(run())
-                if i:
-                    times[k].append((time.perf_counter() - start) * 1e3)
-        med = {k: statistics.median(t) for k, t in times.items()}
+        med = alternating_ms({"apart": apart, "packed": packed, "device": on_device}, args.repeats)
         print(f"| {n} | {med['apart']:.3f} | {med['packed']:.3f} | {med['device']:.3f} |", flush=True)
     return 0
 

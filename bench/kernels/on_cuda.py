@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import statistics
+import time
+
 import mlx.core as mx
 
 
@@ -14,3 +17,16 @@ def seeded_cuda(seed: int = 0) -> bool:
     mx.random.seed(seed)
     print(f"seed {seed}")
     return True
+
+
+def alternating_ms(runs: dict, repeats: int) -> dict[str, float]:
+    """Median milliseconds of each of ``runs`` (name -> a function giving arrays, evaluated here), run in turn
+    ``repeats`` times after one warm-up round, so that background load falls on all alike."""
+    times = {name: [] for name in runs}
+    for i in range(repeats + 1):
+        for name, run in runs.items():
+            start = time.perf_counter()
+            mx.eval(run())
+            if i:
+                times[name].append((time.perf_counter() - start) * 1e3)
+    return {name: statistics.median(t) for name, t in times.items()}

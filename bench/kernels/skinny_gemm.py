@@ -33,16 +33,14 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
-import time
 from functools import lru_cache
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 
 import mlx.core as mx  # noqa: E402
 
-from bench.kernels.on_cuda import seeded_cuda  # noqa: E402
+from bench.kernels.on_cuda import alternating_ms, seeded_cuda  # noqa: E402
 
 SOURCE = r"""
   constexpr int WARPS = 4;
@@ -130,14 +128,8 @@ def main() -> int:
                 err = max(err, (mx.abs(got - want).max() / mx.abs(want).max()).item())
             runs = {"matmul": lambda: [xs[w.shape[1]] @ w.T for layer in weights for w in layer],
                     "kernel": lambda: [skinny(xs[w.shape[1]], w, npw) for layer in weights for w in layer]}
-            times = {name: [] for name in runs}
-            for i in range(args.repeats + 1):
-                for name, run in runs.items():
-                    start = time.perf_counter()
-                    mx.eval(run())
-                    if i:
-                        times[name].append((time.perf_counter() - start) * 1e3)
-            a, b = (statistics.median(times[name]) for name in ("matmul", "kernel"))
+            med = alternating_ms(runs, args.repeats)
+            a, b = med["matmul"], med["kernel"]
             print(f"| {rows} | {npw} | {err:.1e} | {a:.2f} | {b:.2f} | {b / a:.2f}x |", flush=True)
     return 0
 
