@@ -415,13 +415,14 @@ def main() -> None:
             tokens = level * args.max_tokens
             rate = {name: tokens / statistics.median(t) for name, t in times.items()}
             if "base" in rate:
-                rows.append((level, rate))
+                # The decode phase's milliseconds a step: the whole run's ratio also carries the prefill's.
+                decode = {n: statistics.median(p[1] / p[2] for p in ph) * 1e3 for n, ph in phases.items()}
+                rows.append((level, rate, decode))
                 print(f"c={level}: " + "   ".join(f"{n} {r:.1f} tok/s ({r / rate['base']:.2f}x)"
                                                  for n, r in rate.items()), flush=True)
                 print(f"c={level}: whole runs' phases (median ms): " + "   ".join(
                     f"{n}: until every first token {statistics.median(p[0] for p in ph) * 1e3:.1f}, then "
-                    f"{statistics.median(p[1] / p[2] for p in ph) * 1e3:.2f} a step"
-                    for n, ph in phases.items()), flush=True)
+                    f"{decode[n]:.2f} a step" for n, ph in phases.items()), flush=True)
             if args.step_repeats:
                 t = step_cost(lora, base, prompts, spread, args.step_repeats)
                 steps.append((level, t))
@@ -429,12 +430,16 @@ def main() -> None:
                       f", {t['base'] * 1e3:.1f} ms on the base ({t['base'] / t['adapters']:.2f}x), "
                       f"{t['no lora'] * 1e3:.1f} ms on the engine without LoRA "
                       f"({t['no lora'] / t['adapters']:.2f}x)", flush=True)
-    print("\n| concurrent requests | base tok/s | 4 adapters tok/s | ratio | LoRA on, base requests tok/s | ratio |")
-    print("|---|---|---|---|---|---|")
-    for level, r in rows:
-        b = r.get("base", float("nan"))
-        a, o = r.get("4 adapters", float("nan")), r.get("lora on, base requests", float("nan"))
-        print(f"| {level} | {b:.1f} | {a:.1f} | {a / b:.2f}x | {o:.1f} | {o / b:.2f}x |")
+    print("\n| concurrent requests | base tok/s | 4 adapters tok/s | ratio | LoRA on, base requests tok/s | ratio "
+          "| decode ms a step, base / 4 adapters / LoRA on, base requests | decode ratio, 4 adapters |")
+    print("|---|---|---|---|---|---|---|---|")
+    nan = float("nan")
+    for level, r, d in rows:
+        b = r.get("base", nan)
+        a, o = r.get("4 adapters", nan), r.get("lora on, base requests", nan)
+        db, da, do = d.get("base", nan), d.get("4 adapters", nan), d.get("lora on, base requests", nan)
+        print(f"| {level} | {b:.1f} | {a:.1f} | {a / b:.2f}x | {o:.1f} | {o / b:.2f}x "
+              f"| {db:.2f} / {da:.2f} / {do:.2f} | {db / da:.2f}x |")
     if steps:
         print("\n| concurrent requests | decode step, 4 adapters (ms) | same step, base rows (ms) | ratio "
               "| engine without LoRA (ms) | ratio |")
