@@ -25,9 +25,9 @@ _THREADS = 256
 VECTOR = 4  # output columns a thread takes, its y, B and output read and written four at a time
 
 # Grid: x the output columns (``VECTOR`` a thread), y the rows. A thread per column issued a load instruction per
-# B value and per h value, and the load instructions bounded the kernel: under ncu, 13.6 us for q/k/v and 35 us
-# for gate/up at 64 rows, against their matmuls' 18 and 67 (``bench/lora_results.md``). Here one h load serves
-# ``VECTOR`` columns, and B's are one wide load each. ``h`` is read from column ``HOFF`` on, so that a folded
+# B value and per h value, and the load instructions bounded the kernel: under ncu, 13.8 us for q/k/v and 35 us
+# for gate/up at 64 rows, against their matmuls' 17-18 and 63-70 (``bench/lora_results.md``). Here one h load
+# serves ``VECTOR`` columns, and B's are one wide load each. ``h`` is read from column ``HOFF`` on, so that a folded
 # group passes its one base output as both ``y`` and ``h``. The leading dimensions are the arrays' shapes, passed
 # at launch: each template argument is text MLX formats into the kernel's source at every call.
 _SOURCE = f"  constexpr int V = {VECTOR};" + r"""
@@ -78,9 +78,10 @@ def add_term(y: mx.array, h: mx.array, h_offset: int, b: mx.array, slots: mx.arr
                      output_shapes=[(rows, out)], output_dtypes=[y.dtype])[0]
 
 
-def fits(y: mx.array, b: mx.array, out: int) -> bool:
-    """Whether ``add_term`` takes these: ``out`` and ``y``'s and ``b``'s rows whole ``VECTOR``-column packs."""
-    return out % VECTOR == 0 and y.shape[-1] % VECTOR == 0 and b.shape[-1] % VECTOR == 0
+def fits(*widths: int) -> bool:
+    """Whether ``add_term`` takes arrays of these widths (``out``, ``y``'s and ``b``'s rows): whole ``VECTOR``-column
+    packs."""
+    return all(w % VECTOR == 0 for w in widths)
 
 
 @lru_cache(maxsize=None)

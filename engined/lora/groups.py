@@ -65,6 +65,8 @@ class ProjectionGroup(JoinedLinears):
         # A folded group's B reaches its x·A columns too, with zeros: see the module's docstring.
         self.b = mx.zeros((columns, self.offsets[-1] + (columns if self.folded else 0)), dtype)
         self.nbytes = columns * d_in * dtype.size + self.b.nbytes  # the slots' A and B
+        # Whether the term kernel takes this group's widths (its members' outputs, its base output, B's rows).
+        self.kernel_fits = lora_term.fits(self.offsets[-1], dims(base)[1], self.b.shape[1])
         self.live: list[set[int]] = [set() for _ in outs]
         step.inputs.append(self)
 
@@ -93,7 +95,7 @@ class ProjectionGroup(JoinedLinears):
             return y
         h = y if self.folded else mx.matmul(x.astype(self.a.dtype), self.a)
         if (step.term_kernel and y.shape[0] <= lora_term.MAX_ROWS and y.dtype == h.dtype == self.b.dtype
-                and lora_term.fits(y, self.b, out)):
+                and self.kernel_fits):
             return lora_term.add_term(y, h, out if self.folded else 0, self.b, step.slots, self.width, out)
         if self.folded:
             h = y[..., out:]
