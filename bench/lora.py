@@ -129,26 +129,36 @@ def write_adapters(model, root: Path, rank: int, targets: list[str] | None = Non
     return dirs
 
 
-def timed_run(engine: Engine, prompts: list[list[int]], params: SamplingParams, loras: list[str] | None
-              ) -> tuple[float, float, int]:
+def timed_run(engine: Engine, prompts: list[list[int]], params: SamplingParams, loras: list[str] | None,
+              trace: list | None = None) -> tuple[float, float, int, float]:
     """``Engine.generate`` of ``prompts`` in two phases: seconds until every request has its first token (the
-    prefill), then seconds and steps until every one has finished (the decode)."""
+    prefill), then seconds and steps until every one has finished (the decode), and the decode's seconds spent
+    waiting for the device (the rest is the host's). ``trace`` gets the prefill's steps: (ms, tokens computed,
+    ms waiting for the device, rows the step read)."""
     ids = [f"run-{i}" for i in range(len(prompts))]
     for rid, prompt, lora in zip(ids, prompts, loras or [None] * len(prompts)):
         engine.add_request(rid, prompt, params, lora_name=lora)
+    reqs = [engine.requests[rid] for rid in ids]
     started, finished = set(), set()
     start = time.perf_counter()
     first = steps = 0
+    wait = engine.sync_wait_s
     while len(finished) < len(ids):
-        for out in engine.step():
+        t0, wait0, computed0 = time.perf_counter(), engine.sync_wait_s, sum(r.num_computed_tokens for r in reqs)
+        outs = engine.step()
+        for out in outs:
             started.add(out.request_id)
             if out.finish_reason:
                 finished.add(out.request_id)
         if first:
             steps += 1
-        elif len(started) == len(ids):
-            first = time.perf_counter()
-    return first - start, time.perf_counter() - first, max(1, steps)
+            continue
+        if trace is not None:
+            trace.append(((time.perf_counter() - t0) * 1e3, sum(r.num_computed_tokens for r in reqs) - computed0,
+                          (engine.sync_wait_s - wait0) * 1e3, len(outs)))
+        if len(started) == len(ids):
+            first, wait = time.perf_counter(), engine.sync_wait_s
+    return first - start, time.perf_counter() - first, max(1, steps), engine.sync_wait_s - wait
 
 
 def _decode_batch(engine: Engine, prompts: list[list[int]], loras: list[str] | None, ids: list[str]):
@@ -364,6 +374,9 @@ def main() -> None:
                     help="engines without asynchronous scheduling (a step's host and device time add up)")
     ap.add_argument("--prefill", action="store_true",
                     help="time one prefill chunk's forward and each projection kind on both engines, then stop")
+    ap.add_argument("--trace", action="store_true", help="print every timed run's prefill steps")
+    ap.add_argument("--lora-first", action="store_true",
+                    help="build the LoRA engine before the engine without LoRA (the default builds it after)")
     ap.add_argument("--clear-cache", action="store_true",
                     help="empty MLX's buffer cache before every timed run (no run reuses another's buffers)")
     args = ap.parse_args()
@@ -377,10 +390,14 @@ def main() -> None:
     make = random_model_maker(args.shape) if args.shape else (lambda: load_model(args.model))
     with tempfile.TemporaryDirectory() as tmp:
         adapters = write_adapters(make().model, Path(tmp), args.rank, args.targets)
+        def lora_engine():
+            return Engine(EngineConfig(model=args.model, enable_lora=True, max_loras=NUM_ADAPTERS,
+                                       max_lora_rank=args.rank,
+                                       lora_modules=[f"a{k}={d}" for k, d in enumerate(adapters)], **common), make())
+
+        lora = lora_engine() if args.lora_first else None
         base = Engine(EngineConfig(model=args.model, **common), make())
-        lora = Engine(EngineConfig(model=args.model, enable_lora=True, max_loras=NUM_ADAPTERS,
-                                   max_lora_rank=args.rank,
-                                   lora_modules=[f"a{k}={d}" for k, d in enumerate(adapters)], **common), make())
+        lora = lora or lora_engine()
         print(f"device {mx.default_device()}, model {base.info.model_id}, rank {args.rank}, "
               f"{NUM_ADAPTERS} adapters of {' '.join(args.targets or ['every projection'])}, "
               f"slots {lora.lora.nbytes / 2**20:.1f} MiB", flush=True)
@@ -409,9 +426,12 @@ def main() -> None:
                     engine, loras = systems[name]
                     if args.clear_cache:
                         mx.clear_cache()
-                    start = time.perf_counter()
-                    phases[name].append(timed_run(engine, prompts, params, loras))
+                    start, trace = time.perf_counter(), []
+                    phases[name].append(timed_run(engine, prompts, params, loras, trace))
                     times[name].append(time.perf_counter() - start)
+                    if args.trace:
+                        print(f"c={level} {name}, run {i}: the prefill's steps (ms / tokens / ms waiting / rows "
+                              "read): " + "  ".join(f"{ms:.1f}/{n}/{w:.1f}/{r}" for ms, n, w, r in trace), flush=True)
             tokens = level * args.max_tokens
             rate = {name: tokens / statistics.median(t) for name, t in times.items()}
             if "base" in rate:
@@ -422,7 +442,8 @@ def main() -> None:
                                                  for n, r in rate.items()), flush=True)
                 print(f"c={level}: whole runs' phases (median ms): " + "   ".join(
                     f"{n}: until every first token {statistics.median(p[0] for p in ph) * 1e3:.1f}, then "
-                    f"{decode[n]:.2f} a step" for n, ph in phases.items()), flush=True)
+                    f"{decode[n]:.2f} a step ({statistics.median(p[3] / p[2] for p in ph) * 1e3:.2f} of it waiting "
+                    "for the device)" for n, ph in phases.items()), flush=True)
             if args.step_repeats:
                 t = step_cost(lora, base, prompts, spread, args.step_repeats)
                 steps.append((level, t))
