@@ -375,8 +375,6 @@ def main() -> None:
     ap.add_argument("--prefill", action="store_true",
                     help="time one prefill chunk's forward and each projection kind on both engines, then stop")
     ap.add_argument("--trace", action="store_true", help="print every timed run's prefill steps")
-    ap.add_argument("--lora-first", action="store_true",
-                    help="build the LoRA engine before the engine without LoRA (the default builds it after)")
     ap.add_argument("--clear-cache", action="store_true",
                     help="empty MLX's buffer cache before every timed run (no run reuses another's buffers)")
     args = ap.parse_args()
@@ -390,14 +388,10 @@ def main() -> None:
     make = random_model_maker(args.shape) if args.shape else (lambda: load_model(args.model))
     with tempfile.TemporaryDirectory() as tmp:
         adapters = write_adapters(make().model, Path(tmp), args.rank, args.targets)
-        def lora_engine():
-            return Engine(EngineConfig(model=args.model, enable_lora=True, max_loras=NUM_ADAPTERS,
-                                       max_lora_rank=args.rank,
-                                       lora_modules=[f"a{k}={d}" for k, d in enumerate(adapters)], **common), make())
-
-        lora = lora_engine() if args.lora_first else None
         base = Engine(EngineConfig(model=args.model, **common), make())
-        lora = lora or lora_engine()
+        lora = Engine(EngineConfig(model=args.model, enable_lora=True, max_loras=NUM_ADAPTERS,
+                                   max_lora_rank=args.rank,
+                                   lora_modules=[f"a{k}={d}" for k, d in enumerate(adapters)], **common), make())
         print(f"device {mx.default_device()}, model {base.info.model_id}, rank {args.rank}, "
               f"{NUM_ADAPTERS} adapters of {' '.join(args.targets or ['every projection'])}, "
               f"slots {lora.lora.nbytes / 2**20:.1f} MiB", flush=True)

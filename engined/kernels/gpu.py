@@ -8,7 +8,7 @@ one launch; long fp16/bf16 prefill chunks without window or softcap go to
 MLX's fused SDPA instead, because the kernel's scalar tile path is far slower
 than matrix-unit attention (numbers in ``bench/kernels/RESULTS.md``):
 adjacent chunks of one shape share one SDPA call over their paged context,
-read in place where the blocks are consecutive (``_StepPlan.in_place``) and
+read in place where the blocks are consecutive (``_StepPlan.in_place``; Metal only) and
 otherwise from a head-major copy (``gather_runs``, one launch for all of a
 step's runs), reading q and writing the output in packed order without
 copies. ``paged_attention`` returns ``None`` for a configuration the kernel
@@ -150,7 +150,14 @@ class _StepPlan:
         """Per SDPA run, ``(first block, blocks from chunk to chunk)`` where SDPA can read the cache
         itself: each chunk's blocks consecutive and in order, the chunks evenly spaced (as a fresh
         pool hands out blocks). SDPA reads that token-major view as fast as a gathered copy
-        (``bench/kernels/RESULTS.md``), so such runs skip the gather; None elsewhere."""
+        (``bench/kernels/RESULTS.md``), so such runs skip the gather; None elsewhere.
+
+        None for every run on CUDA: MLX's CUDA SDPA builds a cuDNN graph, ~45 ms of host time on
+        the H200, for every new combination of its inputs' shapes and strides, and a view's strides
+        follow where the pool put the blocks. Gathered, a chunk shape's graph is built once; read in
+        place, once more for each layout (``bench/kernels/sdpa_shapes.py``)."""
+        if self.dialect == "cuda":
+            return [None] * len(self.routed()[2])
         if num_blocks not in self._in_place:
             _, _, runs = self.routed()
             tables = np.asarray(self.meta.block_tables)

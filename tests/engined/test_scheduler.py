@@ -216,7 +216,7 @@ def test_lower_priority_value_is_admitted_first_and_preempted_last():
 
 def test_recycled_blocks_let_gpu_prefill_read_the_cache_in_place():
     """A wave of prompts that reuses a finished wave's blocks gets each run back consecutive and
-    ascending, evenly spaced in a batch: the GPU route's in-place condition, no gather."""
+    ascending, evenly spaced in a batch: the Metal route's in-place condition, no gather."""
     rng = random.Random(fresh_seed())
     bs, n, length = 16, 4, 160
     kv = blocks_only(n * length // bs, bs, True)
