@@ -5,11 +5,13 @@ and strides (an LRU of 256) on the host, inside the evaluation that meets it.
 Paged prefill chunks come in every (query length, context length), so a serving
 engine meets new shapes all the time. For chunks of Llama-8B's heads (32 query,
 8 KV, D = 128) at random lengths this prints each shape's first call and its
-second (the build's cost), in three forms: bottom-right causal (the engine's
-route), an additive bias mask of the same causal pattern (the shape then need
-not be the chunk's), and both padded up to multiples of ``--bucket`` tokens
-(bias mask of the padded shape: the form whose graphs a warm-up could build
-ahead).
+second (the build's cost), in four forms: bottom-right causal (the engine's
+route); the query and its context padded at the end by the same rows, so that
+the query rows are a multiple of ``--bucket`` (still causal and exact: a real
+row never reaches a padded key; a fresh prompt's chunk, context = query, then
+has one shape per bucket); an additive bias mask of the same causal pattern;
+and both lengths padded to multiples of ``--bucket`` under a bias mask (the
+form whose shapes a warm-up could build ahead whatever the context).
 
     python -m bench.kernels.sdpa_shapes [--shapes 8] [--bucket 256] [--seed 0]
 """
@@ -55,9 +57,9 @@ def main() -> None:
         return
     rng = np.random.default_rng(args.seed)
     scale = D ** -0.5
-    rows = {"causal": [], "bias mask": [], "padded, bias mask": []}
-    print("| query / context | causal: first, second ms | bias mask: first, second | padded to "
-          f"{args.bucket}, bias mask: first, second |\n|---|---|---|---|")
+    rows = {"causal": [], "equal padding, causal": [], "bias mask": [], "padded, bias mask": []}
+    print(f"| query / context | causal: first, second ms | query padded to {args.bucket}s, context alike, causal "
+          f"| bias mask | padded to {args.bucket}s, bias mask |\n|---|---|---|---|---|")
     for _ in range(args.shapes):
         ql = int(rng.integers(64, 2048))
         sl = ql + int(rng.integers(0, 2048))
@@ -70,9 +72,13 @@ def main() -> None:
         kpad = mx.pad(k, [(0, 0), (0, 0), (0, sp - sl), (0, 0)])
         vpad = mx.pad(v, [(0, 0), (0, 0), (0, sp - sl), (0, 0)])
         mask, mask_pad = causal_bias(ql, sl, ql, sl), causal_bias(ql, sl, qp, sp)
-        mx.eval(q, k, v, qpad, kpad, vpad, mask, mask_pad)
+        kalike = mx.pad(k, [(0, 0), (0, 0), (0, qp - ql), (0, 0)])
+        valike = mx.pad(v, [(0, 0), (0, 0), (0, qp - ql), (0, 0)])
+        mx.eval(q, k, v, qpad, kpad, vpad, kalike, valike, mask, mask_pad)
         forms = {
             "causal": lambda: mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask="causal"),
+            "equal padding, causal": lambda: mx.fast.scaled_dot_product_attention(
+                qpad, kalike, valike, scale=scale, mask="causal")[:, :, :ql],
             "bias mask": lambda: mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask),
             "padded, bias mask": lambda: mx.fast.scaled_dot_product_attention(qpad, kpad, vpad, scale=scale,
                                                                               mask=mask_pad)[:, :, :ql],
