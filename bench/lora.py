@@ -30,10 +30,12 @@ slot's A and B with each row's other slots' columns masked to zero, against
 the base matmul; then q/k/v's and gate/up's terms taken apart against one
 shared x·A (what the layers do): seconds, not minutes, on a GPU.
 ``--prefill`` times one prefill chunk's forward (no adapter) on both engines,
-then each projection kind over every layer in each engine's form.
+then each projection kind over every layer in each engine's form. ``--trace``
+prints every timed run's prefill steps (ms, tokens, ms waiting for the device,
+rows read).
 
     python -m bench.lora [--model PATH | --shape NAME] [--levels 8 64] [--max-tokens 32] [--rank 16]
-                         [--prompt-lens 32 256] [--targets q_proj v_proj] [--term] [--prefill] [--clear-cache]
+                         [--prompt-lens 32 256] [--targets q_proj v_proj] [--term] [--prefill] [--clear-cache] [--trace]
 """
 
 from __future__ import annotations
