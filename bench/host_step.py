@@ -64,7 +64,7 @@ def _stand_in_kernels():
     return kernels
 
 
-def _stand_in_term_kernel():
+def _stand_in_term_kernel(*_group):
     """``engined.kernels.lora_term._kernel`` for a machine without CUDA: the base output's first columns,
     a view of the launch's output shape. Lazy zeros would free the graph of the base's matmul too."""
 

@@ -32,16 +32,19 @@ shared x·A (what the layers do): seconds, not minutes, on a GPU.
 ``--prefill`` times one prefill chunk's forward (no adapter) on both engines,
 then each projection kind over every layer in each engine's form. ``--trace``
 prints every timed run's prefill steps (ms, tokens, ms waiting for the device,
-rows read).
+rows read) and its decode phase's ms a step; ``--profile N`` runs each system once more under cProfile and
+prints its N costliest functions.
 
     python -m bench.lora [--model PATH | --shape NAME] [--levels 8 64] [--max-tokens 32] [--rank 16]
-                         [--prompt-lens 32 256] [--targets q_proj v_proj] [--term] [--prefill] [--clear-cache] [--trace]
+                         [--prompt-lens 32 256] [--targets q_proj v_proj] [--term] [--prefill] [--clear-cache] [--trace] [--profile N]
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
 import json
+import pstats
 import statistics
 import tempfile
 import time
@@ -378,6 +381,8 @@ def main() -> None:
     ap.add_argument("--prefill", action="store_true",
                     help="time one prefill chunk's forward and each projection kind on both engines, then stop")
     ap.add_argument("--trace", action="store_true", help="print every timed run's prefill steps")
+    ap.add_argument("--profile", type=int, default=0, metavar="N",
+                    help="after the timed runs, one more run of each system under cProfile: its N costliest functions")
     ap.add_argument("--clear-cache", action="store_true",
                     help="empty MLX's buffer cache before every timed run (no run reuses another's buffers)")
     args = ap.parse_args()
@@ -427,8 +432,17 @@ def main() -> None:
                     phases[name].append(timed_run(engine, prompts, params, loras, trace))
                     times[name].append(time.perf_counter() - start)
                     if args.trace:
+                        _, decode_s, decode_steps, _ = phases[name][-1]
                         print(f"c={level} {name}, run {i}: the prefill's steps (ms / tokens / ms waiting / rows "
-                              "read): " + "  ".join(f"{ms:.1f}/{n}/{w:.1f}/{r}" for ms, n, w, r in trace), flush=True)
+                              "read): " + "  ".join(f"{ms:.1f}/{n}/{w:.1f}/{r}" for ms, n, w, r in trace)
+                              + f"; then {decode_s / decode_steps * 1e3:.2f} ms a decode step", flush=True)
+            if args.profile:
+                for name, (engine, loras) in systems.items():
+                    print(f"c={level} {name}: one more whole run under cProfile (not timed), the functions that "
+                          "took the most time of their own:", flush=True)
+                    profile = cProfile.Profile()
+                    profile.runcall(timed_run, engine, prompts, params, loras)
+                    pstats.Stats(profile).sort_stats("tottime").print_stats(args.profile)
             tokens = level * args.max_tokens
             rate = {name: tokens / statistics.median(t) for name, t in times.items()}
             if "base" in rate:

@@ -16,6 +16,8 @@ import tempfile
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 
+import mlx.core as mx  # noqa: E402
+
 from engined.kernels import gated_delta, gpu, gpu_geometry, lora_term, source  # noqa: E402
 
 SIZES = {"float32": 4, "float16": 2, "bfloat16": 2}
@@ -65,9 +67,9 @@ def other_kernels(arch: str) -> bool:
     """The gated delta rule, in bf16 and float32; the LoRA term of a folded q/k/v group (Llama-8B's shape)."""
     ok = True
     for dt in ("bfloat16", "float16", "float32"):
-        text = wrap("lora_term", "", lora_term._SOURCE,
+        text = wrap("lora_term", "", lora_term.source(getattr(mx, dt), 48, 6144, 6144),
                     [("y", dt), ("y_shape", None), ("h", dt), ("h_shape", None), ("b", dt), ("b_shape", None),
-                     ("slots", "uint32")], [("out", dt)], [("T", dt), ("W", 48), ("OUT", 6144), ("HOFF", 6144)])
+                     ("slots", "uint32")], [("out", dt)], [])
         ok &= compile_one(f"lora term {dt}", text, arch)
     sys.path.insert(0, os.path.dirname(__file__))
     import skinny_gemm  # noqa: E402 (bench/kernels/skinny_gemm.py, a script beside this one)

@@ -29,7 +29,9 @@ VECTOR = 4  # output columns a thread takes, its y, B and output read and writte
 # for gate/up at 64 rows, against their matmuls' 17-18 and 63-70 (``bench/lora_results.md``). Here one h load
 # serves ``VECTOR`` columns, and B's are one wide load each. ``h`` is read from column ``HOFF`` on, so that a folded
 # group passes its one base output as both ``y`` and ``h``. The leading dimensions are the arrays' shapes, passed
-# at launch: each template argument is text MLX formats into the kernel's source at every call.
+# at launch. ``T``, ``W``, ``OUT`` and ``HOFF`` are written into each group's own copy of the source (``source``),
+# not passed as template arguments: MLX formats every template argument into the kernel's text and its name at
+# every call, a host cost paid ~128 times a step (``bench/kernels/launch_cost.py``).
 _SOURCE = f"  constexpr int V = {VECTOR};" + r"""
   struct alignas(V * sizeof(T)) Pack { T v[V]; };
   const int j = (blockIdx.x * blockDim.x + threadIdx.x) * V;
@@ -60,10 +62,22 @@ _SOURCE = f"  constexpr int V = {VECTOR};" + r"""
 """
 
 
+# MLX's names of the dtypes in the CUDA source it generates.
+_CUDA_TYPES = {mx.float32: "float", mx.float16: "__half", mx.bfloat16: "__nv_bfloat16"}
+
+
+def source(dtype: mx.Dtype, width: int, out: int, h_offset: int) -> str:
+    """The kernel's body for one group: its dtype and widths as constants."""
+    return (f"  using T = {_CUDA_TYPES[dtype]};\n  constexpr int W = {width}, OUT = {out}, HOFF = {h_offset};\n"
+            + _SOURCE)
+
+
 @lru_cache(maxsize=None)
-def _kernel():
-    return mx.fast.cuda_kernel(name="mlxd_lora_term", input_names=["y", "h", "b", "slots"], output_names=["out"],
-                               source=_SOURCE)
+def _kernel(dtype: mx.Dtype, width: int, out: int, h_offset: int):
+    """One group's kernel (groups of one layer shape share it): built once, launched without template arguments."""
+    name = f"mlxd_lora_term_{_CUDA_TYPES[dtype].strip('_')}_{width}_{out}_{h_offset}"
+    return mx.fast.cuda_kernel(name=name, input_names=["y", "h", "b", "slots"], output_names=["out"],
+                               source=source(dtype, width, out, h_offset))
 
 
 def add_term(y: mx.array, h: mx.array, h_offset: int, b: mx.array, slots: mx.array, width: int, out: int
@@ -73,18 +87,12 @@ def add_term(y: mx.array, h: mx.array, h_offset: int, b: mx.array, slots: mx.arr
     row-contiguous (they may be one array), ``y`` and ``b`` whole arrays, not views (their rows are read
     ``VECTOR`` columns at a time: see ``fits``), ``slots`` uint32 ``[rows]``."""
     rows, threads = y.shape[0], out // VECTOR
-    return _kernel()(inputs=[y, h, b, slots], template=_template(y.dtype, width, out, h_offset),
-                     grid=(-(-threads // _THREADS) * _THREADS, rows, 1), threadgroup=(_THREADS, 1, 1),
-                     output_shapes=[(rows, out)], output_dtypes=[y.dtype])[0]
+    return _kernel(y.dtype, width, out, h_offset)(
+        inputs=[y, h, b, slots], grid=(-(-threads // _THREADS) * _THREADS, rows, 1), threadgroup=(_THREADS, 1, 1),
+        output_shapes=[(rows, out)], output_dtypes=[y.dtype])[0]
 
 
 def fits(*widths: int) -> bool:
     """Whether ``add_term`` takes arrays of these widths (``out``, ``y``'s and ``b``'s rows): whole ``VECTOR``-column
     packs."""
     return all(w % VECTOR == 0 for w in widths)
-
-
-@lru_cache(maxsize=None)
-def _template(dtype: mx.Dtype, width: int, out: int, h_offset: int) -> list:
-    """A group's template arguments, the same at every call: built once (a step makes ~128 calls)."""
-    return [("T", dtype), ("W", width), ("OUT", out), ("HOFF", h_offset)]
