@@ -56,6 +56,7 @@ from engined.device import load_fast_blas
 load_fast_blas()
 import mlx.core as mx
 import numpy as np
+from mlx_lm.models.activations import swiglu
 
 from bench.kernels.on_cuda import alternating_ms
 from engined.engine import Engine
@@ -348,13 +349,23 @@ def term_cost(shape: str, rank: int, repeats: int) -> None:
                 on_base = mx.array(np.arange(rows) % 5 == 0)
                 z = x @ w_ext.T
                 want = mx.addmm(z, z[:, out:] * (group_mask * ~on_base[:, None]), b_ext)[:, :out]
-                got = lora_term.add_term(z, z, out, b_ext, mx.where(on_base, 0, slots).astype(mx.uint32), width, out)
-                want = want.astype(mx.float32)
-                err = f"{(mx.abs(got.astype(mx.float32) - want).max() / mx.abs(want).max()).item():.1e}"
+                on_slots = mx.where(on_base, 0, slots).astype(mx.uint32)
+                got = lora_term.add_term(z, z, out, b_ext, on_slots, width, out)
+                err = _relative_error(got, want)
+                if len(outs) == 2:  # gate/up: the kernel that also applies the MLP's activation
+                    half = outs[0]
+                    got = lora_term.add_term(z, z, out, b_ext, on_slots, width, half, glu=True)
+                    err += f", with the activation {_relative_error(got, swiglu(want[:, :half], want[:, half:]))}"
             us = _alternate(runs, repeats)
             print(f"| {hidden} x {'+'.join(map(str, outs))} | {rows} | {us['base']:.0f} | {us['joined']:.0f} "
                   f"| {us['apart']:.0f} | {us['group']:.0f} | {us['folded']:.0f} | {us['whole']:.0f} "
                   f"| {us.get('kernel', float('nan')):.0f} | {err} |", flush=True)
+
+
+def _relative_error(got: mx.array, want: mx.array) -> str:
+    """The largest difference relative to the largest value."""
+    want = want.astype(mx.float32)
+    return f"{(mx.abs(got.astype(mx.float32) - want).max() / mx.abs(want).max()).item():.1e}"
 
 
 def make_prompts(n: int, vocab: int, seed: int, lengths: tuple[int, int]) -> list[list[int]]:

@@ -64,13 +64,15 @@ def compile_one(tag: str, text: str, arch: str) -> bool:
 
 
 def other_kernels(arch: str) -> bool:
-    """The gated delta rule, in bf16 and float32; the LoRA term of a folded q/k/v group (Llama-8B's shape)."""
+    """The gated delta rule, in bf16 and float32; the LoRA term of a folded q/k/v group and of a gate/up group with
+    its activation (Llama-8B's shapes)."""
     ok = True
     for dt in ("bfloat16", "float16", "float32"):
-        text = wrap("lora_term", "", lora_term.source(getattr(mx, dt), 48, 6144, 6144),
-                    [("y", dt), ("y_shape", None), ("h", dt), ("h_shape", None), ("b", dt), ("b_shape", None),
-                     ("slots", "uint32")], [("out", dt)], [])
-        ok &= compile_one(f"lora term {dt}", text, arch)
+        for glu, (width, out) in ((False, (48, 6144)), (True, (32, 14336))):  # q/k/v; gate/up with its activation
+            text = wrap("lora_term", "", lora_term.source(getattr(mx, dt), width, out, 2 * out if glu else out, glu),
+                        [("y", dt), ("y_shape", None), ("h", dt), ("h_shape", None), ("b", dt), ("b_shape", None),
+                         ("slots", "uint32")], [("out", dt)], [])
+            ok &= compile_one(f"lora term{' glu' if glu else ''} {dt}", text, arch)
     sys.path.insert(0, os.path.dirname(__file__))
     import skinny_gemm  # noqa: E402 (bench/kernels/skinny_gemm.py, a script beside this one)
 

@@ -29,7 +29,9 @@ VECTOR = 4  # output columns a thread takes, its y, B and output read and writte
 # for gate/up at 64 rows, against their matmuls' 17-18 and 63-70 (``bench/lora_results.md``). Here one h load
 # serves ``VECTOR`` columns, and B's are one wide load each. ``h`` is read from column ``HOFF`` on, so that a folded
 # group passes its one base output as both ``y`` and ``h``. The leading dimensions are the arrays' shapes, passed
-# at launch. ``T``, ``W``, ``OUT`` and ``HOFF`` are written into each group's own copy of the source (``source``),
+# at launch. With ``GLU`` (a gate/up group, gate's ``OUT`` columns then up's) a thread also sums up's columns, ``OUT``
+# further on in ``y`` and B, and writes ``silu(gate) * up``: the MLP's activation in the same launch, one kernel
+# fewer a layer. ``T``, ``W``, ``OUT``, ``HOFF`` and ``GLU`` are written into each group's own copy of the source (``source``),
 # not passed as template arguments: MLX formats every template argument into the kernel's text and its name at
 # every call, a host cost paid ~128 times a step (``bench/kernels/launch_cost.py``).
 _SOURCE = f"  constexpr int V = {VECTOR};" + r"""
@@ -38,10 +40,15 @@ _SOURCE = f"  constexpr int V = {VECTOR};" + r"""
   const int t = blockIdx.y;
   if (j >= OUT) return;
   const int ldy = y_shape[1], ldh = h_shape[1], nb = b_shape[1];
+  float acc[V], up[V];
   const Pack yv = *reinterpret_cast<const Pack*>(y + (size_t)t * ldy + j);
-  float acc[V];
 #pragma unroll
   for (int i = 0; i < V; ++i) acc[i] = static_cast<float>(yv.v[i]);
+  if (GLU) {
+    const Pack uv = *reinterpret_cast<const Pack*>(y + (size_t)t * ldy + OUT + j);
+#pragma unroll
+    for (int i = 0; i < V; ++i) up[i] = static_cast<float>(uv.v[i]);
+  }
   const uint32_t s = slots[t];
   if (s > 0) {
     const int c0 = (int)(s - 1) * W;
@@ -53,11 +60,17 @@ _SOURCE = f"  constexpr int V = {VECTOR};" + r"""
       const Pack bv = *reinterpret_cast<const Pack*>(b_ + (size_t)k * nb);
 #pragma unroll
       for (int i = 0; i < V; ++i) acc[i] += hk * static_cast<float>(bv.v[i]);
+      if (GLU) {
+        const Pack bu = *reinterpret_cast<const Pack*>(b_ + (size_t)k * nb + OUT);
+#pragma unroll
+        for (int i = 0; i < V; ++i) up[i] += hk * static_cast<float>(bu.v[i]);
+      }
     }
   }
   Pack o;
 #pragma unroll
-  for (int i = 0; i < V; ++i) o.v[i] = static_cast<T>(acc[i]);
+  for (int i = 0; i < V; ++i)
+    o.v[i] = static_cast<T>(GLU ? acc[i] / (1.0f + expf(-acc[i])) * up[i] : acc[i]);
   *reinterpret_cast<Pack*>(out + (size_t)t * OUT + j) = o;
 """
 
@@ -66,28 +79,29 @@ _SOURCE = f"  constexpr int V = {VECTOR};" + r"""
 _CUDA_TYPES = {mx.float32: "float", mx.float16: "__half", mx.bfloat16: "__nv_bfloat16"}
 
 
-def source(dtype: mx.Dtype, width: int, out: int, h_offset: int) -> str:
-    """The kernel's body for one group: its dtype and widths as constants."""
+def source(dtype: mx.Dtype, width: int, out: int, h_offset: int, glu: bool = False) -> str:
+    """The kernel's body for one group: its dtype, widths and form as constants."""
     return (f"  using T = {_CUDA_TYPES[dtype]};\n  constexpr int W = {width}, OUT = {out}, HOFF = {h_offset};\n"
-            + _SOURCE)
+            f"  constexpr bool GLU = {'true' if glu else 'false'};\n" + _SOURCE)
 
 
 @lru_cache(maxsize=None)
-def _kernel(dtype: mx.Dtype, width: int, out: int, h_offset: int):
+def _kernel(dtype: mx.Dtype, width: int, out: int, h_offset: int, glu: bool):
     """One group's kernel (groups of one layer shape share it): built once, launched without template arguments."""
-    name = f"mlxd_lora_term_{_CUDA_TYPES[dtype].strip('_')}_{width}_{out}_{h_offset}"
+    name = f"mlxd_lora_{'glu' if glu else 'term'}_{_CUDA_TYPES[dtype].strip('_')}_{width}_{out}_{h_offset}"
     return mx.fast.cuda_kernel(name=name, input_names=["y", "h", "b", "slots"], output_names=["out"],
-                               source=source(dtype, width, out, h_offset))
+                               source=source(dtype, width, out, h_offset, glu))
 
 
-def add_term(y: mx.array, h: mx.array, h_offset: int, b: mx.array, slots: mx.array, width: int, out: int
-             ) -> mx.array:
+def add_term(y: mx.array, h: mx.array, h_offset: int, b: mx.array, slots: mx.array, width: int, out: int,
+             glu: bool = False) -> mx.array:
     """``[rows, out]``: ``y[:, :out]`` plus each row's own slot's term, ``h[:, h_offset + (s-1)*width :][:width]
     @ b[(s-1)*width :][:width, :out]`` for slot ``s`` (none for slot 0, the base). ``y`` and ``h`` are 2-D and
     row-contiguous (they may be one array), ``y`` and ``b`` whole arrays, not views (their rows are read
-    ``VECTOR`` columns at a time: see ``fits``), ``slots`` uint32 ``[rows]``."""
+    ``VECTOR`` columns at a time: see ``fits``), ``slots`` uint32 ``[rows]``. With ``glu``, ``silu(g) * u`` of
+    that sum ``g`` and of its next ``out`` columns' ``u`` (``y[:, out:2 * out]`` plus their term)."""
     rows, threads = y.shape[0], out // VECTOR
-    return _kernel(y.dtype, width, out, h_offset)(
+    return _kernel(y.dtype, width, out, h_offset, glu)(
         inputs=[y, h, b, slots], grid=(-(-threads // _THREADS) * _THREADS, rows, 1), threadgroup=(_THREADS, 1, 1),
         output_shapes=[(rows, out)], output_dtypes=[y.dtype])[0]
 

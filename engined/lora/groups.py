@@ -21,7 +21,9 @@ and a decode step on a GPU is bound by the host's cost per operation
 (bench/lora_results.md). Where attention runs on CUDA, a step of at most
 ``lora_term.MAX_ROWS`` rows adds the term in one kernel instead of the mask
 and ``addmm`` (``engined/kernels/lora_term.py``: MLX's CUDA ``addmm`` asks
-cuBLASLt for an algorithm at every call), so a folded group is two launches.
+cuBLASLt for an algorithm at every call), so a folded group is two launches. A gate/up group called for its MLP's hidden state
+(``joined(glu=True)``, ``layers.SwiGLUMLP``) returns ``swiglu(gate, up)``, and that kernel applies the
+activation as well: the MLP's own activation launch is saved.
 The price is B's zero blocks: ``n`` times the memory and arithmetic of the
 members' B products, which are rank-sized against the base's. A projection
 of an input of its own (o_proj, down_proj), or members that cannot be joined
@@ -37,6 +39,7 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
+from mlx_lm.models.activations import swiglu
 
 from engined.kernels import lora_term
 from engined.linear_join import JoinedLinears, dims
@@ -65,8 +68,9 @@ class ProjectionGroup(JoinedLinears):
         # A folded group's B reaches its x·A columns too, with zeros: see the module's docstring.
         self.b = mx.zeros((columns, self.offsets[-1] + (columns if self.folded else 0)), dtype)
         self.nbytes = columns * d_in * dtype.size + self.b.nbytes  # the slots' A and B
-        # Whether the term kernel takes this group's widths (its members' outputs, its base output, B's rows).
-        self.kernel_fits = lora_term.fits(self.offsets[-1], dims(base)[1], self.b.shape[1])
+        # Whether the term kernel takes this group's widths (its members' outputs, its first member's, its base
+        # output, B's rows).
+        self.kernel_fits = lora_term.fits(self.offsets[-1], self.offsets[1], dims(base)[1], self.b.shape[1])
         self.live: list[set[int]] = [set() for _ in outs]
         step.inputs.append(self)
 
@@ -86,17 +90,18 @@ class ProjectionGroup(JoinedLinears):
         self.b[rows, cols] = mx.array(b).astype(self.b.dtype)
         (self.live[member].add if live else self.live[member].discard)(slot)
 
-    def joined(self, x: mx.array) -> mx.array:
+    def joined(self, x: mx.array, glu: bool = False) -> mx.array:
         """The base projections plus each row's adapter term (``x`` is 2-D); a folded group's ``x·A`` columns
-        follow where MLX's operations add the term (``JoinedLinears.output`` cuts them off)."""
+        follow where MLX's operations add the term (``JoinedLinears.output`` cuts them off). With ``glu`` (a
+        gate/up group) ``swiglu(gate, up)`` of the two instead, the MLP's hidden state: where the term kernel
+        runs, in its one launch."""
         y = self.base(x)
         step, out = self.step, self.offsets[-1]
-        if step.slots is None or not any(self.live):
-            return y
-        h = y if self.folded else mx.matmul(x.astype(self.a.dtype), self.a)
-        if (step.term_kernel and y.shape[0] <= lora_term.MAX_ROWS and y.dtype == h.dtype == self.b.dtype
-                and self.kernel_fits):
-            return lora_term.add_term(y, h, out if self.folded else 0, self.b, step.slots, self.width, out)
-        if self.folded:
-            h = y[..., out:]
-        return mx.addmm(y, h * step.mask(self.width), self.b)
+        if step.slots is not None and any(self.live):
+            h = y if self.folded else mx.matmul(x.astype(self.a.dtype), self.a)
+            if (step.term_kernel and y.shape[0] <= lora_term.MAX_ROWS and y.dtype == h.dtype == self.b.dtype
+                    and self.kernel_fits):
+                return lora_term.add_term(y, h, out if self.folded else 0, self.b, step.slots, self.width,
+                                          self.offsets[1] if glu else out, glu)
+            y = mx.addmm(y, (y[..., out:] if self.folded else h) * step.mask(self.width), self.b)
+        return swiglu(y[:, :self.offsets[1]], y[:, self.offsets[1]:out]) if glu else y

@@ -28,6 +28,7 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
+from mlx_lm.models.activations import swiglu
 from mlx_lm.models.switch_layers import SwitchGLU
 
 from engined.linear_join import JoinedMember, dims, fuse_linears
@@ -214,6 +215,39 @@ class SlottedLoraSwitchGLU(nn.Module):
         return out.squeeze(-2)
 
 
+class SwiGLUMLP(nn.Module):
+    """An MLP of mlx_lm's ``down_proj(swiglu(gate_proj(x), up_proj(x)))`` form whose gate/up are one group: its
+    hidden state is the group's in one piece (``ProjectionGroup.joined(glu=True)``), so that where the term kernel
+    runs one launch adds both terms and applies the activation. Same modules under the same names."""
+
+    PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+
+    def __init__(self, inner: nn.Module, group: ProjectionGroup):
+        super().__init__()
+        for name in self.PROJECTIONS:
+            setattr(self, name, inner[name])
+        self.group = group  # a plain object, outside the module tree
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return self.down_proj(self.group.joined(x.reshape(-1, x.shape[-1]), glu=True))
+
+
+def _swiglu_form(mlp: nn.Module) -> bool:
+    """Whether ``mlp`` computes ``down_proj(swiglu(gate_proj(x), up_proj(x)))``: checked on a random input in its
+    weights' dtype, before its linears are wrapped (another activation, a gate scale or a shared expert differs)."""
+    if not all(name in mlp for name in SwiGLUMLP.PROJECTIONS):
+        return False
+    gate = mlp.gate_proj
+    dtype = gate.scales.dtype if "scales" in gate else gate.weight.dtype
+    x = mx.random.normal((2, dims(gate)[0]), key=mx.random.key(0)).astype(dtype)
+    try:
+        want = mlp(x).astype(mx.float32)
+        got = mlp.down_proj(swiglu(mlp.gate_proj(x), mlp.up_proj(x))).astype(mx.float32)
+        return want.shape == got.shape and (mx.abs(want - got).max() <= 1e-2 * mx.abs(want).max()).item()
+    except (ValueError, TypeError, AttributeError):  # not called as a plain function of one array
+        return False
+
+
 _LINEARS = (nn.Linear, nn.QuantizedLinear)
 # Sibling projections that mlx_lm's attention and MLP blocks call on one input: one ProjectionGroup each.
 _SHARED = {"q_proj": "qkv", "k_proj": "qkv", "v_proj": "qkv", "gate_proj": "gate_up", "up_proj": "gate_up"}
@@ -250,10 +284,12 @@ def install(model: nn.Module, num_adapters: int, rank: int, dtype: mx.Dtype, exp
                 parent, _, leaf = name.rpartition(".")
                 key = (parent, _SHARED[leaf], dims(module)[0]) if leaf in _SHARED else (name,)
                 groups.setdefault(key, []).append((name, module))
-        swaps = list(switches)
-        for members in groups.values():
-            members.sort(key=lambda m: m[0])
+        swaps, mlps = list(switches), []
+        for key, members in groups.items():
+            members.sort(key=lambda m: m[0])  # gate_proj before up_proj
             joined = fuse_linears([m for _, m in members]) if len(members) > 1 else None
+            if joined is not None and key[1] == "gate_up" and _swiglu_form(_get(layer, key[0])):
+                mlps.append(key[0])
             for part in [members] if joined is not None or len(members) == 1 else [[m] for m in members]:
                 shapes = [dims(m) for _, m in part]  # before the group folds A into a lone base's weight
                 group = ProjectionGroup(step, part[0][1] if joined is None else joined,
@@ -266,13 +302,21 @@ def install(model: nn.Module, num_adapters: int, rank: int, dtype: mx.Dtype, exp
                     targets[f"{prefix}.{i}.{name}.{proj}"] = (wrapper, proj)
             else:
                 targets[f"{prefix}.{i}.{name}"] = (wrapper, None)
+        for name in mlps:
+            mlp = _get(layer, name)
+            _set(layer, name, SwiGLUMLP(mlp, mlp.gate_proj.joined))
     return step, targets
+
+
+def _get(root: nn.Module, dotted: str) -> nn.Module:
+    for p in dotted.split(".") if dotted else []:
+        root = root[int(p)] if p.isdigit() else getattr(root, p)
+    return root
 
 
 def _set(root: nn.Module, dotted: str, module: nn.Module) -> None:
     *parents, last = dotted.split(".")
-    for p in parents:
-        root = root[int(p)] if p.isdigit() else getattr(root, p)
+    root = _get(root, ".".join(parents))
     if last.isdigit():
         root[int(last)] = module
     else:

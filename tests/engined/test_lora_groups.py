@@ -4,6 +4,7 @@ output) calls counted while one mixed packed step's graph is built, and no ``gat
 mlx_lm's fused forward is test_lora's)."""
 
 import mlx.core as mx
+import mlx.nn as nn
 import numpy as np
 import pytest
 
@@ -83,15 +84,16 @@ def test_a_projection_called_on_another_input_gets_its_own_product(setups):
         np.testing.assert_allclose(np.array(out), want.reshape(3, -1), rtol=1e-4, atol=1e-4, err_msg=name)
 
 
-def _term_by_rows(y, h, h_offset, b, slots, width, out):
+def _term_by_rows(y, h, h_offset, b, slots, width, out, glu=False):
     """``engined.kernels.lora_term.add_term``'s contract, row by row in MLX (the kernel itself needs CUDA)."""
+    cols = 2 * out if glu else out
     rows = []
     for t, s in enumerate(np.array(slots).tolist()):
-        row = y[t, :out]
+        row = y[t, :cols]
         if s:
             c0 = h_offset + (s - 1) * width
-            row = row + h[t, c0:c0 + width] @ b[(s - 1) * width:s * width, :out]
-        rows.append(row)
+            row = row + h[t, c0:c0 + width] @ b[(s - 1) * width:s * width, :cols]
+        rows.append(nn.silu(row[:out]) * row[out:] if glu else row)
     return mx.stack(rows)
 
 
@@ -118,5 +120,19 @@ def test_the_term_kernels_arguments_give_the_masked_terms_logits(setups, tmp_pat
     monkeypatch.setattr(lora_term, "add_term", term)
     engine.lora.step.term_kernel = True
     got = engine.runner.run(batch)
-    assert len(calls) == 4 * len(engine.runner.model.layers)  # q/k/v, o, gate/up and down of every layer
+    # q/k/v, o, gate/up (with the MLP's activation: glu) and down of every layer
+    assert calls == [False, False, True, False] * len(engine.runner.model.layers)
     np.testing.assert_allclose(np.array(got), np.array(want), rtol=1e-4, atol=1e-4)
+
+
+def test_only_a_swiglu_mlp_takes_its_hidden_state_from_its_group():
+    """An MLP whose output is ``down(swiglu(gate(x), up(x)))`` (llama's) is checked as such and may take its
+    hidden state from its gate/up group in one piece; another activation (gemma's GELU) is not."""
+    from mlx_lm.models import gemma, llama
+
+    from engined.lora.layers import _swiglu_form
+
+    args = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                num_key_value_heads=1, vocab_size=64, rms_norm_eps=1e-5)
+    assert _swiglu_form(llama.MLP(llama.ModelArgs(model_type="llama", **args)))
+    assert not _swiglu_form(gemma.MLP(32, 64))
