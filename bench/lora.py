@@ -394,6 +394,8 @@ def main() -> None:
     ap.add_argument("--trace", action="store_true", help="print every timed run's prefill steps")
     ap.add_argument("--profile", type=int, default=0, metavar="N",
                     help="after the timed runs, one more run of each system under cProfile: its N costliest functions")
+    ap.add_argument("--cache-limit", type=float, default=None, metavar="GIB",
+                    help="MLX's buffer-cache limit once both engines are built (default: what their memory guard set)")
     ap.add_argument("--clear-cache", action="store_true",
                     help="empty MLX's buffer cache before every timed run (no run reuses another's buffers)")
     args = ap.parse_args()
@@ -411,6 +413,8 @@ def main() -> None:
         lora = Engine(EngineConfig(model=args.model, enable_lora=True, max_loras=NUM_ADAPTERS,
                                    max_lora_rank=args.rank,
                                    lora_modules=[f"a{k}={d}" for k, d in enumerate(adapters)], **common), make())
+        if args.cache_limit is not None:
+            mx.set_cache_limit(int(args.cache_limit * 2**30))
         print(f"device {mx.default_device()}, model {base.info.model_id}, rank {args.rank}, "
               f"{NUM_ADAPTERS} adapters of {' '.join(args.targets or ['every projection'])}, "
               f"slots {lora.lora.nbytes / 2**20:.1f} MiB", flush=True)
