@@ -36,7 +36,8 @@ rows read) and its decode phase's ms a step; ``--profile N`` runs each system on
 prints its N costliest functions.
 
     python -m bench.lora [--model PATH | --shape NAME] [--levels 8 64] [--max-tokens 32] [--rank 16]
-                         [--prompt-lens 32 256] [--targets q_proj v_proj] [--term] [--prefill] [--clear-cache] [--trace] [--profile N]
+                         [--prompt-lens 32 256] [--targets q_proj v_proj] [--term] [--prefill] [--clear-cache]
+                         [--cache-limit GIB] [--trace] [--profile N]
 """
 
 from __future__ import annotations

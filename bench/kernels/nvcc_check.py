@@ -69,7 +69,8 @@ def other_kernels(arch: str) -> bool:
     ok = True
     for dt in ("bfloat16", "float16", "float32"):
         for glu, (width, out) in ((False, (48, 6144)), (True, (32, 14336))):  # q/k/v; gate/up with its activation
-            text = wrap("lora_term", "", lora_term.source(getattr(mx, dt), width, out, 2 * out if glu else out, glu),
+            body = lora_term.source(getattr(mx, dt), width, out, 2 * out if glu else out, glu)
+            text = wrap("lora_term", "", body,
                         [("y", dt), ("y_shape", None), ("h", dt), ("h_shape", None), ("b", dt), ("b_shape", None),
                          ("slots", "uint32")], [("out", dt)], [])
             ok &= compile_one(f"lora term{' glu' if glu else ''} {dt}", text, arch)

@@ -31,9 +31,9 @@ VECTOR = 4  # output columns a thread takes, its y, B and output read and writte
 # group passes its one base output as both ``y`` and ``h``. The leading dimensions are the arrays' shapes, passed
 # at launch. With ``GLU`` (a gate/up group, gate's ``OUT`` columns then up's) a thread also sums up's columns, ``OUT``
 # further on in ``y`` and B, and writes ``silu(gate) * up``: the MLP's activation in the same launch, one kernel
-# fewer a layer. ``T``, ``W``, ``OUT``, ``HOFF`` and ``GLU`` are written into each group's own copy of the source (``source``),
-# not passed as template arguments: MLX formats every template argument into the kernel's text and its name at
-# every call, a host cost paid ~128 times a step (``bench/kernels/launch_cost.py``).
+# fewer a layer. ``T``, ``W``, ``OUT``, ``HOFF`` and ``GLU`` are written into each group's own copy of the source
+# (``source``), not passed as template arguments: MLX formats every template argument into the kernel's text and
+# its name at every call, a host cost paid ~128 times a step (``bench/kernels/launch_cost.py``).
 _SOURCE = f"  constexpr int V = {VECTOR};" + r"""
   struct alignas(V * sizeof(T)) Pack { T v[V]; };
   const int j = (blockIdx.x * blockDim.x + threadIdx.x) * V;

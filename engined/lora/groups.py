@@ -21,9 +21,10 @@ and a decode step on a GPU is bound by the host's cost per operation
 (bench/lora_results.md). Where attention runs on CUDA, a step of at most
 ``lora_term.MAX_ROWS`` rows adds the term in one kernel instead of the mask
 and ``addmm`` (``engined/kernels/lora_term.py``: MLX's CUDA ``addmm`` asks
-cuBLASLt for an algorithm at every call), so a folded group is two launches. A gate/up group called for its MLP's hidden state
-(``joined(glu=True)``, ``layers.SwiGLUMLP``) returns ``swiglu(gate, up)``, and that kernel applies the
-activation as well: the MLP's own activation launch is saved.
+cuBLASLt for an algorithm at every call), so a folded group is two launches.
+A gate/up group called for its MLP's hidden state (``joined(glu=True)``,
+``layers.SwiGLUMLP``) returns ``swiglu(gate, up)``, and that kernel applies
+the activation as well: the MLP's own activation launch is saved.
 The price is B's zero blocks: ``n`` times the memory and arithmetic of the
 members' B products, which are rank-sized against the base's. A projection
 of an input of its own (o_proj, down_proj), or members that cannot be joined
