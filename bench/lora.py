@@ -28,7 +28,8 @@ q_proj's and gate_proj's sizes): the layers' two dense matmuls over every
 slot's A and B with each row's other slots' columns masked to zero, against
 ``gather_mm`` of each row's own slot (what vLLM's punica kernels do), beside
 the base matmul; then q/k/v's and gate/up's terms taken apart against one
-shared x·A (what the layers do): seconds, not minutes, on a GPU.
+shared x·A (what the layers do), and on CUDA the term kernel's forms (plain, with the MLP's activation, with
+the block's residual) checked against MLX's operations: seconds, not minutes, on a GPU.
 ``--prefill`` times one prefill chunk's forward (no adapter) on both engines,
 then each projection kind over every layer in each engine's form. ``--trace``
 prints every timed run's prefill steps (ms, tokens, ms waiting for the device,
@@ -357,6 +358,10 @@ def term_cost(shape: str, rank: int, repeats: int) -> None:
                     half = outs[0]
                     got = lora_term.add_term(z, z, out, b_ext, on_slots, width, half, glu=True)
                     err += f", with the activation {_relative_error(got, swiglu(want[:, :half], want[:, half:]))}"
+                else:  # the kernel that also adds the block's residual (an o_proj's and down_proj's form)
+                    residual = mx.random.normal((rows, out)).astype(dtype)
+                    got = lora_term.add_term(z, z, out, b_ext, on_slots, width, out, residual=residual)
+                    err += f", with a residual {_relative_error(got, residual + want)}"
             us = _alternate(runs, repeats)
             print(f"| {hidden} x {'+'.join(map(str, outs))} | {rows} | {us['base']:.0f} | {us['joined']:.0f} "
                   f"| {us['apart']:.0f} | {us['group']:.0f} | {us['folded']:.0f} | {us['whole']:.0f} "

@@ -68,12 +68,14 @@ def other_kernels(arch: str) -> bool:
     its activation (Llama-8B's shapes)."""
     ok = True
     for dt in ("bfloat16", "float16", "float32"):
-        for glu, (width, out) in ((False, (48, 6144)), (True, (32, 14336))):  # q/k/v; gate/up with its activation
-            body = lora_term.source(getattr(mx, dt), width, out, 2 * out if glu else out, glu)
+        # q/k/v; gate/up with its activation; o_proj with the block's residual
+        for form, (width, out) in (("", (48, 6144)), ("glu", (32, 14336)), ("residual", (16, 4096))):
+            body = lora_term.source(getattr(mx, dt), width, out, 2 * out if form == "glu" else out, form == "glu",
+                                    form == "residual")
             text = wrap("lora_term", "", body,
                         [("y", dt), ("y_shape", None), ("h", dt), ("h_shape", None), ("b", dt), ("b_shape", None),
-                         ("slots", "uint32")], [("out", dt)], [])
-            ok &= compile_one(f"lora term{' glu' if glu else ''} {dt}", text, arch)
+                         ("slots", "uint32")] + [("r", dt)] * (form == "residual"), [("out", dt)], [])
+            ok &= compile_one(f"lora term {form} {dt}", text, arch)
     sys.path.insert(0, os.path.dirname(__file__))
     import skinny_gemm  # noqa: E402 (bench/kernels/skinny_gemm.py, a script beside this one)
 

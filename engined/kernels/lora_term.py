@@ -31,7 +31,9 @@ VECTOR = 4  # output columns a thread takes, its y, B and output read and writte
 # group passes its one base output as both ``y`` and ``h``. The leading dimensions are the arrays' shapes, passed
 # at launch. With ``GLU`` (a gate/up group, gate's ``OUT`` columns then up's) a thread also sums up's columns, ``OUT``
 # further on in ``y`` and B, and writes ``silu(gate) * up``: the MLP's activation in the same launch, one kernel
-# fewer a layer. ``T``, ``W``, ``OUT``, ``HOFF`` and ``GLU`` are written into each group's own copy of the source
+# fewer a layer. With a residual ``r`` (``[rows, OUT]``: the block's input, where the group's output is what the
+# block adds to it) the thread adds its row of ``r`` too, and the block's addition is saved.
+# ``T``, ``W``, ``OUT``, ``HOFF`` and ``GLU`` are written into each group's own copy of the source
 # (``source``), not passed as template arguments: MLX formats every template argument into the kernel's text and
 # its name at every call, a host cost paid ~128 times a step (``bench/kernels/launch_cost.py``).
 _SOURCE = f"  constexpr int V = {VECTOR};" + r"""
@@ -67,6 +69,7 @@ _SOURCE = f"  constexpr int V = {VECTOR};" + r"""
       }
     }
   }
+  // residual
   Pack o;
 #pragma unroll
   for (int i = 0; i < V; ++i)
@@ -79,30 +82,42 @@ _SOURCE = f"  constexpr int V = {VECTOR};" + r"""
 _CUDA_TYPES = {mx.float32: "float", mx.float16: "__half", mx.bfloat16: "__nv_bfloat16"}
 
 
-def source(dtype: mx.Dtype, width: int, out: int, h_offset: int, glu: bool = False) -> str:
+# The residual's lines, in place of the marker where the kernel takes one (``r`` is no input otherwise).
+_RESIDUAL = r"""  {
+    const Pack rv = *reinterpret_cast<const Pack*>(r + (size_t)t * OUT + j);
+#pragma unroll
+    for (int i = 0; i < V; ++i) acc[i] += static_cast<float>(rv.v[i]);
+  }"""
+
+
+def source(dtype: mx.Dtype, width: int, out: int, h_offset: int, glu: bool = False, residual: bool = False) -> str:
     """The kernel's body for one group: its dtype, widths and form as constants."""
     return (f"  using T = {_CUDA_TYPES[dtype]};\n  constexpr int W = {width}, OUT = {out}, HOFF = {h_offset};\n"
-            f"  constexpr bool GLU = {'true' if glu else 'false'};\n" + _SOURCE)
+            f"  constexpr bool GLU = {'true' if glu else 'false'};\n"
+            + _SOURCE.replace("  // residual", _RESIDUAL if residual else ""))
 
 
 @lru_cache(maxsize=None)
-def _kernel(dtype: mx.Dtype, width: int, out: int, h_offset: int, glu: bool):
+def _kernel(dtype: mx.Dtype, width: int, out: int, h_offset: int, glu: bool, residual: bool):
     """One group's kernel (groups of one layer shape share it): built once, launched without template arguments."""
-    name = f"mlxd_lora_{'glu' if glu else 'term'}_{_CUDA_TYPES[dtype].strip('_')}_{width}_{out}_{h_offset}"
-    return mx.fast.cuda_kernel(name=name, input_names=["y", "h", "b", "slots"], output_names=["out"],
-                               source=source(dtype, width, out, h_offset, glu))
+    form = "glu" if glu else "residual" if residual else "term"
+    name = f"mlxd_lora_{form}_{_CUDA_TYPES[dtype].strip('_')}_{width}_{out}_{h_offset}"
+    return mx.fast.cuda_kernel(name=name, input_names=["y", "h", "b", "slots"] + ["r"] * residual,
+                               output_names=["out"], source=source(dtype, width, out, h_offset, glu, residual))
 
 
 def add_term(y: mx.array, h: mx.array, h_offset: int, b: mx.array, slots: mx.array, width: int, out: int,
-             glu: bool = False) -> mx.array:
+             glu: bool = False, residual: mx.array | None = None) -> mx.array:
     """``[rows, out]``: ``y[:, :out]`` plus each row's own slot's term, ``h[:, h_offset + (s-1)*width :][:width]
     @ b[(s-1)*width :][:width, :out]`` for slot ``s`` (none for slot 0, the base). ``y`` and ``h`` are 2-D and
     row-contiguous (they may be one array), ``y`` and ``b`` whole arrays, not views (their rows are read
     ``VECTOR`` columns at a time: see ``fits``), ``slots`` uint32 ``[rows]``. With ``glu``, ``silu(g) * u`` of
-    that sum ``g`` and of its next ``out`` columns' ``u`` (``y[:, out:2 * out]`` plus their term)."""
+    that sum ``g`` and of its next ``out`` columns' ``u`` (``y[:, out:2 * out]`` plus their term); with a
+    ``residual`` ``[rows, out]`` (row-contiguous), that plus the sum."""
     rows, threads = y.shape[0], out // VECTOR
-    return _kernel(y.dtype, width, out, h_offset, glu)(
-        inputs=[y, h, b, slots], grid=(-(-threads // _THREADS) * _THREADS, rows, 1), threadgroup=(_THREADS, 1, 1),
+    inputs = [y, h, b, slots] + ([] if residual is None else [residual])
+    return _kernel(y.dtype, width, out, h_offset, glu, residual is not None)(
+        inputs=inputs, grid=(-(-threads // _THREADS) * _THREADS, rows, 1), threadgroup=(_THREADS, 1, 1),
         output_shapes=[(rows, out)], output_dtypes=[y.dtype])[0]
 
 

@@ -24,7 +24,10 @@ and ``addmm`` (``engined/kernels/lora_term.py``: MLX's CUDA ``addmm`` asks
 cuBLASLt for an algorithm at every call), so a folded group is two launches.
 A gate/up group called for its MLP's hidden state (``joined(glu=True)``,
 ``layers.SwiGLUMLP``) returns ``swiglu(gate, up)``, and that kernel applies
-the activation as well: the MLP's own activation launch is saved.
+the activation as well: the MLP's own activation launch is saved. A group of
+one whose output the decoder block adds to its input (o_proj, down_proj) is
+given that input (``residual``, ``layers.ResidualBlock``) and adds it, in the
+kernel where it runs: the block's addition is saved.
 The price is B's zero blocks: ``n`` times the memory and arithmetic of the
 members' B products, which are rank-sized against the base's. A projection
 of an input of its own (o_proj, down_proj), or members that cannot be joined
@@ -73,6 +76,9 @@ class ProjectionGroup(JoinedLinears):
         # output, B's rows).
         self.kernel_fits = lora_term.fits(self.offsets[-1], self.offsets[1], dims(base)[1], self.b.shape[1])
         self.live: list[set[int]] = [set() for _ in outs]
+        # What the block adds this group's output to (``[tokens, out]``), set by ``layers.ResidualBlock`` just
+        # before the branch that ends in this group runs, taken by the call: the sum is then this group's.
+        self.residual: mx.array | None = None
         step.inputs.append(self)
 
     def arrays(self) -> list[mx.array]:
@@ -94,15 +100,20 @@ class ProjectionGroup(JoinedLinears):
     def joined(self, x: mx.array, glu: bool = False) -> mx.array:
         """The base projections plus each row's adapter term (``x`` is 2-D); a folded group's ``x·A`` columns
         follow where MLX's operations add the term (``JoinedLinears.output`` cuts them off). With ``glu`` (a
-        gate/up group) ``swiglu(gate, up)`` of the two instead, the MLP's hidden state: where the term kernel
-        runs, in its one launch."""
+        gate/up group) ``swiglu(gate, up)`` of the two instead, the MLP's hidden state; with a ``residual`` set,
+        that plus the output. Where the term kernel runs, either is in its one launch."""
+        residual, self.residual = self.residual, None
         y = self.base(x)
         step, out = self.step, self.offsets[-1]
         if step.slots is not None and any(self.live):
             h = y if self.folded else mx.matmul(x.astype(self.a.dtype), self.a)
             if (step.term_kernel and y.shape[0] <= lora_term.MAX_ROWS and y.dtype == h.dtype == self.b.dtype
-                    and self.kernel_fits):
+                    and self.kernel_fits and (residual is None or residual.dtype == y.dtype)):
                 return lora_term.add_term(y, h, out if self.folded else 0, self.b, step.slots, self.width,
-                                          self.offsets[1] if glu else out, glu)
+                                          self.offsets[1] if glu else out, glu, residual)
             y = mx.addmm(y, (y[..., out:] if self.folded else h) * step.mask(self.width), self.b)
-        return swiglu(y[:, :self.offsets[1]], y[:, self.offsets[1]:out]) if glu else y
+        if glu:
+            return swiglu(y[:, :self.offsets[1]], y[:, self.offsets[1]:out])
+        if residual is None:
+            return y
+        return residual + (y if y.shape[-1] == out else y[:, :out])

@@ -25,6 +25,8 @@ are gathered for the base's own experts anyway.
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
@@ -248,6 +250,79 @@ def _swiglu_form(mlp: nn.Module) -> bool:
         return False
 
 
+class ResidualBlock:
+    """A decoder layer of mlx_lm's ``h = x + attn(norm(x)); out = h + mlp(norm(h))`` form (checked with stand-ins
+    for its attention and MLP at install: ``_residual_form``), mixed into its own class: each branch that ends in
+    a group of one (the attention's o_proj, a ``SwiGLUMLP``'s down_proj) is handed the input it is added to
+    (``ProjectionGroup.residual``), so that the addition is the group's, inside the term kernel where that runs.
+    The engine's attention (``engined.runner.PagedAttention``) returns its o_proj's output as it is.
+    ``residual_groups``: (the attention's group or None, the MLP's or None)."""
+
+    residual_groups: tuple[ProjectionGroup | None, ProjectionGroup | None]
+
+    def __call__(self, x: mx.array, mask=None, cache=None) -> mx.array:
+        attn, mlp = self.residual_groups
+        h = _added(attn, x, lambda: self.self_attn(self.input_layernorm(x), mask, cache))
+        return _added(mlp, h, lambda: self.mlp(self.post_attention_layernorm(h)))
+
+
+def _added(group: ProjectionGroup | None, residual: mx.array, branch) -> mx.array:
+    """``residual + branch()``, the addition made by ``group`` where the branch ends in it."""
+    if group is None:
+        return residual + branch()
+    group.residual = residual.reshape(-1, residual.shape[-1])
+    out = branch()
+    if group.residual is not None:  # the branch never reached its group: add here
+        group.residual = None
+        return residual + out
+    return out.reshape(residual.shape)
+
+
+class _Scaled(nn.Module):
+    """A stand-in branch for ``_residual_form``: its input times ``factor``, whatever else it is passed."""
+
+    def __init__(self, factor: float):
+        super().__init__()
+        self.factor = factor
+
+    def __call__(self, x: mx.array, *args, **kwargs) -> mx.array:
+        return x * self.factor
+
+
+def _residual_form(layer: nn.Module) -> bool:
+    """Whether ``layer(x, mask, cache)`` is ``h = x + self_attn(input_layernorm(x))`` then
+    ``h + mlp(post_attention_layernorm(h))``: checked with stand-ins for its attention and MLP (scalings) on a
+    random input."""
+    names = ("self_attn", "mlp", "input_layernorm", "post_attention_layernorm")
+    if not all(name in layer for name in names):
+        return False
+    attn, mlp = layer.self_attn, layer.mlp
+    stand_in = (_Scaled(0.5), _Scaled(0.25))
+    x = mx.random.normal((1, 2, layer.input_layernorm.weight.shape[-1]), key=mx.random.key(1))
+    try:
+        layer.self_attn, layer.mlp = stand_in
+        got = layer(x, None, None)
+        h = x + stand_in[0](layer.input_layernorm(x))
+        want = h + stand_in[1](layer.post_attention_layernorm(h))
+        return isinstance(got, mx.array) and got.shape == want.shape and mx.allclose(got, want, atol=1e-3).item()
+    except (ValueError, TypeError, AttributeError):  # another signature or form
+        return False
+    finally:
+        layer.self_attn, layer.mlp = attn, mlp
+
+
+@lru_cache(maxsize=None)
+def _with_residual(cls: type) -> type:
+    return type(cls.__name__, (ResidualBlock, cls), {})
+
+
+def _lone_group(module: nn.Module | None) -> ProjectionGroup | None:
+    """``module``'s group where it is a wrapped linear alone in its group."""
+    if isinstance(module, SlottedLoraLinear) and len(module.joined.offsets) == 2:
+        return module.joined
+    return None
+
+
 _LINEARS = (nn.Linear, nn.QuantizedLinear)
 # Sibling projections that mlx_lm's attention and MLP blocks call on one input: one ProjectionGroup each.
 _SHARED = {"q_proj": "qkv", "k_proj": "qkv", "v_proj": "qkv", "gate_proj": "gate_up", "up_proj": "gate_up"}
@@ -305,6 +380,11 @@ def install(model: nn.Module, num_adapters: int, rank: int, dtype: mx.Dtype, exp
         for name in mlps:
             mlp = _get(layer, name)
             _set(layer, name, SwiGLUMLP(mlp, mlp.gate_proj.joined))
+        attn = _lone_group(getattr(layer.get("self_attn"), "o_proj", None))
+        mlp = _lone_group(layer["mlp"].down_proj) if isinstance(layer.get("mlp"), SwiGLUMLP) else None
+        if (attn or mlp) and _residual_form(layer):
+            layer.__class__ = _with_residual(type(layer))
+            object.__setattr__(layer, "residual_groups", (attn, mlp))  # plain objects, outside the module tree
     return step, targets
 
 

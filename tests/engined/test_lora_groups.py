@@ -84,7 +84,7 @@ def test_a_projection_called_on_another_input_gets_its_own_product(setups):
         np.testing.assert_allclose(np.array(out), want.reshape(3, -1), rtol=1e-4, atol=1e-4, err_msg=name)
 
 
-def _term_by_rows(y, h, h_offset, b, slots, width, out, glu=False):
+def _term_by_rows(y, h, h_offset, b, slots, width, out, glu=False, residual=None):
     """``engined.kernels.lora_term.add_term``'s contract, row by row in MLX (the kernel itself needs CUDA)."""
     cols = 2 * out if glu else out
     rows = []
@@ -94,7 +94,7 @@ def _term_by_rows(y, h, h_offset, b, slots, width, out, glu=False):
             c0 = h_offset + (s - 1) * width
             row = row + h[t, c0:c0 + width] @ b[(s - 1) * width:s * width, :cols]
         rows.append(nn.silu(row[:out]) * row[out:] if glu else row)
-    return mx.stack(rows)
+    return mx.stack(rows) if residual is None else residual + mx.stack(rows)
 
 
 @pytest.mark.parametrize("weights", ["float32", "4-bit"])
@@ -114,14 +114,15 @@ def test_the_term_kernels_arguments_give_the_masked_terms_logits(setups, tmp_pat
     calls = []
 
     def term(*args):
-        calls.append(args[-1])
+        calls.append((args[7], args[8] is not None))
         return _term_by_rows(*args)
 
     monkeypatch.setattr(lora_term, "add_term", term)
     engine.lora.step.term_kernel = True
     got = engine.runner.run(batch)
-    # q/k/v, o, gate/up (with the MLP's activation: glu) and down of every layer
-    assert calls == [False, False, True, False] * len(engine.runner.model.layers)
+    # (glu, residual) of q/k/v, o (with the block's residual), gate/up (with the MLP's activation) and down (with
+    # the block's residual) of every layer
+    assert calls == [(False, False), (False, True), (True, False), (False, True)] * len(engine.runner.model.layers)
     np.testing.assert_allclose(np.array(got), np.array(want), rtol=1e-4, atol=1e-4)
 
 
@@ -136,3 +137,16 @@ def test_only_a_swiglu_mlp_takes_its_hidden_state_from_its_group():
                 num_key_value_heads=1, vocab_size=64, rms_norm_eps=1e-5)
     assert _swiglu_form(llama.MLP(llama.ModelArgs(model_type="llama", **args)))
     assert not _swiglu_form(gemma.MLP(32, 64))
+
+
+def test_only_a_plain_residual_block_hands_its_additions_to_its_groups():
+    """A decoder layer of llama's ``h = x + attn(norm(x)); h + mlp(norm(h))`` is checked as such (its o_proj's and
+    down_proj's groups may then add the residual); gemma2's, which norms each branch's output first, is not."""
+    from mlx_lm.models import gemma2, llama
+
+    from engined.lora.layers import _residual_form
+
+    args = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                num_key_value_heads=1, vocab_size=64, rms_norm_eps=1e-5)
+    assert _residual_form(llama.TransformerBlock(llama.ModelArgs(model_type="llama", **args)))
+    assert not _residual_form(gemma2.TransformerBlock(gemma2.ModelArgs(model_type="gemma2", head_dim=16, **args)))
