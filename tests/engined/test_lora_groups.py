@@ -126,6 +126,11 @@ def test_the_term_kernels_arguments_give_the_masked_terms_logits(setups, tmp_pat
     np.testing.assert_allclose(np.array(got), np.array(want), rtol=1e-4, atol=1e-4)
 
 
+# One small layer's arguments, for the form checks below.
+_ONE_LAYER = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                  num_key_value_heads=1, vocab_size=64, rms_norm_eps=1e-5)
+
+
 def test_only_a_swiglu_mlp_takes_its_hidden_state_from_its_group():
     """An MLP whose output is ``down(swiglu(gate(x), up(x)))`` (llama's) is checked as such and may take its
     hidden state from its gate/up group in one piece; another activation (gemma's GELU) is not."""
@@ -133,9 +138,7 @@ def test_only_a_swiglu_mlp_takes_its_hidden_state_from_its_group():
 
     from engined.lora.layers import _swiglu_form
 
-    args = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
-                num_key_value_heads=1, vocab_size=64, rms_norm_eps=1e-5)
-    assert _swiglu_form(llama.MLP(llama.ModelArgs(model_type="llama", **args)))
+    assert _swiglu_form(llama.MLP(llama.ModelArgs(model_type="llama", **_ONE_LAYER)))
     assert not _swiglu_form(gemma.MLP(32, 64))
 
 
@@ -146,7 +149,5 @@ def test_only_a_plain_residual_block_hands_its_additions_to_its_groups():
 
     from engined.lora.layers import _residual_form
 
-    args = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
-                num_key_value_heads=1, vocab_size=64, rms_norm_eps=1e-5)
-    assert _residual_form(llama.TransformerBlock(llama.ModelArgs(model_type="llama", **args)))
-    assert not _residual_form(gemma2.TransformerBlock(gemma2.ModelArgs(model_type="gemma2", head_dim=16, **args)))
+    assert _residual_form(llama.TransformerBlock(llama.ModelArgs(model_type="llama", **_ONE_LAYER)))
+    assert not _residual_form(gemma2.TransformerBlock(gemma2.ModelArgs(model_type="gemma2", head_dim=16, **_ONE_LAYER)))
