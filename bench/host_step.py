@@ -75,6 +75,21 @@ def _stand_in_term_kernel(*_group):
     return launch
 
 
+def _stand_in_qk_rope(*_shape):
+    """``engined.kernels.qk_rope._kernel`` for a machine without CUDA: views of the projection's rows in the
+    launch's output shapes (lazy zeros would free the projection's graph)."""
+
+    def launch(inputs, output_shapes, **_):
+        qkv, offset, outs = inputs[0], 0, []
+        for shape in output_shapes:
+            width = shape[1] * shape[2]
+            outs.append(qkv[:, offset:offset + width].reshape(shape))
+            offset += width
+        return outs
+
+    return launch
+
+
 def build_engine(c: int, prompt_len: int, max_tokens: int, backend: str, async_scheduling: bool, seed: int,
                  adapters: list[Path] | None = None):
     import mlx.core as mx
@@ -85,10 +100,11 @@ def build_engine(c: int, prompt_len: int, max_tokens: int, backend: str, async_s
     from shared.config import EngineConfig
 
     if backend == "cuda" and not mx.cuda.is_available():
-        from engined.kernels import gpu, lora_term
+        from engined.kernels import gpu, lora_term, qk_rope
 
         gpu._kernels = _stand_in_kernels()
         lora_term._kernel = _stand_in_term_kernel
+        qk_rope._kernel = _stand_in_qk_rope
     model_cls, args_cls = _get_classes(SHAPE)
     mx.random.seed(seed)
     model = model_cls(args_cls.from_dict(SHAPE))

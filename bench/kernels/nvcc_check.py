@@ -1,6 +1,6 @@
 """Compile the CUDA kernels with a local nvcc, as MLX would wrap them: paged attention (every
 dialect configuration), the gated delta rule (``engined.kernels.gated_delta``), the LoRA term
-(``engined.kernels.lora_term``) and the few-row GEMM of ``bench/kernels/skinny_gemm.py``.
+(``engined.kernels.lora_term``), the joined projection's q/k/v (``engined.kernels.qk_rope``) and the few-row GEMM of ``bench/kernels/skinny_gemm.py``.
 
 No GPU needed: it catches syntax and type errors before device time is spent.
 Usage: python bench/kernels/nvcc_check.py [--arch sm_90]
@@ -18,7 +18,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 
 import mlx.core as mx  # noqa: E402
 
-from engined.kernels import gated_delta, gpu, gpu_geometry, lora_term, source  # noqa: E402
+from engined.kernels import gated_delta, gpu, gpu_geometry, lora_term, qk_rope, source  # noqa: E402
 
 SIZES = {"float32": 4, "float16": 2, "bfloat16": 2}
 CUDA_TYPES = {"float32": "float", "float16": "__half", "bfloat16": "__nv_bfloat16", "int32": "int32_t",
@@ -76,6 +76,12 @@ def other_kernels(arch: str) -> bool:
                         [("y", dt), ("y_shape", None), ("h", dt), ("h_shape", None), ("b", dt), ("b_shape", None),
                          ("slots", "uint32")] + [("r", dt)] * (form == "residual"), [("out", dt)], [])
             ok &= compile_one(f"lora term {form} {dt}", text, arch)
+        # q/k/v from the joined projection: Qwen3-8B's heads with their norms, SmolLM2-135M's without
+        for heads, kv_heads, d, eps in ((32, 8, 128, 1e-6), (9, 3, 64, None)):
+            text = wrap("qk_rope", "", qk_rope.source(getattr(mx, dt), heads, kv_heads, d, 1e6, 1.0, eps),
+                        [("qkv", dt), ("pos", "int32"), ("pos_shape", None)]
+                        + [("qw", dt), ("kw", dt)] * (eps is not None), [("q", dt), ("k", dt), ("v", dt)], [])
+            ok &= compile_one(f"qk rope D={d} norm={eps is not None} {dt}", text, arch)
     sys.path.insert(0, os.path.dirname(__file__))
     import skinny_gemm  # noqa: E402 (bench/kernels/skinny_gemm.py, a script beside this one)
 

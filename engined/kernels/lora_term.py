@@ -20,6 +20,8 @@ from functools import lru_cache
 
 import mlx.core as mx
 
+from engined.kernels.source import CUDA_TYPES
+
 MAX_ROWS = 128
 _THREADS = 256
 VECTOR = 4  # output columns a thread takes, its y, B and output read and written four at a time
@@ -78,10 +80,6 @@ _SOURCE = f"  constexpr int V = {VECTOR};" + r"""
 """
 
 
-# MLX's names of the dtypes in the CUDA source it generates.
-_CUDA_TYPES = {mx.float32: "float", mx.float16: "__half", mx.bfloat16: "__nv_bfloat16"}
-
-
 # The residual's lines, in place of the marker where the kernel takes one (``r`` is no input otherwise).
 _RESIDUAL = r"""  {
     const Pack rv = *reinterpret_cast<const Pack*>(r + (size_t)t * OUT + j);
@@ -92,7 +90,7 @@ _RESIDUAL = r"""  {
 
 def source(dtype: mx.Dtype, width: int, out: int, h_offset: int, glu: bool = False, residual: bool = False) -> str:
     """The kernel's body for one group: its dtype, widths and form as constants."""
-    return (f"  using T = {_CUDA_TYPES[dtype]};\n  constexpr int W = {width}, OUT = {out}, HOFF = {h_offset};\n"
+    return (f"  using T = {CUDA_TYPES[dtype]};\n  constexpr int W = {width}, OUT = {out}, HOFF = {h_offset};\n"
             f"  constexpr bool GLU = {'true' if glu else 'false'};\n"
             + _SOURCE.replace("  // residual", _RESIDUAL if residual else ""))
 
@@ -101,7 +99,7 @@ def source(dtype: mx.Dtype, width: int, out: int, h_offset: int, glu: bool = Fal
 def _kernel(dtype: mx.Dtype, width: int, out: int, h_offset: int, glu: bool, residual: bool):
     """One group's kernel (groups of one layer shape share it): built once, launched without template arguments."""
     form = "glu" if glu else "residual" if residual else "term"
-    name = f"mlxd_lora_{form}_{_CUDA_TYPES[dtype].strip('_')}_{width}_{out}_{h_offset}"
+    name = f"mlxd_lora_{form}_{CUDA_TYPES[dtype].strip('_')}_{width}_{out}_{h_offset}"
     return mx.fast.cuda_kernel(name=name, input_names=["y", "h", "b", "slots"] + ["r"] * residual,
                                output_names=["out"], source=source(dtype, width, out, h_offset, glu, residual))
 

@@ -34,7 +34,12 @@ on a Mac.
 
 from __future__ import annotations
 
+import mlx.core as mx
+
 NUM_THREADS = 128  # four 32-wide SIMD groups / warps per thread group
+
+# MLX's names of the dtypes in the CUDA source it generates (a kernel whose dtype is written into its own source).
+CUDA_TYPES = {mx.float32: "float", mx.float16: "__half", mx.bfloat16: "__nv_bfloat16"}
 
 METAL_HEADER = r"""
 #define TG threadgroup
