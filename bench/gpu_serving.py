@@ -133,12 +133,13 @@ def run_mlx_lm(model, prompts, max_tokens: int) -> float:
     return wall
 
 
-def engine_for(make_loaded, args, c: int, async_scheduling: bool):
+def engine_for(make_loaded, args, c: int, async_scheduling: bool, encode_thread: bool | None = None):
     from engined.engine import Engine
     from shared.config import EngineConfig
 
     cfg = EngineConfig(max_num_seqs=max(c, 1), max_num_batched_tokens=args.max_num_batched_tokens,
-                       num_kv_blocks=args.num_kv_blocks, max_model_len=4096, async_scheduling=async_scheduling)
+                       num_kv_blocks=args.num_kv_blocks, max_model_len=4096, async_scheduling=async_scheduling,
+                       encode_thread=encode_thread)
     return Engine(cfg, loaded=make_loaded())
 
 
@@ -164,7 +165,8 @@ def closed_batches(model, make_loaded, args, rows: list) -> None:
         for c in map(int, args.concurrency.split(",")):
             prompts = prompts_for(workload, c, rng, model.args.vocab_size)
             total = sum(map(len, prompts)) + c * args.max_tokens
-            engines = {mode: engine_for(make_loaded, args, c, mode == "async") for mode in args.modes.split(",")}
+            engines = {mode: engine_for(make_loaded, args, c, mode == "async", args.encode_thread)
+                       for mode in args.modes.split(",")}
             times = {"mlx_lm": []} | {m: [] for m in engines}
             steps = {m: [] for m in engines}
             for rep in range(args.repeats + 1):  # the first is untimed: kernels compile for new shapes
@@ -241,7 +243,7 @@ def poisson(model, make_loaded, args, rows: list) -> None:
     drive(lm_add, lm_step, "mlx_lm")
     gen.close()
     mx.clear_cache()
-    engine = engine_for(make_loaded, args, args.poisson_batch, True)
+    engine = engine_for(make_loaded, args, args.poisson_batch, True, args.encode_thread)
     engine.generate(prompts[:2], params)  # kernels compiled before the clock starts, as mlx_lm's were
 
     def e_add(i):
@@ -284,6 +286,8 @@ def main(argv=None) -> None:
     ap.add_argument("--workloads", default="mixed,shared")
     ap.add_argument("--concurrency", default="1,16,64,128")
     ap.add_argument("--modes", default="async", help="mlxd modes to run: async, sync or both (async,sync)")
+    ap.add_argument("--encode-thread", action=argparse.BooleanOptionalAction, default=None,
+                    help="the engine's encode thread on or off (default: the device's default)")
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
     ap.add_argument("--num-kv-blocks", type=int, default=24576)

@@ -5,7 +5,9 @@
 With asynchronous scheduling (``EngineConfig.async_scheduling``) a step's
 sampled tokens stay on the device while the next step is scheduled and built
 (``sampler.LaunchedStep``); they are read after it is launched, or before it is
-scheduled where a request needs them on the host (``_must_read_first``).
+scheduled where a request needs them on the host (``_must_read_first``). With an
+encode thread (``EngineConfig.encode_thread``), MLX encodes each launched step's
+graph there while this thread postprocesses the step before and builds the next.
 
 The daemon wraps this object; tests and benchmarks use it directly.
 
@@ -25,12 +27,14 @@ import random
 import time
 from concurrent.futures import FIRST_COMPLETED
 from concurrent.futures import wait as wait_futures
+from contextlib import nullcontext
 
 import mlx.core as mx
 
 from engined import kernels
 from engined import memory_guard, model_split, pipeline, proposers
 from engined.device import on_cpu
+from engined.encode_thread import EncodeThread
 from engined.loaders import LoadedModel, load_model
 from engined.lora.registry import LoraRegistry
 from engined.metrics import EngineMetrics
@@ -107,6 +111,12 @@ class Engine:
         # host token ids: both read every step before the next.
         self.async_scheduling = config.async_scheduling and spec is None and not pipelined
         self.sampler.choose_on_device = self.async_scheduling
+        # Steps built on this thread and encoded on another (engined/encode_thread.py); not where attention
+        # reads its inputs on the host ("host"), which evaluates while the step is being built.
+        self.encoder = (EncodeThread() if self.async_scheduling and config.encode_thread and backend != "host"
+                        else None)
+        if self.encoder is not None:
+            kv.main.settle = self.encoder.wait
         self._inflight: LaunchedStep | None = None  # the step launched whose tokens are not read yet
         # Steps launched, and seconds the host spent blocked reading their tokens (the rest of a
         # step's time is the host's own work: benchmarks report both).
@@ -304,8 +314,14 @@ class Engine:
             return outputs + (self._read_inflight() if self._inflight is not None else self._idle())
         launched = self._launch(batch)
         self.num_steps += 1
+        if self.encoder is None:
+            launched.start()  # on the device's queue before the step in flight is waited for
         if self._inflight is not None:
             outputs += self._read_inflight()
+        if self.encoder is not None:
+            # Handed over once the step before is read: reading evaluates, and no evaluation here may
+            # overlap the encode thread's (engined/encode_thread.py).
+            launched.start(self.encoder)
         self._inflight = launched
         if not self.async_scheduling:
             outputs += self._read_inflight()
@@ -326,20 +342,22 @@ class Engine:
             return self._idle()
         batch = self.runner.sent[0].batch
         self._inflight = self._launch(batch)
+        self._inflight.start()
         self.num_steps += 1
         outputs = self._read_inflight()
         self.metrics.on_step(batch.num_tokens, time.monotonic() - start, self.stats())
         return outputs
 
     def _launch(self, batch: SchedulerOutput) -> LaunchedStep:
-        """Build the step's forward and sampling and queue them on the device; the scheduler then
+        """Build the step's forward and sampling, for the caller to ``start``; the scheduler then
         counts its tokens as computed and its samples as placeholders."""
-        # Only a ModelRunner takes placeholders: a pipeline's step never finds one in flight.
-        logits, hidden = (self.runner.run_pooled(batch) if self._inflight is None
-                          else self.runner.run_pooled(batch, inflight=self._inflight))
-        pooled = (pooled_results(batch, logits, hidden, self.score_ids)
-                  if any(r.pooled for r, _ in batch.scheduled) else None)
-        launched = self._sample(batch, logits)
+        with mx.stream(self.encoder.stream) if self.encoder is not None else nullcontext():
+            # Only a ModelRunner takes placeholders: a pipeline's step never finds one in flight.
+            logits, hidden = (self.runner.run_pooled(batch) if self._inflight is None
+                              else self.runner.run_pooled(batch, inflight=self._inflight))
+            pooled = (pooled_results(batch, logits, hidden, self.score_ids)
+                      if any(r.pooled for r, _ in batch.scheduled) else None)
+            launched = self._sample(batch, logits)
         launched.pooled = pooled
         self.scheduler.advance(batch)
         return launched
@@ -399,6 +417,8 @@ class Engine:
         try:
             return LaunchedStep.sample(batch, rows, logits, self.sampler, self.speculator, self.runner.kv.arrays())
         except Exception as e:
+            if self.encoder is not None:
+                self.encoder.wait()  # the trials below evaluate on the stream it encodes
             culprits = {req for req, _ in rows if not self._can_sample(req)}
             if not culprits:
                 raise  # not one request's doing: the engine itself is broken

@@ -22,6 +22,7 @@ from collections.abc import Callable
 import mlx.core as mx
 import numpy as np
 
+from engined.encode_thread import EncodeThread
 from engined.request import Request
 from engined.scheduler import SchedulerOutput
 from shared.protocol import Logprob
@@ -328,7 +329,8 @@ def logprobs_for(lp_parts, tokens: list[int], reqs: list[Request]) -> list[Logpr
 class LaunchedStep:
     """A batch, its sampled rows' tokens (evaluating) and what turns them into each request's new tokens."""
 
-    __slots__ = ("batch", "reqs", "tokens", "logprob_parts", "spec_results", "pooled", "_rows")
+    __slots__ = ("batch", "reqs", "tokens", "logprob_parts", "spec_results", "pooled", "_rows", "_pending",
+                 "_encoder", "_number")
 
     def __init__(self, batch: SchedulerOutput, reqs: list[Request], tokens: mx.array | None, logprob_parts,
                  spec_results: Callable[[], dict] | None, pending: list):
@@ -340,14 +342,24 @@ class LaunchedStep:
         self._rows = {r: i for i, r in enumerate(reqs)}
         # Pooled requests' results (engined.pooling.pooled_results), stored when the step is read.
         self.pooled = None
-        mx.async_eval(pending)
+        self._pending = pending  # what ``start`` evaluates
+        self._encoder: EncodeThread | None = None
+        self._number = 0
+
+    def start(self, encoder: EncodeThread | None = None) -> None:
+        """Queue the step on the device: evaluated asynchronously here, or handed to ``encoder``'s thread."""
+        pending, self._pending = self._pending, None
+        if encoder is None:
+            mx.async_eval(pending)
+        else:
+            self._encoder, self._number = encoder, encoder.submit(pending)
 
     @classmethod
     def sample(cls, batch: SchedulerOutput, rows: list[tuple[Request, int]], logits: mx.array, sampler,
                speculator, kv_arrays: list[mx.array]) -> "LaunchedStep":
-        """Launch the step's sampling: plain rows through ``sampler``, draft windows through
-        ``speculator.verify``, evaluated with the KV writes (``kv_arrays``). ``rows``: (request,
-        its first logits row)."""
+        """Build the step's sampling: plain rows through ``sampler``, draft windows through
+        ``speculator.verify``, to be evaluated with the KV writes (``kv_arrays``) by ``start``. ``rows``:
+        (request, its first logits row)."""
         plain = [(r, o) for r, o in rows if r not in batch.drafts]
         spec = [(r, o) for r, o in rows if r in batch.drafts]
         pending = [kv_arrays]
@@ -367,6 +379,8 @@ class LaunchedStep:
 
     def read(self) -> dict[Request, tuple[list[int], list]]:
         """The sync point: wait for the step and read its tokens; {request: (tokens, Logprob records or Nones)}."""
+        if self._encoder is not None:
+            self._encoder.wait(self._number)
         emitted = {}
         if self.reqs:
             toks = self.tokens.tolist()

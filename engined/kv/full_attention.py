@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import hashlib
 from collections import OrderedDict
+from collections.abc import Callable
 
 import mlx.core as mx
 import numpy as np
@@ -165,6 +166,9 @@ class FullAttentionGroup(KVGroup):
         self.followers: list[PagedArrays] = []
         self.floor = 0  # the resident size the pool starts at and never shrinks below
         self._resident = 0  # blocks the arrays hold now
+        # Called before the arrays are resized: an engine whose steps are encoded on another thread
+        # waits there for the step in flight (engined/encode_thread.py).
+        self.settle: Callable[[], None] = lambda: None
 
     @classmethod
     def claim(cls, specs: list[LayerSpec], config: EngineConfig, dtype: mx.Dtype) -> "FullAttentionGroup":
@@ -189,6 +193,7 @@ class FullAttentionGroup(KVGroup):
         """Resize the arrays to the pool's resident blocks after it grew or shrank."""
         n = self.pool.num_resident
         if n != self._resident:
+            self.settle()
             # The step's scratch is idle now: giving MLX's buffer cache back first makes room
             # for the one array a resize holds twice (the memory guard counts on it).
             mx.clear_cache()

@@ -6,7 +6,9 @@ tokens are still on the device: prompts long enough to be prefilled in
 chunks, a queue longer than the running batch, a pool tight enough to
 preempt, requests that stop on a token, on max_tokens and on the context,
 aborts, seeded sampling, logprobs and penalties (whose steps are read before
-the next is scheduled).
+the next is scheduled). Again with each step's graph encoded on a thread of
+its own (``engined/encode_thread.py``) while the engine builds the next; the
+pool here also grows under the steps in flight.
 """
 
 import random
@@ -53,12 +55,13 @@ def workload(seed: int):
     return jobs
 
 
-def run(tiny_dir, jobs, async_scheduling: bool, stop_tokens: dict, backend: str):
+def run(tiny_dir, jobs, async_scheduling: bool, stop_tokens: dict, backend: str, encode_thread: bool = False):
     engine = Engine(EngineConfig(num_kv_blocks=40, block_size=16, max_num_batched_tokens=64, max_num_seqs=6,
-                                 max_model_len=360, async_scheduling=async_scheduling,
+                                 max_model_len=360, async_scheduling=async_scheduling, encode_thread=encode_thread,
                                  attention_backend=backend, enable_prefix_caching=True),
                     loaded=load_model(str(tiny_dir)))
     assert engine.async_scheduling is async_scheduling
+    assert (engine.encoder is not None) is (async_scheduling and encode_thread)
     for rid, prompt, params, kind in jobs:
         if kind == 1 and rid in stop_tokens:
             params = SamplingParams(max_tokens=30, temperature=0.0, stop_token_ids=[stop_tokens[rid]])
@@ -82,15 +85,16 @@ def run(tiny_dir, jobs, async_scheduling: bool, stop_tokens: dict, backend: str)
     return tokens, reasons, logprobs, engine.scheduler.num_preemptions, overlapped
 
 
-@pytest.mark.parametrize("backend", ["host", "reference"])
-def test_async_and_sync_scheduling_give_identical_outputs(tiny_dir, backend):
+@pytest.mark.parametrize("backend,encode_thread", [("host", False), ("reference", False), ("reference", True)],
+                         ids=["host", "reference", "reference-encode-thread"])
+def test_async_and_sync_scheduling_give_identical_outputs(tiny_dir, backend, encode_thread):
     seed = fresh_seed()
     jobs = workload(seed)
     # The stop token of each kind-1 request: its fourth greedy token, so it stops early in both runs.
     first, *_ = run(tiny_dir, jobs, False, {}, backend)
     stops = {rid: first[rid][3] for rid, _, _, kind in jobs if kind == 1 and len(first[rid]) > 3}
     sync = run(tiny_dir, jobs, False, stops, backend)
-    asyn = run(tiny_dir, jobs, True, stops, backend)
+    asyn = run(tiny_dir, jobs, True, stops, backend, encode_thread)
     assert asyn[0] == sync[0]
     assert asyn[1] == sync[1]
     # A step in flight also computes rows of requests that turn out to have stopped: batches differ by

@@ -1,0 +1,116 @@
+"""A decode step with and without one of the host-time changes of issue 26, alternating in one process.
+
+``--compare qk-rope``: the q/k/v kernel (``engined.kernels.qk_rope``) against
+MLX's operations; ``--compare encode-thread``: each step's graph encoded on a
+thread of its own (``engined/encode_thread.py``) against on the engine's.
+Two asynchronous engines over the same random weights of a real shape (bf16),
+the change on in one ("new") and off in the other ("old"), each with c requests of 512-token
+prompts decoding; then rounds of ``--steps`` timed steps on each in turn, the
+order flipped every round. Per engine: ms per step, the part the engine's thread
+waits (for the device, and for the encode thread where there is one), the rest
+(the engine's thread's host time), and the time MLX spends encoding a step in
+``mx.async_eval``, on whichever thread; medians over the rounds; and the ratios.
+
+    python -m bench.gpu_step_ab --compare qk-rope [--levels 1,16,64] [--rounds 4]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import numpy as np
+
+
+def main(argv=None) -> None:
+    import mlx.core as mx
+
+    from bench.gpu_serving import DEFAULT_CACHE_LIMIT, build_models, engine_for
+    from engined.model_layers import transformer_layers
+    from shared.protocol import SamplingParams
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--compare", required=True, choices=("qk-rope", "encode-thread"))
+    ap.add_argument("--model", default="qwen3-8b")
+    ap.add_argument("--levels", default="1,16,64")
+    ap.add_argument("--rounds", type=int, default=4)
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    ap.add_argument("--num-kv-blocks", type=int, default=4096)
+    ap.add_argument("--out", help="append the rows as JSON lines to this file")
+    args = ap.parse_args(argv)
+    DEFAULT_CACHE_LIMIT.append(mx.set_cache_limit(0))
+    mx.set_cache_limit(DEFAULT_CACHE_LIMIT[0])
+    _, make_loaded, _ = build_models(args.model, "bf16", 0)
+    rng = np.random.default_rng(0)
+    steps_needed = args.rounds * args.steps + 16
+    print(f"{args.compare}, new against old (encode: ms a step in mx.async_eval, on whichever thread runs it)\n"
+          "| c | new ms/step (wait) | old ms/step (wait) | new host | old host | new encode | old encode | "
+          "step ratio | host ratio |\n|---|---|---|---|---|---|---|---|---|", flush=True)
+    for c in map(int, args.levels.split(",")):
+        engines = {}
+        for way in ("new", "old"):
+            thread = args.compare == "encode-thread" and way == "new"
+            engine = engine_for(make_loaded, args, c, True, encode_thread=thread)
+            layers = [layer.self_attn for layer in transformer_layers(engine.loaded.model)]
+            if args.compare == "qk-rope" and way == "old":
+                for attn in layers:
+                    attn._qk_rope = None
+            elif args.compare == "qk-rope" and not all(attn._qk_rope is not None for attn in layers):
+                raise SystemExit("the kernel is not on in every layer: not a CUDA machine?")
+            if (engine.encoder is not None) is not thread:
+                raise SystemExit("the encode thread is not as asked")
+            params = SamplingParams(max_tokens=steps_needed + 16, temperature=0.0, ignore_eos=True)
+            for i in range(c):
+                engine.add_request(f"r{i}", rng.integers(0, 1 << 15, 512).tolist(), params)
+            for _ in range(-(-c * 512 // args.max_num_batched_tokens) + 8):
+                engine.step()
+            engines[way] = engine
+        got = {way: [] for way in engines}
+        encode = {way: [] for way in engines}
+        real, spent = mx.async_eval, [0.0]
+
+        def timed_async_eval(*arrays):  # the engine's own thread's encoding, where it encodes
+            t0 = time.perf_counter()
+            real(*arrays)
+            spent[0] += time.perf_counter() - t0
+
+        for r in range(args.rounds):
+            for way in (list(engines) if r % 2 == 0 else list(engines)[::-1]):
+                engine = engines[way]
+                e0 = engine.encoder.encode_s if engine.encoder is not None else 0.0
+                t0, w0, spent[0] = time.perf_counter(), engine.sync_wait_s, 0.0
+                mx.async_eval = timed_async_eval
+                try:
+                    for _ in range(args.steps):
+                        engine.step()
+                finally:
+                    mx.async_eval = real
+                dt, wait = time.perf_counter() - t0, engine.sync_wait_s - w0
+                enc = engine.encoder.encode_s - e0 if engine.encoder is not None else spent[0]
+                got[way].append((1e3 * dt / args.steps, 1e3 * wait / args.steps))
+                encode[way].append(1e3 * enc / args.steps)
+        med = {way: (statistics.median(s for s, _ in v), statistics.median(w for _, w in v)) for way, v in got.items()}
+        (ns, nw), (os_, ow) = med["new"], med["old"]
+        enc = {way: statistics.median(v) for way, v in encode.items()}
+        row = dict(compare=args.compare, model=args.model, c=c, new_ms=round(ns, 2), new_wait=round(nw, 2),
+                   old_ms=round(os_, 2), old_wait=round(ow, 2), new_encode_ms=round(enc["new"], 2),
+                   old_encode_ms=round(enc["old"], 2),
+                   rounds={w: [[round(a, 2), round(b, 2)] for a, b in v] for w, v in got.items()})
+        print(f"| {c} | {ns:.2f} ({nw:.2f}) | {os_:.2f} ({ow:.2f}) | {ns - nw:.2f} | {os_ - ow:.2f} | "
+              f"{enc['new']:.2f} | {enc['old']:.2f} | {os_ / ns:.2f}x | {(os_ - ow) / (ns - nw):.2f}x |", flush=True)
+        if args.out:
+            with open(args.out, "a") as f:
+                f.write(json.dumps(row) + "\n")
+        for engine in engines.values():
+            engine.abort(list(engine.requests))
+            while engine.has_unfinished():
+                engine.step()
+        del engines
+        mx.clear_cache()
+
+
+if __name__ == "__main__":
+    main()
