@@ -43,7 +43,7 @@ def main(argv=None) -> None:
     args = ap.parse_args(argv)
     DEFAULT_CACHE_LIMIT.append(mx.set_cache_limit(0))
     mx.set_cache_limit(DEFAULT_CACHE_LIMIT[0])
-    _, make_loaded, _ = build_models(args.model, "bf16", 0)
+    model, make_loaded, _ = build_models(args.model, "bf16", 0)
     rng = np.random.default_rng(0)
     steps_needed = args.rounds * args.steps + 16
     print(f"{args.compare}, new against old (encode: ms a step in mx.async_eval, on whichever thread runs it)\n"
@@ -64,7 +64,7 @@ def main(argv=None) -> None:
                 raise SystemExit("the encode thread is not as asked")
             params = SamplingParams(max_tokens=steps_needed + 16, temperature=0.0, ignore_eos=True)
             for i in range(c):
-                engine.add_request(f"r{i}", rng.integers(0, 1 << 15, 512).tolist(), params)
+                engine.add_request(f"r{i}", rng.integers(0, model.args.vocab_size, 512).tolist(), params)
             for _ in range(-(-c * 512 // args.max_num_batched_tokens) + 8):
                 engine.step()
             engines[way] = engine
