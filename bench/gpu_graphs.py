@@ -42,7 +42,7 @@ SETTINGS = {
 def child(args) -> None:
     import mlx.core as mx
 
-    from bench.gpu_serving import DEFAULT_CACHE_LIMIT, build_models, engine_for, run_mlx_lm
+    from bench.gpu_serving import DEFAULT_CACHE_LIMIT, build_models, drain, engine_for, run_mlx_lm
     from shared.protocol import SamplingParams
 
     DEFAULT_CACHE_LIMIT.append(mx.set_cache_limit(0))
@@ -70,9 +70,7 @@ def child(args) -> None:
         row.update(mlxd_ms_per_step=round(1e3 * dt / args.steps, 2), wait_ms_per_step=round(1e3 * wait / args.steps, 2),
                    host_ms_per_step=round(1e3 * (dt - wait) / args.steps, 2))
         print("ROW " + json.dumps(row), flush=True)
-        engine.abort(list(engine.requests))
-        while engine.has_unfinished():
-            engine.step()
+        drain(engine)
         del engine
         mx.clear_cache()
 

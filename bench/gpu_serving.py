@@ -143,6 +143,13 @@ def engine_for(make_loaded, args, c: int, async_scheduling: bool, encode_thread:
     return Engine(cfg, loaded=make_loaded())
 
 
+def drain(engine) -> None:
+    """Abort what the engine holds and step until the step in flight is read (probes end their runs this way)."""
+    engine.abort(list(engine.requests))
+    while engine.has_unfinished():
+        engine.step()
+
+
 def run_mlxd(engine, prompts, max_tokens: int) -> tuple[float, dict]:
     import mlx.core as mx
 

@@ -27,7 +27,7 @@ import numpy as np
 def main(argv=None) -> None:
     import mlx.core as mx
 
-    from bench.gpu_serving import DEFAULT_CACHE_LIMIT, build_models, engine_for
+    from bench.gpu_serving import DEFAULT_CACHE_LIMIT, build_models, drain, engine_for
     from engined.model_layers import transformer_layers
     from shared.protocol import SamplingParams
 
@@ -105,9 +105,7 @@ def main(argv=None) -> None:
             with open(args.out, "a") as f:
                 f.write(json.dumps(row) + "\n")
         for engine in engines.values():
-            engine.abort(list(engine.requests))
-            while engine.has_unfinished():
-                engine.step()
+            drain(engine)
         del engines
         mx.clear_cache()
 

@@ -28,7 +28,7 @@ import numpy as np
 def main() -> None:
     import mlx.core as mx
 
-    from bench.gpu_serving import DEFAULT_CACHE_LIMIT, SHAPES, build_models, engine_for, run_mlx_lm
+    from bench.gpu_serving import DEFAULT_CACHE_LIMIT, SHAPES, build_models, drain, engine_for, run_mlx_lm
     from shared.protocol import SamplingParams
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -89,9 +89,7 @@ def main() -> None:
                 stats = pstats.Stats(prof)
                 stats.sort_stats("tottime").print_stats(28)
                 stats.sort_stats("cumulative").print_stats(40)
-            engine.abort(list(engine.requests))
-            while engine.has_unfinished():
-                engine.step()
+            drain(engine)
             del engine
             mx.clear_cache()
 
