@@ -168,19 +168,19 @@ def host_stages(engine, t: Timers) -> None:
     from engined.sampler import LaunchedStep
 
     t.wrap(engine.scheduler, "schedule", "schedule")
-    t.wrap(engine, "_launch", "build")  # forward and sampling graphs, up to and with the launch
-    t.wrap(LaunchedStep, "__init__", "launch")  # the hand-off: mx.async_eval
+    t.wrap(engine, "_launch", "build")  # forward and sampling graphs
+    t.wrap(LaunchedStep, "start", "launch")  # the hand-off: mx.async_eval
     t.wrap(engine, "_read_inflight", "read+after")  # the wait, then postprocess and output records
     t.wrap(LaunchedStep, "read", "read")
     t.wrap(engine.metrics, "on_step", "metrics")
 
 
 def host_s(s: dict) -> float:
-    """The host's part of the steps timed: scheduling, graph building up to the launch, and the work
-    after the tokens are read. On the CPU the launch runs much of the graph in the caller, and
-    freeing a step's arrays returns its scratch (the K/V writes copy each layer's pool there):
-    device work, not counted."""
-    return s["schedule"] + s["build"] - s["launch"] + s["read+after"] - s["read"] + s["metrics"]
+    """The host's part of the steps timed: scheduling, graph building, and the work after the tokens
+    are read. On the CPU the launch runs much of the graph in the caller, and freeing a step's
+    arrays returns its scratch (the K/V writes copy each layer's pool there): device work, not
+    counted."""
+    return s["schedule"] + s["build"] + s["read+after"] - s["read"] + s["metrics"]
 
 
 def instrument(engine, t: Timers) -> None:
@@ -198,7 +198,7 @@ def instrument(engine, t: Timers) -> None:
     layers = transformer_layers(runner.model)
     t.wrap(type(layers[0]), "__call__", "layers")
     t.wrap(type(layers[0].self_attn), "__call__", "attention")
-    t.wrap(LaunchedStep, "sample", "sample+launch")
+    t.wrap(LaunchedStep, "sample", "sample")
     if engine.lora is not None:
         from engined.lora.groups import ProjectionGroup
         from engined.lora.layers import LoraStep
