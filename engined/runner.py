@@ -178,12 +178,12 @@ class PagedAttention(nn.Module):
                 self._fused_qkv = True
         # The common form's queries, keys and values in one launch on CUDA, ten graph nodes fewer a layer.
         self._qk_rope = None
+        q_norm, k_norm = self.get("q_norm"), self.get("k_norm")
         plain = not (s.output_gate or s.qk_norm_whole or self._v_norm or s.query_position_scale is not None
                      or shares_kv or s.k_is_v)
         if (plain and self._fused_qkv and kernels.resolve_backend(backend) == "cuda"
-                and QKRope.takes(self.get("rope"), self.get("q_norm"), self.get("k_norm"), s.head_dim)):
-            self._qk_rope = QKRope(s.n_heads, s.n_kv_heads, s.head_dim, self.rope, self.get("q_norm"),
-                                   self.get("k_norm"))
+                and QKRope.takes(self.get("rope"), q_norm, k_norm, s.head_dim)):
+            self._qk_rope = QKRope(s.n_heads, s.n_kv_heads, s.head_dim, self.rope, q_norm, k_norm)
 
     def _rope(self, x: mx.array, positions: mx.array) -> mx.array:
         """``x [T, H, 1, D]``: each token its own "batch" row, so that RoPE takes a per-token offset."""

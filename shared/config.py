@@ -59,8 +59,8 @@ SPECULATIVE_METHODS = ("ngram", "draft_model", "mtp")
 # so a GPU takes larger steps; its attention reads every layer's inputs on the CPU, where nothing
 # would overlap, so only a GPU schedules asynchronously.
 DEVICE_DEFAULTS = {
-    "cpu": dict(max_num_seqs=32, max_num_batched_tokens=1024, async_scheduling=False, encode_thread=False),
-    "gpu": dict(max_num_seqs=128, max_num_batched_tokens=8192, async_scheduling=True, encode_thread=False),
+    "cpu": dict(max_num_seqs=32, max_num_batched_tokens=1024, async_scheduling=False),
+    "gpu": dict(max_num_seqs=128, max_num_batched_tokens=8192, async_scheduling=True),
 }
 
 
@@ -96,9 +96,9 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     # Schedule and build step n+1 while the device runs step n, reading step n's tokens after.
     # None: the device's default (on for a GPU, off on MLX's CPU backend).
     async_scheduling: bool | None = None
-    # With async scheduling: MLX encodes each step's graph on a thread of its own while the next is built.
-    # None: the device's default.
-    encode_thread: bool | None = None
+    # With async scheduling: MLX encodes each step's graph on a thread of its own while the next is built
+    # (off: on the H200 it made a single stream slower and 64 streams no faster, bench/gpu_serving_results.md).
+    encode_thread: bool = False
     # Ranks the model's layers are split over (engined/pipeline.py); each rank is a process, on
     # this machine or on others (mlx.launch), and holds only its layers' weights and KV.
     pipeline_parallel_size: int = 1
