@@ -1,0 +1,117 @@
+"""The device's own time for one decode step on a GPU, with the host taken off the critical path.
+
+A step's wall time is the host's (building and encoding its graph) or the
+device's, whichever is longer; ``bench.gpu_step_ab`` measures the host's. This
+probe measures the device's: before each step's launch it queues a kernel that
+spins on the GPU's clock (``%globaltimer``) for ``--spin-ms`` and records when
+it let go; the step is built and encoded while the device spins, so its
+kernels wait queued behind it; a second kernel after the step records the
+clock again. The difference is the time the device took for the step from a
+full queue: kernels, their gaps and the graph launch, no host in it.
+
+For the whole step to be queued behind the spin, MLX must not wait on the
+device while encoding it (it does after ten committed graphs in flight), so
+this process records each step into one CUDA graph (``MLX_MAX_OPS_PER_BUFFER``
+and ``MLX_MAX_MB_PER_BUFFER`` set before MLX loads); the probe checks that the
+host finished queuing the step before the spin ended and fails otherwise.
+
+    python -m bench.gpu_device_step [--levels 1,16,64] [--steps 20]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+
+import numpy as np
+
+GRAPH_SETTINGS = {"MLX_MAX_OPS_PER_BUFFER": "100000", "MLX_MAX_MB_PER_BUFFER": "10000000"}
+
+_CLOCK = 'unsigned long long t; asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));\n'
+_SPIN_SOURCE = _CLOCK + """
+unsigned long long t0 = t;
+while (t - t0 < (unsigned long long)ns[0]) { asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t)); }
+stamp[0] = t;
+"""
+_STAMP_SOURCE = _CLOCK + "stamp[0] = t;\n"
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="qwen3-8b")
+    ap.add_argument("--levels", default="1,16,64")
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--spin-ms", type=float, default=300.0)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    ap.add_argument("--num-kv-blocks", type=int, default=4096)
+    ap.add_argument("--out", help="append the rows as JSON lines to this file")
+    args = ap.parse_args(argv)
+    os.environ.update(GRAPH_SETTINGS)  # read once, when MLX's CUDA back-end starts: before the import below
+
+    import mlx.core as mx
+
+    from bench.gpu_serving import DEFAULT_CACHE_LIMIT, build_models, drain, engine_for
+    from engined.sampler import LaunchedStep
+    from shared.protocol import SamplingParams
+
+    spin = mx.fast.cuda_kernel(name="mlxd_probe_spin", input_names=["ns"], output_names=["stamp"],
+                               source=_SPIN_SOURCE)
+    stamp = mx.fast.cuda_kernel(name="mlxd_probe_stamp", input_names=["after"], output_names=["stamp"],
+                                source=_STAMP_SOURCE)
+
+    def clock(kernel, arg):
+        return kernel(inputs=[arg], grid=(1, 1, 1), threadgroup=(1, 1, 1), output_shapes=[(1,)],
+                      output_dtypes=[mx.uint64])[0]
+
+    DEFAULT_CACHE_LIMIT.append(mx.set_cache_limit(0))
+    mx.set_cache_limit(DEFAULT_CACHE_LIMIT[0])
+    model, make_loaded, _ = build_models(args.model, "bf16", 0)
+    rng = np.random.default_rng(0)
+    real_start, measured = LaunchedStep.start, []
+
+    def timed_start(self, encoder=None):
+        """The step's launch between the two clock kernels; waits for both, then keeps the device's time."""
+        held = clock(spin, mx.array([int(args.spin_ms * 1e6)], dtype=mx.uint64))
+        mx.async_eval(held)  # launched: the device spins while the step below is built and queued
+        t0 = time.perf_counter()
+        real_start(self, encoder)
+        after = clock(stamp, mx.array([0], dtype=mx.uint64))
+        mx.async_eval(after)
+        queued_ms = 1e3 * (time.perf_counter() - t0)
+        mx.eval(after)
+        if queued_ms > 0.8 * args.spin_ms:
+            raise SystemExit(f"queuing the step took {queued_ms:.1f} ms of a {args.spin_ms} ms spin: raise --spin-ms")
+        measured.append((int(after.item()) - int(held.item())) / 1e6)
+
+    print(f"device ms a decode step ({args.model}, bf16, the step recorded as one CUDA graph)\n"
+          "| c | device ms/step (median) | min | max |\n|---|---|---|---|", flush=True)
+    for c in map(int, args.levels.split(",")):
+        engine = engine_for(make_loaded, args, c, True)
+        params = SamplingParams(max_tokens=args.steps + 40, temperature=0.0, ignore_eos=True)
+        for i in range(c):
+            engine.add_request(f"r{i}", rng.integers(0, model.args.vocab_size, 512).tolist(), params)
+        for _ in range(-(-c * 512 // args.max_num_batched_tokens) + 8):  # the prefill, the first decode steps
+            engine.step()
+        measured.clear()
+        LaunchedStep.start = timed_start
+        try:
+            for _ in range(args.steps):
+                engine.step()
+        finally:
+            LaunchedStep.start = real_start
+        med = statistics.median(measured)
+        print(f"| {c} | {med:.2f} | {min(measured):.2f} | {max(measured):.2f} |", flush=True)
+        if args.out:
+            with open(args.out, "a") as f:
+                f.write(json.dumps(dict(model=args.model, c=c, device_ms=round(med, 3),
+                                        all_ms=[round(x, 3) for x in measured])) + "\n")
+        drain(engine)
+        del engine
+        mx.clear_cache()
+
+
+if __name__ == "__main__":
+    main()
