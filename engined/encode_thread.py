@@ -12,11 +12,15 @@ The engine builds its steps on a stream that any thread may evaluate
 (``mx.new_thread_unsafe_stream``); MLX leaves it to its user that no two
 evaluations overlap where they share arrays (an evaluation walks its graph's
 inputs and detaches those already computed). So the worker encodes one graph
-at a time, and the engine's thread evaluates nothing while it does: it reads
-the step in flight before handing over the next (``Engine.step``), and waits
-(``wait``) before anything else it evaluates: resizing the KV pools, sampling
-a trial row. Building a graph reads only arrays' shapes and types, which an
-evaluation does not change.
+at a time, and the engine's thread evaluates no graph while it does; it waits
+(``wait``) before anything it evaluates: resizing the KV pools, sampling a
+trial row. Reading the step in flight while the worker encodes the next
+(``Engine.step`` hands the next over first, so the device goes from one to the
+other without waiting) only waits on arrays that step already computed, none
+of which the next step's graph holds: the next step's placeholders read the
+sampled tokens through an array of their own (``LaunchedStep.feed``), and a
+pooled request's result is computed with its step. Building a graph reads only
+arrays' shapes and types, which an evaluation does not change.
 """
 
 from __future__ import annotations

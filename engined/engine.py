@@ -314,14 +314,11 @@ class Engine:
             return outputs + (self._read_inflight() if self._inflight is not None else self._idle())
         launched = self._launch(batch)
         self.num_steps += 1
-        if self.encoder is None:
-            launched.start()  # on the device's queue before the step in flight is waited for
+        # On the device's queue (or the encode thread's) before the step in flight is waited for, so the
+        # device goes from one step to the next without waiting for the host.
+        launched.start(self.encoder)
         if self._inflight is not None:
             outputs += self._read_inflight()
-        if self.encoder is not None:
-            # Handed over once the step before is read: reading evaluates, and no evaluation here may
-            # overlap the encode thread's (engined/encode_thread.py).
-            launched.start(self.encoder)
         self._inflight = launched
         if not self.async_scheduling:
             outputs += self._read_inflight()

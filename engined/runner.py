@@ -135,7 +135,7 @@ class ModelRunner:
             if r.num_computed_tokens + n > r.num_tokens and r not in batch.drafts:
                 at.append(offset - 1)
                 rows.append(inflight.row_of(r))
-        return (at, inflight.tokens[mx.array(rows)]) if at else None
+        return (at, inflight.feed[mx.array(rows)]) if at else None
 
 
 # The modules of an mlx_lm attention that the paged form keeps, under the same names (so parameter

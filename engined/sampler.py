@@ -329,14 +329,18 @@ def logprobs_for(lp_parts, tokens: list[int], reqs: list[Request]) -> list[Logpr
 class LaunchedStep:
     """A batch, its sampled rows' tokens (evaluating) and what turns them into each request's new tokens."""
 
-    __slots__ = ("batch", "reqs", "tokens", "logprob_parts", "spec_results", "pooled", "_rows", "_pending",
-                 "_encoder", "_number")
+    __slots__ = ("batch", "reqs", "tokens", "feed", "logprob_parts", "spec_results", "pooled", "_rows",
+                 "_pending", "_encoder", "_number")
 
-    def __init__(self, batch: SchedulerOutput, reqs: list[Request], tokens: mx.array | None, logprob_parts,
-                 spec_results: Callable[[], dict] | None, pending: list):
+    def __init__(self, batch: SchedulerOutput, reqs: list[Request], tokens: mx.array | None, feed: mx.array | None,
+                 logprob_parts, spec_results: Callable[[], dict] | None, pending: list):
         self.batch = batch
         self.reqs = reqs  # the plain sampled requests, in the order of ``tokens``' rows
         self.tokens = tokens
+        # The tokens as the next step's placeholders read them on the device: an array of its own, which
+        # the host never waits on, so that reading ``tokens`` here touches nothing the encode thread's
+        # evaluation of the next step walks (``Engine.step`` hands that step over before reading this one).
+        self.feed = feed
         self.logprob_parts = logprob_parts
         self.spec_results = spec_results  # verified draft windows' results, read after evaluation
         self._rows = {r: i for i, r in enumerate(reqs)}
@@ -349,6 +353,8 @@ class LaunchedStep:
     def start(self, encoder: EncodeThread | None = None) -> None:
         """Queue the step on the device: evaluated asynchronously here, or handed to ``encoder``'s thread."""
         pending, self._pending = self._pending, None
+        if self.pooled:  # evaluated with the step, so that reading them (``store_results``) only waits
+            pending.append([r for _, r in self.pooled])
         if encoder is None:
             mx.async_eval(pending)
         else:
@@ -364,14 +370,15 @@ class LaunchedStep:
         spec = [(r, o) for r, o in rows if r in batch.drafts]
         pending = [kv_arrays]
         reqs = [r for r, _ in plain]
-        tokens, logprob_parts, spec_results = None, None, None
+        tokens, feed, logprob_parts, spec_results = None, None, None, None
         if plain:
             tokens, logprob_parts = sampler(logits[mx.array([o for _, o in plain])], reqs)
-            pending += [tokens, logprob_parts or []]
+            feed = mx.stop_gradient(tokens)
+            pending += [tokens, feed, logprob_parts or []]
         if spec:
             arrays, spec_results = speculator.verify(logits, spec, batch.drafts)
             pending += arrays
-        return cls(batch, reqs, tokens, logprob_parts, spec_results, pending)
+        return cls(batch, reqs, tokens, feed, logprob_parts, spec_results, pending)
 
     def row_of(self, req: Request) -> int:
         """The row of ``tokens`` holding the request's token (the next step's placeholder)."""
