@@ -105,7 +105,7 @@ def main(argv=None) -> None:
     print(f"device ms a decode step ({args.model}, bf16, the step recorded as one CUDA graph)\n"
           "| c | device ms/step (median) | min | max |\n|---|---|---|---|", flush=True)
     for c in map(int, args.levels.split(",")):
-        engine = engine_for(make_loaded, args, c, True)
+        engine = engine_for(make_loaded, args, c, True, encode_thread=False)
         params = SamplingParams(max_tokens=args.steps + 40, temperature=0.0, ignore_eos=True)
         for i in range(c):
             engine.add_request(f"r{i}", rng.integers(0, model.args.vocab_size, 512).tolist(), params)

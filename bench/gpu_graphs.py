@@ -57,7 +57,7 @@ def child(args) -> None:
             run_mlx_lm(model, prompts, 8)
             short, long = run_mlx_lm(model, prompts, 24), run_mlx_lm(model, prompts, 88)
             row["mlx_lm_ms_per_step"] = round(1e3 * (long - short) / 64, 2)
-        engine = engine_for(make_loaded, args, c, True)
+        engine = engine_for(make_loaded, args, c, True, encode_thread=False)
         params = SamplingParams(max_tokens=args.steps + 40, temperature=0.0, ignore_eos=True)
         for i, p in enumerate(prompts):
             engine.add_request(f"r{i}", p, params)

@@ -133,7 +133,7 @@ def run_mlx_lm(model, prompts, max_tokens: int) -> float:
     return wall
 
 
-def engine_for(make_loaded, args, c: int, async_scheduling: bool, encode_thread: bool = False):
+def engine_for(make_loaded, args, c: int, async_scheduling: bool, encode_thread: bool | None = None):
     from engined.engine import Engine
     from shared.config import EngineConfig
 
@@ -293,7 +293,8 @@ def main(argv=None) -> None:
     ap.add_argument("--workloads", default="mixed,shared")
     ap.add_argument("--concurrency", default="1,16,64,128")
     ap.add_argument("--modes", default="async", help="mlxd modes to run: async, sync or both (async,sync)")
-    ap.add_argument("--encode-thread", action="store_true", help="the engines encode each step on a thread of its own")
+    ap.add_argument("--encode-thread", action=argparse.BooleanOptionalAction,
+                    help="the engines encode each step on a thread of their own (default: the device's default)")
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
     ap.add_argument("--num-kv-blocks", type=int, default=24576)

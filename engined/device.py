@@ -63,6 +63,13 @@ def on_cpu() -> bool:
     return mx.default_device() == mx.cpu or not (mx.metal.is_available() or mx.cuda.is_available())
 
 
+def device_kind() -> str:
+    """Where MLX runs the model: "cpu", "metal" or "cuda" (the keys of ``shared.config.DEVICE_DEFAULTS``)."""
+    import mlx.core as mx
+
+    return "cpu" if on_cpu() else "metal" if mx.metal.is_available() else "cuda"
+
+
 def weight_dtype(requested: str = "auto"):
     """The dtype weights run in: float32 on CPU, None (keep the checkpoint's) on a GPU."""
     import mlx.core as mx

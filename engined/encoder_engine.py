@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from engined import memory_guard
-from engined.device import on_cpu
+from engined.device import device_kind
 from engined.metrics import EngineMetrics
 from engined.pooling import matryoshka_dimensions
 from engined.request import Request, Status, WaitingPlaces, take_output
@@ -48,7 +48,7 @@ class EncoderEngine:
 
         if config.task not in ("auto", "embed"):
             raise ModelLoadError(f"{path} is an encoder model: it serves --task embed, not {config.task}")
-        config = config.for_device(gpu=not on_cpu())
+        config = config.for_device(device_kind())
         self.config = config
         self.model = EncoderModel.load(path)
         limit = self.model.max_length

@@ -33,7 +33,7 @@ import mlx.core as mx
 
 from engined import kernels
 from engined import memory_guard, model_split, pipeline, proposers
-from engined.device import on_cpu
+from engined.device import device_kind
 from engined.encode_thread import EncodeThread
 from engined.loaders import LoadedModel, load_model
 from engined.lora.registry import LoraRegistry
@@ -55,7 +55,7 @@ log = logging.getLogger("mlxd.engine")
 
 class Engine:
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None, progress: bool = False):
-        config = config.for_device(gpu=not on_cpu())
+        config = config.for_device(device_kind())
         self.config = config
         loaded = loaded or load_model(config.model, config.dtype)
         self.loaded = loaded

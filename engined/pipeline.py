@@ -40,7 +40,7 @@ from collections import deque
 import mlx.core as mx
 
 from engined import memory_guard, model_split
-from engined.device import on_cpu
+from engined.device import device_kind
 from engined.memory_guard import MemoryPlan
 from engined.rank_link import Link, Message, Op
 from engined.request import Request
@@ -290,7 +290,7 @@ def serve_worker(config: EngineConfig, group: mx.distributed.Group, joined: thre
     from engined.model_layers import float_dtype, read_layers
     from engined import kernels
 
-    config = config.for_device(gpu=not on_cpu())  # the same batch limits as rank 0's engine
+    config = config.for_device(device_kind())  # the same batch limits as rank 0's engine
     loaded = load_model(config.model, config.dtype)
     model_split.prepare(loaded.model, group, config)
     specs = read_layers(loaded.model)

@@ -57,10 +57,14 @@ SPECULATIVE_METHODS = ("ngram", "draft_model", "mtp")
 # Defaults that depend on the device. A GPU step costs the host about the same whatever its size
 # (graph building and kernel launches: ~15 ms for an 8B model on the H200, bench/gpu_serving_results.md),
 # so a GPU takes larger steps; its attention reads every layer's inputs on the CPU, where nothing
-# would overlap, so only a GPU schedules asynchronously.
+# would overlap, so only a GPU schedules asynchronously. The encode thread made every measured
+# decode step faster on the H200 (1.3x at 1 stream, 1.5x at 16 and 64); nobody has measured it on
+# a Mac, so Metal keeps one thread.
+_GPU = dict(max_num_seqs=128, max_num_batched_tokens=8192, async_scheduling=True)
 DEVICE_DEFAULTS = {
-    "cpu": dict(max_num_seqs=32, max_num_batched_tokens=1024, async_scheduling=False),
-    "gpu": dict(max_num_seqs=128, max_num_batched_tokens=8192, async_scheduling=True),
+    "cpu": dict(max_num_seqs=32, max_num_batched_tokens=1024, async_scheduling=False, encode_thread=False),
+    "metal": dict(_GPU, encode_thread=False),
+    "cuda": dict(_GPU, encode_thread=True),
 }
 
 
@@ -96,9 +100,9 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     # Schedule and build step n+1 while the device runs step n, reading step n's tokens after.
     # None: the device's default (on for a GPU, off on MLX's CPU backend).
     async_scheduling: bool | None = None
-    # With async scheduling: MLX encodes each step's graph on a thread of its own while the next is built
-    # (off: on the H200 it made a single stream slower and 64 streams no faster, bench/gpu_serving_results.md).
-    encode_thread: bool = False
+    # With async scheduling: MLX encodes each step's graph on a thread of its own while the next is built.
+    # None: the device's default (on for CUDA, off for Metal and the CPU).
+    encode_thread: bool | None = None
     # Ranks the model's layers are split over (engined/pipeline.py); each rank is a process, on
     # this machine or on others (mlx.launch), and holds only its layers' weights and KV.
     pipeline_parallel_size: int = 1
@@ -206,9 +210,10 @@ class EngineConfig(msgspec.Struct, kw_only=True):
             raise InvalidRequestError("--lora-modules: an adapter name is given twice", param="lora_modules")
         return pairs
 
-    def for_device(self, gpu: bool) -> "EngineConfig":
-        """This config with the settings left to the device (None) filled in from DEVICE_DEFAULTS."""
-        defaults = DEVICE_DEFAULTS["gpu" if gpu else "cpu"]
+    def for_device(self, device: str) -> "EngineConfig":
+        """This config with the settings left to the device (None) filled in from DEVICE_DEFAULTS:
+        ``device`` one of its keys."""
+        defaults = DEVICE_DEFAULTS[device]
         return msgspec.structs.replace(self, **{k: v for k, v in defaults.items() if getattr(self, k) is None})
 
     @property
