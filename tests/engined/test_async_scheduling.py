@@ -13,6 +13,7 @@ pool here also grows under the steps in flight.
 
 import random
 
+import numpy as np
 import pytest
 
 from engined.engine import Engine
@@ -103,3 +104,31 @@ def test_async_and_sync_scheduling_give_identical_outputs(tiny_dir, backend, enc
     assert set(sync[1].values()) >= {"stop", "length", "abort"}
     assert sync[3] > 0 and asyn[3] > 0, "the pool was meant to be tight enough to preempt"
     assert asyn[4] > 0 and sync[4] == 0, "the async engine returned outputs with a step in flight"
+
+
+def test_pooled_results_with_the_encode_thread_equal_the_synchronous_engines(tiny_dir):
+    """Embeddings of prompts prefilled in chunks, read while the encode thread holds the next step: each
+    result is evaluated with its own step, so reading it waits only, and equals the synchronous engine's."""
+    rng = random.Random(fresh_seed("pooled async"))
+    prompts = [[rng.randrange(1, 250) for _ in range(rng.choice([20, 70, 150]))] for _ in range(6)]
+
+    def embed(async_scheduling: bool) -> tuple[list, int]:
+        engine = Engine(EngineConfig(num_kv_blocks=64, block_size=16, max_num_batched_tokens=64, max_num_seqs=4,
+                                     max_model_len=360, task="embed", async_scheduling=async_scheduling,
+                                     encode_thread=async_scheduling, attention_backend="reference"),
+                        loaded=load_model(str(tiny_dir)))
+        assert (engine.encoder is not None) is async_scheduling
+        for i, prompt in enumerate(prompts):
+            engine.add_request(f"e{i}", prompt, SamplingParams(max_tokens=1), task="embed")
+        got, overlapped = {}, 0
+        while engine.has_unfinished():
+            outs = [o for o in engine.step() if o.embedding]
+            overlapped += bool(outs) and engine._inflight is not None
+            got.update({o.request_id: np.frombuffer(o.embedding, "<f4") for o in outs})
+        return [got[f"e{i}"] for i in range(len(prompts))], overlapped
+
+    sync, _ = embed(False)
+    asyn, overlapped = embed(True)
+    assert overlapped > 0, "no result was read with a step in flight"
+    for got, want in zip(asyn, sync):
+        np.testing.assert_allclose(got, want, atol=1e-5)
