@@ -113,3 +113,16 @@ def test_a_busy_metrics_port_is_found_before_the_engine_loads(tmp_path):
     assert r.stderr.strip().splitlines() == [
         f"mlxd: --metrics-port {port} on 127.0.0.1 is in use by another process (another mlxd or vLLM?); "
         "stop that process or pick another --metrics-port"], r.stderr
+
+
+def test_settings_left_to_the_device_follow_it_and_flags_given_override_them():
+    """Async scheduling and the encode thread: on for CUDA, the thread off for Metal (unmeasured there), both
+    off on the CPU; ``--no-encode-thread`` holds on CUDA too."""
+    left = build_config(EngineConfig, _sub("serve").parse_args([]))
+    assert left.async_scheduling is None and left.encode_thread is None
+    got = {kind: left.for_device(kind) for kind in ("cpu", "metal", "cuda")}
+    assert [(c.async_scheduling, c.encode_thread) for c in got.values()] == [(False, False), (True, False),
+                                                                               (True, True)]
+    assert got["cpu"].max_num_batched_tokens == 1024 and got["cuda"].max_num_batched_tokens == 8192
+    off = build_config(EngineConfig, _sub("serve").parse_args(["--no-encode-thread"])).for_device("cuda")
+    assert off.encode_thread is False and off.async_scheduling is True
