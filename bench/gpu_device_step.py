@@ -68,7 +68,7 @@ def main(argv=None) -> None:
     ap.add_argument("--model", default="qwen3-8b")
     ap.add_argument("--levels", default="1,16,64")
     ap.add_argument("--steps", type=int, default=20)
-    ap.add_argument("--spin-ms", type=float, default=300.0)
+    ap.add_argument("--spin-ms", type=float, default=1000.0)
     ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
     ap.add_argument("--num-kv-blocks", type=int, default=4096)
     ap.add_argument("--out", help="append the rows as JSON lines to this file")
@@ -77,9 +77,8 @@ def main(argv=None) -> None:
 
     import mlx.core as mx
 
-    from bench.gpu_serving import DEFAULT_CACHE_LIMIT, build_models, drain, engine_for
+    from bench.gpu_serving import DEFAULT_CACHE_LIMIT, build_models, drain, engine_for, start_decoding
     from engined.sampler import LaunchedStep
-    from shared.protocol import SamplingParams
 
     spin, stamp = clock_kernels()
     DEFAULT_CACHE_LIMIT.append(mx.set_cache_limit(0))
@@ -106,11 +105,8 @@ def main(argv=None) -> None:
           "| c | device ms/step (median) | min | max |\n|---|---|---|---|", flush=True)
     for c in map(int, args.levels.split(",")):
         engine = engine_for(make_loaded, args, c, True, encode_thread=False)
-        params = SamplingParams(max_tokens=args.steps + 40, temperature=0.0, ignore_eos=True)
-        for i in range(c):
-            engine.add_request(f"r{i}", rng.integers(0, model.args.vocab_size, 512).tolist(), params)
-        for _ in range(-(-c * 512 // args.max_num_batched_tokens) + 8):  # the prefill, the first decode steps
-            engine.step()
+        start_decoding(engine, [rng.integers(0, model.args.vocab_size, 512).tolist() for _ in range(c)],
+                       args.steps + 40)
         LaunchedStep.start = timed_start
         try:
             for _ in range(2):  # this process records a step as one graph: the first of its shape is instantiated

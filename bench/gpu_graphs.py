@@ -42,8 +42,7 @@ SETTINGS = {
 def child(args) -> None:
     import mlx.core as mx
 
-    from bench.gpu_serving import DEFAULT_CACHE_LIMIT, build_models, drain, engine_for, run_mlx_lm
-    from shared.protocol import SamplingParams
+    from bench.gpu_serving import DEFAULT_CACHE_LIMIT, build_models, drain, engine_for, run_mlx_lm, start_decoding
 
     DEFAULT_CACHE_LIMIT.append(mx.set_cache_limit(0))
     mx.set_cache_limit(DEFAULT_CACHE_LIMIT[0])
@@ -58,11 +57,7 @@ def child(args) -> None:
             short, long = run_mlx_lm(model, prompts, 24), run_mlx_lm(model, prompts, 88)
             row["mlx_lm_ms_per_step"] = round(1e3 * (long - short) / 64, 2)
         engine = engine_for(make_loaded, args, c, True, encode_thread=False)
-        params = SamplingParams(max_tokens=args.steps + 40, temperature=0.0, ignore_eos=True)
-        for i, p in enumerate(prompts):
-            engine.add_request(f"r{i}", p, params)
-        for _ in range(-(-c * 512 // args.max_num_batched_tokens) + 8):  # the prefill, the first decode steps
-            engine.step()
+        start_decoding(engine, prompts, args.steps + 40)
         t0, w0 = time.perf_counter(), engine.sync_wait_s
         for _ in range(args.steps):
             engine.step()

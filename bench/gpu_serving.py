@@ -143,6 +143,18 @@ def engine_for(make_loaded, args, c: int, async_scheduling: bool, encode_thread:
     return Engine(cfg, loaded=make_loaded())
 
 
+def start_decoding(engine, prompts: list[list[int]], max_tokens: int) -> None:
+    """Add ``prompts`` (greedy, ``max_tokens`` each) and step through their prefill and the first decode
+    steps, so that the probes' timed steps are decode steps of all of them."""
+    from shared.protocol import SamplingParams
+
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    for i, p in enumerate(prompts):
+        engine.add_request(f"r{i}", p, params)
+    for _ in range(-(-sum(map(len, prompts)) // engine.config.max_num_batched_tokens) + 8):
+        engine.step()
+
+
 def drain(engine) -> None:
     """Abort what the engine holds and step until the step in flight is read (probes end their runs this way)."""
     engine.abort(list(engine.requests))

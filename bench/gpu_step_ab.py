@@ -27,9 +27,8 @@ import numpy as np
 def main(argv=None) -> None:
     import mlx.core as mx
 
-    from bench.gpu_serving import DEFAULT_CACHE_LIMIT, build_models, drain, engine_for
+    from bench.gpu_serving import DEFAULT_CACHE_LIMIT, build_models, drain, engine_for, start_decoding
     from engined.model_layers import transformer_layers
-    from shared.protocol import SamplingParams
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--compare", required=True, choices=("qk-rope", "encode-thread"))
@@ -62,11 +61,8 @@ def main(argv=None) -> None:
                 raise SystemExit("the kernel is not on in every layer: not a CUDA machine?")
             if (engine.encoder is not None) is not thread:
                 raise SystemExit("the encode thread is not as asked")
-            params = SamplingParams(max_tokens=steps_needed + 16, temperature=0.0, ignore_eos=True)
-            for i in range(c):
-                engine.add_request(f"r{i}", rng.integers(0, model.args.vocab_size, 512).tolist(), params)
-            for _ in range(-(-c * 512 // args.max_num_batched_tokens) + 8):
-                engine.step()
+            start_decoding(engine, [rng.integers(0, model.args.vocab_size, 512).tolist() for _ in range(c)],
+                           steps_needed + 16)
             engines[way] = engine
         got = {way: [] for way in engines}
         encode = {way: [] for way in engines}
