@@ -29,6 +29,7 @@ from engined.linear_attention import SlottedLinearAttention
 from engined.linear_join import fuse_linears, join_siblings
 from engined.lora.registry import LoraRegistry
 from engined.model_layers import LayerSettings, LayerSpec, text_model, transformer_layers
+from engined.transposed_linear import hold_transposes
 from engined.scheduler import KVCacheManager, SchedulerOutput
 from shared.errors import ModelLoadError
 
@@ -84,6 +85,8 @@ class ModelRunner:
         self.head = install(model, specs, attention_backend)
         # The adapters' slots (their layers are already in the model); None: LoRA is off.
         self.lora = lora
+        if lora is None:  # LoRA's groups write adapters into their bases' weights in place
+            hold_transposes(model)
 
     def run(self, batch: SchedulerOutput, num_logits: list[int] | None = None) -> mx.array:
         """Forward the batch; logits ``[sum(num_logits), vocab]`` (not yet evaluated).
