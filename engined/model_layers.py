@@ -111,6 +111,20 @@ def _where(model: nn.Module, i: int) -> str:
     return f"{type(model).__module__} layer {i}"
 
 
+# The mlx_lm model modules whose body and decoder layers run as well on a 2-D ``[T, hidden]`` stream as on
+# ``[1, T, hidden]`` (nothing in them reads the sequence axis): the runner feeds them 1-D tokens, which saves
+# each layer the reshapes into and out of the packed batch and the residual add's broadcast. Each is proven
+# by the family parity tests (``tests/engined/test_families.py``); Ministral 3, Gemma 4 and the hybrid
+# families read the sequence axis and stay packed.
+FLAT_STREAM = frozenset({"llama", "qwen2", "qwen3", "qwen3_moe", "gpt_oss", "gemma2", "gemma3_text", "mixtral",
+                         "phi3", "glm4", "glm4_moe", "olmo2", "smollm3"})
+
+
+def flat_stream(model: nn.Module) -> bool:
+    """Whether ``model``'s family runs on a 2-D stream (``FLAT_STREAM``), read from its text model's module."""
+    return type(text_model(model)).__module__.rpartition(".")[2] in FLAT_STREAM
+
+
 def text_model(model: nn.Module) -> nn.Module:
     """The language model inside a vision-language wrapper (``language_model``), else the model itself.
 

@@ -28,7 +28,7 @@ from engined.kernels.qk_rope import QKRope
 from engined.linear_attention import SlottedLinearAttention
 from engined.linear_join import fuse_linears, join_siblings
 from engined.lora.registry import LoraRegistry
-from engined.model_layers import LayerSettings, LayerSpec, text_model, transformer_layers
+from engined.model_layers import LayerSettings, LayerSpec, flat_stream, text_model, transformer_layers
 from engined.transposed_linear import hold_transposes
 from engined.scheduler import KVCacheManager, SchedulerOutput
 from shared.errors import ModelLoadError
@@ -52,12 +52,14 @@ def forward(model: nn.Module, head: LastTokenNorm, pieces: list[list[int]], cach
 
 def forward_pooled(model: nn.Module, head: LastTokenNorm, pieces: list[list[int]], caches: list,
                    num_logits: list[int], num_hidden: list[int] | None = None,
-                   fills: tuple[list[int], mx.array] | None = None) -> tuple[mx.array, mx.array | None]:
+                   fills: tuple[list[int], mx.array] | None = None, flat: bool = False
+                   ) -> tuple[mx.array, mx.array | None]:
     """``forward``, and when ``num_hidden`` asks for any, the final normed hidden states
     ``[sum(num_hidden), hidden]`` of each piece's last ``num_hidden[b]`` rows (else None).
 
     ``fills`` = (packed positions, tokens [len]) puts device-side tokens (a
-    step still in flight sampled them) at those positions.
+    step still in flight sampled them) at those positions. ``flat``: the model
+    takes the tokens 1-D and runs on a 2-D stream (``model_layers.FLAT_STREAM``).
     """
     lens = [len(p) for p in pieces]
     tokens = mx.array(np.fromiter((t for piece in pieces for t in piece), dtype=np.int32, count=sum(lens)))
@@ -69,6 +71,8 @@ def forward_pooled(model: nn.Module, head: LastTokenNorm, pieces: list[list[int]
     if num_hidden and any(num_hidden):
         head.hidden_rows = _row_index(ends, num_hidden)
     try:
+        if flat:
+            return model(tokens, cache=caches), head.hidden
         logits = model(tokens[None], cache=caches)[0]
         return logits, (head.hidden[0] if head.hidden is not None else None)
     finally:
@@ -87,6 +91,7 @@ class ModelRunner:
         self.lora = lora
         if lora is None:  # LoRA's groups write adapters into their bases' weights in place
             hold_transposes(model)
+        self.flat = flat_stream(model)
 
     def run(self, batch: SchedulerOutput, num_logits: list[int] | None = None) -> mx.array:
         """Forward the batch; logits ``[sum(num_logits), vocab]`` (not yet evaluated).
@@ -111,7 +116,8 @@ class ModelRunner:
         if self.lora is not None:
             self.lora.set_step([r.lora_slot for r, _ in batch.scheduled], [n for _, n in batch.scheduled])
         try:
-            return forward_pooled(self.model, self.head, pieces, caches, num_logits, batch.hidden_rows, fills)
+            return forward_pooled(self.model, self.head, pieces, caches, num_logits, batch.hidden_rows, fills,
+                                  self.flat)
         finally:
             if self.lora is not None:
                 self.lora.set_step([], [])
@@ -221,13 +227,16 @@ class PagedAttention(nn.Module):
             raise RuntimeError("a paged attention layer ran without its step: run the model through "
                                "engined.runner.ModelRunner")
         s = self.settings
-        t = x.shape[1]
         # The layer runs on [T, hidden], [T, heads, 1, D] around RoPE: a 3-D input costs a matmul a flatten
-        # and an unflatten, and a step on a GPU is bound by the host's cost per operation.
-        x = x.reshape(t, -1)
+        # and an unflatten, and a step on a GPU is bound by the host's cost per operation. A flat stream's
+        # input is 2-D already (model_layers.FLAT_STREAM), and so is its output.
+        packed = x.ndim == 3
+        t = x.shape[-2]
+        if packed:
+            x = x.reshape(t, -1)
         if self._qk_rope is not None:
             q, k, v = self._qk_rope(self.qkv_proj(x), meta.positions)
-            return self._attention_out(q, *cache.write(k, v), meta, None)
+            return self._attention_out(q, *cache.write(k, v), meta, None, packed)
         if self._fused_qkv:
             q, k, v = mx.split(self.qkv_proj(x), [self._q_width, self._qkv_width], axis=-1)
         else:
@@ -253,17 +262,20 @@ class PagedAttention(nn.Module):
                 k = self.k_proj(x)
                 v = None if s.k_is_v else self.v_proj(x)
             kc, vc = cache.write(*self._kv(k, v, positions))
-        return self._attention_out(q, kc, vc, meta, gate)
+        return self._attention_out(q, kc, vc, meta, gate, packed)
 
-    def _attention_out(self, q: mx.array, kc: mx.array, vc: mx.array, meta, gate: mx.array | None):
-        """The attention of ``q [T, H, D]`` over the layer's pools, through the output projection."""
+    def _attention_out(self, q: mx.array, kc: mx.array, vc: mx.array, meta, gate: mx.array | None, packed: bool):
+        """The attention of ``q [T, H, D]`` over the layer's pools, through the output projection
+        (``[1, T, hidden]`` where the layer's input was ``packed`` so, else ``[T, hidden]``)."""
         s, t = self.settings, q.shape[0]
         out = self.attend(q, kc, vc, meta, s.scale, s.sliding_window, s.softcap,
                           self.sinks if s.has_sinks else None)
         out = out.reshape(t, -1)
         if gate is not None:
             out = out * mx.sigmoid(gate.reshape(t, -1))
-        out = self.o_proj(out).reshape(1, t, -1)
+        out = self.o_proj(out)
+        if packed:
+            out = out.reshape(1, t, -1)
         # K/V pass between layers through the pool, never as arrays: a sharing layer reads its
         # source's step object, so the K/V and offset handed back are None.
         return (out, None, None) if s.returns_kv else out
@@ -286,9 +298,10 @@ class LastTokenNorm(nn.Module):
         self.hidden: mx.array | None = None
 
     def __call__(self, h: mx.array) -> mx.array:
+        rows = (slice(None),) * (h.ndim - 2)  # a flat stream's h is [T, hidden], a packed one's [1, T, hidden]
         if self.hidden_rows is not None:
-            self.hidden = self.inner(h[:, self.hidden_rows])
-        return self.inner(h[:, self.rows])
+            self.hidden = self.inner(h[rows + (self.hidden_rows,)])
+        return self.inner(h[rows + (self.rows,)])
 
 
 def install(model: nn.Module, specs: list[LayerSpec], backend: str = "auto") -> LastTokenNorm:
