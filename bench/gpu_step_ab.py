@@ -2,7 +2,11 @@
 
 ``--compare qk-rope``: the q/k/v kernel (``engined.kernels.qk_rope``) against
 MLX's operations; ``--compare encode-thread``: each step's graph encoded on a
-thread of its own (``engined/encode_thread.py``) against on the engine's.
+thread of its own (``engined/encode_thread.py``) against on the engine's;
+``--compare lean-graph``: linears holding their weight's transpose
+(``engined/transposed_linear.py``) and the 2-D stream (``model_layers.FLAT_STREAM``)
+against mlx's own linears on the packed ``[1, T, hidden]`` stream (~180 graph nodes a
+step more at 36 layers).
 Two asynchronous engines over the same random weights of a real shape (bf16),
 the change on in one ("new") and off in the other ("old"), each with c requests of 512-token
 prompts decoding; then rounds of ``--steps`` timed steps on each in turn, the
@@ -31,7 +35,7 @@ def main(argv=None) -> None:
     from engined.model_layers import transformer_layers
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--compare", required=True, choices=("qk-rope", "encode-thread"))
+    ap.add_argument("--compare", required=True, choices=("qk-rope", "encode-thread", "lean-graph"))
     ap.add_argument("--model", default="qwen3-8b")
     ap.add_argument("--levels", default="1,16,64")
     ap.add_argument("--rounds", type=int, default=4)
@@ -59,6 +63,8 @@ def main(argv=None) -> None:
                     attn._qk_rope = None
             elif args.compare == "qk-rope" and not all(attn._qk_rope is not None for attn in layers):
                 raise SystemExit("the kernel is not on in every layer: not a CUDA machine?")
+            if args.compare == "lean-graph" and way == "old":
+                packed_with_mlx_linears(engine)
             if (engine.encoder is not None) is not thread:
                 raise SystemExit("the encode thread is not as asked")
             start_decoding(engine, [rng.integers(0, model.args.vocab_size, 512).tolist() for _ in range(c)],
@@ -104,6 +110,20 @@ def main(argv=None) -> None:
             drain(engine)
         del engines
         mx.clear_cache()
+
+
+def packed_with_mlx_linears(engine) -> None:
+    """``--compare lean-graph``'s old engine: mlx's own linears (a Transpose node a call) on the packed stream."""
+    import mlx.nn as nn
+
+    from engined.transposed_linear import TransposedEmbedding, TransposedLinear
+
+    if not engine.runner.flat:
+        raise SystemExit("this model's family does not run on the 2-D stream")
+    engine.runner.flat = False
+    for _, module in engine.runner.model.named_modules():
+        if type(module) in (TransposedLinear, TransposedEmbedding):
+            module.__class__ = nn.Linear if type(module) is TransposedLinear else nn.Embedding
 
 
 if __name__ == "__main__":
