@@ -21,18 +21,33 @@ of which the next step's graph holds: the next step's placeholders read the
 sampled tokens through an array of their own (``LaunchedStep.feed``), and a
 pooled request's result is computed with its step. Building a graph reads only
 arrays' shapes and types, which an evaluation does not change.
+
+The worker needs Python's lock back to leave ``mx.async_eval``, and the
+engine's thread, busy in Python, gives it up only when it blocks or when the
+interpreter's switch interval runs out (5 ms by default). The worker would sit
+that long after each step's encoding, counted in its encode time and holding
+nothing back but the truth of that count; the thread shortens the interval to
+``SWITCH_INTERVAL_S`` for the process (``bench/encode_handback.py`` measures
+the worker's time around ``mx.async_eval`` at both).
 """
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
 
 import mlx.core as mx
 
+SWITCH_INTERVAL_S = 2e-4
+
 
 class EncodeThread:
-    def __init__(self):
+    def __init__(self, switch_interval_s: float | None = SWITCH_INTERVAL_S):
+        """``switch_interval_s``: the interpreter's switch interval while the process has the worker (None:
+        left as it is)."""
+        if switch_interval_s is not None:
+            sys.setswitchinterval(min(sys.getswitchinterval(), switch_interval_s))
         self.stream = mx.new_thread_unsafe_stream(mx.default_device())
         self._cond = threading.Condition()
         self._arrays: list | None = None  # the graph handed over, until the worker takes it
