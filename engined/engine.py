@@ -439,11 +439,10 @@ class Engine:
     def _outputs(self, produced: list[tuple[Request, int]]) -> list[RequestOutput]:
         now = time.monotonic()
         outputs = []
+        self.metrics.on_tokens([(req, count) for req, count in produced if not req.pooled], now)
         for req, count in produced:
             if req.pooled:
                 self.metrics.on_pooled(req, now)
-            else:
-                self.metrics.on_token(req, now, count)
             if req.finished:
                 self.metrics.on_finish(req, now)
                 del self.requests[req.request_id]

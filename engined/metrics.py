@@ -319,26 +319,34 @@ class EngineMetrics:
             self.iteration_tokens.observe(num_tokens)
             self.step_time.observe(duration)
 
-    def on_token(self, req: Request, now: float, count: int = 1) -> None:
-        """After a step appended ``count`` tokens to ``req`` (more than one when drafts were accepted).
+    def on_tokens(self, counted: list[tuple[Request, int]], now: float) -> None:
+        """After a step appended ``count`` tokens to each ``(req, count)`` (more than one where drafts were
+        accepted). The counters move once a step (once per app), the latencies once per request: the step's
+        host time at 64 decoding requests is what a GPU waits on.
 
-        The first is the end of the prefill: the prompt's tokens count then, as in vLLM (a
+        A request's first token is the end of its prefill: the prompt's tokens count then, as in vLLM (a
         request aborted before it is prefilled adds none).
         """
-        self.generation_tokens.inc(count)
-        self.total_generation_tokens += count
-        self._app_tokens(self._app_label(req.app)).inc(count)
-        if req.first_token_time is None:
-            req.first_token_time = now
-            self.ttft.observe(now - req.arrival_time)
-            self.prompt_tokens.inc(req.num_prompt_tokens)
-            self.total_prompt_tokens += req.num_prompt_tokens
-            self.total_cached_tokens += req.num_cached_tokens
-        else:
-            self.itl.observe(now - req.last_token_time)
-            if self.tpot_deprecated is not None:
-                self.tpot_deprecated.observe(now - req.last_token_time)
-        req.last_token_time = now
+        total, by_app = 0, {}
+        for req, count in counted:
+            total += count
+            by_app[req.app] = by_app.get(req.app, 0) + count
+            if req.first_token_time is None:
+                req.first_token_time = now
+                self.ttft.observe(now - req.arrival_time)
+                self.prompt_tokens.inc(req.num_prompt_tokens)
+                self.total_prompt_tokens += req.num_prompt_tokens
+                self.total_cached_tokens += req.num_cached_tokens
+            else:
+                self.itl.observe(now - req.last_token_time)
+                if self.tpot_deprecated is not None:
+                    self.tpot_deprecated.observe(now - req.last_token_time)
+            req.last_token_time = now
+        if total:
+            self.generation_tokens.inc(total)
+            self.total_generation_tokens += total
+        for app, count in by_app.items():
+            self._app_tokens(self._app_label(app)).inc(count)
 
     def on_spec(self, drafted: list[int], accepted: list[int]) -> None:
         """After verification: draft lengths and accepted counts, one per speculating request."""
