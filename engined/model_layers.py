@@ -115,9 +115,10 @@ def _where(model: nn.Module, i: int) -> str:
 # ``[1, T, hidden]`` (nothing in them reads the sequence axis): the runner feeds them 1-D tokens, which saves
 # each layer the reshapes into and out of the packed batch and the residual add's broadcast. Each is proven
 # by the family parity tests (``tests/engined/test_families.py``); Ministral 3, Gemma 4 and the hybrid
-# families read the sequence axis and stay packed.
+# families read the sequence axis and stay packed, as does GLM-4.5, whose MTP layer reads the packed hidden
+# states (``engined/mtp.py``).
 FLAT_STREAM = frozenset({"llama", "qwen2", "qwen3", "qwen3_moe", "gpt_oss", "gemma2", "gemma3_text", "mixtral",
-                         "phi3", "glm4", "glm4_moe", "olmo2", "smollm3"})
+                         "phi3", "glm4", "olmo2", "smollm3"})
 
 
 def flat_stream(model: nn.Module) -> bool:
