@@ -163,6 +163,10 @@ class FullAttentionGroup(KVGroup):
         self.kv = PagedArrays(specs, block_size, dtype)
         self.pool = BlockPool(0)
         self.tables: dict[str, list[Block]] = {}
+        # Per request, its tables' block ids, and how many of its leading blocks are known hashed: kept as
+        # the tables grow, so a step's work per request does not grow with its context.
+        self._ids: dict[str, list[int]] = {}
+        self._hashed: dict[str, int] = {}
         self.followers: list[PagedArrays] = []
         self.floor = 0  # the resident size the pool starts at and never shrinks below
         self._resident = 0  # blocks the arrays hold now
@@ -184,7 +188,7 @@ class FullAttentionGroup(KVGroup):
     def create(self, num_blocks: int, resident: int | None = None) -> None:
         """A pool of ``num_blocks`` blocks, of which ``resident`` (default: all) have arrays now."""
         self.pool = BlockPool(num_blocks, resident)
-        self.tables = {}
+        self.tables, self._ids, self._hashed = {}, {}, {}
         self.floor = self._resident = self.pool.num_resident
         for arrays in (self.kv, *self.followers):
             arrays.create(self._resident)
@@ -214,7 +218,8 @@ class FullAttentionGroup(KVGroup):
         return -(-num_tokens // self.block_size)
 
     def block_ids(self, request_id: str) -> list[int]:
-        return [b.block_id for b in self.tables.get(request_id, ())]
+        """The request's table as block ids (the group's own list: read, never changed, by callers)."""
+        return self._ids.get(request_id, [])
 
     def prefix_blocks(self, req: Request, num_blocks: int) -> int:
         n = 0
@@ -238,8 +243,9 @@ class FullAttentionGroup(KVGroup):
     def allocate(self, req: Request, num_new_tokens: int, prefix: list[Block]) -> None:
         needed = self._needed(req, num_new_tokens, prefix)
         self.pool.touch(list(prefix))
-        held = self.tables.get(req.request_id, [])
-        self.tables[req.request_id] = held + list(prefix) + self.pool.allocate(max(needed, 0))
+        added = list(prefix) + self.pool.allocate(max(needed, 0))
+        self.tables.setdefault(req.request_id, []).extend(added)
+        self._ids.setdefault(req.request_id, []).extend(b.block_id for b in added)
         self._fit_arrays()
 
     def commit(self, req: Request) -> None:
@@ -247,12 +253,16 @@ class FullAttentionGroup(KVGroup):
         if not self.enable_caching:
             return
         blocks = self.tables[req.request_id]
-        for i in range(req.num_computed_tokens // self.block_size):
+        full = req.num_computed_tokens // self.block_size
+        for i in range(self._hashed.get(req.request_id, 0), full):
             if blocks[i].block_hash is None:
                 self.pool.cache(blocks[i], req.block_hashes[i])
+        self._hashed[req.request_id] = max(full, self._hashed.get(req.request_id, 0))
 
     def free(self, req: Request) -> None:
         blocks = self.tables.pop(req.request_id, None)
+        self._ids.pop(req.request_id, None)
+        self._hashed.pop(req.request_id, None)
         if blocks:
             self.pool.free(reversed(blocks))
 
