@@ -53,6 +53,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 import mlx.core as mx
+import numpy as np
 
 from engined.kv.full_attention import BlockPool, FullAttentionGroup, PagedArrays, extend_hashes
 from engined.kv.group import Block, KVGroup
@@ -562,7 +563,7 @@ class KVCacheManager:
     def blocks_for(self, num_tokens: int) -> int:
         return self.main.blocks_for(num_tokens)
 
-    def block_ids(self, request_id: str) -> list[int]:
+    def block_ids(self, request_id: str) -> np.ndarray:
         return self.main.block_ids(request_id)
 
     # -- per request ---------------------------------------------------------------------------

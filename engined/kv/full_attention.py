@@ -165,7 +165,7 @@ class FullAttentionGroup(KVGroup):
         self.tables: dict[str, list[Block]] = {}
         # Per request, its tables' block ids, and how many of its leading blocks are known hashed: kept as
         # the tables grow, so a step's work per request does not grow with its context.
-        self._ids: dict[str, list[int]] = {}
+        self._ids: dict[str, BlockIds] = {}
         self._hashed: dict[str, int] = {}
         self.followers: list[PagedArrays] = []
         self.floor = 0  # the resident size the pool starts at and never shrinks below
@@ -217,9 +217,10 @@ class FullAttentionGroup(KVGroup):
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
-    def block_ids(self, request_id: str) -> list[int]:
-        """The request's table as block ids (the group's own list: read, never changed, by callers)."""
-        return self._ids.get(request_id, [])
+    def block_ids(self, request_id: str) -> np.ndarray:
+        """The request's table as block ids (int32; a view of the group's own buffer, for reading)."""
+        ids = self._ids.get(request_id)
+        return ids.view() if ids is not None else np.zeros(0, np.int32)
 
     def prefix_blocks(self, req: Request, num_blocks: int) -> int:
         n = 0
@@ -245,7 +246,7 @@ class FullAttentionGroup(KVGroup):
         self.pool.touch(list(prefix))
         added = list(prefix) + self.pool.allocate(max(needed, 0))
         self.tables.setdefault(req.request_id, []).extend(added)
-        self._ids.setdefault(req.request_id, []).extend(b.block_id for b in added)
+        self._ids.setdefault(req.request_id, BlockIds()).extend([b.block_id for b in added])
         self._fit_arrays()
 
     def commit(self, req: Request) -> None:
@@ -269,6 +270,30 @@ class FullAttentionGroup(KVGroup):
     def step(self, scheduled, query_lens, seq_lens, caches) -> None:
         tables = [self.block_ids(r.request_id) for r, _ in scheduled]
         self.kv.steps(AttentionMetadata.build(query_lens, seq_lens, tables, self.block_size), caches)
+
+
+class BlockIds:
+    """A request's block ids in a buffer grown by doubling: its row of a step's block table is a slice of it,
+    not a list rebuilt every step. Appending never changes ids already there, so a view handed out stays
+    right."""
+
+    __slots__ = ("_buf", "_n")
+
+    def __init__(self):
+        self._buf = np.zeros(16, dtype=np.int32)
+        self._n = 0
+
+    def extend(self, ids: list[int]) -> None:
+        end = self._n + len(ids)
+        if end > len(self._buf):
+            grown = np.zeros(max(end, 2 * len(self._buf)), dtype=np.int32)
+            grown[: self._n] = self._buf[: self._n]
+            self._buf = grown
+        self._buf[self._n : end] = ids
+        self._n = end
+
+    def view(self) -> np.ndarray:
+        return self._buf[: self._n]
 
 
 # The block pool: free queue with LRU eviction, reference counts, chained hashes.

@@ -234,7 +234,7 @@ def test_recycled_blocks_let_gpu_prefill_read_the_cache_in_place():
         kv.commit(req)
         kv.free(req)
     second = wave("b")
-    tables = [kv.block_ids(r.request_id) for r in second]
+    tables = [kv.block_ids(r.request_id).tolist() for r in second]
     # Request i holds blocks 10i .. 10i + 9: each run consecutive, the runs evenly spaced from block 0.
     per = length // bs
     assert tables == [list(range(i * per, (i + 1) * per)) for i in range(n)]
