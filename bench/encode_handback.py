@@ -26,8 +26,8 @@ def worker_wall(interval_s: float, seconds: float, ops: int, python_ms: float) -
 
     from engined.encode_thread import EncodeThread
 
-    encoder = EncodeThread(switch_interval_s=None)
-    sys.setswitchinterval(interval_s)
+    encoder = EncodeThread()
+    sys.setswitchinterval(interval_s)  # after the thread set its own
     x = mx.ones((64, 64))
     mx.eval(x)
     laps = []

@@ -25,8 +25,8 @@ arrays' shapes and types, which an evaluation does not change.
 The worker needs Python's lock back to leave ``mx.async_eval``, and the
 engine's thread, busy in Python, gives it up only when it blocks or when the
 interpreter's switch interval runs out (5 ms by default). The worker would sit
-that long after each step's encoding, counted in its encode time and holding
-nothing back but the truth of that count; the thread shortens the interval to
+that long after each step's encoding: nothing waits on it then, but its encode
+time (``encode_s``) would count the wait. The thread shortens the interval to
 ``SWITCH_INTERVAL_S`` for the process (``bench/encode_handback.py`` measures
 the worker's time around ``mx.async_eval`` at both).
 """
@@ -43,11 +43,8 @@ SWITCH_INTERVAL_S = 2e-4
 
 
 class EncodeThread:
-    def __init__(self, switch_interval_s: float | None = SWITCH_INTERVAL_S):
-        """``switch_interval_s``: the interpreter's switch interval while the process has the worker (None:
-        left as it is)."""
-        if switch_interval_s is not None:
-            sys.setswitchinterval(min(sys.getswitchinterval(), switch_interval_s))
+    def __init__(self):
+        sys.setswitchinterval(min(sys.getswitchinterval(), SWITCH_INTERVAL_S))
         self.stream = mx.new_thread_unsafe_stream(mx.default_device())
         self._cond = threading.Condition()
         self._arrays: list | None = None  # the graph handed over, until the worker takes it

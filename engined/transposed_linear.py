@@ -2,9 +2,9 @@
 
 ``nn.Linear`` computes ``x @ weight.T`` (a tied LM head, ``nn.Embedding.as_linear``,
 the same): every call adds a Transpose node to the step's graph, four per
-decoder layer plus the LM head, and MLX encodes
-each node of a step on the host (a GPU step is bound by that cost,
-``bench/gpu_serving_results.md``). The transpose is a view: made and
+decoder layer plus the LM head, and MLX encodes each node of a step on the
+host (a GPU step is bound by that cost, ``bench/gpu_serving_results.md``).
+The transpose is a view: made and
 evaluated once, it is an array with the weight's memory and swapped strides,
 which the matmul reads as it would read the node's output, so the result is
 the same bit for bit and the step has one node fewer per linear.

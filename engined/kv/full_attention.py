@@ -254,11 +254,11 @@ class FullAttentionGroup(KVGroup):
         if not self.enable_caching:
             return
         blocks = self.tables[req.request_id]
-        full = req.num_computed_tokens // self.block_size
-        for i in range(self._hashed.get(req.request_id, 0), full):
+        start, full = self._hashed.get(req.request_id, 0), req.num_computed_tokens // self.block_size
+        for i in range(start, full):
             if blocks[i].block_hash is None:
                 self.pool.cache(blocks[i], req.block_hashes[i])
-        self._hashed[req.request_id] = max(full, self._hashed.get(req.request_id, 0))
+        self._hashed[req.request_id] = max(start, full)
 
     def free(self, req: Request) -> None:
         blocks = self.tables.pop(req.request_id, None)
