@@ -91,7 +91,7 @@ def _stand_in_qk_rope(*_shape):
 
 
 def build_engine(c: int, prompt_len: int, max_tokens: int, backend: str, async_scheduling: bool, seed: int,
-                 adapters: list[Path] | None = None):
+                 adapters: list[Path] | None = None, compile_decode: bool = False):
     import mlx.core as mx
     from mlx_lm.utils import _get_classes
 
@@ -118,7 +118,7 @@ def build_engine(c: int, prompt_len: int, max_tokens: int, backend: str, async_s
     # A small model length keeps the memory guard's warm-up prefill (one request that long) cheap on the CPU.
     cfg = EngineConfig(max_num_seqs=c, max_num_batched_tokens=2048, num_kv_blocks=blocks,
                        max_model_len=prompt_len + max_tokens + 16,
-                       attention_backend=backend, async_scheduling=async_scheduling,
+                       attention_backend=backend, async_scheduling=async_scheduling, compile_decode=compile_decode,
                        **(dict(enable_lora=True, max_loras=len(adapters), max_lora_rank=LORA_RANK,
                                lora_modules=[f"a{k}={d}" for k, d in enumerate(adapters)]) if adapters else {}))
     return Engine(cfg, loaded=loaded)
@@ -215,10 +215,12 @@ def measure(args) -> dict:
         for c in map(int, args.concurrency.split(",")):
             for lora in ([False, True] if adapters else [False]):
                 out[f"{c} lora" if lora else str(c)] = measure_level(args, c, adapters if lora else None)
+            if args.compile_decode:
+                out[f"{c} compiled"] = measure_level(args, c, None, compile_decode=True)
     return out
 
 
-def measure_level(args, c: int, adapters: list[Path] | None) -> dict:
+def measure_level(args, c: int, adapters: list[Path] | None, compile_decode: bool = False) -> dict:
     """One engine's steps at ``c`` requests (on ``adapters``, round-robin, when given)."""
     import mlx.core as mx
     import numpy as np
@@ -227,7 +229,8 @@ def measure_level(args, c: int, adapters: list[Path] | None) -> dict:
 
     # The pool holds just what the run needs: on the CPU each K/V write copies its layer's pool.
     max_tokens = args.warmup + 2 * args.steps + 4
-    engine = build_engine(c, args.prompt_len, max_tokens, args.backend, args.async_scheduling, args.seed, adapters)
+    engine = build_engine(c, args.prompt_len, max_tokens, args.backend, args.async_scheduling, args.seed, adapters,
+                          compile_decode)
     rng = np.random.default_rng(args.seed)
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     for i in range(c):
@@ -327,6 +330,8 @@ def main() -> None:
                         "work never runs while the host builds)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--lora", action="store_true", help="each level again on 4 adapters (rank 16, every projection)")
+    p.add_argument("--compile", dest="compile_decode", action="store_true",
+                   help="each level again with decode steps replayed from compiled graphs (--compile-decode)")
     p.add_argument("--json", action="store_true", help="one JSON line (what --compare reads)")
     p.add_argument("--compare", metavar="REV", help="also run git revision REV's code, alternating")
     p.add_argument("--rounds", type=int, default=3)
@@ -344,12 +349,16 @@ def main() -> None:
               f"{r['instrumented_host_ms']:.2f} "
               f"with timers), decoder layer {r['layer_us']:.1f} us, attention {r['attention_us']:.1f} us")
         print("   stages ms/step: " + ", ".join(f"{k} {v:.2f}" for k, v in r["stages_ms"].items()))
-        if c.endswith(" lora"):
+        if c.endswith((" lora", " compiled")):
             plain = res[c.split()[0]]
             # The passes with timers: on the CPU the other pass's host column can take device work.
             host = r["instrumented_host_ms"] / plain["instrumented_host_ms"]
-            print(f"   4 adapters against the base: host with timers {host:.2f}x, "
-                  f"decoder layer {r['layer_us'] / plain['layer_us']:.2f}x")
+            if c.endswith(" compiled"):  # replayed steps run no layer's Python, so no layer timer fires
+                print(f"   compiled against built: host {r['host_ms'] / plain['host_ms']:.2f}x, with timers "
+                      f"{host:.2f}x, forward {r['stages_ms']['forward'] / plain['stages_ms']['forward']:.2f}x")
+            else:
+                print(f"   4 adapters against the base: host with timers {host:.2f}x, "
+                      f"decoder layer {r['layer_us'] / plain['layer_us']:.2f}x")
 
 
 if __name__ == "__main__":

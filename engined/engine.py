@@ -79,7 +79,7 @@ class Engine:
         self.lora = (LoraRegistry(loaded.model, config.max_loras, config.max_lora_rank, dtype, config.max_cpu_loras,
                                   term_kernel=backend == "cuda") if config.enable_lora else None)
         self.runner = (pipeline.MirroredRunner(loaded.model, specs, kv, backend, config) if pipelined
-                       else ModelRunner(loaded.model, specs, kv, backend, self.lora))
+                       else ModelRunner(loaded.model, specs, kv, backend, self.lora, config.compile_decode))
         kv = self.runner.kv  # on several ranks, the journal the other ranks replay
         self.sampler = Sampler(loaded.vocab_size, loaded.eos_token_ids)
         self.metrics = EngineMetrics(config.served_model_name or loaded.model_id, config.metrics_prefix,

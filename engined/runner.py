@@ -23,6 +23,7 @@ import mlx.nn as nn
 import numpy as np
 
 from engined import kernels
+from engined.compiled_decode import CompiledDecode
 from engined.kernels import gated_delta
 from engined.kernels.qk_rope import QKRope
 from engined.linear_attention import SlottedLinearAttention
@@ -52,14 +53,15 @@ def forward(model: nn.Module, head: LastTokenNorm, pieces: list[list[int]], cach
 
 def forward_pooled(model: nn.Module, head: LastTokenNorm, pieces: list[list[int]], caches: list,
                    num_logits: list[int], num_hidden: list[int] | None = None,
-                   fills: tuple[list[int], mx.array] | None = None, flat: bool = False
-                   ) -> tuple[mx.array, mx.array | None]:
+                   fills: tuple[list[int], mx.array] | None = None, flat: bool = False,
+                   compiled: CompiledDecode | None = None) -> tuple[mx.array, mx.array | None]:
     """``forward``, and when ``num_hidden`` asks for any, the final normed hidden states
     ``[sum(num_hidden), hidden]`` of each piece's last ``num_hidden[b]`` rows (else None).
 
     ``fills`` = (packed positions, tokens [len]) puts device-side tokens (a
     step still in flight sampled them) at those positions. ``flat``: the model
     takes the tokens 1-D and runs on a 2-D stream (``model_layers.FLAT_STREAM``).
+    ``compiled``: a step it can replay runs through it.
     """
     lens = [len(p) for p in pieces]
     tokens = mx.array(np.fromiter((t for piece in pieces for t in piece), dtype=np.int32, count=sum(lens)))
@@ -67,8 +69,14 @@ def forward_pooled(model: nn.Module, head: LastTokenNorm, pieces: list[list[int]
         at, values = fills
         tokens[mx.array(np.array(at, dtype=np.int32))] = values.astype(mx.int32)
     ends = np.cumsum(lens)
-    head.rows = _row_index(ends, num_logits)
-    if num_hidden and any(num_hidden):
+    rows = _row_index(ends, num_logits)
+    hidden = bool(num_hidden and any(num_hidden))
+    if compiled is not None and not hidden:
+        logits = compiled(tokens, rows, caches)
+        if logits is not None:
+            return logits, None
+    head.rows = rows
+    if hidden:
         head.hidden_rows = _row_index(ends, num_hidden)
     try:
         if flat:
@@ -83,7 +91,7 @@ class ModelRunner:
     """The model with its attention swapped for paged attention, run over the KV manager's groups."""
 
     def __init__(self, model: nn.Module, specs: list[LayerSpec], kv: KVCacheManager, attention_backend: str = "auto",
-                 lora: LoraRegistry | None = None):
+                 lora: LoraRegistry | None = None, compile_decode: bool = False):
         self.model = model
         self.kv = kv
         self.head = install(model, specs, attention_backend)
@@ -92,6 +100,10 @@ class ModelRunner:
         if lora is None:  # LoRA's groups write adapters into their bases' weights in place
             hold_transposes(model)
         self.flat = flat_stream(model)
+        # Decode steps replayed from a trace (engined/compiled_decode.py); not with adapters, whose
+        # slots change between steps what a layer computes.
+        self.compiled = (CompiledDecode(model, self.head, attention_backend, self.flat)
+                         if compile_decode and lora is None else None)
 
     def run(self, batch: SchedulerOutput, num_logits: list[int] | None = None) -> mx.array:
         """Forward the batch; logits ``[sum(num_logits), vocab]`` (not yet evaluated).
@@ -117,7 +129,7 @@ class ModelRunner:
             self.lora.set_step([r.lora_slot for r, _ in batch.scheduled], [n for _, n in batch.scheduled])
         try:
             return forward_pooled(self.model, self.head, pieces, caches, num_logits, batch.hidden_rows, fills,
-                                  self.flat)
+                                  self.flat, self.compiled)
         finally:
             if self.lora is not None:
                 self.lora.set_step([], [])

@@ -49,6 +49,8 @@ HELP = {
     "encode_thread": "with async scheduling, MLX encodes each step's graph into kernel launches on a thread of "
                      "its own while the next step is built (default: on for CUDA, off for Metal, where it is "
                      "not yet measured, and the CPU)",
+    "compile_decode": "replay decode steps from a graph compiled once per batch shape instead of building "
+                      "the model's graph in Python each step (default: on for a GPU, off on the CPU)",
     "pipeline_parallel_size": "ranks the model's layers are split over, each holding only its layers' weights "
                               "and KV (started on this machine, or by mlx.launch across machines)",
     "pipeline_split": "layers per rank, rank 0 first (rank 0 runs the last layers; default: an even split)",

@@ -60,9 +60,10 @@ SPECULATIVE_METHODS = ("ngram", "draft_model", "mtp")
 # would overlap, so only a GPU schedules asynchronously. The encode thread made every measured
 # decode step faster on the H200 (1.3x at 1 stream, 1.5x at 16 and 64); nobody has measured it on
 # a Mac, so Metal keeps one thread.
-_GPU = dict(max_num_seqs=128, max_num_batched_tokens=8192, async_scheduling=True)
+_GPU = dict(max_num_seqs=128, max_num_batched_tokens=8192, async_scheduling=True, compile_decode=True)
 DEVICE_DEFAULTS = {
-    "cpu": dict(max_num_seqs=32, max_num_batched_tokens=1024, async_scheduling=False, encode_thread=False),
+    "cpu": dict(max_num_seqs=32, max_num_batched_tokens=1024, async_scheduling=False, encode_thread=False,
+                compile_decode=False),
     "metal": dict(_GPU, encode_thread=False),
     "cuda": dict(_GPU, encode_thread=True),
 }
@@ -103,6 +104,9 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     # With async scheduling: MLX encodes each step's graph on a thread of its own while the next is built.
     # None: the device's default (on for CUDA, off for Metal and the CPU).
     encode_thread: bool | None = None
+    # Decode steps replayed from a graph compiled once per shape instead of built layer by layer
+    # (engined/compiled_decode.py). None: the device's default (on for a GPU, off on the CPU).
+    compile_decode: bool | None = None
     # Ranks the model's layers are split over (engined/pipeline.py); each rank is a process, on
     # this machine or on others (mlx.launch), and holds only its layers' weights and KV.
     pipeline_parallel_size: int = 1

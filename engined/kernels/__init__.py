@@ -16,10 +16,10 @@ from collections.abc import Callable
 
 import mlx.core as mx
 
-from engined.kernels import gpu, paged_kv
+from engined.kernels import gpu, gpu_geometry, paged_kv
 from engined.kernels.paged_kv import AttentionMetadata, write_kv
 
-__all__ = ["BACKENDS", "AttentionMetadata", "paged_attention", "resolve_backend", "write_kv"]
+__all__ = ["BACKENDS", "AttentionMetadata", "paged_attention", "replay_key", "resolve_backend", "write_kv"]
 
 BACKENDS = ("auto", "reference", "host", "metal", "cuda")
 
@@ -48,6 +48,22 @@ def implementation(backend: str = "auto") -> Callable[..., mx.array]:
     if which in ("metal", "cuda"):
         return functools.partial(gpu.attention, which)
     return paged_kv.reference_attention
+
+
+def replay_key(backend: str, meta: AttentionMetadata) -> tuple | None:
+    """What the graph ``implementation(backend)`` builds for ``meta`` takes from the host beyond its
+    arrays' shapes, or None where a graph built for one step cannot be replayed on another's arrays.
+
+    Only steps of decode rows replay: a chunk's length and position shape its graph. The host
+    path reads its inputs on the host while the graph is built, so it never replays; the GPU
+    kernels' launch depends on how many partitions the longest context takes.
+    """
+    if len(meta.query_lens_np) != meta.num_tokens:
+        return None
+    which = resolve_backend(backend)
+    if which == "host":
+        return None
+    return gpu_geometry.plan_partitions(meta, which) if which in ("metal", "cuda") else ()
 
 
 def paged_attention(

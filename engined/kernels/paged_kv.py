@@ -32,6 +32,9 @@ import mlx.core as mx
 import numpy as np
 
 
+TABLE_WIDTH_STEP = 8  # block tables are this many blocks wide or a multiple of it
+
+
 @dataclass(frozen=True)
 class AttentionMetadata:
     """The packed batch's layout, as device arrays (for kernels) and host arrays (for planning).
@@ -77,7 +80,9 @@ class AttentionMetadata:
         assert q.shape == s.shape and (q >= 1).all() and (s >= q).all()
         cu = np.zeros(len(q) + 1, dtype=np.int32)
         np.cumsum(q, out=cu[1:])
-        width = max((len(t) for t in block_tables), default=1) or 1
+        # Rounded up so that a decode step's arrays keep their shapes while contexts grow
+        # (engined/compiled_decode.py replays one graph per shape); entries past a table are never read.
+        width = -(-max(max((len(t) for t in block_tables), default=1), 1) // TABLE_WIDTH_STEP) * TABLE_WIDTH_STEP
         table = np.zeros((len(q), width), dtype=np.int32)
         for b, blocks in enumerate(block_tables):
             table[b, : len(blocks)] = blocks
@@ -198,16 +203,24 @@ def decode_rows(
     q: mx.array, k_cache: mx.array, v_cache: mx.array, meta: AttentionMetadata, decode: np.ndarray,
     scale: float, sliding_window: int | None, softcap: float | None, sinks: mx.array | None = None,
 ) -> mx.array:
-    """The requests ``decode`` (one new token each) as one padded batch: ``[len(decode), H, D]``."""
+    """The requests ``decode`` (one new token each) as one padded batch: ``[len(decode), H, D]``.
+
+    A step of decode rows only reads every table whole and its lengths on the device: its graph then
+    takes nothing from the host but its arrays' shapes, and can be replayed (``replay_key``).
+    """
     slens, cu = meta.seq_lens_np, meta.cu_seqlens_q_np
-    idx = mx.array(decode.astype(np.int32))
-    length = int(slens[decode].max())
-    k = _gather_context(k_cache, meta.block_tables[idx], length)
-    v = _gather_context(v_cache, meta.block_tables[idx], length)
-    rows = mx.array(cu[decode].astype(np.int32))
-    qd = q[rows][:, :, None, :]  # [Bd, H, 1, D]
+    if len(decode) == meta.num_tokens:
+        tables, qd, last = meta.block_tables, q, meta.seq_lens - 1
+        length = tables.shape[1] * meta.block_size
+    else:
+        idx = mx.array(decode.astype(np.int32))
+        tables, qd, last = meta.block_tables[idx], q[mx.array(cu[decode].astype(np.int32))], mx.array(slens[decode] - 1)
+        length = int(slens[decode].max())
+    k = _gather_context(k_cache, tables, length)
+    v = _gather_context(v_cache, tables, length)
+    qd = qd[:, :, None, :]  # [Bd, H, 1, D]
     key_pos = mx.arange(length)[None, :]
-    last = mx.array(slens[decode] - 1)[:, None]
+    last = last[:, None]
     mask = key_pos <= last
     if sliding_window is not None:
         mask = mask & (key_pos > last - sliding_window)

@@ -36,6 +36,7 @@ again, so resident memory follows demand while every block id stays valid.
 
 from __future__ import annotations
 
+import copy
 import hashlib
 from collections import OrderedDict
 from collections.abc import Callable
@@ -76,6 +77,14 @@ class PagedLayerStep:
         """Each packed token's position: what mlx_lm's model bodies read from a cache's ``offset``
         (Ministral 3 builds its query scale from it; the paged attention recomputes that per token)."""
         return self.meta.positions
+
+    @property
+    def arrays(self) -> "PagedArrays":
+        return self._kv
+
+    def rebound(self, meta: AttentionMetadata, kv: "PagedArrays") -> "PagedLayerStep":
+        """The same layer's step over other metadata and pools (those a compiled step traces with)."""
+        return PagedLayerStep(meta, kv, self._i)
 
     def read(self) -> tuple[mx.array, mx.array]:
         """The layer's K/V pools as written so far in this forward (for a layer sharing them)."""
@@ -146,6 +155,13 @@ class PagedArrays:
 
     def arrays(self) -> list[mx.array]:
         return self.k + self.v
+
+    def holding(self, pools: list[mx.array]) -> "PagedArrays":
+        """These layers over other pools, K's then V's as ``arrays`` lists them (a compiled step's traced ones)."""
+        other = copy.copy(self)
+        n = len(self.k)
+        other.k, other.v = list(pools[:n]), list(pools[n:])
+        return other
 
     def steps(self, meta: AttentionMetadata, caches: list) -> None:
         """Put each layer's step object for ``meta`` at its place in the model's ``caches`` list."""
