@@ -244,3 +244,30 @@ def test_a_supported_type_whose_config_lacks_a_field_is_refused_in_one_line(tmp_
         load_model(str(path))
     assert "does not describe an mlx_lm 'ministral3' model (KeyError: 'llama_4_scaling_beta')" in str(e.value)
     assert "\n" not in str(e.value)
+
+
+# One of each kind of layer and stream the compiled decode step must trace: plain full attention (flat
+# stream), windowed layers with their own group and q/k norms, K/V shared between layers with per-layer
+# inputs, position-scaled queries on the packed stream, experts, sinks; and a hybrid, whose recurrent
+# slots are never traced.
+COMPILED_FAMILIES = ("llama", "gemma3_text", "gemma4", "ministral3", "qwen3_moe", "gpt_oss", "qwen3_next")
+
+
+@pytest.mark.parametrize("arch", COMPILED_FAMILIES)
+def test_family_greedy_outputs_equal_with_decode_steps_compiled_and_built(tiny_dirs, arch):
+    rng = seeded_rng()
+    # Contexts from 9 to ~150 tokens: tables of 8-token blocks cross their 8-block padding, requests
+    # finish at different steps, so the batch's shapes change and new traces are made mid-run.
+    prompts = [rng.integers(0, 256, size=n).tolist() for n in (9, 40, 70)]
+    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in (80, 30, 55)]
+    outputs, compiled = [], None
+    for on in (False, True):
+        config = EngineConfig(num_kv_blocks=96, block_size=8, attention_backend="reference", compile_decode=on)
+        engine = Engine(config, loaded=load_model(str(tiny_dirs(arch))))
+        outputs.append(engine.generate(prompts, params))
+        compiled = engine.runner.compiled
+    if arch == "qwen3_next":
+        assert compiled.calls == 0
+    else:
+        assert compiled.traces >= 3 and compiled.calls >= compiled.traces + 50, (compiled.traces, compiled.calls)
+    assert outputs[0] == outputs[1]
