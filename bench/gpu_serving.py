@@ -133,13 +133,14 @@ def run_mlx_lm(model, prompts, max_tokens: int) -> float:
     return wall
 
 
-def engine_for(make_loaded, args, c: int, async_scheduling: bool, encode_thread: bool | None = None):
+def engine_for(make_loaded, args, c: int, async_scheduling: bool, encode_thread: bool | None = None,
+               compile_decode: bool | None = None):
     from engined.engine import Engine
     from shared.config import EngineConfig
 
     cfg = EngineConfig(max_num_seqs=max(c, 1), max_num_batched_tokens=args.max_num_batched_tokens,
                        num_kv_blocks=args.num_kv_blocks, max_model_len=4096, async_scheduling=async_scheduling,
-                       encode_thread=encode_thread)
+                       encode_thread=encode_thread, compile_decode=compile_decode)
     return Engine(cfg, loaded=make_loaded())
 
 

@@ -6,7 +6,9 @@ thread of its own (``engined/encode_thread.py``) against on the engine's;
 ``--compare lean-graph``: linears holding their weight's transpose
 (``engined/transposed_linear.py``) and the 2-D stream (``model_layers.FLAT_STREAM``)
 against mlx's own linears on the packed ``[1, T, hidden]`` stream (~180 graph nodes a
-step more at 36 layers).
+step more at 36 layers); ``--compare compiled``: decode steps replayed from compiled traces
+(``engined/compiled_decode.py``) against built layer by layer in Python. The other changes
+are on in both engines, as the device's defaults have them.
 Two asynchronous engines over the same random weights of a real shape (bf16),
 the change on in one ("new") and off in the other ("old"), each with c requests of 512-token
 prompts decoding; then rounds of ``--steps`` timed steps on each in turn, the
@@ -35,7 +37,7 @@ def main(argv=None) -> None:
     from engined.model_layers import transformer_layers
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--compare", required=True, choices=("qk-rope", "encode-thread", "lean-graph"))
+    ap.add_argument("--compare", required=True, choices=("qk-rope", "encode-thread", "lean-graph", "compiled"))
     ap.add_argument("--model", default="qwen3-8b")
     ap.add_argument("--levels", default="1,16,64")
     ap.add_argument("--rounds", type=int, default=4)
@@ -55,8 +57,9 @@ def main(argv=None) -> None:
     for c in map(int, args.levels.split(",")):
         engines = {}
         for way in ("new", "old"):
-            thread = args.compare == "encode-thread" and way == "new"
-            engine = engine_for(make_loaded, args, c, True, encode_thread=thread)
+            thread = way == "new" if args.compare == "encode-thread" else None  # None: the device's default
+            engine = engine_for(make_loaded, args, c, True, encode_thread=thread,
+                                compile_decode=way == "new" if args.compare == "compiled" else None)
             layers = [layer.self_attn for layer in transformer_layers(engine.loaded.model)]
             if args.compare == "qk-rope" and way == "old":
                 for attn in layers:
@@ -65,8 +68,10 @@ def main(argv=None) -> None:
                 raise SystemExit("the kernel is not on in every layer: not a CUDA machine?")
             if args.compare == "lean-graph" and way == "old":
                 packed_with_mlx_linears(engine)
-            if (engine.encoder is not None) is not thread:
+            if args.compare == "encode-thread" and (engine.encoder is not None) is not thread:
                 raise SystemExit("the encode thread is not as asked")
+            if args.compare == "compiled" and (engine.runner.compiled is not None) is not (way == "new"):
+                raise SystemExit("compiled decode is not as asked")
             start_decoding(engine, [rng.integers(0, model.args.vocab_size, 512).tolist() for _ in range(c)],
                            steps_needed + 16)
             engines[way] = engine
