@@ -56,10 +56,12 @@ def workload(seed: int):
     return jobs
 
 
-def run(tiny_dir, jobs, async_scheduling: bool, stop_tokens: dict, backend: str, encode_thread: bool = False):
+def run(tiny_dir, jobs, async_scheduling: bool, stop_tokens: dict, backend: str, encode_thread: bool = False,
+        compile_decode: bool = False):
     engine = Engine(EngineConfig(num_kv_blocks=40, block_size=16, max_num_batched_tokens=64, max_num_seqs=6,
                                  max_model_len=360, async_scheduling=async_scheduling, encode_thread=encode_thread,
-                                 attention_backend=backend, enable_prefix_caching=True),
+                                 attention_backend=backend, enable_prefix_caching=True,
+                                 compile_decode=compile_decode),
                     loaded=load_model(str(tiny_dir)))
     assert engine.async_scheduling is async_scheduling
     assert (engine.encoder is not None) is (async_scheduling and encode_thread)
@@ -83,19 +85,22 @@ def run(tiny_dir, jobs, async_scheduling: bool, stop_tokens: dict, backend: str,
                 engine.abort([rid])
                 aborted.add(rid)
     engine.scheduler.kv.pool.check_whole()
+    if compile_decode:  # the decode steps, placeholders among their tokens, were replayed
+        assert engine.runner.compiled.calls > engine.runner.compiled.traces > 0
     return tokens, reasons, logprobs, engine.scheduler.num_preemptions, overlapped
 
 
-@pytest.mark.parametrize("backend,encode_thread", [("host", False), ("reference", False), ("reference", True)],
-                         ids=["host", "reference", "reference-encode-thread"])
-def test_async_and_sync_scheduling_give_identical_outputs(tiny_dir, backend, encode_thread):
+@pytest.mark.parametrize("backend,encode_thread,compiled", [("host", False, False), ("reference", False, False),
+                                                            ("reference", True, False), ("reference", True, True)],
+                         ids=["host", "reference", "reference-encode-thread", "reference-encode-thread-compiled"])
+def test_async_and_sync_scheduling_give_identical_outputs(tiny_dir, backend, encode_thread, compiled):
     seed = fresh_seed()
     jobs = workload(seed)
     # The stop token of each kind-1 request: its fourth greedy token, so it stops early in both runs.
     first, *_ = run(tiny_dir, jobs, False, {}, backend)
     stops = {rid: first[rid][3] for rid, _, _, kind in jobs if kind == 1 and len(first[rid]) > 3}
     sync = run(tiny_dir, jobs, False, stops, backend)
-    asyn = run(tiny_dir, jobs, True, stops, backend, encode_thread)
+    asyn = run(tiny_dir, jobs, True, stops, backend, encode_thread, compiled)
     assert asyn[0] == sync[0]
     assert asyn[1] == sync[1]
     # A step in flight also computes rows of requests that turn out to have stopped: batches differ by
