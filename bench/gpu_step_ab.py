@@ -56,6 +56,7 @@ def main(argv=None) -> None:
           "step ratio | host ratio |\n|---|---|---|---|---|---|---|---|---|", flush=True)
     for c in map(int, args.levels.split(",")):
         engines = {}
+        prompts = [rng.integers(0, model.args.vocab_size, 512).tolist() for _ in range(c)]
         for way in ("new", "old"):
             thread = way == "new" if args.compare == "encode-thread" else None  # None: the device's default
             engine = engine_for(make_loaded, args, c, True, encode_thread=thread,
@@ -72,11 +73,11 @@ def main(argv=None) -> None:
                 raise SystemExit("the encode thread is not as asked")
             if args.compare == "compiled" and (engine.runner.compiled is not None) is not (way == "new"):
                 raise SystemExit("compiled decode is not as asked")
-            start_decoding(engine, [rng.integers(0, model.args.vocab_size, 512).tolist() for _ in range(c)],
-                           steps_needed + 16)
+            start_decoding(engine, prompts, steps_needed + 16)
             engines[way] = engine
         got = {way: [] for way in engines}
         encode = {way: [] for way in engines}
+        tokens = {way: {} for way in engines}  # each request's greedy tokens, for the two engines' agreement
         real, spent = mx.async_eval, [0.0]
 
         def timed_async_eval(*arrays):  # the engine's own thread's encoding, where it encodes
@@ -92,7 +93,8 @@ def main(argv=None) -> None:
                 mx.async_eval = timed_async_eval
                 try:
                     for _ in range(args.steps):
-                        engine.step()
+                        for out in engine.step():
+                            tokens[way].setdefault(out.request_id, []).extend(out.new_token_ids)
                 finally:
                     mx.async_eval = real
                 dt, wait = time.perf_counter() - t0, engine.sync_wait_s - w0
@@ -102,7 +104,14 @@ def main(argv=None) -> None:
         med = {way: (statistics.median(s for s, _ in v), statistics.median(w for _, w in v)) for way, v in got.items()}
         (ns, nw), (os_, ow) = med["new"], med["old"]
         enc = {way: statistics.median(v) for way, v in encode.items()}
+        # Same weights, prompts and steps: a change that computes what it replaces gives the same tokens up
+        # to rounding (a rounding that flips one token changes that request's tokens after it).
+        pairs = [(a, b) for rid, a in tokens["new"].items() for a, b in [(a, tokens["old"].get(rid, []))]]
+        same = sum(x == y for a, b in pairs for x, y in zip(a, b))
+        compared = sum(min(len(a), len(b)) for a, b in pairs)
+        print(f"  c={c}: tokens equal in the two engines' timed steps: {same} of {compared}", flush=True)
         row = dict(compare=args.compare, model=args.model, c=c, new_ms=round(ns, 2), new_wait=round(nw, 2),
+                   tokens_equal=same, tokens_compared=compared,
                    old_ms=round(os_, 2), old_wait=round(ow, 2), new_encode_ms=round(enc["new"], 2),
                    old_encode_ms=round(enc["old"], 2),
                    rounds={w: [[round(a, 2), round(b, 2)] for a, b in v] for w, v in got.items()})

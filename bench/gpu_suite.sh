@@ -3,10 +3,9 @@
 # under its own time limit so that one slow or failing benchmark leaves the others their time. MLX with
 # its CUDA backend must be importable. Logs go to $OUT (default bench/results/gpu_suite); a benchmark's
 # rows are written as they come, so a cut run keeps what it measured.
-#   bash bench/gpu_suite.sh [mtp pipeline lora probe serving hoststep]   (default: all, in that order;
-#   also: gdn hybrid_probe mtp_c16 pipeline_dtype serving_c1 ttft_http skinny, follow-ups not in the default)
-# The order: the runs whose result alone completes an issue (#21's curve, #23's scaling: no target to
-# reach) before those measured against a target (#22's 0.8x, #26's ratios), so a short lease closes most.
+#   bash bench/gpu_suite.sh [compiled serving_c1 hoststep]   (default: these, in that order, what the open
+#   issue 26 waits for; also: mtp pipeline lora probe serving gdn hybrid_probe mtp_c16 pipeline_dtype
+#   ttft_http skinny, runs of issues closed since, to measure again)
 # BUDGET_S (default 1140) is the whole run's limit; a step gets what is left, up to its own cap.
 set -uo pipefail
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
@@ -26,7 +25,7 @@ step() {  # step NAME CAP_S COMMAND...: run COMMAND under min(CAP_S, what is lef
   echo "   rc=$? ($(( $(date +%s) - T0 ))s)"; tail -n 14 "$OUT/$name.log"
 }
 python3 -c 'import mlx.core as mx; print("mlx", mx.__version__, mx.default_device())' || exit 1
-for what in ${@:-mtp pipeline lora probe serving hoststep}; do
+for what in ${@:-compiled serving_c1 hoststep}; do
   case $what in
     lora)  # issue 22: 4 adapters against the base at c=8 and 64 (target >= 0.8x)
       step lora_term 60 python3 -m bench.lora --shape llama-8b --term --step-repeats 20
@@ -70,9 +69,16 @@ for what in ${@:-mtp pipeline lora probe serving hoststep}; do
         --rate 2 --num-prompts 48 --out "$OUT" ;;
     skinny)  # issue 26: a few-row GEMM of our own against cuBLASLt's host cost per matmul (c = 16's steps)
       step skinny 150 python3 bench/kernels/skinny_gemm.py --rows 2 8 16 --npw 4 8 ;;
+    compiled)  # issue 26: decode steps replayed from compiled traces against built in Python, and the
+      # device's own step time beside them (host time a step well under the device's at c = 64)
+      step compiled 300 python3 -m bench.gpu_step_ab --compare compiled --levels 1,16,64 --rounds 4 \
+        --out "$OUT/step_ab.jsonl"
+      step device_step 180 python3 -m bench.gpu_device_step --levels 16,64 --out "$OUT/device_step.jsonl"
+      step lean_graph 240 python3 -m bench.gpu_step_ab --compare lean-graph --levels 16,64 --rounds 4 \
+        --out "$OUT/step_ab.jsonl" ;;
     hoststep)  # issue 26: the host part of a step with the real kernels
-      step host_step 120 python3 -m bench.host_step --concurrency 1,16,64 --async ;;
-    *) echo "unknown: $what (mtp pipeline lora probe serving hoststep gdn hybrid_probe mtp_c16 pipeline_dtype serving_c1 ttft_http skinny)"; exit 2 ;;
+      step host_step 180 python3 -m bench.host_step --concurrency 1,16,64 --async --compile ;;
+    *) echo "unknown: $what (compiled serving_c1 hoststep mtp pipeline lora probe serving gdn hybrid_probe mtp_c16 pipeline_dtype ttft_http skinny)"; exit 2 ;;
   esac
 done
 echo "== done in $(( $(date +%s) - T0 ))s; logs in $OUT"
