@@ -37,8 +37,13 @@ from shared.errors import ModelLoadError
 
 def _row_index(ends: np.ndarray, counts: list[int]) -> mx.array:
     """Indices of each piece's last ``counts[b]`` rows in the packed sequence."""
-    rows = [np.arange(end - k, end) for end, k in zip(ends, counts) if k]
-    return mx.array(np.concatenate(rows).astype(np.int32) if rows else np.zeros(0, np.int32))
+    k = np.asarray(counts, dtype=np.int64)
+    if (k == 1).all():  # a row each: the pieces' last rows
+        return mx.array(ends.astype(np.int32) - 1)
+    # Row j of piece b's k[b] rows is ends[b] - k[b] + j; j counted across pieces without a loop.
+    first = np.repeat(ends - k, k)
+    j = np.arange(first.size) - np.repeat(np.cumsum(k) - k, k)
+    return mx.array((first + j).astype(np.int32))
 
 
 def forward(model: nn.Module, head: LastTokenNorm, pieces: list[list[int]], caches: list,

@@ -259,6 +259,8 @@ class FullAttentionGroup(KVGroup):
 
     def allocate(self, req: Request, num_new_tokens: int, prefix: list[Block]) -> None:
         needed = self._needed(req, num_new_tokens, prefix)
+        if needed <= 0 and not prefix:  # most decode steps: the table's last block has room
+            return
         self.pool.touch(list(prefix))
         added = list(prefix) + self.pool.allocate(max(needed, 0))
         self.tables.setdefault(req.request_id, []).extend(added)
