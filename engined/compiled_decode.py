@@ -7,8 +7,7 @@ the forward is traced once per shape with ``mx.compile``, every per-step array
 an input and every K/V pool an input and an output, and later steps replay the
 trace. On a GPU the step's host time is what bounds a decode step at high
 concurrency (``bench/gpu_serving_results.md``); the replay skips the model's
-Python, and MLX fuses the trace's elementwise chains, so the device's queue
-gets fewer operations to encode.
+Python, which builds the graph node by node.
 
 What the attention implementation derives from the host's copies of the
 metadata is part of the key (``kernels.replay_key``): a graph is only replayed
