@@ -13,8 +13,9 @@ What the attention implementation derives from the host's copies of the
 metadata is part of the key (``kernels.replay_key``): a graph is only replayed
 for a step that would have built the same one. Block tables are padded to
 ``paged_kv.TABLE_WIDTH_STEP`` blocks, so growing contexts keep a step's shapes
-for many steps. Each key is one compiled function holding one trace; the
-least recently used are dropped past ``MAX_GRAPHS``, which frees MLX's trace.
+for many steps. A key is traced the second time it is met, not the first. Each
+is one compiled function holding one trace; the least recently used are
+dropped past ``MAX_GRAPHS``, which frees MLX's trace.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ class CompiledDecode:
         self.backend = backend
         self.flat = flat
         self._graphs: OrderedDict[tuple, Callable] = OrderedDict()
+        self._seen: OrderedDict[tuple, None] = OrderedDict()  # keys met once and built, not traced yet
         # The step being traced: its host metadata and layer steps, read only while tracing.
         self._tracing: tuple | None = None
         self.traces = 0  # graphs traced; steps replayed = calls less traces
@@ -54,7 +56,8 @@ class CompiledDecode:
     def __call__(self, tokens: mx.array, rows: mx.array, caches: list) -> mx.array | None:
         """Logits of ``rows`` for the step whose packed ``tokens`` and layer steps ``caches`` are given
         (not yet evaluated), the pools replaced by their written versions; None where the step cannot
-        replay (``kernels.replay_key``), and nothing is done then."""
+        replay (``kernels.replay_key``) or its shapes are met for the first time: nothing is done then,
+        and the caller builds the step."""
         if not self.takes(caches):
             return None
         metas: dict[int, AttentionMetadata] = {}
@@ -73,6 +76,14 @@ class CompiledDecode:
         key = (tuple(plans), shapes)
         graph = self._graphs.get(key)
         if graph is None:
+            # Tracing costs ~3.5 builds of the graph (CPU, 36 layers): a shape met once, as a batch that
+            # changes every step makes, is built; the second time it is traced.
+            if key not in self._seen:
+                self._seen[key] = None
+                if len(self._seen) > MAX_GRAPHS:
+                    self._seen.popitem(last=False)
+                return None
+            del self._seen[key]
             graph = self._graphs[key] = mx.compile(self._forward)
             self.traces += 1
             if len(self._graphs) > MAX_GRAPHS:

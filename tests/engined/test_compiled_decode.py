@@ -102,3 +102,19 @@ def test_traces_kept_stay_bounded_and_outputs_stay_right_when_dropped(qwen3, mon
     assert engine.generate(prompts, params) == want
     compiled = engine.runner.compiled
     assert compiled.traces > 2 and len(compiled._graphs) == 2
+
+
+def test_a_step_s_shapes_are_built_the_first_time_and_traced_the_second(qwen3):
+    engine = engine_on(qwen3)
+    compiled = engine.runner.compiled
+    engine.add_request("r", list(range(1, 30)), SamplingParams(max_tokens=80, temperature=0.0, ignore_eos=True))
+    engine.step()  # the prompt, one chunk: not a decode step
+    seen = []
+    for _ in range(70):  # 30 to 100 tokens of context: the table passes 8 blocks (64 tokens) once
+        engine.step()
+        seen.append((compiled.traces, compiled.calls))
+    # Each of the two table widths: built once, traced at its second step, replayed after.
+    assert seen[:3] == [(0, 0), (1, 1), (1, 2)], seen[:3]
+    widen = next(i for i, (traces, _) in enumerate(seen) if traces == 2)
+    assert seen[widen - 2][0] == 1 and seen[widen - 1] == seen[widen - 2], seen[widen - 3 : widen + 2]
+    assert seen[-1] == (2, 68)
