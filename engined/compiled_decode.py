@@ -20,6 +20,7 @@ dropped past ``MAX_GRAPHS``, which frees MLX's trace.
 
 from __future__ import annotations
 
+import logging
 from collections import OrderedDict
 from collections.abc import Callable
 
@@ -29,6 +30,8 @@ import mlx.nn as nn
 from engined import kernels
 from engined.kernels import AttentionMetadata
 from engined.kv.full_attention import PagedArrays, PagedLayerStep
+
+log = logging.getLogger("mlxd.engine")
 
 MAX_GRAPHS = 32  # traces kept: a step's batch size and table widths pick one
 
@@ -45,8 +48,9 @@ class CompiledDecode:
         self._seen: OrderedDict[tuple, None] = OrderedDict()  # keys met once and built, not traced yet
         # The step being traced: its host metadata and layer steps, read only while tracing.
         self._tracing: tuple | None = None
-        self.traces = 0  # graphs traced; steps replayed = calls less traces
-        self.calls = 0
+        self.traces = 0  # graphs traced
+        self.calls = 0  # steps run through a graph (each trace's first among them)
+        self.off = False  # set for good when a trace fails
 
     @staticmethod
     def takes(caches: list) -> bool:
@@ -58,7 +62,7 @@ class CompiledDecode:
         (not yet evaluated), the pools replaced by their written versions; None where the step cannot
         replay (``kernels.replay_key``) or its shapes are met for the first time: nothing is done then,
         and the caller builds the step."""
-        if not self.takes(caches):
+        if self.off or not self.takes(caches):
             return None
         metas: dict[int, AttentionMetadata] = {}
         holders: dict[int, PagedArrays] = {}
@@ -75,7 +79,8 @@ class CompiledDecode:
                   *(a.k[0].shape for a in holders.values() if a.k))
         key = (tuple(plans), shapes)
         graph = self._graphs.get(key)
-        if graph is None:
+        fresh = graph is None
+        if fresh:
             # Tracing costs ~3.5 builds of the graph (CPU, 36 layers): a shape met once, as a batch that
             # changes every step makes, is built; the second time it is traced.
             if key not in self._seen:
@@ -90,7 +95,6 @@ class CompiledDecode:
                 self._graphs.popitem(last=False)
         else:
             self._graphs.move_to_end(key)
-        self.calls += 1
         inputs = [tokens, rows]
         for m in metas.values():
             inputs += [m.cu_seqlens_q, m.seq_lens, m.block_tables, m.slot_mapping, m.positions]
@@ -99,8 +103,18 @@ class CompiledDecode:
         self._tracing = (list(metas.values()), list(holders.values()), caches)
         try:
             out = graph(*inputs)
+        except Exception:
+            if not fresh:
+                raise
+            # Tracing runs the model's own code under mx.compile: an operation a device's compile cannot
+            # take fails here, before anything is written, and the engine goes on building its steps.
+            log.warning("decode steps are built from now on: tracing one failed", exc_info=True)
+            self.off = True
+            self._graphs.clear()
+            return None
         finally:
             self._tracing = None
+        self.calls += 1
         at = 1
         for a in holders.values():
             n = len(a.k)

@@ -118,3 +118,19 @@ def test_a_step_s_shapes_are_built_the_first_time_and_traced_the_second(qwen3):
     widen = next(i for i, (traces, _) in enumerate(seen) if traces == 2)
     assert seen[widen - 2][0] == 1 and seen[widen - 1] == seen[widen - 2], seen[widen - 3 : widen + 2]
     assert seen[-1] == (2, 68)
+
+
+def test_a_trace_that_fails_turns_replaying_off_and_the_steps_are_built(qwen3, monkeypatch):
+    rng = np.random.default_rng(fresh_seed("prompts"))
+    prompts = [rng.integers(0, 256, n).tolist() for n in (12, 40)]
+    params = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
+    want = engine_on(qwen3, False).generate(prompts, params)
+
+    def untraceable(self, *arrays):  # as an operation a device's compile cannot take would fail
+        raise ValueError("not traceable here")
+
+    monkeypatch.setattr(compiled_decode.CompiledDecode, "_forward", untraceable)
+    engine = engine_on(qwen3)
+    assert engine.generate(prompts, params) == want
+    compiled = engine.runner.compiled
+    assert compiled.off and compiled.traces == 1 and compiled.calls == 0
