@@ -78,8 +78,11 @@ class Engine:
         # Adapter slots are made before the memory guard measures the weights, so it counts them.
         self.lora = (LoraRegistry(loaded.model, config.max_loras, config.max_lora_rank, dtype, config.max_cpu_loras,
                                   term_kernel=backend == "cuda") if config.enable_lora else None)
+        # Not where a drafter reads the target's hidden states as its forward runs (MTP, a Gemma 4
+        # assistant): a replayed step runs none of the model's Python, so would hand it none.
+        compile_decode = bool(config.compile_decode) and (spec is None or spec.method != "mtp")
         self.runner = (pipeline.MirroredRunner(loaded.model, specs, kv, backend, config) if pipelined
-                       else ModelRunner(loaded.model, specs, kv, backend, self.lora, config.compile_decode))
+                       else ModelRunner(loaded.model, specs, kv, backend, self.lora, compile_decode))
         kv = self.runner.kv  # on several ranks, the journal the other ranks replay
         self.sampler = Sampler(loaded.vocab_size, loaded.eos_token_ids)
         self.metrics = EngineMetrics(config.served_model_name or loaded.model_id, config.metrics_prefix,

@@ -84,6 +84,15 @@ def test_greedy_outputs_with_mtp_equal_plain_decoding_on_mixed_batches(family):
     kv.pool.check_whole()
 
 
+def test_decode_steps_are_not_replayed_where_mtp_reads_the_target_s_hidden_states(family):
+    """A replayed step runs none of the model's Python: the tap that hands MTP the hidden states would not run."""
+    spec = Engine(EngineConfig(**KW, speculative_config=mtp_config(3), compile_decode=True),
+                  loaded=load_model(str(family)))
+    assert spec.runner.compiled is None
+    plain = Engine(EngineConfig(**KW, compile_decode=True), loaded=load_model(str(family)))
+    assert plain.runner.compiled is not None
+
+
 def test_mtp_is_refused_for_a_checkpoint_without_mtp_layers(tmp_path):
     d = make_tiny_model(tmp_path / "m", "qwen3_5", seed=1)
     with pytest.raises(ModelLoadError, match="no MTP layer"):
