@@ -21,6 +21,11 @@ requests spread over them round-robin, and prints the ratio: the host time
 that LoRA's groups add to a step. The CUDA route's term kernel
 (``engined.kernels.lora_term``) is a stand-in there too.
 
+``--compile`` measures each level again on an engine whose decode steps are
+replayed from compiled traces (``--compile-decode``, ``engined/compiled_decode.py``)
+and prints the ratios; a replayed step runs no layer's Python, so its layer and
+attention timers stay at zero.
+
 Per step it reports the host time (the step's wall time less the time spent
 waiting for the device's tokens) and, in a second pass with timers around the
 stages, where it goes: schedule, inputs and metadata, per-layer graph building
