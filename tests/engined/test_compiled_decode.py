@@ -1,9 +1,9 @@
 """Decode steps replayed from compiled traces (engined.compiled_decode): a graph is replayed only for a
-step that would have built the same one, the K/V pools are written in place as in a built step, and the
-traces kept stay bounded. That outputs equal a built step's, family by family, is in test_families."""
+step that would have built the same one, the K/V pools are written in place as in a built step, shapes
+are traced the second time they are met, the traces kept stay bounded, and a trace that fails leaves the
+steps built. That outputs equal a built step's, family by family, is in test_families."""
 
 import gc
-import re
 
 import mlx.core as mx
 import numpy as np
@@ -49,8 +49,8 @@ def test_replay_key_holds_what_a_step_s_graph_takes_from_the_host():
         assert kernels.replay_key(dialect, mixed) is None
 
 
-def test_a_replayed_step_writes_the_pools_in_place_and_fuses_its_elementwise_ops(qwen3, tmp_path):
-    seeds = {}
+def test_a_replayed_step_writes_the_pools_in_place(qwen3):
+    peaks = {}
     for on in (False, True):
         engine = engine_on(qwen3, on, num_kv_blocks=8192)
         engine.runner.kv.create(8192)  # every block resident: each layer's K and V pool 2 MB or more
@@ -62,34 +62,20 @@ def test_a_replayed_step_writes_the_pools_in_place_and_fuses_its_elementwise_ops
                                SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True))
         for _ in range(8):
             engine.step()
-        nodes = []
-        real = mx.async_eval
-
-        def count(*arrays):
-            path = tmp_path / "graph.dot"
-            mx.export_to_dot(str(path), *arrays)
-            nodes.append(len(re.findall(r'label ="', path.read_text())))
-            return real(*arrays)
-
         mx.reset_peak_memory()
         base = mx.get_active_memory()
-        mx.async_eval = count
-        try:
-            for _ in range(6):
-                engine.step()
-        finally:
-            mx.async_eval = real
+        for _ in range(6):
+            engine.step()
         # A pool written by copy would hold two of itself at once.
         assert mx.get_peak_memory() - base < pool, (mx.get_peak_memory() - base, pool)
         compiled = engine.runner.compiled
-        seeds[on] = (nodes, mx.get_peak_memory(), compiled and (compiled.traces, compiled.calls))
+        peaks[on] = (mx.get_peak_memory(), compiled and (compiled.traces, compiled.calls))
         del engine
         gc.collect()
-    (built, built_peak, _), (replayed, replayed_peak, (traces, calls)) = seeds[False], seeds[True]
+    (built_peak, _), (replayed_peak, (traces, calls)) = peaks[False], peaks[True]
     assert calls >= traces + 6
     # Nor does a replayed step keep the pools it was given alive beside the ones it wrote.
     assert replayed_peak - built_peak < pool, (replayed_peak, built_peak, pool)
-    assert max(replayed) < min(built), (replayed, built)
 
 
 def test_traces_kept_stay_bounded_and_outputs_stay_right_when_dropped(qwen3, monkeypatch):
