@@ -106,7 +106,7 @@ def main(argv=None) -> None:
         enc = {way: statistics.median(v) for way, v in encode.items()}
         # Same weights, prompts and steps: a change that computes what it replaces gives the same tokens up
         # to rounding (a rounding that flips one token changes that request's tokens after it).
-        pairs = [(a, b) for rid, a in tokens["new"].items() for a, b in [(a, tokens["old"].get(rid, []))]]
+        pairs = [(a, tokens["old"].get(rid, [])) for rid, a in tokens["new"].items()]
         same = sum(x == y for a, b in pairs for x, y in zip(a, b))
         compared = sum(min(len(a), len(b)) for a, b in pairs)
         print(f"  c={c}: tokens equal in the two engines' timed steps: {same} of {compared}", flush=True)

@@ -25,7 +25,6 @@ from collections import OrderedDict
 from collections.abc import Callable
 
 import mlx.core as mx
-import mlx.nn as nn
 
 from engined import kernels
 from engined.kernels import AttentionMetadata
@@ -39,11 +38,10 @@ MAX_GRAPHS = 32  # traces kept: a step's batch size and table widths pick one
 class CompiledDecode:
     """Runs a decode step's forward through the compiled trace for its shapes (traced on first use)."""
 
-    def __init__(self, model: nn.Module, head, backend: str, flat: bool):
-        self.model = model
+    def __init__(self, run: Callable[[mx.array, list], mx.array], head, backend: str):
+        self.run = run  # runner.run_model for the model: its output over packed tokens and layer steps
         self.head = head  # runner.LastTokenNorm: the rows it keeps become an input of the trace
         self.backend = backend
-        self.flat = flat
         self._graphs: OrderedDict[tuple, Callable] = OrderedDict()
         self._seen: OrderedDict[tuple, None] = OrderedDict()  # keys met once and built, not traced yet
         # The step being traced: its host metadata and layer steps, read only while tracing.
@@ -142,10 +140,7 @@ class CompiledDecode:
                 steps[id(c)] = c.rebound(traced_metas[id(c.meta)], traced_holders[id(c.arrays)])
         self.head.rows = rows
         try:
-            if self.flat:
-                logits = self.model(tokens, cache=[steps[id(c)] for c in caches])
-            else:
-                logits = self.model(tokens[None], cache=[steps[id(c)] for c in caches])[0]
+            logits = self.run(tokens, [steps[id(c)] for c in caches])
         finally:
             self.head.rows = None
         return [logits] + [p for h in traced_holders.values() for p in h.arrays()]

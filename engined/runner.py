@@ -18,6 +18,8 @@ state slots (``linear_attention``).
 
 from __future__ import annotations
 
+import functools
+
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
@@ -84,12 +86,15 @@ def forward_pooled(model: nn.Module, head: LastTokenNorm, pieces: list[list[int]
     if hidden:
         head.hidden_rows = _row_index(ends, num_hidden)
     try:
-        if flat:
-            return model(tokens, cache=caches), head.hidden
-        logits = model(tokens[None], cache=caches)[0]
-        return logits, (head.hidden[0] if head.hidden is not None else None)
+        logits = run_model(model, tokens, caches, flat)
+        return logits, (head.hidden[0] if head.hidden is not None and not flat else head.hidden)
     finally:
         head.rows = head.hidden_rows = head.hidden = None
+
+
+def run_model(model: nn.Module, tokens: mx.array, caches: list, flat: bool) -> mx.array:
+    """The model's output over the packed ``tokens``: 1-D on a flat stream, else as a batch of one."""
+    return model(tokens, cache=caches) if flat else model(tokens[None], cache=caches)[0]
 
 
 class ModelRunner:
@@ -107,8 +112,8 @@ class ModelRunner:
         self.flat = flat_stream(model)
         # Decode steps replayed from a trace (engined/compiled_decode.py); not with adapters, whose
         # slots change between steps what a layer computes.
-        self.compiled = (CompiledDecode(model, self.head, attention_backend, self.flat)
-                         if compile_decode and lora is None else None)
+        self.compiled = (CompiledDecode(functools.partial(run_model, model, flat=self.flat), self.head,
+                                        attention_backend) if compile_decode and lora is None else None)
 
     def run(self, batch: SchedulerOutput, num_logits: list[int] | None = None) -> mx.array:
         """Forward the batch; logits ``[sum(num_logits), vocab]`` (not yet evaluated).

@@ -82,7 +82,8 @@ class AttentionMetadata:
         np.cumsum(q, out=cu[1:])
         # Rounded up so that a decode step's arrays keep their shapes while contexts grow
         # (engined/compiled_decode.py replays one graph per shape); entries past a table are never read.
-        width = -(-max(max((len(t) for t in block_tables), default=1), 1) // TABLE_WIDTH_STEP) * TABLE_WIDTH_STEP
+        longest = max((len(t) for t in block_tables), default=0)
+        width = max(-(-longest // TABLE_WIDTH_STEP), 1) * TABLE_WIDTH_STEP
         table = np.zeros((len(q), width), dtype=np.int32)
         for b, blocks in enumerate(block_tables):
             table[b, : len(blocks)] = blocks
@@ -214,8 +215,8 @@ def decode_rows(
         length = tables.shape[1] * meta.block_size
     else:
         idx = mx.array(decode.astype(np.int32))
-        tables, qd, last = meta.block_tables[idx], q[mx.array(cu[decode].astype(np.int32))], mx.array(slens[decode] - 1)
-        length = int(slens[decode].max())
+        tables, qd = meta.block_tables[idx], q[mx.array(cu[decode].astype(np.int32))]
+        last, length = mx.array(slens[decode] - 1), int(slens[decode].max())
     k = _gather_context(k_cache, tables, length)
     v = _gather_context(v_cache, tables, length)
     qd = qd[:, :, None, :]  # [Bd, H, 1, D]
