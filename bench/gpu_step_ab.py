@@ -110,6 +110,9 @@ def main(argv=None) -> None:
         same = sum(x == y for a, b in pairs for x, y in zip(a, b))
         compared = sum(min(len(a), len(b)) for a, b in pairs)
         print(f"  c={c}: tokens equal in the two engines' timed steps: {same} of {compared}", flush=True)
+        if args.compare == "compiled":
+            compiled = engines["new"].runner.compiled
+            print(f"  c={c}: steps replayed {compiled.calls}, traces {compiled.traces}", flush=True)
         row = dict(compare=args.compare, model=args.model, c=c, new_ms=round(ns, 2), new_wait=round(nw, 2),
                    tokens_equal=same, tokens_compared=compared,
                    old_ms=round(os_, 2), old_wait=round(ow, 2), new_encode_ms=round(enc["new"], 2),
