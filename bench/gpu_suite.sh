@@ -3,9 +3,9 @@
 # under its own time limit so that one slow or failing benchmark leaves the others their time. MLX with
 # its CUDA backend must be importable. Logs go to $OUT (default bench/results/gpu_suite); a benchmark's
 # rows are written as they come, so a cut run keeps what it measured.
-#   bash bench/gpu_suite.sh [compiled serving_c1 hoststep]   (default: these, in that order, what the open
-#   issue 26 waits for; also: mtp pipeline lora probe serving gdn hybrid_probe mtp_c16 pipeline_dtype
-#   ttft_http skinny, runs of issues closed since, to measure again)
+#   bash bench/gpu_suite.sh [graph_limits device_step]   (default: these, in that order, what the open
+#   issue 26 waits for; also: compiled serving_c1 hoststep mtp pipeline lora probe serving gdn hybrid_probe
+#   mtp_c16 pipeline_dtype ttft_http skinny, runs measured before, to measure again)
 # BUDGET_S (default 1140) is the whole run's limit; a step gets what is left, up to its own cap.
 set -uo pipefail
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
@@ -25,7 +25,7 @@ step() {  # step NAME CAP_S COMMAND...: run COMMAND under min(CAP_S, what is lef
   echo "   rc=$? ($(( $(date +%s) - T0 ))s)"; tail -n 14 "$OUT/$name.log"
 }
 python3 -c 'import mlx.core as mx; print("mlx", mx.__version__, mx.default_device())' || exit 1
-for what in ${@:-compiled serving_c1 hoststep}; do
+for what in ${@:-graph_limits device_step}; do
   case $what in
     lora)  # issue 22: 4 adapters against the base at c=8 and 64 (target >= 0.8x)
       step lora_term 60 python3 -m bench.lora --shape llama-8b --term --step-repeats 20
@@ -76,9 +76,21 @@ for what in ${@:-compiled serving_c1 hoststep}; do
       step device_step 180 python3 -m bench.gpu_device_step --levels 16,64 --out "$OUT/device_step.jsonl"
       step lean_graph 240 python3 -m bench.gpu_step_ab --compare lean-graph --levels 16,64 --rounds 4 \
         --out "$OUT/step_ab.jsonl" ;;
+    graph_limits)  # issue 26: does MLX's commit rule bound a c = 64 step? MLX's CUDA back-end closes a
+      # CUDA graph every 100 kernels or 1000 MB of inputs on an H200, counting a whole K/V pool (and
+      # weight) each time a kernel reads it, and stops encoding while more than 10 graphs are in flight;
+      # a step reads ~33 GB that way (~34 graphs) with 4096 blocks, and more with a larger pool
+      for blocks in 4096 16384; do
+        for mb in 1000 1000000; do  # 1000: MLX's own limit on an H200
+          step "limits_${blocks}_$mb" 90 env MLX_MAX_MB_PER_BUFFER=$mb python3 -m bench.gpu_step_ab \
+            --compare compiled --levels 64 --rounds 3 --num-kv-blocks $blocks --out "$OUT/limits_${blocks}_$mb.jsonl"
+        done
+      done ;;
+    device_step)  # issue 26: the device's time a step against the engine's host time, the device held
+      step device_step 150 python3 -m bench.gpu_device_step --levels 16,64 --out "$OUT/device_step.jsonl" ;;
     hoststep)  # issue 26: the host part of a step with the real kernels
       step host_step 180 python3 -m bench.host_step --concurrency 1,16,64 --async --compile ;;
-    *) echo "unknown: $what (compiled serving_c1 hoststep mtp pipeline lora probe serving gdn hybrid_probe mtp_c16 pipeline_dtype ttft_http skinny)"; exit 2 ;;
+    *) echo "unknown: $what (graph_limits device_step compiled serving_c1 hoststep mtp pipeline lora probe serving gdn hybrid_probe mtp_c16 pipeline_dtype ttft_http skinny)"; exit 2 ;;
   esac
 done
 echo "== done in $(( $(date +%s) - T0 ))s; logs in $OUT"
