@@ -73,6 +73,8 @@ def main(argv=None) -> None:
                 raise SystemExit("the encode thread is not as asked")
             if args.compare == "compiled" and (engine.runner.compiled is not None) is not (way == "new"):
                 raise SystemExit("compiled decode is not as asked")
+            if args.compare == "compiled" and way == "new":
+                engine.runner.compiled = TimedReplay(engine.runner.compiled)
             start_decoding(engine, prompts, steps_needed + 16)
             engines[way] = engine
         got = {way: [] for way in engines}
@@ -112,7 +114,9 @@ def main(argv=None) -> None:
         print(f"  c={c}: tokens equal in the two engines' timed steps: {same} of {compared}", flush=True)
         if args.compare == "compiled":
             compiled = engines["new"].runner.compiled
-            print(f"  c={c}: steps replayed {compiled.calls}, traces {compiled.traces}", flush=True)
+            replay_ms = 1e3 * compiled.replay_s / max(compiled.replays, 1)
+            print(f"  c={c}: steps replayed {compiled.calls}, traces {compiled.traces}; the engine thread's call "
+                  f"that replays a step (most of it MLX's C++, holding Python's lock) {replay_ms:.2f} ms", flush=True)
         row = dict(compare=args.compare, model=args.model, c=c, new_ms=round(ns, 2), new_wait=round(nw, 2),
                    tokens_equal=same, tokens_compared=compared,
                    old_ms=round(os_, 2), old_wait=round(ow, 2), new_encode_ms=round(enc["new"], 2),
@@ -127,6 +131,24 @@ def main(argv=None) -> None:
             drain(engine)
         del engines
         mx.clear_cache()
+
+
+class TimedReplay:
+    """``--compare compiled``'s new engine's ``CompiledDecode``, timing its calls that replay a trace."""
+
+    def __init__(self, compiled):
+        self._compiled, self.replay_s, self.replays = compiled, 0.0, 0
+
+    def __call__(self, *args):
+        calls, traces, t0 = self._compiled.calls, self._compiled.traces, time.perf_counter()
+        out = self._compiled(*args)
+        if self._compiled.calls > calls and self._compiled.traces == traces:  # replayed, not traced
+            self.replay_s += time.perf_counter() - t0
+            self.replays += 1
+        return out
+
+    def __getattr__(self, name):
+        return getattr(self._compiled, name)
 
 
 def packed_with_mlx_linears(engine) -> None:
