@@ -79,7 +79,7 @@ for what in ${@:-graph_limits device_step}; do
     graph_limits)  # issue 26: does MLX's commit rule bound a c = 64 step? MLX's CUDA back-end closes a
       # CUDA graph every 100 kernels or 1000 MB of inputs on an H200, counting a whole K/V pool (and
       # weight) each time a kernel reads it, and stops encoding while more than 10 graphs are in flight;
-      # a step reads ~33 GB that way (~34 graphs) with 4096 blocks, and more with a larger pool
+      # a step reads ~36 GB that way (~35 graphs) with 4096 blocks, and more with a larger pool
       for blocks in 4096 16384; do
         for mb in 1000 1000000; do  # 1000: MLX's own limit on an H200
           step "limits_${blocks}_$mb" 90 env MLX_MAX_MB_PER_BUFFER=$mb python3 -m bench.gpu_step_ab \

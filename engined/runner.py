@@ -77,17 +77,19 @@ def forward_pooled(model: nn.Module, head: LastTokenNorm, pieces: list[list[int]
         tokens[mx.array(np.array(at, dtype=np.int32))] = values.astype(mx.int32)
     ends = np.cumsum(lens)
     rows = _row_index(ends, num_logits)
-    hidden = bool(num_hidden and any(num_hidden))
-    if compiled is not None and not hidden:
+    wants_hidden = bool(num_hidden and any(num_hidden))
+    if compiled is not None and not wants_hidden:
         logits = compiled(tokens, rows, caches)
         if logits is not None:
             return logits, None
     head.rows = rows
-    if hidden:
+    if wants_hidden:
         head.hidden_rows = _row_index(ends, num_hidden)
     try:
-        logits = run_model(model, tokens, caches, flat)
-        return logits, (head.hidden[0] if head.hidden is not None and not flat else head.hidden)
+        logits, hidden_states = run_model(model, tokens, caches, flat), head.hidden
+        if hidden_states is not None and not flat:  # the packed stream's batch of one
+            hidden_states = hidden_states[0]
+        return logits, hidden_states
     finally:
         head.rows = head.hidden_rows = head.hidden = None
 
