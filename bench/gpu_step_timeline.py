@@ -26,6 +26,7 @@ import argparse
 import json
 import statistics
 import time
+from contextlib import nullcontext
 
 import numpy as np
 
@@ -92,7 +93,9 @@ def main(argv=None) -> None:
     def stamped_start(self, encoder=None):
         if not on[0] or self.feed is None:
             return real_start(self, encoder)
-        rec = dict(start=time.perf_counter_ns(), before=stamp(), after=stamp_after(self.feed))
+        t0 = time.perf_counter_ns()
+        with mx.stream(encoder.stream) if encoder is not None else nullcontext():  # the step's own stream
+            rec = dict(start=t0, before=stamp(), after=stamp_after(self.feed))
         if encoder is not None:
             encoder.submit([rec["before"]])
         else:
@@ -121,6 +124,8 @@ def main(argv=None) -> None:
                        args.steps + 60)
         for _ in range(4):  # a compiled shape's trace and its fused kernels' compilation, untimed
             engine.step()
+        if engine.encoder is not None:
+            engine.encoder.wait()  # no evaluation here while the worker encodes (engined/encode_thread.py)
         offset = clock_offset(stamp)
         steps.clear()
         by_pending.clear()
