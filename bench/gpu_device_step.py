@@ -12,7 +12,8 @@ full queue: kernels, their gaps and the graph launch, no host in it.
 For the whole step to be queued behind the spin, MLX must not wait on the
 device while encoding it (it does after ten committed graphs in flight), so
 this process records each step into one CUDA graph (``MLX_MAX_OPS_PER_BUFFER``
-and ``MLX_MAX_MB_PER_BUFFER`` set before MLX loads); the probe checks that the
+and ``MLX_MAX_MB_PER_BUFFER`` set before MLX loads, unless the environment sets
+them: a step of up to ten graphs still queues whole); the probe checks that the
 host finished queuing the step before the spin ended and fails otherwise.
 
     python -m bench.gpu_device_step [--levels 1,16,64] [--steps 20]
@@ -73,7 +74,9 @@ def main(argv=None) -> None:
     ap.add_argument("--num-kv-blocks", type=int, default=4096)
     ap.add_argument("--out", help="append the rows as JSON lines to this file")
     args = ap.parse_args(argv)
-    os.environ.update(GRAPH_SETTINGS)  # read once, when MLX's CUDA back-end starts: before the import below
+    # Read once, when MLX's CUDA back-end starts: before the import below. A setting given in the
+    # environment wins (up to ten graphs a step still queue behind the spin).
+    os.environ.update({k: v for k, v in GRAPH_SETTINGS.items() if k not in os.environ})
 
     import mlx.core as mx
 
@@ -104,7 +107,8 @@ def main(argv=None) -> None:
         if timing[0] and queued_ms > 0.8 * args.spin_ms:
             raise SystemExit(f"queuing the step took {queued_ms:.1f} ms of a {args.spin_ms} ms spin: raise --spin-ms")
 
-    print(f"device ms a decode step ({args.model}, bf16, the step recorded as one CUDA graph); queued: the host's "
+    print(f"device ms a decode step ({args.model}, bf16, CUDA graphs of at most {os.environ['MLX_MAX_OPS_PER_BUFFER']} kernels and "
+          f"{os.environ['MLX_MAX_MB_PER_BUFFER']} MB of inputs); queued: the host's "
           "ms in mx.async_eval for it, MLX's encoding with the device held; host: the engine's whole step on the "
           "host, the queuing included\n"
           "| c | device ms/step (median) | min | max | queued ms | host ms |\n|---|---|---|---|---|---|", flush=True)
