@@ -107,8 +107,9 @@ def main(argv=None) -> None:
         if timing[0] and queued_ms > 0.8 * args.spin_ms:
             raise SystemExit(f"queuing the step took {queued_ms:.1f} ms of a {args.spin_ms} ms spin: raise --spin-ms")
 
-    print(f"device ms a decode step ({args.model}, bf16, CUDA graphs of at most {os.environ['MLX_MAX_OPS_PER_BUFFER']} kernels and "
-          f"{os.environ['MLX_MAX_MB_PER_BUFFER']} MB of inputs); queued: the host's "
+    limits = os.environ["MLX_MAX_OPS_PER_BUFFER"], os.environ["MLX_MAX_MB_PER_BUFFER"]
+    print(f"device ms a decode step ({args.model}, bf16, CUDA graphs of at most {limits[0]} kernels and "
+          f"{limits[1]} MB of inputs); queued: the host's "
           "ms in mx.async_eval for it, MLX's encoding with the device held; host: the engine's whole step on the "
           "host, the queuing included\n"
           "| c | device ms/step (median) | min | max | queued ms | host ms |\n|---|---|---|---|---|---|", flush=True)
