@@ -3,9 +3,9 @@
 # under its own time limit so that one slow or failing benchmark leaves the others their time. MLX with
 # its CUDA backend must be importable. Logs go to $OUT (default bench/results/gpu_suite); a benchmark's
 # rows are written as they come, so a cut run keeps what it measured.
-#   bash bench/gpu_suite.sh [graph_limits device_step]   (default: these, in that order, what the open
-#   issue 26 waits for; also: compiled serving_c1 hoststep mtp pipeline lora probe serving gdn hybrid_probe
-#   mtp_c16 pipeline_dtype ttft_http skinny, runs measured before, to measure again)
+#   bash bench/gpu_suite.sh [timeline split_device]   (default: these, in that order, what issue 26's
+#   last question waits for; also: graph_limits device_step compiled serving_c1 hoststep mtp pipeline lora
+#   probe serving gdn hybrid_probe mtp_c16 pipeline_dtype ttft_http skinny, runs measured before)
 # BUDGET_S (default 1140) is the whole run's limit; a step gets what is left, up to its own cap.
 set -uo pipefail
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
@@ -25,7 +25,7 @@ step() {  # step NAME CAP_S COMMAND...: run COMMAND under min(CAP_S, what is lef
   echo "   rc=$? ($(( $(date +%s) - T0 ))s)"; tail -n 14 "$OUT/$name.log"
 }
 python3 -c 'import mlx.core as mx; print("mlx", mx.__version__, mx.default_device())' || exit 1
-for what in ${@:-graph_limits device_step}; do
+for what in ${@:-timeline split_device}; do
   case $what in
     lora)  # issue 22: 4 adapters against the base at c=8 and 64 (target >= 0.8x)
       step lora_term 60 python3 -m bench.lora --shape llama-8b --term --step-repeats 20
@@ -86,11 +86,25 @@ for what in ${@:-graph_limits device_step}; do
             --compare compiled --levels 64 --rounds 3 --num-kv-blocks $blocks --out "$OUT/limits_${blocks}_$mb.jsonl"
         done
       done ;;
+    timeline)  # issue 26: a served decode step's device and host events on one clock (does the device wait?)
+      step timeline 240 python3 -m bench.gpu_step_timeline --levels 16,64 --out "$OUT/timeline.jsonl" ;;
+    split_device)  # issue 26: a served c = 64 step keeps the device busy ~11 ms, the same step queued whole
+      # behind a spin as one graph 8.5 ms: is it the step's split into graphs? Held behind the spin as ~7
+      # graphs (fewer than the ten MLX lets be in flight), and as direct launches; then served, the same ways
+      step held_one 150 python3 -m bench.gpu_device_step --levels 64 --out "$OUT/held_one.jsonl"
+      step held_ops150 90 env MLX_MAX_OPS_PER_BUFFER=150 MLX_MAX_MB_PER_BUFFER=1000000 \
+        python3 -m bench.gpu_device_step --levels 64 --out "$OUT/held_ops150.jsonl"
+      step timeline_ops150 90 env MLX_MAX_OPS_PER_BUFFER=150 MLX_MAX_MB_PER_BUFFER=1000000 \
+        python3 -m bench.gpu_step_timeline --levels 64 --out "$OUT/timeline_ops150.jsonl"
+      step held_direct 90 env MLX_USE_CUDA_GRAPHS=0 python3 -m bench.gpu_device_step --levels 64 \
+        --out "$OUT/held_direct.jsonl"
+      step timeline_direct 90 env MLX_USE_CUDA_GRAPHS=0 python3 -m bench.gpu_step_timeline --levels 64 \
+        --out "$OUT/timeline_direct.jsonl" ;;
     device_step)  # issue 26: the device's time a step against the engine's host time, the device held
       step device_step 150 python3 -m bench.gpu_device_step --levels 16,64 --out "$OUT/device_step.jsonl" ;;
     hoststep)  # issue 26: the host part of a step with the real kernels
       step host_step 180 python3 -m bench.host_step --concurrency 1,16,64 --async --compile ;;
-    *) echo "unknown: $what (graph_limits device_step compiled serving_c1 hoststep mtp pipeline lora probe serving gdn hybrid_probe mtp_c16 pipeline_dtype ttft_http skinny)"; exit 2 ;;
+    *) echo "unknown: $what (timeline split_device graph_limits device_step compiled serving_c1 hoststep mtp pipeline lora probe serving gdn hybrid_probe mtp_c16 pipeline_dtype ttft_http skinny)"; exit 2 ;;
   esac
 done
 echo "== done in $(( $(date +%s) - T0 ))s; logs in $OUT"
