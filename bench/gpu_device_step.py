@@ -37,7 +37,7 @@ unsigned long long t0 = t;
 while (t - t0 < (unsigned long long)ns[0]) { asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t)); }
 stamp[0] = t;
 """
-_STAMP_SOURCE = _CLOCK + "stamp[0] = t;\n"
+STAMP_SOURCE = _CLOCK + "stamp[0] = t;\n"
 
 
 def clock_kernels():
@@ -48,7 +48,7 @@ def clock_kernels():
     spin_kernel = mx.fast.cuda_kernel(name="mlxd_probe_spin", input_names=["ns"], output_names=["stamp"],
                                       source=_SPIN_SOURCE)
     stamp_kernel = mx.fast.cuda_kernel(name="mlxd_probe_stamp", input_names=["after"], output_names=["stamp"],
-                                       source=_STAMP_SOURCE)
+                                       source=STAMP_SOURCE)
 
     def clock(kernel, arg):
         return kernel(inputs=[mx.array([arg], dtype=mx.uint64)], grid=(1, 1, 1), threadgroup=(1, 1, 1),

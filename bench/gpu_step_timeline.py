@@ -60,14 +60,13 @@ def main(argv=None) -> None:
 
     import mlx.core as mx
 
-    from bench.gpu_device_step import clock_kernels
+    from bench.gpu_device_step import STAMP_SOURCE, clock_kernels
     from bench.gpu_serving import DEFAULT_CACHE_LIMIT, build_models, drain, engine_for, start_decoding
     from engined.sampler import LaunchedStep
 
     _, stamp = clock_kernels()
     after_kernel = mx.fast.cuda_kernel(
-        name="mlxd_probe_after", input_names=["after"], output_names=["stamp"],
-        source='unsigned long long t; asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));\nstamp[0] = t;\n')
+        name="mlxd_probe_after", input_names=["after"], output_names=["stamp"], source=STAMP_SOURCE)
 
     def stamp_after(arr):
         return after_kernel(inputs=[arr], grid=(1, 1, 1), threadgroup=(1, 1, 1), output_shapes=[(1,)],
