@@ -370,8 +370,10 @@ def test_each_draft_round_reads_the_targets_hidden_state_before_the_last_token(t
     spec.generate(prompts, params)
     assert len(seen) > 2 * len(prompts)
     body = text_model(load_model(str(target)).model).model
+    # The engine's packed steps sum in other orders than one plain forward: float32 rows differ in the
+    # last bits, which four layers grow to ~2e-4 on some seeds; another position's row differs by ~1.
     for tokens, row in seen:
-        np.testing.assert_allclose(row, np.asarray(body(mx.array([tokens]))[0, -1]), rtol=1e-4, atol=1e-4)
+        np.testing.assert_allclose(row, np.asarray(body(mx.array([tokens]))[0, -1]), rtol=1e-3, atol=1e-3)
 
 
 def test_an_assistant_round_waits_for_the_device_once_whatever_k(trained):
