@@ -119,7 +119,7 @@ def main(argv=None) -> None:
                        args.steps + 40)
         LaunchedStep.start = timed_start
         try:
-            # This process records a step as one CUDA graph, instantiated the first time its shape is met;
+            # A step's CUDA graphs are instantiated the first time its shape is met;
             # with compiled decode the second step of a shape is traced and the third JIT-compiles its fused
             # kernels: none of these is timed.
             for _ in range(4):

@@ -6,8 +6,7 @@ step the device waits. This probe runs the engine as it serves (asynchronous,
 the encode thread, MLX's own CUDA graph limits) and puts a clock kernel on
 the device's queue before each step (``before``) and one after its sampling
 (``after``, reading the sampled tokens); the host records, on its own clock,
-when the engine's thread entered ``Engine.step``, handed the step over
-(``LaunchedStep.start``), when MLX's ``mx.async_eval`` of the step began and
+when the engine's thread handed the step over (``LaunchedStep.start``), when MLX's ``mx.async_eval`` of the step began and
 returned (on the encode thread), and when the engine's thread began and
 ended waiting for the step's tokens. The GPU clock (``%globaltimer``) is
 mapped onto the host's by the stamp with the shortest round trip.
@@ -148,7 +147,11 @@ def main(argv=None) -> None:
             if not all(k in cur for k in ("encode0", "read0")):
                 continue
             b = int(cur["before"].item())
-            dev = lambda ns: (ns + offset - b) / 1e6  # noqa: E731  a host time on the device's clock, ms from b
+
+            def dev(ns: int, b: int = b) -> float:
+                """A host time on the device's clock, in ms from the device reaching the step."""
+                return (ns + offset - b) / 1e6
+
             a = (int(cur["after"].item()) - b) / 1e6
             rows.append(dict(span=a, gap=(int(nxt["before"].item()) - b) / 1e6 - a, handed=dev(cur["start"]),
                              enc0=dev(cur["encode0"]), enc1=dev(cur["encode1"]), tail=a - dev(cur["encode1"]),
