@@ -57,6 +57,22 @@ def load_fast_blas() -> str | None:
     return None
 
 
+# What installs the BLAS ``load_fast_blas`` looks for, on Debian and Ubuntu.
+BLAS_FIX = "sudo apt-get install libopenblas0-pthread libgfortran5"
+
+
+def slow_blas_warning() -> str | None:
+    """One line for the start-up log when MLX runs on a Linux CPU without an optimized BLAS, else None.
+
+    Call it after ``load_fast_blas``: without the BLAS every matmul runs about 80x slower, so the
+    warm-up alone takes minutes, and a user otherwise sees only a start-up that does not end.
+    """
+    if _loaded or sys.platform == "darwin" or not on_cpu():
+        return None
+    return ("no optimized BLAS found: MLX's CPU backend runs its reference BLAS, about 80x slower "
+            f"(start-up takes minutes, so do prompts); install OpenBLAS and start again: {BLAS_FIX}")
+
+
 def on_cpu() -> bool:
     import mlx.core as mx
 

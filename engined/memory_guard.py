@@ -4,6 +4,8 @@ budget = gpu_memory_utilization x device memory (``--kv-cache-memory`` replaces
 the fraction's result for the pool). A warm-up forward of the largest step the
 scheduler can build measures what activations and scratch need at peak; MLX's
 buffer cache is capped at that, and what is left becomes the KV pool's capacity.
+A pool given in blocks (``--num-kv-blocks``) skips that forward: it has nothing
+to size.
 
 Admission counts on the whole capacity, but only part of it is resident: the
 pool starts with the blocks of one ``max_model_len`` request and grows in
@@ -88,9 +90,10 @@ class MemoryPlan:
     def describe(self) -> str:
         gb = lambda b: f"{b / GiB:.2f} GiB"  # noqa: E731
         budget = gb(self.budget) if self.budget else "n/a (--num-kv-blocks)"
+        activations = (f"activations {gb(self.activations)} (buffer cache capped there)" if self.activations
+                       else "activations not measured")
         return (
-            f"memory: budget {budget}; weights {gb(self.weights)}; activations {gb(self.activations)} "
-            f"(buffer cache capped there); KV cache {gb(self.kv_bytes)} = {self.num_blocks} blocks "
+            f"memory: budget {budget}; weights {gb(self.weights)}; {activations}; KV cache {gb(self.kv_bytes)} = {self.num_blocks} blocks "
             f"x {self.block_size} = {self.kv_tokens} tokens, {self.resident_blocks} of them resident at start "
             f"(grown as load needs, cut back after idle)"
             + (f"; fixed pools (state slots, window K/V, LoRA host copies) {gb(self.fixed_bytes)}"
@@ -98,11 +101,9 @@ class MemoryPlan:
         )
 
 
-def warm_up(runner, config: EngineConfig, max_model_len: int, vocab_size: int, progress: bool,
-            kernels: bool = False) -> int:
-    """Run the largest prefill step (twice), the widest sampling and verification steps; returns
-    peak scratch bytes, with headroom. ``kernels``: then ``warm_kernels``, whose small steps add
-    nothing to the peak.
+def warm_up(runner, config: EngineConfig, max_model_len: int, vocab_size: int, progress: bool) -> int:
+    """Run the largest prefill step, the widest sampling and verification steps; returns peak
+    scratch bytes, with headroom.
 
     ``runner`` is an ``engined.runner.ModelRunner``; its KV manager is created
     just large enough for the step, and dropped again after.
@@ -114,18 +115,16 @@ def warm_up(runner, config: EngineConfig, max_model_len: int, vocab_size: int, p
     mx.reset_peak_memory()
     rng = np.random.default_rng(0)
     bar = tqdm(total=2, desc="warm-up", disable=not progress, leave=False)
-    prompt = rng.integers(0, vocab_size, size=tokens).tolist()
-    # Twice: MLX frees a step's intermediates on its own thread, so one step's peak varies by
-    # which of its largest intermediates are still held (a spread of 13 % measured on a
-    # tiny model); the second run also starts from a warm buffer cache, as serving does.
-    for i in range(2):
-        req = Request(f"warm-up-{i}", prompt, SamplingParams(), 0)
-        if not kv.allocate(req, tokens):
-            raise RuntimeError("the warm-up step did not fit a KV cache sized for it")
-        logits = runner.run(SchedulerOutput([(req, tokens)]))
-        mx.eval(logits, kv.arrays())
-        kv.free(req)
-        del logits
+    # One step: it is the start-up's longest wait on a CPU (minutes on a slow one). A step's peak
+    # varies by which of its largest intermediates MLX's own thread still holds (a spread of 13 %
+    # measured on a tiny model); the headroom below covers that spread.
+    req = Request("warm-up", rng.integers(0, vocab_size, size=tokens).tolist(), SamplingParams(), 0)
+    if not kv.allocate(req, tokens):
+        raise RuntimeError("the warm-up step did not fit a KV cache sized for it")
+    logits = runner.run(SchedulerOutput([(req, tokens)]))
+    mx.eval(logits, kv.arrays())
+    kv.free(req)
+    del logits
     bar.update()
     # The widest sampling step: every running sequence with penalties and top-p.
     rows = config.max_num_seqs
@@ -140,12 +139,9 @@ def warm_up(runner, config: EngineConfig, max_model_len: int, vocab_size: int, p
     bar.update()
     bar.close()
     peak = mx.get_peak_memory() - base
-    if kernels:
-        warm_kernels(runner, sampler, vocab_size)
     kv.create(0)  # also drops what the steps left: hybrid models' state snapshots
     mx.clear_cache()
-    # Headroom for the spread above: serving's worst step, over hundreds of steps, is the top
-    # of that spread, which two samples do not always reach (both were 13 % under it).
+    # Headroom for the spread above: serving's worst step, over hundreds of steps, is the top of it.
     return max(peak, 0) * 5 // 4
 
 
@@ -158,8 +154,7 @@ def warm_kernels(runner, sampler: Sampler, vocab_size: int) -> None:
     kernels per dtype and layout (a short chunk's gather, a long chunk's SDPA over cached
     context), each on first use: on the H200 the first steps of short prefill chunks with a
     cached prefix cost seconds (bench/gpu_serving_results.md, run 5). The warm-up's largest
-    step meets none of these. Its blocks and state slots are freed; ``warm_up`` then drops the
-    pool, and with it any state snapshot they left.
+    step meets none of these. Its blocks and state slots are freed.
     """
     from engined.kernels.gpu import SDPA_CHUNK_TOKENS
     from engined.kernels.gpu_geometry import PARTITION_TOKENS
@@ -216,8 +211,21 @@ def plan(runner, stores: list, config: EngineConfig, max_model_len: int, vocab_s
     # started in a process that dropped another does not count the old one as its weights.
     gc.collect()
     weights = mx.get_active_memory()
-    activations = warm_up(runner, config, max_model_len, vocab_size, progress, kernels)
-    mx.set_cache_limit(activations)
+    activations = 0
+    # A pool given in blocks (--num-kv-blocks) needs no measurement, and MLX's buffer cache then
+    # keeps its own limit.
+    if config.num_kv_blocks is None:
+        activations = warm_up(runner, config, max_model_len, vocab_size, progress)
+        mx.set_cache_limit(activations)
+    if kernels:
+        # On a pool of their own, dropped after with any state snapshot the steps left.
+        from engined.kernels.gpu import SDPA_CHUNK_TOKENS
+        from engined.kernels.gpu_geometry import PARTITION_TOKENS
+
+        runner.kv.create(2 * runner.kv.blocks_for(PARTITION_TOKENS + SDPA_CHUNK_TOKENS + 32))
+        warm_kernels(runner, Sampler(vocab_size, []), vocab_size)
+        runner.kv.create(0)
+        mx.clear_cache()
     return size_pool(weights, activations, stores, config, max_model_len)
 
 

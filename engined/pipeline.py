@@ -325,7 +325,8 @@ def serve_worker(config: EngineConfig, group: mx.distributed.Group, joined: thre
         if message.query == "blocks":
             # The warm-up forward rank 0 ran has passed through here: its peak is this rank's scratch.
             activations = max(mx.get_peak_memory() - weights, 0)
-            mx.set_cache_limit(activations)
+            if config.num_kv_blocks is None:  # rank 0 ran no warm-up forward for a pool given in blocks
+                mx.set_cache_limit(activations)
             plan = memory_guard.size_pool(weights, activations, [kv], config, max_model_len)
             log.info("pipeline rank %d: %s", group.rank(), plan.describe())
             link.smallest(plan.num_blocks)

@@ -29,11 +29,13 @@ def run_engine(config: EngineConfig, daemon: DaemonConfig, parent_pid: int | Non
         # and must not outlive it.
         threading.Thread(target=_exit_with_parent, args=(parent_pid, loading), daemon=True,
                          name="parent-watch").start()
-    from engined.device import load_fast_blas
+    from engined.device import load_fast_blas, slow_blas_warning
 
     # Before anything imports mlx.core (engined/device.py says why).
     load_fast_blas()
     _check_mlx()
+    if (warning := slow_blas_warning()) is not None:
+        log.warning("%s", warning)
     if config.num_ranks > 1:
         from engined import pipeline
 

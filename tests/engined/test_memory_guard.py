@@ -77,10 +77,24 @@ def test_a_budget_too_small_for_one_full_request_refuses_to_start(tiny_dir):
     assert "max_model_len=4096" in msg and "needs 256 blocks" in msg and "--kv-cache-memory" in msg
 
 
+def kv_bytes_of(path, num_blocks: int, **kw) -> int:
+    """The KV budget of ``num_blocks`` blocks (every store's share), read off an engine given the count:
+    a budget in bytes is what has the memory guard measure the activations."""
+    return engine(path, num_kv_blocks=num_blocks, **kw).memory.kv_bytes
+
+
+def test_a_pool_given_in_blocks_runs_no_warm_up_forward(tiny_dir):
+    e = engine(tiny_dir, num_kv_blocks=40, max_num_batched_tokens=256)
+    assert e.memory.activations == 0 and "activations not measured" in e.memory.describe()
+    assert e.memory.num_blocks == 40
+
+
 def test_requests_wait_for_blocks_and_memory_stays_flat_under_load(tiny_dir):
     # A pool for about two requests at a time; twelve arrive at once, in three waves.
-    e = engine(tiny_dir, num_kv_blocks=40, block_size=16, max_num_seqs=8, max_num_batched_tokens=256,
-               enable_prefix_caching=False)
+    kw = dict(block_size=16, max_num_seqs=8, max_num_batched_tokens=256, max_model_len=320,
+              enable_prefix_caching=False)
+    e = engine(tiny_dir, kv_cache_memory=kv_bytes_of(tiny_dir, 40, **kw), **kw)
+    assert e.memory.num_blocks <= 40 and e.memory.activations > 0
     rng = np.random.default_rng(0)
     params = SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)
     mx.reset_peak_memory()
@@ -118,9 +132,11 @@ def test_speculation_bills_the_verification_steps_scratch(tmp_path):
     vocabulary: with a large vocabulary that step, not the prefill, sets the scratch, and a sampled
     speculative run must stay inside weights + KV + the measured activations."""
     d = make_tiny_model(tmp_path / "wide", "qwen3", seed=4, vocab_size=32768)
-    kw = dict(num_kv_blocks=160, block_size=16, max_num_seqs=32, max_num_batched_tokens=256)
-    plain = engine(d, **kw)
-    spec = engine(d, **kw, speculative_config=f'{{"model": "{d}", "num_speculative_tokens": 4}}')
+    kw = dict(block_size=16, max_num_seqs=32, max_num_batched_tokens=256, max_model_len=128)
+    speculative = f'{{"model": "{d}", "num_speculative_tokens": 4}}'
+    plain = engine(d, kv_cache_memory=kv_bytes_of(d, 160, **kw), **kw)
+    spec = engine(d, kv_cache_memory=kv_bytes_of(d, 160, speculative_config=speculative, **kw),
+                  speculative_config=speculative, **kw)
     assert spec.memory.activations > 2 * plain.memory.activations
     del plain
     rng = np.random.default_rng(0)
