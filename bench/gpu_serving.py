@@ -13,13 +13,20 @@ prompts are uniform in 256-2048 tokens, shared ones are a common 2K prefix and
 128 tokens of their own. mlxd runs ``Engine.generate``, mlx_lm its
 ``batch_generate`` (completion batch size ``c``); the sides alternate, one
 untimed run each first, the median of ``--repeats`` is reported as total
-tokens (prompt + generated) per second. Each mlxd run also reports per step
-the host time (inside ``step()``, not waiting) and the time it waited on the
-device (``Engine.sync_wait_s``).
+tokens (prompt + generated) per second. Every run, the untimed one included,
+draws new prompts of the same lengths (a shared batch a new prefix), as a
+user's traffic does: a run never finds an earlier run's prompts in mlxd's
+prefix cache (prefix caching stays on, as users run it). Both sides get the
+same prompts within a run (separate caches: mlx_lm's keeps none). Each mlxd
+run reports ``cached_tokens``, its prompt tokens served from the prefix cache
+(a shared batch's requests may find the common prefix that another request
+of the batch computed), and per step the host time (inside ``step()``, not
+waiting) and the time it waited on the device (``Engine.sync_wait_s``).
 
 Open loop (``--poisson RATE``): requests arrive at Poisson times, mixed
 prompts, each side in this process (mlx_lm's ``BatchGenerator`` driven as its
-server drives it); TTFT and inter-token latency percentiles.
+server drives it); TTFT and inter-token latency percentiles, and mlxd's
+``cached_tokens`` (its untimed warm-up runs prompts of its own).
 
 ``--roofline`` measures the bf16 matmul rate and HBM bandwidth and states what
 they allow for the c=64 mixed batch.
@@ -96,11 +103,23 @@ def build_models(name: str, dtype: str, seed: int):
     return first, make_loaded, n
 
 
-def prompts_for(workload: str, c: int, rng: np.random.Generator, vocab: int) -> list[list[int]]:
+def prompt_lengths(workload: str, c: int, rng: np.random.Generator) -> list[int]:
+    """Each of ``c`` requests' prompt length: mixed uniform in 256-2048, shared a 2K prefix and 128 of its own."""
+    return rng.integers(256, 2049, c).tolist() if workload == "mixed" else [2048 + 128] * c
+
+
+def prompts_for(workload: str, lengths: list[int], rng: np.random.Generator, vocab: int) -> list[list[int]]:
+    """New random prompts of ``lengths`` at every call (shared: one new prefix common to them all), so that
+    no run is served from a prefix cache that an earlier run filled."""
     if workload == "mixed":
-        return [rng.integers(0, vocab, int(n)).tolist() for n in rng.integers(256, 2049, c)]
+        return [rng.integers(0, vocab, n).tolist() for n in lengths]
     prefix = rng.integers(0, vocab, 2048).tolist()
-    return [prefix + rng.integers(0, vocab, 128).tolist() for _ in range(c)]
+    return [prefix + rng.integers(0, vocab, n - 2048).tolist() for n in lengths]
+
+
+def cached_tokens(engine) -> int:
+    """Prompt tokens the engine has served from its prefix cache since it started."""
+    return engine.stats().prefix_cache_hits
 
 
 class _NoText:
@@ -169,27 +188,29 @@ def run_mlxd(engine, prompts, max_tokens: int) -> tuple[float, dict]:
     from shared.protocol import SamplingParams
 
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-    steps0, wait0 = engine.num_steps, engine.sync_wait_s
+    steps0, wait0, cached0 = engine.num_steps, engine.sync_wait_s, cached_tokens(engine)
     t0 = time.perf_counter()
     out = engine.generate(prompts, params)
     wall = time.perf_counter() - t0
     assert all(len(t) == max_tokens for t in out)
     steps, wait = engine.num_steps - steps0, engine.sync_wait_s - wait0
     mx.clear_cache()
-    return wall, dict(steps=steps, host_ms_per_step=1e3 * (wall - wait) / steps, wait_ms_per_step=1e3 * wait / steps)
+    return wall, dict(steps=steps, host_ms_per_step=1e3 * (wall - wait) / steps, wait_ms_per_step=1e3 * wait / steps,
+                      cached_tokens=cached_tokens(engine) - cached0)
 
 
 def closed_batches(model, make_loaded, args, rows: list) -> None:
     rng = np.random.default_rng(args.seed)
     for workload in args.workloads.split(","):
         for c in map(int, args.concurrency.split(",")):
-            prompts = prompts_for(workload, c, rng, model.args.vocab_size)
-            total = sum(map(len, prompts)) + c * args.max_tokens
+            lengths = prompt_lengths(workload, c, rng)
+            total = sum(lengths) + c * args.max_tokens
             engines = {mode: engine_for(make_loaded, args, c, mode == "async", args.encode_thread)
                        for mode in args.modes.split(",")}
             times = {"mlx_lm": []} | {m: [] for m in engines}
             steps = {m: [] for m in engines}
             for rep in range(args.repeats + 1):  # the first is untimed: kernels compile for new shapes
+                prompts = prompts_for(workload, lengths, rng, model.args.vocab_size)  # new every run
                 times_rep = {"mlx_lm": run_mlx_lm(model, prompts, args.max_tokens)}
                 modes = list(engines)
                 for mode in modes[rep % len(modes):] + modes[: rep % len(modes)]:  # each goes first in turn
@@ -204,6 +225,7 @@ def closed_batches(model, make_loaded, args, rows: list) -> None:
                        tok_s={k: total / v for k, v in med.items()},
                        ratio={m: med["mlx_lm"] / med[m] for m in engines},
                        steps={m: steps[m] for m in engines},
+                       cached_tokens={m: [st["cached_tokens"] for st in steps[m]] for m in engines},
                        budget=args.max_num_batched_tokens)
             rows.append(row)
             print(json.dumps(row), flush=True)
@@ -220,14 +242,16 @@ def poisson(model, make_loaded, args, rows: list) -> None:
     import mlx.core as mx
     from mlx_lm.generate import BatchGenerator
 
+    from shared.protocol import SamplingParams
 
     rng = np.random.default_rng(args.seed + 1)
     n = args.poisson_requests
-    prompts = prompts_for("mixed", n, rng, model.args.vocab_size)
+    prompts = prompts_for("mixed", prompt_lengths("mixed", n, rng), rng, model.args.vocab_size)
     arrivals = np.cumsum(rng.exponential(1.0 / args.poisson, n))
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
 
-    def drive(add, step, name):
+    def drive(add, step, name, cached=lambda: 0):
+        cached0 = cached()
         seen: dict[int, list[float]] = {i: [] for i in range(n)}
         t0, nxt = time.perf_counter(), 0
         while nxt < n or any(len(v) < args.max_tokens for v in seen.values()):
@@ -245,7 +269,7 @@ def poisson(model, make_loaded, args, rows: list) -> None:
         itl = [b - a for i in range(n) for a, b in zip(seen[i], seen[i][1:])]
         row = dict(model=args.label, workload=f"poisson {args.poisson}/s x {n}", side=name,
                    ttft_ms=_percentiles(ttft), itl_ms=_percentiles(itl),
-                   seconds=round(max(v[-1] for v in seen.values()), 2))
+                   seconds=round(max(v[-1] for v in seen.values()), 2), cached_tokens=cached() - cached0)
         rows.append(row)
         print(json.dumps(row), flush=True)
 
@@ -264,7 +288,8 @@ def poisson(model, make_loaded, args, rows: list) -> None:
     gen.close()
     mx.clear_cache()
     engine = engine_for(make_loaded, args, args.poisson_batch, True, args.encode_thread)
-    engine.generate(prompts[:2], params)  # kernels compiled before the clock starts, as mlx_lm's were
+    # Kernels compiled before the clock starts, as mlx_lm's were, on prompts of the warm-up's own.
+    engine.generate(prompts_for("mixed", [len(p) for p in prompts[:2]], rng, model.args.vocab_size), params)
 
     def e_add(i):
         engine.add_request(f"p{i}", prompts[i], params)
@@ -272,7 +297,7 @@ def poisson(model, make_loaded, args, rows: list) -> None:
     def e_step():
         return [(int(o.request_id[1:]), len(o.new_token_ids)) for o in engine.step() if o.new_token_ids]
 
-    drive(e_add, e_step, "mlxd")
+    drive(e_add, e_step, "mlxd", lambda: cached_tokens(engine))
 
 
 def roofline(rows: list) -> None:
