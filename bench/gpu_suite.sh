@@ -64,9 +64,8 @@ for what in ${@:-timeline split_device}; do
         --concurrency 1,16,128 --modes async --repeats 1 --out "$OUT/serving.jsonl"
       step serving_moe 240 python3 -m bench.gpu_serving --model qwen3-30b-a3b --dtype q4 --workloads mixed \
         --concurrency 1,16,64 --modes async --repeats 1 --out "$OUT/serving.jsonl" ;;
-    ttft_http)  # issue 26: TTFT under Poisson arrivals over HTTP, mlxd serve against mlx_lm.server
-      step ttft_http 480 python3 -m bench.gpu_ttft --model qwen3-8b --dtype bf16 --dir /tmp/ckpt-qwen3-8b \
-        --rate 2 --num-prompts 48 --out "$OUT" ;;
+    ttft_http)  # issue 48: mlxd serve against mlx_lm.server over HTTP, bf16 and 4-bit, Poisson at 2 and 8 a second
+      step ttft_http 570 python3 -m bench.gpu_http --rates 2,8 --num-prompts 32,64 --out "$OUT" ;;
     skinny)  # issue 26: a few-row GEMM of our own against cuBLASLt's host cost per matmul (c = 16's steps)
       step skinny 150 python3 bench/kernels/skinny_gemm.py --rows 2 8 16 --npw 4 8 ;;
     compiled)  # issue 26: decode steps replayed from compiled traces against built in Python, and the
