@@ -97,13 +97,52 @@ def gemma4_text_fields(text: dict) -> dict:
     return text
 
 
+def rope_fields(config: dict) -> dict:
+    """The RoPE fields of a config's ``rope_parameters``, named as mlx_lm's model args read them.
+
+    transformers 5 writes every RoPE field under ``rope_parameters`` and none at the top: one dict
+    (``rope_type``, ``rope_theta``, ``partial_rotary_factor`` and the scaling's own fields), or one
+    dict per layer type (``full_attention``, ``sliding_attention``: Gemma 3, OLMo 3). Most of
+    mlx_lm's families read ``rope_theta``, ``rope_scaling`` (``type`` or ``rope_type`` and the
+    scaling's fields) and ``partial_rotary_factor`` at the top, and the sliding layers' base as
+    ``rope_local_base_freq`` (Gemma 3) or ``swa_rope_theta`` (MiMo); missing, each falls back to
+    its family's default, a base of 10,000 for most, with no warning. Per layer type, the top
+    fields are the full layers' base and scaling (which mlx_lm's families with sliding layers apply
+    to the full ones alone) and the sliding layers' base. As in transformers, the values under
+    ``rope_parameters`` win; a family's args ignore the fields they do not declare.
+    """
+    params = config.get("rope_parameters")
+    if not isinstance(params, dict) or not params:
+        return {}
+    if all(isinstance(v, dict) or v is None for v in params.values()):  # per layer type
+        full, sliding = params.get("full_attention") or {}, params.get("sliding_attention") or {}
+        fields = {"rope_theta": full["rope_theta"]} if "rope_theta" in full else {}
+        if "rope_theta" in sliding:
+            fields["rope_local_base_freq"] = fields["swa_rope_theta"] = sliding["rope_theta"]
+    else:
+        full = params
+        fields = {k: full[k] for k in ("rope_theta", "partial_rotary_factor", "original_max_position_embeddings")
+                  if k in full}
+    kind = full.get("rope_type", full.get("type", "default"))
+    if kind != "default":
+        scaling = {k: v for k, v in full.items() if k not in ("rope_theta", "partial_rotary_factor")}
+        fields["rope_scaling"] = {**scaling, "type": kind, "rope_type": kind}
+    return fields
+
+
+def _fixed(config: dict, gemma4: bool) -> dict:
+    config = {**config, **rope_fields(config)}
+    return gemma4_text_fields(config) if gemma4 else config
+
+
 def _config_fixes(config: dict) -> dict:
-    """What ``load_dir`` lays over a checkpoint's config.json before mlx_lm reads it."""
-    if config.get("model_type") == "gemma4_text":
-        return gemma4_text_fields(config)
-    if config.get("model_type") == "gemma4" and config.get("text_config"):
-        return {"text_config": gemma4_text_fields(config["text_config"])}
-    return {}
+    """What ``load_dir`` lays over a checkpoint's config.json before mlx_lm reads it: the fields
+    transformers 5 writes elsewhere, of the model and of the text model a wrapper holds."""
+    model_type = config.get("model_type")
+    fixes = _fixed(config, model_type == "gemma4_text")
+    if isinstance(config.get("text_config"), dict):
+        fixes["text_config"] = _fixed(config["text_config"], model_type == "gemma4")
+    return fixes
 
 
 def is_model_dir(path: Path) -> bool:
