@@ -3,7 +3,12 @@
 For every server, concurrency level and repeat: a fresh server process (no
 cache carried between levels), one untimed warm-up request, then the
 closed-loop run (open-loop with `--rate`) while the server's process tree's RSS is sampled. Against
-`--url` it measures that one running server instead (no launch, no RSS).
+`--url` it measures that one running server instead (no launch, no RSS). Each run (level and
+repeat) sends requests of its own, drawn from `--seed` plus the run's number (the same for every
+server), so that no run finds an earlier run's prompts in a server's cache (with `--url` one
+server answers every run); the table gives the prompt tokens each server's usage reports as
+cached (within a run an agent session's turns extend one another and all share a system prompt,
+as an agent's do).
 
     mlxd bench [--servers mlxd,mlx_lm,llama-server] [--split agent] [--concurrency 1,2,4,8,16]
                [--num-prompts 100] [--token-scale 1.0] [--repeats 1] [--out bench/results]
@@ -93,7 +98,8 @@ def run(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     signal.signal(signal.SIGTERM, _sigterm)
     levels = [int(c) for c in args.concurrency.split(",")]
-    sessions = workload.make(args.split, args.num_prompts, args.token_scale, args.seed, args.turns)
+    workloads = [[workload.make(args.split, args.num_prompts, args.token_scale, args.seed + i * args.repeats + rep,
+                                args.turns) for rep in range(args.repeats)] for i in range(len(levels))]
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
     out = Path(args.out)
     log_dir = out / "logs" / stamp
@@ -108,9 +114,9 @@ def run(argv: list[str] | None = None) -> int:
         if name == "llama-server" and Path(args.model).is_dir():
             print("mlxd bench: llama-server takes a GGUF, not a checkpoint directory; skipping it", file=sys.stderr)
             continue
-        for c in levels:
+        for c, level_sessions in zip(levels, workloads):
             runs, peak = [], 0
-            for rep in range(args.repeats):
+            for rep, sessions in enumerate(level_sessions):
                 server = None
                 if args.url:
                     url = args.url.rstrip("/")
@@ -131,7 +137,8 @@ def run(argv: list[str] | None = None) -> int:
                         server.stop()
                 s = report.summarize(results, wall)
                 print(f"{name} c={c} repeat={rep}: {s['ok']}/{s['requests']} ok, "
-                      f"TTFT p50 {s['ttft_p50']}, total {s['total_tok_s']:.1f} tok/s", file=sys.stderr)
+                      f"TTFT p50 {s['ttft_p50']}, total {s['total_tok_s']:.1f} tok/s, "
+                      f"cached {s['cached_tokens']} of {s['prompt_tokens']} prompt tokens", file=sys.stderr)
                 runs.append(s)
             row = dict(report.merge_repeats(runs), server=name, concurrency=c,
                        peak_rss_mib=peak / 2**20 if peak else None)

@@ -34,6 +34,7 @@ class Result:
     ttft: float | None = None
     itl: list[float] = field(default_factory=list)
     prompt_tokens: int = 0
+    cached_tokens: int | None = None  # of the prompt's, served from the server's cache (None: its usage says not)
     output_tokens: int = 0
     tool_call: bool = False
     detail: str = ""
@@ -63,6 +64,7 @@ async def _one(client: httpx.AsyncClient, url: str, model: str, req: Request) ->
                 msg = json.loads(data)
                 if msg.get("usage"):
                     r.prompt_tokens = msg["usage"].get("prompt_tokens") or 0
+                    r.cached_tokens = (msg["usage"].get("prompt_tokens_details") or {}).get("cached_tokens")
                     r.output_tokens = msg["usage"].get("completion_tokens") or 0
                 for choice in msg.get("choices") or []:
                     delta = choice.get("delta") or {}

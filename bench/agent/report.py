@@ -27,13 +27,15 @@ def summarize(results: list[Result], wall: float) -> dict:
     ttft = [r.ttft for r in ok if r.ttft is not None]
     itl = [g for r in ok for g in r.itl]
     e2e = [r.e2e for r in ok]
+    cached = [r.cached_tokens for r in ok if r.cached_tokens is not None]
     return {
         "requests": len(results), **counts,
         "tool_calls": sum(r.tool_call for r in ok),
         "ttft_p50": _pct(ttft, 50), "ttft_p99": _pct(ttft, 99),
         "itl_p50": _pct(itl, 50), "itl_p99": _pct(itl, 99),
         "e2e_p50": _pct(e2e, 50), "e2e_p99": _pct(e2e, 99),
-        "prompt_tokens": in_tok, "output_tokens": out_tok, "wall_s": wall,
+        "prompt_tokens": in_tok, "cached_tokens": sum(cached) if cached else None, "output_tokens": out_tok,
+        "wall_s": wall,
         "output_tok_s": out_tok / wall if wall > 0 else 0.0,
         "total_tok_s": (in_tok + out_tok) / wall if wall > 0 else 0.0,
         "errors": [r.detail for r in results if r.outcome != "ok"][:5],
@@ -64,10 +66,15 @@ def _f(x, unit=""):
     return f"{x:.2f}{unit}" if x < 100 else f"{x:.0f}{unit}"
 
 
+def _count(x) -> str:
+    return "–" if x is None else f"{x:.0f}"
+
+
 def table(rows: list[dict]) -> str:
     """rows: dicts with server, concurrency, and a merged summary."""
     head = ("| server | conc | ok/total | http err | dropped | empty | tool calls | TTFT p50 | TTFT p99 "
-            "| ITL p50 | ITL p99 | E2E p50 | E2E p99 | out tok/s | total tok/s | peak RSS MiB |")
+            "| ITL p50 | ITL p99 | E2E p50 | E2E p99 | out tok/s | total tok/s | prompt tokens | cached tokens "
+            "| peak RSS MiB |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in rows:
         lines.append(
@@ -75,7 +82,8 @@ def table(rows: list[dict]) -> str:
             f"| {r['dropped']} | {r['empty']} | {r['tool_calls']} | {_f(r['ttft_p50'], 's')} "
             f"| {_f(r['ttft_p99'], 's')} | {_f(r['itl_p50'], 's')} | {_f(r['itl_p99'], 's')} "
             f"| {_f(r['e2e_p50'], 's')} | {_f(r['e2e_p99'], 's')} | {_f(r['output_tok_s'])} "
-            f"| {_f(r['total_tok_s'])} | {_f(r.get('peak_rss_mib'))} |")
+            f"| {_f(r['total_tok_s'])} | {r['prompt_tokens']:.0f} | {_count(r['cached_tokens'])} "
+            f"| {_f(r.get('peak_rss_mib'))} |")
     return "\n".join(lines)
 
 

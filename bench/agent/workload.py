@@ -3,8 +3,10 @@
 Everything is scripted from a seed, so every server sees byte-identical
 requests: the history of an agent session is written here, not taken from
 the model's own replies (replies differ between servers and would make the
-prompts differ too). Sizes are in approximate tokens (~4 characters each for
-this kind of English/JSON text); the servers' `usage` gives the real counts.
+prompts differ too). Every prompt opens with the seed's project number, so
+request sets of two seeds share no prefix a server could have cached. Sizes
+are in approximate tokens (~4 characters each for this kind of English/JSON
+text); the servers' `usage` gives the real counts.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ TOOLS = [
     ]
 ]
 
-# The system prompt is shared by all sessions: a server with a prefix cache may reuse it.
+# The system prompt is shared by all sessions of a seed: a server with a prefix cache may reuse it.
 SYSTEM_AGENT = (
     "You are a coding agent working in a software repository. Think briefly, then either call "
     "exactly one tool or give the final answer. To call a tool, reply with "
@@ -63,6 +65,11 @@ def _code_like(rng: random.Random, tokens: int) -> str:
         lines.append(line)
         size += len(line) + 1
     return "\n".join(lines)
+
+
+def _project(seed: int) -> str:
+    """What opens every prompt of a seed's requests (the first tokens after a chat template's own)."""
+    return f"Project {seed}. "
 
 
 def _prose(rng: random.Random, tokens: int) -> str:
@@ -96,9 +103,10 @@ def agent_sessions(n_requests: int, scale: float, seed: int, turns: int = 4) -> 
     sessions, made, sid = [], 0, 0
     while made < n_requests:
         task = _prose(rng, 60)
-        history = [{"role": "system", "content": SYSTEM_AGENT},
+        system = _project(seed) + SYSTEM_AGENT
+        history = [{"role": "system", "content": system},
                    {"role": "user", "content": f"Task {sid}: fix the failing test. Notes: {task}"}]
-        size = (len(SYSTEM_AGENT) + len(task)) // CHARS_PER_TOKEN
+        size = (len(system) + len(task)) // CHARS_PER_TOKEN
         session = []
         k_turns = min(turns, n_requests - made)
         for k in range(k_turns):
@@ -129,7 +137,7 @@ def chat_sessions(n_requests: int, scale: float, seed: int) -> list[list[Request
     out = []
     for i in range(n_requests):
         q = _prose(rng, int(scale * rng.randint(100, 500)))
-        msgs = [{"role": "system", "content": "You are a helpful assistant."},
+        msgs = [{"role": "system", "content": _project(seed) + "You are a helpful assistant."},
                 {"role": "user", "content": f"Summarize these notes in a few sentences: {q}"}]
         out.append([Request(i, 0, msgs, rng.randint(20, 200), len(q) // CHARS_PER_TOKEN)])
     return out

@@ -131,3 +131,25 @@ def test_agent_sessions_share_the_system_prompt_and_grow_with_tool_results():
         assert s[1].messages[:len(s[0].messages)] == s[0].messages
     small = workload.make("agent", 4, 0.25, seed=0, turns=4)[0]
     assert small[-1].approx_input_tokens < sessions[0][-1].approx_input_tokens / 2
+
+
+def test_two_seeds_requests_share_no_cached_prefix_and_the_usage_reports_what_was_cached(gateway):
+    """A sweep's runs draw their requests from seeds of their own: one seed's request finds nothing of
+    another's in the server's prefix cache (a run is not served from an earlier run's prompts), while the
+    same requests sent again are, and the usage's count of it reaches the results and the summary."""
+    model = served_model(gateway.url)
+
+    def chats(seed: int, n: int):
+        sessions = workload.make("chat", n, 0.1, seed=seed)
+        for s in sessions:
+            s[0].max_tokens = 4
+        return sessions
+
+    first = chats(11, 2)
+    results, _ = loadgen.run(gateway.url, model, first, concurrency=1, timeout=120)
+    assert [r.outcome for r in results] == ["ok", "ok"], [r.detail for r in results]
+    results, wall = loadgen.run(gateway.url, model, chats(12, 1), concurrency=1, timeout=120)
+    assert results[0].outcome == "ok" and results[0].prompt_tokens > 16 and results[0].cached_tokens == 0
+    again, wall = loadgen.run(gateway.url, model, first, concurrency=1, timeout=120)
+    assert all(r.outcome == "ok" and r.cached_tokens >= 16 for r in again), [(r.detail, r.cached_tokens) for r in again]
+    assert report.summarize(again, wall)["cached_tokens"] == sum(r.cached_tokens for r in again)
