@@ -1,12 +1,14 @@
 """Constrained decoding overhead: decode step time of 16 constrained requests against 16 plain ones.
 
 Both batches decode the same prompts for the same number of tokens; only
-steps where all 16 requests are decoding count. The constrained requests
+steps where all 16 requests are decoding count (so the prompts' prefills,
+served from the prefix cache after the first run, are not timed). The constrained requests
 follow a JSON schema whose one long string keeps every matcher alive for the
 whole run. A second measurement adds a request with a slow-to-compile grammar
 (a 20000-value enum) to 16 decoding plain requests and reports the slowest
 step while it compiles against the median step: compilation runs on worker
-threads and must not stall the step loop.
+threads and must not stall the step loop. That request's prompt is one of its
+own, so its prefill, inside the steps while it compiles, is not a cache hit.
 
     python -m bench.structured [--max-tokens 48] [--repeats 3]
 """
@@ -52,17 +54,20 @@ def decode_steps(engine: Engine, prompts, params, tag: str) -> list[float]:
     return times
 
 
-def compile_stall(engine: Engine, prompts, max_tokens: int) -> tuple[float, float, float]:
-    """(median step, slowest step while a big grammar compiles, compile seconds)."""
+def compile_stall(engine: Engine, prompts, slow_prompt, max_tokens: int) -> tuple[float, float, float, int]:
+    """(median step, slowest step while a big grammar compiles, compile seconds, the slow request's prompt
+    tokens found in the prefix cache). ``slow_prompt`` is one no earlier run sent: its prefill, all but the
+    chat template's opening that every prompt shares, runs while the grammar compiles, as a new user's would."""
     plain = SamplingParams(max_tokens=max_tokens * 2, temperature=0.0, ignore_eos=True)
     ids = [f"stall-{i}" for i in range(len(prompts))]
     for rid, p in zip(ids, prompts):
         engine.add_request(rid, p, plain)
     while any(engine.requests[r].num_output_tokens < 2 for r in ids):
         engine.step()
-    engine.add_request("slow", prompts[0], SamplingParams(
+    engine.add_request("slow", slow_prompt, SamplingParams(
         max_tokens=8, temperature=0.0, structured=StructuredSpec("json_schema", json.dumps(SLOW))))
-    grammar = engine.requests["slow"].grammar
+    slow = engine.requests["slow"]
+    grammar = slow.grammar
     t_add = time.perf_counter()
     during, after, compiled_at = [], [], None
     while engine.has_unfinished():
@@ -74,7 +79,7 @@ def compile_stall(engine: Engine, prompts, max_tokens: int) -> tuple[float, floa
         (during if compiling else after).append(dt)
         if compiled_at is None and grammar.future.done():
             compiled_at = time.perf_counter() - t_add
-    return statistics.median(after), max(during) if during else 0.0, compiled_at or 0.0
+    return statistics.median(after), max(during) if during else 0.0, compiled_at or 0.0, slow.num_cached_tokens
 
 
 def main() -> None:
@@ -85,10 +90,11 @@ def main() -> None:
     engine = Engine(EngineConfig(num_kv_blocks=1024, max_num_seqs=N + 1, max_num_batched_tokens=1024))
     tok = AutoTokenizer.from_pretrained(engine.info.tokenizer_dir)
     prompts = []
-    for i in range(N):
+    for i in range(N + 1):  # the last one for compile_stall's slow request alone
         ids = tok.apply_chat_template([{"role": "user", "content": f"Tell story number {i} as JSON."}],
                                       add_generation_prompt=True)
         prompts.append(list(ids if isinstance(ids, list) else ids["input_ids"]))
+    prompts, slow_prompt = prompts[:N], prompts[N]
     plain = SamplingParams(max_tokens=args.max_tokens, temperature=0.8, ignore_eos=True, seed=1)
     constrained = SamplingParams(max_tokens=args.max_tokens, temperature=0.8, seed=1,
                                  structured=StructuredSpec("json_schema", json.dumps(SCHEMA)))
@@ -98,13 +104,13 @@ def main() -> None:
         p_times += decode_steps(engine, prompts, plain, f"p{r}")
         c_times += decode_steps(engine, prompts, constrained, f"c{r}")
     p_med, c_med = statistics.median(p_times), statistics.median(c_times)
-    median, worst, compile_s = compile_stall(engine, prompts, args.max_tokens)
+    median, worst, compile_s, slow_cached = compile_stall(engine, prompts, slow_prompt, args.max_tokens)
     print(json.dumps({
         "requests": N, "max_tokens": args.max_tokens,
         "plain_step_ms": round(p_med * 1e3, 2), "constrained_step_ms": round(c_med * 1e3, 2),
         "ratio": round(c_med / p_med, 3), "steps_counted": [len(p_times), len(c_times)],
         "compile_s": round(compile_s, 3), "median_step_ms": round(median * 1e3, 2),
-        "slowest_step_while_compiling_ms": round(worst * 1e3, 2),
+        "slowest_step_while_compiling_ms": round(worst * 1e3, 2), "slow_request_cached_tokens": slow_cached,
     }))
 
 
