@@ -202,7 +202,7 @@ class Engine:
             salt += f"\x00lora\x00{adapter.uid}".encode()
         req = Request(request_id, prompt_token_ids, params, seed, salt, app or "", priority, params_n, task, lora_name)
         if params.structured is not None:
-            req.grammar = self.grammars.submit(params.structured)
+            req.grammar = self.grammars.submit(params.structured, request_id)
             self._compiling.append(req)
         self.requests[request_id] = req
         self.scheduler.add(req)

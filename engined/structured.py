@@ -13,6 +13,11 @@ llguidance on its own threads into one numpy array and turned into a boolean
 mask on the device. Every accepted token advances the matcher; a matcher that
 has nothing left to match ends the request with ``stop``.
 
+A grammar is the client's text: llguidance's errors are asked for without the
+grammar and parser state it appends by default, and a log line carries only the
+request id and the error's first line. (A compile error goes back to the client
+whole: it points into the client's own grammar.)
+
 A speculating request needs one mask per row of its verification window, each
 after a different prefix of the draft: ``DraftWalk`` consumes the draft
 tokens one by one, filling a mask before each, and rolls the matcher back, so
@@ -40,6 +45,19 @@ log = logging.getLogger("mlxd.structured")
 # whitespace can spend its whole budget on newlines inside an object.
 _JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 _BITS = np.arange(32, dtype=np.int32)
+
+
+def _limits():
+    """llguidance's default limits, with errors that do not quote the grammar."""
+    from llguidance import LLParserLimits
+
+    return LLParserLimits(verbose_errors=False)
+
+
+def short_error(matcher) -> str:
+    """The first line of a matcher's error, for a log line (what follows may quote the grammar)."""
+    lines = (matcher.get_error() or "").splitlines()
+    return lines[0][:200] if lines else ""
 
 
 def grammar_text(spec: StructuredSpec) -> str:
@@ -74,11 +92,12 @@ def grammar_text(spec: StructuredSpec) -> str:
 class Grammar:
     """One request's matcher: compiling (``future``), then ``matcher``; or failed with ``error``."""
 
-    __slots__ = ("kind", "future", "matcher", "error")
+    __slots__ = ("kind", "future", "matcher", "error", "request_id")
 
-    def __init__(self, kind: str, future: Future):
+    def __init__(self, kind: str, future: Future, request_id: str = ""):
         self.kind = kind
         self.future = future
+        self.request_id = request_id  # for log lines
         self.matcher = None
         self.error: InvalidRequestError | None = None
 
@@ -101,7 +120,7 @@ class Grammar:
             # Only reachable when something outside the mask chose the token
             # (e.g. an EOS the grammar did not expect): end rather than emit
             # output the grammar rejects.
-            log.warning("grammar rejected token %d: %s", token, m.get_error())
+            log.warning("request %s: grammar rejected token %d: %s", self.request_id, token, short_error(m))
             return "stop"
         return "stop" if m.is_stopped() else None
 
@@ -170,7 +189,7 @@ class DraftWalk:
         if self.n and not self.matcher.rollback(self.n):
             # Only if llguidance's mask and matcher disagreed: the matcher is in
             # error, and its request ends at its next token (``Grammar.accept``).
-            log.warning("grammar rollback failed: %s", self.matcher.get_error())
+            log.warning("grammar rollback failed: %s", short_error(self.matcher))
         return self.n
 
 
@@ -195,10 +214,10 @@ class GrammarCompiler:
         self._cache: OrderedDict[str, object] = OrderedDict()
         self._cache_size = cache_size
 
-    def submit(self, spec: StructuredSpec) -> Grammar:
+    def submit(self, spec: StructuredSpec, request_id: str = "") -> Grammar:
         """Start compiling; raises InvalidRequestError at once for a spec malformed on its face."""
         text = grammar_text(spec)
-        return Grammar(spec.kind, self._pool.submit(self._compile, spec.kind, text))
+        return Grammar(spec.kind, self._pool.submit(self._compile, spec.kind, text), request_id)
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
@@ -224,7 +243,7 @@ class GrammarCompiler:
             if template is not None:
                 self._cache.move_to_end(text)
         if template is None:
-            template = LLMatcher(tok, text, log_level=0)
+            template = LLMatcher(tok, text, log_level=0, limits=_limits())
             if template.is_error():
                 raise InvalidRequestError(f"invalid {kind} for structured output: {template.get_error()}",
                                           param="structured")

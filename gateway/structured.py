@@ -2,8 +2,10 @@
 
 ``response_format`` (OpenAI), ``structured_outputs`` (vLLM) and ``tool_choice``
 ``required`` or named (a grammar in the model's own tool-call format) each
-become one ``StructuredSpec``; asking for two at once is a 400. The engine
-compiles the spec and answers a bad schema or grammar with a 400 of its own.
+become one ``StructuredSpec``; asking for two at once is a 400. A JSON schema
+that admits no finite value is a 400 here (``schema_finite``), and ``\\d`` in
+a regex means [0-9] (``regex_digits``). The engine compiles the spec and
+answers a bad schema or grammar with a 400 of its own.
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ from typing import Any
 
 from gateway.parsers import REASONING_PARSERS, TOOL_PARSERS, ToolParser
 from gateway.parsers.template_detect import DEFAULT_TOOL_FORMAT
+from gateway.regex_digits import ascii_digits
+from gateway.schema_finite import check_finite
 from shared.errors import InvalidRequestError
 from shared.protocol import StructuredSpec
 
@@ -92,6 +96,11 @@ def tool_plan(tools: list[dict[str, Any]] | None, tool_choice: str | dict | None
     else:
         raise InvalidRequestError('tool_choice must be "none", "auto", "required" or a named function',
                                   param="tool_choice")
+    picked = {id(t) for t in chosen}
+    for i, tool in enumerate(tools):
+        params = tool["function"].get("parameters")
+        if params is not None and id(tool) in picked:
+            check_finite(params, f"tools[{i}].function.parameters", f"the parameters of {tool['function']['name']!r}")
     parser = TOOL_PARSERS[parser_name or tool_format](tools)
     return ToolPlan(parser, StructuredSpec("grammar", parser.grammar(chosen, parallel, literal)))
 
@@ -111,6 +120,7 @@ def response_format_spec(response_format: dict[str, Any] | None) -> StructuredSp
         if not isinstance(schema, (dict, bool)):
             raise InvalidRequestError("response_format json_schema needs json_schema.schema, a JSON schema object",
                                       param="response_format.json_schema")
+        check_finite(schema, "response_format.json_schema.schema", "response_format's json_schema")
         return StructuredSpec("json_schema", json.dumps(schema))
     raise InvalidRequestError(f"response_format type must be text, json_object or json_schema, not {kind!r}",
                               param="response_format.type")
@@ -131,9 +141,17 @@ def structured_outputs_spec(so: dict[str, Any] | None) -> StructuredSpec | None:
     value = so[key]
     if key == "json":
         if isinstance(value, str):
-            return StructuredSpec("json_schema", value)
+            try:
+                value = json.loads(value)
+            except (ValueError, RecursionError):
+                raise InvalidRequestError("structured_outputs.json is not valid JSON",
+                                          param="structured_outputs.json") from None
         if isinstance(value, (dict, bool)):
+            check_finite(value, "structured_outputs.json", "structured_outputs.json")
             return StructuredSpec("json_schema", json.dumps(value))
+    elif key == "regex":
+        if isinstance(value, str) and value:
+            return StructuredSpec("regex", ascii_digits(value))
     elif key == "json_object":
         return StructuredSpec("json_object")
     elif key == "choice":

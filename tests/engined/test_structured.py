@@ -1,6 +1,7 @@
 """Constrained decoding in the in-process Engine on the real SmolLM2 GGUF (llguidance matchers)."""
 
 import json
+import logging
 import re
 import time
 
@@ -160,3 +161,20 @@ def test_unknown_kind_is_refused_at_once(engine, tokenizer):
     with pytest.raises(InvalidRequestError):
         engine.add_request("bad-kind", chat_ids(tokenizer, "x"), params("xml"))
     assert "bad-kind" not in engine.requests
+
+
+def test_a_grammar_failing_mid_generation_logs_its_request_id_and_never_its_text(engine, tokenizer, caplog):
+    # The gateway refuses this schema (no finite value); sent to the engine as is, llguidance
+    # accepts it and fails on the first token. The log must say which request, not what grammar.
+    schema = json.dumps({"type": "object", "properties": {"secret_field": {"$ref": "#"}},
+                         "required": ["secret_field"]})
+    caplog.set_level(logging.WARNING, logger="mlxd")
+    engine.add_request("endless-schema", chat_ids(tokenizer, "x"), params("json_schema", schema, max_tokens=20))
+    finish = None
+    while finish is None:
+        for out in engine.step():
+            if out.request_id == "endless-schema":
+                finish = out.finish_reason
+    lines = [r.getMessage() for r in caplog.records]
+    assert any("endless-schema" in line for line in lines), lines
+    assert not any("secret_field" in line or "$ref" in line for line in lines), lines

@@ -6,6 +6,7 @@ import pytest
 
 from gateway.chat_run import ChatOutput, finish_reason
 from gateway.parsers import TOOL_PARSERS
+from gateway.schema_finite import has_finite_value
 from gateway.structured import (marker_literal, one_spec, response_format_spec, structured_outputs_spec,
                                 tool_plan)
 from shared.errors import InvalidRequestError
@@ -103,3 +104,72 @@ def test_history_tool_call_arguments_reach_templates_as_objects():
     with pytest.raises(InvalidRequestError) as err:
         message_dicts([ChatMessage(role="assistant", tool_calls=[bad])])
     assert err.value.param == "messages[0].tool_calls[0].function.arguments"
+
+
+SELF = {"$ref": "#"}
+ENDLESS = [
+    {"type": "object", "properties": {"a": SELF}, "required": ["a"]},
+    {"type": "array", "items": SELF, "minItems": 1},
+    {"anyOf": [{"type": "object", "properties": {"a": SELF}, "required": ["a"]},
+               {"type": "array", "prefixItems": [SELF], "minItems": 1}]},
+    {"$defs": {"A": {"type": "object", "properties": {"b": {"$ref": "#/$defs/B"}}, "required": ["b"]},
+               "B": {"type": "object", "properties": {"a": {"$ref": "#/$defs/A"}}, "required": ["a"]}},
+     "$ref": "#/$defs/A"},
+    {"type": "object", "properties": {"a": {"allOf": [SELF, {"type": "object"}]}}, "required": ["a"]},
+]
+FINITE = [
+    {"type": "object", "properties": {"a": SELF}},  # the recursion may stop: "a" is optional
+    {"type": "array", "items": SELF},
+    {"anyOf": [{"type": "object", "properties": {"a": SELF}, "required": ["a"]}, {"type": "null"}]},
+    {"$defs": {"T": {"type": "object", "properties": {"kids": {"type": "array", "items": {"$ref": "#/$defs/T"}}},
+                     "required": ["kids"]}}, "$ref": "#/$defs/T"},
+    {"properties": {"a": SELF}, "required": ["a"]},  # no type: a number is a value of it
+    {"type": "object", "properties": {"a": {"$ref": "#/$defs/missing"}}, "required": ["a"]},
+]
+
+
+@pytest.mark.parametrize("schema", ENDLESS, ids=range(len(ENDLESS)))
+def test_schemas_that_require_themselves_are_refused_with_the_reason(schema):
+    with pytest.raises(InvalidRequestError, match="no finite JSON value") as err:
+        response_format_spec({"type": "json_schema", "json_schema": {"name": "x", "schema": schema}})
+    assert err.value.param == "response_format.json_schema.schema"
+    for value in (schema, json.dumps(schema)):
+        with pytest.raises(InvalidRequestError, match="no finite JSON value"):
+            structured_outputs_spec({"json": value})
+    tools = [TOOLS[1], {"type": "function", "function": {"name": "loop", "parameters": schema}}]
+    with pytest.raises(InvalidRequestError, match="'loop' admits no finite") as err:
+        plan("required", tools=tools)
+    assert err.value.param == "tools[1].function.parameters"
+    # Only a grammar is held to a tool's parameters: auto tool choice and another named tool are not refused.
+    assert plan({"type": "function", "function": {"name": "noop"}}, tools=tools).spec is not None
+    assert plan(None, "hermes", auto=True, tools=tools).spec is None
+
+
+@pytest.mark.parametrize("schema", FINITE, ids=range(len(FINITE)))
+def test_recursive_schemas_with_a_way_out_are_accepted(schema):
+    assert response_format_spec({"type": "json_schema", "json_schema": {"name": "x", "schema": schema}})
+    assert structured_outputs_spec({"json": schema})
+
+
+def test_a_deep_schema_is_checked_without_recursion():
+    deep = inner = {}
+    for _ in range(100_000):
+        inner["anyOf"] = [{"type": "object", "properties": {"a": SELF}, "required": ["a"]}, {}]
+        inner = inner["anyOf"][1]
+    assert has_finite_value(deep)
+    inner["type"] = "object"
+    inner["properties"], inner["required"] = {"a": SELF}, ["a"]
+    assert not has_finite_value(deep)
+
+
+@pytest.mark.parametrize("given,sent", [
+    (r"\d{3}-\d{4}", "[0-9]{3}-[0-9]{4}"),
+    (r"\D+", "[^0-9]+"),
+    (r"[\dA-F]+", "[0-9A-F]+"),
+    (r"[^\D]", "[^[^0-9]]"),
+    (r"[]\d]", "[]0-9]"),
+    (r"\\d\\\d", r"\\d\\[0-9]"),  # an escaped backslash, then a d; then one before \d
+    (r"\p{Nd}\w\.", r"\p{Nd}\w\."),  # other escapes are the client's own
+])
+def test_regex_digits_mean_ascii_digits(given, sent):
+    assert structured_outputs_spec({"regex": given}) == StructuredSpec("regex", sent)
