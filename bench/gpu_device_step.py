@@ -1,13 +1,13 @@
 """The device's own time for one decode step on a GPU, with the host taken off the critical path.
 
 A step's wall time is the host's (building and encoding its graph) or the
-device's, whichever is longer; ``bench.gpu_step_ab`` measures the host's. This
-probe measures the device's: before each step's launch it queues a kernel that
-spins on the GPU's clock (``%globaltimer``) for ``--spin-ms`` and records when
-it let go; the step is built and encoded while the device spins, so its
-kernels wait queued behind it; a second kernel after the step records the
-clock again. The difference is the time the device took for the step from a
-full queue: kernels, their gaps and the graph launch, no host in it.
+device's, whichever is longer. This probe measures the device's: before each
+step's launch it queues a kernel that spins on the GPU's clock
+(``%globaltimer``) for ``--spin-ms`` and records when it let go; the step is
+built and encoded while the device spins, so its kernels wait queued behind
+it; a second kernel after the step records the clock again. The difference is
+the time the device took for the step from a full queue: kernels, their gaps
+and the graph launch, no host in it.
 
 For the whole step to be queued behind the spin, MLX must not wait on the
 device while encoding it (it does after ten committed graphs in flight), so

@@ -1,15 +1,16 @@
 """Where a decode step's time goes on a GPU: the device's and the host's events of each step on one clock.
 
 ``bench.gpu_device_step`` measures the device's time for a step from a full
-queue, ``bench.gpu_step_ab`` the host threads' times; neither says where in a
-step the device waits. This probe runs the engine as it serves (asynchronous,
-the encode thread, MLX's own CUDA graph limits) and puts a clock kernel on
-the device's queue before each step (``before``) and one after its sampling
-(``after``, reading the sampled tokens); the host records, on its own clock,
-when the engine's thread handed the step over (``LaunchedStep.start``), when MLX's ``mx.async_eval`` of the step began and
-returned (on the encode thread), and when the engine's thread began and
-ended waiting for the step's tokens. The GPU clock (``%globaltimer``) is
-mapped onto the host's by the stamp with the shortest round trip.
+queue; it does not say where in a served step the device waits. This probe
+runs the engine as it serves (asynchronous, the encode thread, MLX's own CUDA
+graph limits) and puts a clock kernel on the device's queue before each step
+(``before``) and one after its sampling (``after``, reading the sampled
+tokens); the host records, on its own clock, when the engine's thread handed
+the step over (``LaunchedStep.start``), when MLX's ``mx.async_eval`` of the
+step began and returned (on the encode thread), and when the engine's thread
+began and ended waiting for the step's tokens. The GPU clock
+(``%globaltimer``) is mapped onto the host's by the stamp with the shortest
+round trip.
 
 Per step, median over ``--steps``: the device's span (before to after), its
 idle gap to the next step, and each host event against the device's; the

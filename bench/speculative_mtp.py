@@ -52,8 +52,7 @@ def _hybrid(hidden: int, layers: int, mlp: int, heads: int, kv_heads: int, head_
 SHAPES = {
     # A smoke-test shape: the script end to end in seconds on a CPU.
     "qwen3_5-tiny": _hybrid(128, 4, 256, 4, 2, 32, 1024, (4, 2)),
-    # Narrow and deep: a forward's cost is its dispatch and synchronisation, as on a GPU
-    # (bench.speculative_propose).
+    # Narrow and deep: a forward's cost is its dispatch and synchronisation, as on a GPU.
     "qwen3_5-deep": _hybrid(64, 32, 128, 4, 2, 16, 1024, (4, 2)),
     # A CPU-sized shape (~75 M parameters, Qwen-like vocabulary of 32K).
     "qwen3_5-small": _hybrid(512, 8, 1536, 8, 2, 64, 32000, (8, 4)),

@@ -1,6 +1,6 @@
 """Compile the CUDA kernels with a local nvcc, as MLX would wrap them: paged attention (every
 dialect configuration), the gated delta rule (``engined.kernels.gated_delta``), the LoRA term
-(``engined.kernels.lora_term``), the joined projection's q/k/v (``engined.kernels.qk_rope``) and the few-row GEMM of ``bench/kernels/skinny_gemm.py``.
+(``engined.kernels.lora_term``) and the joined projection's q/k/v (``engined.kernels.qk_rope``).
 
 No GPU needed: it catches syntax and type errors before device time is spent.
 Usage: python bench/kernels/nvcc_check.py [--arch sm_90]
@@ -82,13 +82,6 @@ def other_kernels(arch: str) -> bool:
                         [("qkv", dt), ("pos", "int32"), ("pos_shape", None)]
                         + [("qw", dt), ("kw", dt)] * (eps is not None), [("q", dt), ("k", dt), ("v", dt)], [])
             ok &= compile_one(f"qk rope D={d} norm={eps is not None} {dt}", text, arch)
-    sys.path.insert(0, os.path.dirname(__file__))
-    import skinny_gemm  # noqa: E402 (bench/kernels/skinny_gemm.py, a script beside this one)
-
-    for m, npw in ((2, 8), (16, 4), (16, 8)):
-        text = wrap("skinny_gemm", "", skinny_gemm.SOURCE, [("x", "bfloat16"), ("w", "bfloat16")], [("out", "bfloat16")],
-                    [("T", "bfloat16"), ("M", m), ("K", 4096), ("N", 6144), ("NPW", npw)])
-        ok &= compile_one(f"skinny gemm M={m} NPW={npw}", text, arch)
     for dt in ("bfloat16", "float32"):
         for mask in (False, True):
             for vec in (False, True):

@@ -5,7 +5,6 @@ import numpy as np
 import pytest
 from transformers import AutoTokenizer
 
-from bench.device_waits import DeviceWaits
 from engined.engine import Engine
 from engined.loaders import load_model
 from engined.request import Request
@@ -13,6 +12,7 @@ from engined.sampler import Sampler
 from engined.speculative import Verifier, ngram_propose
 from shared.config import EngineConfig
 from shared.protocol import SamplingParams
+from tests.engined.device_waits import DeviceWaits
 from tests.tiny_models import make_tiny_model, seeded_rng
 
 NGRAM = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}'

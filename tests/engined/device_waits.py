@@ -1,4 +1,4 @@
-"""Counting the host's waits for the device, for the benchmarks and tests that measure them."""
+"""Counting the host's waits for the device, for the tests that hold how often a step waits."""
 
 from __future__ import annotations
 
