@@ -55,7 +55,7 @@ def error_body(exc: BaseException) -> tuple[int, dict]:
 # Anthropic's error types by HTTP status; its SDK picks exception classes by status.
 _ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                     404: "not_found_error", 405: "invalid_request_error", 408: "invalid_request_error",
-                    413: "request_too_large", 415: "invalid_request_error",
+                    413: "request_too_large", 415: "invalid_request_error", 431: "invalid_request_error",
                     429: "rate_limit_error", 503: "overloaded_error"}
 
 ANTHROPIC_PREFIX = "/v1/messages"

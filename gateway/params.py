@@ -544,6 +544,10 @@ def message_dicts(messages) -> list[dict]:
     """ChatMessage structs as the plain dicts chat templates expect; text parts joined."""
     out = []
     for i, m in enumerate(messages):
+        if m.role == "tool" and m.tool_call_id is None:
+            # OpenAI refuses it too: a result that names no call cannot be paired with one in the prompt.
+            raise InvalidRequestError("a tool message needs the tool_call_id of the call it answers",
+                                      param=f"messages[{i}].tool_call_id")
         # Chat templates know no developer role (OpenAI's newer name for system).
         d: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role}
         content = m.content

@@ -23,13 +23,21 @@ app builds its own registry (several gateways may live in one test process).
 The guards refuse what a slow, hostile or foreign HTTP client sends before a
 route reads a field.
 
-Request heads (``HeadDeadlineProtocol``, uvicorn's HTTP/1.1 protocol with a
-deadline): uvicorn times out a keep-alive connection only while it is silent,
-and a new connection never: a client that sends half a request line, or one
-header a minute, holds its connection (and a file descriptor) for ever. Here
-every connection that is waiting for a request head (a new one, or a
-kept-alive one after its last response) must complete the head within
-``request_timeout`` seconds, or it is closed.
+Request heads (``HeadGuardProtocol``, uvicorn's HTTP/1.1 protocol with a
+deadline and a size): uvicorn times out a keep-alive connection only while it
+is silent, and a new connection never: a client that sends half a request
+line, or one header a minute, holds its connection (and a file descriptor) for
+ever. Here every connection that is waiting for a request head (a new one, or
+a kept-alive one after its last response) must complete the head within
+``request_timeout`` seconds, or it is closed. A head over ``MAX_HEAD_BYTES``
+is a 431, and a head h11 cannot parse a 400, each in the error shape of the
+route it names (uvicorn answers both with a text/plain 400, and closes with
+the rest of a long head unread, which resets the connection before the client
+reads the answer).
+
+Paths (``TrailingSlash``): ``/v1/chat/completions/`` is served as
+``/v1/chat/completions``, where Starlette would redirect it (307), which
+clients posting a body do not all follow.
 
 Web pages (``BrowserGuard``, ASGI middleware): a page on any site can make a
 browser post to http://127.0.0.1:8000 (a "simple" text/plain POST needs no
@@ -41,8 +49,9 @@ answers. So:
   name, which is none of these);
 - a request carrying an Origin header (browsers send one on cross-origin and
   on all POST requests) is refused unless ``--allowed-origins`` lists it;
-- a POST must declare a JSON body, which a page can only send after a CORS
-  preflight that the rule above refuses.
+- a POST to a route must declare a JSON body, which a page can only send after
+  a CORS preflight that the rule above refuses (a path no route serves is a
+  404 whatever its body).
 
 Refusals are 403/415 in the shape of the route's API.
 """
@@ -56,6 +65,7 @@ import logging
 import signal
 import sys
 import time
+from http import HTTPStatus
 
 import h11
 import msgspec
@@ -72,7 +82,8 @@ from gateway.errors import ANTHROPIC_PREFIX, error_response, handle_exception
 from gateway.parsers import check_names
 from gateway.routes import ROUTES
 from gateway.state import GatewayState
-from shared.errors import ForbiddenError, InvalidRequestError, MlxdError, UnsupportedMediaTypeError
+from shared.errors import (ForbiddenError, InvalidRequestError, MlxdError, RequestHeaderTooLargeError,
+                           UnsupportedMediaTypeError)
 from shared.serve_config import GatewayConfig
 
 log = logging.getLogger("mlxd.gateway")
@@ -100,9 +111,9 @@ def build_app(config: GatewayConfig) -> Starlette:
 
     # Metrics see every request, a refused one too; then the guard: a refused browser request
     # never reaches CORS or a route.
-    middleware = [Middleware(HTTPMetrics, metrics=metrics, routes=ROUTES),
-                  Middleware(BrowserGuard, bind_host=config.host, allowed_hosts=config.allowed_hosts,
-                               allowed_origins=config.allowed_origins)]
+    middleware = [Middleware(TrailingSlash), Middleware(HTTPMetrics, metrics=metrics, routes=ROUTES),
+                  Middleware(BrowserGuard, routes=ROUTES, bind_host=config.host,
+                             allowed_hosts=config.allowed_hosts, allowed_origins=config.allowed_origins)]
     if config.allowed_origins:
         middleware.append(Middleware(CORSMiddleware, allow_origins=config.allowed_origins,
                                      allow_methods=["*"], allow_headers=["*"]))
@@ -193,8 +204,78 @@ class HTTPMetrics:
 
 # Request heads.
 
-class HeadDeadlineProtocol(H11Protocol):
+# uvicorn's limit (h11's 16 KiB) refuses the long tokens and cookies that proxies and single
+# sign-on put in headers; 64 KiB holds them.
+MAX_HEAD_BYTES = 64 << 10
+# Seconds a refused connection is still read (and what comes dropped) after its answer: a socket
+# closed with unread bytes is reset, and the client may lose the answer before reading it.
+_LINGER_S = 2.0
+
+
+def head_bytes(request: h11.Request) -> int:
+    """The size of a request's head as it came on the wire, give or take its whitespace."""
+    line = len(request.method) + len(request.target) + len(b"  HTTP/1.1\r\n")
+    return line + sum(len(name) + len(value) + 4 for name, value in request.headers) + 2
+
+
+class HeadConnection(h11.Connection):
+    """h11's server side that refuses a whole head over ``max_head_bytes`` as it refuses a head still
+    incomplete past it (with status hint 431), and keeps what it refused: the error, and the
+    request target, which names the route whose error shape the answer takes."""
+
+    def __init__(self, max_head_bytes: int):
+        super().__init__(h11.SERVER, max_incomplete_event_size=max_head_bytes)
+        self.max_head_bytes = max_head_bytes
+        self.error: h11.RemoteProtocolError | None = None
+        self.target = b""
+
+    def next_event(self):
+        try:
+            event = super().next_event()
+        except h11.RemoteProtocolError as e:
+            # An incomplete head is still in the buffer: its request line, as far as it came.
+            line = self.trailing_data[0].partition(b"\r\n")[0].split(b" ")
+            self.error, self.target = e, line[1] if len(line) > 1 else b""
+            raise
+        if isinstance(event, h11.Request) and head_bytes(event) > self.max_head_bytes:
+            self.error = h11.RemoteProtocolError("request head too large", error_status_hint=431)
+            self.target = event.target
+            raise self.error
+        return event
+
+
+class HeadGuardProtocol(H11Protocol):
     request_timeout = 30.0
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.conn = HeadConnection(MAX_HEAD_BYTES)
+        self._refused = False
+
+    def data_received(self, data: bytes) -> None:
+        if not self._refused:  # a refused connection is read only to be closed cleanly
+            super().data_received(data)
+
+    def send_400_response(self, msg: str) -> None:
+        """uvicorn's answer to a head h11 refused: here the route's JSON error, with h11's status."""
+        error = self.conn.error
+        if error is not None and error.error_status_hint == 431:
+            exc = RequestHeaderTooLargeError(f"the request head (request line and headers) is over "
+                                             f"{MAX_HEAD_BYTES >> 10} KiB")
+        else:
+            exc = InvalidRequestError(f"invalid HTTP request: {error or msg}")
+        response = error_response(exc, anthropic=self.conn.target.startswith(ANTHROPIC_PREFIX.encode()))
+        status = response.status_code
+        head = h11.Response(status_code=status, reason=HTTPStatus(status).phrase.encode(),
+                            headers=[*response.raw_headers, (b"connection", b"close")])
+        for event in (head, h11.Data(data=response.body), h11.EndOfMessage()):
+            self.transport.write(self.conn.send(event))
+        # Say the answer is whole, then drop what the client still sends until it closes.
+        self._refused = True
+        self._cancel_head_deadline()
+        if self.transport.can_write_eof():
+            self.transport.write_eof()
+        self.loop.call_later(_LINGER_S, self.transport.close)
 
     def connection_made(self, transport: asyncio.Transport) -> None:
         super().connection_made(transport)
@@ -225,9 +306,24 @@ class HeadDeadlineProtocol(H11Protocol):
             self.transport.close()
 
 
-def protocol_with_deadline(request_timeout: float) -> type[HeadDeadlineProtocol]:
+def protocol_with_deadline(request_timeout: float) -> type[HeadGuardProtocol]:
     """The protocol class for uvicorn's ``http=``, with this deadline."""
-    return type("HeadDeadlineProtocol", (HeadDeadlineProtocol,), {"request_timeout": request_timeout})
+    return type("HeadGuardProtocol", (HeadGuardProtocol,), {"request_timeout": request_timeout})
+
+
+# Paths.
+
+class TrailingSlash:
+    """ASGI middleware: a path's trailing slashes are dropped before anything routes it."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:
+        path = scope.get("path", "")
+        if scope["type"] == "http" and len(path) > 1 and path.endswith("/"):
+            scope = {**scope, "path": path.rstrip("/") or "/"}
+        await self.app(scope, receive, send)
 
 
 # Web pages.
@@ -261,14 +357,16 @@ def is_json(content_type: str) -> bool:
 class BrowserGuard:
     """ASGI middleware; ``bind_host`` is the gateway's --host."""
 
-    def __init__(self, app, bind_host: str, allowed_hosts: list[str], allowed_origins: list[str]):
+    def __init__(self, app, routes, bind_host: str, allowed_hosts: list[str], allowed_origins: list[str]):
         self.app = app
+        self.routes = routes
         self.any_host = "*" in allowed_hosts
         self.hosts = {host_name(h) for h in (bind_host, *allowed_hosts, *LOOPBACK_NAMES)}
         self.any_origin = "*" in allowed_origins
         self.origins = {o.rstrip("/").lower() for o in allowed_origins}
 
-    def check(self, method: str, headers: dict[bytes, bytes]) -> MlxdError | None:
+    def check(self, method: str, headers: dict[bytes, bytes], routed: bool) -> MlxdError | None:
+        """The refusal of a request, if any; ``routed``: a route serves its path and method."""
         host = headers.get(b"host")
         if host is not None and not self.any_host:
             name = host_name(host.decode("latin-1"))
@@ -281,7 +379,7 @@ class BrowserGuard:
             if value not in self.origins:
                 return ForbiddenError(f"requests from the web origin {value!r} are refused "
                                       "(start the server with --allowed-origins to allow one)")
-        if method == "POST" and not is_json(headers.get(b"content-type", b"").decode("latin-1")):
+        if method == "POST" and routed and not is_json(headers.get(b"content-type", b"").decode("latin-1")):
             return UnsupportedMediaTypeError("the request body must be JSON, sent as Content-Type: application/json",
                                              param="content-type")
         return None
@@ -289,7 +387,8 @@ class BrowserGuard:
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] == "http":
             headers = dict(scope["headers"])
-            err = self.check(scope["method"], headers)
+            routed = any(route.matches(scope)[0] is Match.FULL for route in self.routes)
+            err = self.check(scope["method"], headers, routed)
             if err is not None:
                 response = error_response(err, anthropic=scope["path"].startswith(ANTHROPIC_PREFIX))
                 await response(scope, receive, send)
@@ -321,14 +420,20 @@ def run_gateway(config: GatewayConfig, supervisor=None) -> int:
                                            timeout_graceful_shutdown=config.shutdown_timeout + _FLUSH_GRACE_S,
                                            http=protocol_with_deadline(config.request_timeout)))
     client = app.state.gw.client
-    print(f"mlxd gateway on http://{config.host}:{config.port}/v1 "
-          f"(engine {client.endpoint})", file=sys.stderr, flush=True)
+    url = f"http://{config.host}:{config.port}/v1"
+    # Nothing is served before the engine is (the model routes answer 503): the line that says a
+    # URL serves waits for the engine's READY.
+    print(f"mlxd gateway: starting on {url}, waiting for the engine at {client.endpoint}", file=sys.stderr,
+          flush=True)
 
     async def main() -> int:
         task = asyncio.create_task(server.serve())
-        rc, deadline, ended = 0, None, False
+        rc, deadline, ended, announced = 0, None, False, False
         while not task.done():
             await asyncio.sleep(_TICK_S)
+            if client.ready and not announced:
+                announced = True
+                print(f"mlxd gateway: serving {client.info.served_model_name} on {url}", file=sys.stderr, flush=True)
             if supervisor is not None and not server.should_exit:
                 code = supervisor.poll()
                 if code is not None:

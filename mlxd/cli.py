@@ -12,6 +12,7 @@ import argparse
 import faulthandler
 import importlib
 import logging
+import os
 import signal
 import sys
 
@@ -147,6 +148,9 @@ def main(argv: list[str] | None = None) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if getattr(args, "model_pos", None):
         args.model = args.model_pos
+    # transformers' advice on import (that PyTorch was not found: mlxd never needs it) speaks of
+    # training; its own switch silences its advice alone, in this process and those it starts.
+    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
     module, _, function = COMMANDS[args.command].partition(":")
     try:
         for line in vllm_compat.check(args):

@@ -50,7 +50,10 @@ class EngineSupervisor:
     def start(self) -> None:
         r, w = os.pipe()
         try:
-            self.process = subprocess.Popen([*self.argv, "--ready-fd", str(w)], pass_fds=(w,))
+            # A session of its own: a terminal's Ctrl-C reaches serve alone, which stops the gateway
+            # (its requests drained) and then the engine; one stopped under its gateway reads as lost.
+            self.process = subprocess.Popen([*self.argv, "--ready-fd", str(w)], pass_fds=(w,),
+                                            start_new_session=True)
         finally:
             os.close(w)
         os.set_blocking(r, False)
@@ -136,6 +139,15 @@ def hold_endpoint(endpoint: str):
     return f
 
 
+def check_model_path(model: str) -> None:
+    """InvalidRequestError, in one line, for a model named by a path that does not exist (the
+    loader's reading: one that starts like a path or names a .gguf file; anything else may be a
+    Hugging Face repo id), found before an engine starts and fails after its imports."""
+    if model.startswith((".", "/", "~")) or model.lower().endswith(".gguf"):
+        if not os.path.exists(os.path.expanduser(model)):
+            raise InvalidRequestError(f"{model}: no such file or directory", param="model")
+
+
 def main(args) -> int:
     from shared.paths import check_ipc_endpoint, default_engine_endpoint, refuse_live_ipc
 
@@ -148,8 +160,9 @@ def main(args) -> int:
     gateway_cfg.curve_keys = daemon_cfg.curve_keys
     gateway_cfg.shutdown_timeout = daemon_cfg.shutdown_timeout
 
-    # Before anything loads: another serve (or engine) on this endpoint, or on either port, is one
-    # line, not a traceback after the load.
+    # Before anything loads: a missing model file, another serve (or engine) on this endpoint, or on
+    # either port, is one line, not a traceback after the load.
+    check_model_path(engine_cfg.model)
     check_free(gateway_cfg.host, gateway_cfg.port, "--port")
     check_free(daemon_cfg.metrics_host, daemon_cfg.metrics_port, "--metrics-port")
     check_ipc_endpoint(daemon_cfg.engine_endpoint)

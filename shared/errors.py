@@ -48,6 +48,13 @@ class RequestTooLargeError(InvalidRequestError):
     code = "request_too_large"
 
 
+class RequestHeaderTooLargeError(InvalidRequestError):
+    """A request head (request line and headers) over the gateway's limit."""
+
+    status = 431
+    code = "request_header_too_large"
+
+
 class RequestTimeoutError(InvalidRequestError):
     """The client stopped sending its request part-way."""
 

@@ -58,6 +58,9 @@ def test_serve_runs_engine_and_gateway_and_ctrl_c_stops_both(tmp_path):
             time.sleep(1)
             raise AssertionError((tmp_path / "serve.log").read_text()[-6000:]) from None
         assert serve.returncode == 0
+        # A deliberate stop is no loss of the engine; the line that says the URL serves came once it was up.
+        said = (tmp_path / "serve.log").read_text()
+        assert "engine lost" not in said and "mlxd gateway: serving SmolLM2" in said, said[-4000:]
         time.sleep(0.5)
         assert not os.path.exists(f"/proc/{engine_pids[0]}") or \
             open(f"/proc/{engine_pids[0]}/stat").read().split()[2] == "Z"
@@ -207,11 +210,13 @@ def test_sigterm_during_the_model_load_stops_serve_and_its_engine_at_once(tmp_pa
 
 
 def test_a_failed_first_load_ends_serve_with_one_line(tmp_path):
-    serve = Serve(tmp_path, model=str(tmp_path / "missing.gguf")).start()
+    (tmp_path / "broken.gguf").write_bytes(b"GGUF" + bytes(range(64)))
+    serve = Serve(tmp_path, model=str(tmp_path / "broken.gguf")).start()
     try:
         assert serve.wait(120) != 0
         log = serve.log()
         assert "before it served" in log and "restarting" not in log
+        assert "gateway on" not in log and "serving" not in log, log  # nothing was ever served
     finally:
         serve.stop()
 
