@@ -183,6 +183,11 @@ class ChatOutput:
     def called_tools(self) -> bool:
         return self._tstream is not None and self._tstream.num_calls > 0
 
+    @property
+    def calls_ended(self) -> bool:
+        """The tool-call list ended at a repeated call: the rest of the generation is not wanted."""
+        return self._tstream is not None and self._tstream.ended
+
     def whole(self, text: str) -> tuple[str | None, str | None, list[dict]]:
         """Non-streaming: (reasoning or None, content or None, tool_calls)."""
         reasoning = None
@@ -301,15 +306,22 @@ class ChatRun:
                 out = self.outputs[d.index]
                 final = d.finish_reason is not None
                 reasoning, content, calls = out.feed(d.text, final=final)
+                engine_reason = d.finish_reason
+                if not final and out.calls_ended:
+                    self.gen.end_choice(d.index)
+                    final, engine_reason = True, "stop"
                 if reasoning or content or calls or final or d.logprobs:
-                    reason = finish_reason(d.finish_reason, out.called_tools) if final else None
+                    reason = finish_reason(engine_reason, out.called_tools) if final else None
                     yield Piece(reasoning, content, calls, final, d.index, d.logprobs, reason)
         finally:
             self.gen.abort_unfinished()
 
     async def collect(self, request: Request) -> bool:
-        """Run to the end; False when the client hung up (the generation is aborted)."""
-        return await self.gen.collect(request.receive, self._raw())
+        """Run to the end; False when the client hung up (the generation is aborted).
+
+        The text is read as it comes, as when streaming, so that a choice ends where a
+        streamed one would (a tool-call list that repeats a call)."""
+        return await self.gen.collect(request.receive, self.pieces())
 
     def whole(self, index: int = 0) -> tuple[str | None, str | None, list[dict]]:
         """A finished choice as (reasoning, content, OpenAI tool_calls), parsed from its whole text."""

@@ -140,6 +140,14 @@ class Generation:
         if ids:
             self.client.abort(ids)
 
+    def end_choice(self, index: int) -> None:
+        """End a choice before the engine did, its answer complete (a tool-call list that repeated a
+        call): its engine request is aborted and it finishes with ``stop``, as at a stop string."""
+        c = self.choices[index]
+        if c.finish_reason is None:
+            c.finish_reason = "stop"
+            self.client.abort([c.request_id])
+
     @property
     def done(self) -> bool:
         return all(c.finish_reason is not None for c in self.choices)

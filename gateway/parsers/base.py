@@ -17,7 +17,7 @@ import secrets
 from dataclasses import dataclass, field
 from typing import Callable, ClassVar
 
-from gateway.parsers.scanning import Markers, Reader, drop
+from gateway.parsers.scanning import JsonEnd, Markers, Reader, drop
 
 # The JSON layout the grammars ask for: compact, one space after separators.
 JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
@@ -196,26 +196,79 @@ def closed_objects(schema):
 
 
 class ToolStream:
-    """Streams one generation's tool calls and content as OpenAI deltas."""
+    """Streams one generation's tool calls and content as OpenAI deltas.
+
+    A call list never holds the same call twice: a call equal to an earlier
+    one (its name and the JSON value of its arguments) ends the list, and the
+    text after it is not read (``ended``). A small model that may stop after
+    any call often writes its last call again, and again, until max_tokens;
+    a repeat adds nothing a client could act on. So that a repeat is never
+    sent, every call after the first is held back until its arguments are
+    complete (or the next call or the end of the text comes).
+    """
 
     def __init__(self, parser: ToolParser):
         self.parser = parser.fresh()
         self.ids: list[str] = []
         self.finished = False
+        self.ended = False  # the list ended at a repeated call
+        self._seen: set[tuple[str, str]] = set()  # the calls read, as (name, canonical arguments)
+        self._name: str | None = None  # the call being read
+        self._args: list[str] = []
+        self._held: JsonEnd | None = None  # set while that call is held back: where its arguments end
 
     def feed(self, delta: str, final: bool = False) -> tuple[str, list[dict]]:
         """Add generated text; returns (content delta, tool-call deltas in OpenAI's shape)."""
+        if self.ended:
+            return "", []
         got = self.parser.feed(delta, final)
-        deltas = []
+        deltas: list[dict] = []
         for c in got.calls:
             if c.name is not None:
-                # OpenAI's shape: the call's first delta names it, arguments follow in their own.
-                self.ids.append(new_call_id())
-                deltas.append({"index": c.index, "id": self.ids[c.index], "type": "function",
-                               "function": {"name": c.name, "arguments": ""}})
+                if not self._settle(deltas):
+                    return got.content, deltas
+                self._name, self._args = c.name, []
+                if self.ids:  # not the first call: held until it is known not to repeat one
+                    self._held = JsonEnd(self.parser.meter)
+                else:
+                    self._send_name(deltas)
             if c.arguments:
-                deltas.append({"index": c.index, "function": {"arguments": c.arguments}})
+                self._args.append(c.arguments)
+                if self._held is None:
+                    deltas.append({"index": len(self.ids) - 1, "function": {"arguments": c.arguments}})
+                elif self._held.feed(c.arguments) is not None and not self._settle(deltas):
+                    return got.content, deltas
+        if final:
+            self._settle(deltas)
         return got.content, deltas
+
+    def _settle(self, deltas: list[dict]) -> bool:
+        """The call being read is complete: note it, and send it if it was held. False: it was a repeat."""
+        if self._name is None:
+            return True
+        text = "".join(self._args)
+        try:
+            key = json.dumps(json.loads(text), sort_keys=True)
+        except (ValueError, RecursionError):
+            key = text.strip()
+        call = (self._name, key)
+        if call in self._seen:
+            self.ended = True
+            return False
+        self._seen.add(call)
+        if self._held is not None:
+            self._send_name(deltas)
+            if text:
+                deltas.append({"index": len(self.ids) - 1, "function": {"arguments": text}})
+            self._held = None
+        self._name = None
+        return True
+
+    def _send_name(self, deltas: list[dict]) -> None:
+        # OpenAI's shape: the call's first delta names it, arguments follow in their own.
+        self.ids.append(new_call_id())
+        deltas.append({"index": len(self.ids) - 1, "id": self.ids[-1], "type": "function",
+                       "function": {"name": self._name, "arguments": ""}})
 
     def finish(self) -> tuple[str, list[dict]]:
         """The end of generation: whatever was held back is decided now."""
@@ -232,11 +285,12 @@ def new_call_id() -> str:
 
 
 def parse_complete(parser: ToolParser, text: str) -> tuple[str, list[dict]]:
-    """Non-streaming: (content, tool_calls in OpenAI's message shape)."""
-    got = parser.fresh().feed(text, final=True)
+    """Non-streaming: (content, tool_calls in OpenAI's message shape), what ``ToolStream`` streams."""
+    content, deltas = ToolStream(parser).feed(text, final=True)
     calls: list[dict] = []
-    for c in got.calls:
-        if c.name is not None:
-            calls.append({"id": new_call_id(), "type": "function", "function": {"name": c.name, "arguments": ""}})
-        calls[c.index]["function"]["arguments"] += c.arguments
-    return got.content, calls
+    for d in deltas:
+        if "id" in d:
+            calls.append({"id": d["id"], "type": "function", "function": {"name": d["function"]["name"],
+                                                                          "arguments": ""}})
+        calls[d["index"]]["function"]["arguments"] += d["function"]["arguments"]
+    return content, calls

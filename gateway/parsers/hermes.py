@@ -39,8 +39,12 @@ class HermesToolParser(ToolParser):
                     return
 
     def grammar(self, tools, parallel, literal) -> str:
+        # The list may end after any call, and the last call's closing marker may be left out: a
+        # model that has not learned the format ends its call with its JSON (and, given a closing
+        # marker, goes on to a newline and so to another call); the parser reads either end.
         body = json_term({"anyOf": [function_schema(t) for t in tools]})
-        more = ' ("\\n" call)*' if parallel else ""
-        return (f"start: call{more}\n"
+        more = '(call "\\n")* ' if parallel else ""
+        return (f"start: {more}last\n"
                 f'call: {literal(OPEN)} "\\n" body "\\n" {literal(CLOSE)}\n'
+                f'last: {literal(OPEN)} "\\n" body ("\\n" {literal(CLOSE)})?\n'
                 f"body: {body}\n")

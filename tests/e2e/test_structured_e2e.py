@@ -11,6 +11,7 @@ import json
 import re
 from concurrent.futures import ThreadPoolExecutor
 
+import httpx
 import jsonschema
 import openai
 import pytest
@@ -162,7 +163,7 @@ def test_tool_choice_required_and_named_always_parse(client, model):
         return c.chat.completions.create(
             model=model, messages=[{"role": "user", "content": "What is the weather in Paris, and what is 2+3?"}],
             tools=[WEATHER, ADD], tool_choice="required", temperature=TEMP, seed=seed,
-            # Room for several calls: with parallel calls allowed, SmolLM2 often repeats one.
+            # Room for several calls: with parallel calls allowed, SmolLM2 often writes more than one.
             max_tokens=240, parallel_tool_calls=seed % 2 == 0).choices[0]
 
     def named(seed):
@@ -273,3 +274,72 @@ def test_auto_tool_choice_needs_the_flag(client, model):
     with pytest.raises(openai.BadRequestError, match="enable-auto-tool-choice"):
         client.chat.completions.create(model=model, messages=[{"role": "user", "content": "x"}], max_tokens=4,
                                        tools=[WEATHER], tool_choice="auto")
+
+
+QUESTIONS = ["What's the weather in Paris?", "What is the weather in Paris, and what is 2+3?", "What is 12 plus 30?"]
+
+
+def streamed_calls(stream) -> tuple[str | None, list[tuple[str, str]]]:
+    calls: dict[int, list[str]] = {}
+    finish = None
+    for chunk in stream:
+        if chunk.choices:
+            for d in chunk.choices[0].delta.tool_calls or []:
+                call = calls.setdefault(d.index, ["", ""])
+                call[0] += d.function.name or ""
+                call[1] += d.function.arguments or ""
+            finish = chunk.choices[0].finish_reason or finish
+    return finish, [tuple(c) for c in calls.values()]
+
+
+@pytest.mark.parametrize("parallel", [None, False], ids=["parallel-default", "one-call"])
+def test_required_tool_calls_end_with_tool_calls_and_never_repeat_a_call(client, model, parallel):
+    # SmolLM2, held to the hermes format, used to write its call again and again until max_tokens.
+    seeds = [11, 12, 13]
+    print("seeds", seeds)
+    extra = {} if parallel is None else {"parallel_tool_calls": parallel}
+
+    def ask(case):
+        question, seed, stream = case
+        r = client.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": question}], tools=[WEATHER, ADD],
+            tool_choice="required", temperature=TEMP, seed=seed, max_tokens=300, stream=stream, **extra)
+        if stream:
+            return streamed_calls(r)
+        assert r.usage.completion_tokens < 300  # a repeat ends the generation, not only the list
+        ch = r.choices[0]
+        return ch.finish_reason, [(c.function.name, c.function.arguments) for c in ch.message.tool_calls or []]
+
+    cases = [(q, s, stream) for q in QUESTIONS for s in seeds for stream in (False, True)]
+    with ThreadPoolExecutor(8) as pool:
+        results = dict(zip(cases, pool.map(ask, cases)))
+    for (question, seed, stream), (finish, calls) in results.items():
+        where = f"{question!r} seed {seed} stream {stream}: {finish} {calls}"
+        assert finish == "tool_calls", where
+        assert len(calls) == 1 if parallel is False else len(calls) >= 1, where
+        for name, arguments in calls:
+            jsonschema.validate(json.loads(arguments), SCHEMA_OF[name])
+        assert len({(n, json.dumps(json.loads(a), sort_keys=True)) for n, a in calls}) == len(calls), where
+        if stream:  # the stream carries what the whole answer does
+            assert results[(question, seed, False)] == (finish, calls), where
+
+
+def test_a_schema_that_requires_itself_is_refused_before_the_engine(client, model, engine):
+    schema = {"type": "object", "properties": {"nested_self": {"$ref": "#"}}, "required": ["nested_self"]}
+    with pytest.raises(openai.BadRequestError, match="no finite JSON value") as err:
+        client.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": "x"}], max_tokens=8,
+            response_format={"type": "json_schema", "json_schema": {"name": "loop", "schema": schema}})
+    assert err.value.body["param"] == "response_format.json_schema.schema"
+    with open(engine.log_path, errors="replace") as f:
+        assert "nested_self" not in f.read()
+
+
+def test_regex_digits_are_ascii_even_when_other_digits_are_likelier(gateway, client, model):
+    # Bias the model hard towards U+1FBF8 SEGMENTED DIGIT EIGHT, a Unicode decimal digit.
+    ids = httpx.post(gateway.url + "/tokenize", json={"model": model, "prompt": "\U0001FBF8"}).json()["tokens"]
+    for seed in (1, 2):
+        r = client.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": "A phone number?"}], max_tokens=20, seed=seed,
+            logit_bias={str(i): 30 for i in ids}, extra_body={"guided_regex": r"\d{3}-\d{4}"})
+        assert re.fullmatch(r"[0-9]{3}-[0-9]{4}", r.choices[0].message.content), r.choices[0].message.content

@@ -257,6 +257,21 @@ def test_required_grammar_admits_the_format_and_parses_back(name, ll_tokenizer, 
     assert [(n, json.loads(a)) for n, a in calls] == [W, N]
 
 
+def test_hermes_list_may_end_after_any_call_its_last_marker_optional(ll_tokenizer, tokenizer):
+    # A model that never learned the format ends a call with its JSON; held to the closing marker it
+    # went on to a newline, and the grammar then wanted another call.
+    grammar = TOOL_PARSERS["hermes"](TOOLS).grammar(TOOLS, True, json.dumps)
+    one = '<tool_call>\n{"name": "now", "arguments": {"tz": "UTC"}}'
+    two = RENDERED["hermes"]
+    for text in (one, one + "\n</tool_call>", two, two[: -len("\n</tool_call>")]):
+        assert matcher_accepts(ll_tokenizer, tokenizer, grammar, text), text
+        assert complete("hermes", text)[1][0][0] in ("now", "get_weather")
+    assert not matcher_accepts(ll_tokenizer, tokenizer, grammar, one + "\n<tool_call>\n" + one[12:])
+    single = TOOL_PARSERS["hermes"](TOOLS).grammar(TOOLS, False, json.dumps)
+    assert matcher_accepts(ll_tokenizer, tokenizer, single, one)
+    assert not matcher_accepts(ll_tokenizer, tokenizer, single, one + "\n</tool_call>\n" + one)
+
+
 def test_an_unknown_parser_name_stops_the_gateway_before_it_serves():
     from gateway.server import build_app
     from shared.errors import InvalidRequestError
@@ -266,3 +281,38 @@ def test_an_unknown_parser_name_stops_the_gateway_before_it_serves():
         with pytest.raises(InvalidRequestError, match=field) as err:
             build_app(GatewayConfig(**{field: "nope"}))
         assert err.value.param == field
+
+
+# A call list that repeats a call: each format's own spelling of W, N, W again (its keys in another
+# order), then one more call that must never be read.
+REPEATS = [
+    ("hermes", '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}\n</tool_call>\n'
+               '<tool_call>\n{"name": "now", "arguments": {"tz": "UTC"}}\n</tool_call>\n'
+               '<tool_call>\n{"name": "get_weather", "arguments": {"days": 3, "city": "Paris"}}\n</tool_call>\n'
+               '<tool_call>\n{"name": "now", "arguments": {"tz": "CET"}}\n</tool_call>'),
+    ("llama3_json", '{"name": "get_weather", "parameters": {"city": "Paris", "days": 3}}; '
+                    '{"name": "now", "parameters": {"tz": "UTC"}}; '
+                    '{"name": "get_weather", "parameters": {"days": 3, "city": "Paris"}}; '
+                    '{"name": "now", "parameters": {"tz": "CET"}}'),
+    ("mistral3", '[TOOL_CALLS]get_weather[ARGS]{"city": "Paris", "days": 3}[TOOL_CALLS]now[ARGS]{"tz": "UTC"}'
+                 '[TOOL_CALLS]get_weather[ARGS]{"days": 3, "city": "Paris"}[TOOL_CALLS]now[ARGS]{"tz": "CET"}'),
+    ("pythonic", '[get_weather(city="Paris", days=3), now(tz="UTC"), get_weather(days=3, city="Paris"), '
+                 'now(tz="CET")]'),
+]
+
+
+@pytest.mark.parametrize("name,text", REPEATS, ids=[r[0] for r in REPEATS])
+def test_a_repeated_call_ends_the_list_and_is_never_sent(name, text):
+    whole = complete(name, text)
+    assert [(n, json.loads(a)) for n, a in whole[1]] == [W, N]
+    for i in range(len(text) + 1):
+        assert stream(name, cuts(text, [i])) == whole, f"split at {i}"
+    s = ToolStream(TOOL_PARSERS[name](TOOLS))
+    sent, at = [], None
+    for at, ch in enumerate(text):
+        sent += s.feed(ch)[1]
+        if s.ended:
+            break
+    # It ends as soon as the repeat is complete, before the call after it begins.
+    assert s.ended and at < text.rindex("now") and s.num_calls == 2
+    assert {d["index"] for d in sent} == {0, 1}
