@@ -32,7 +32,7 @@ from contextlib import nullcontext
 import mlx.core as mx
 
 from engined import kernels
-from engined import memory_guard, model_split, pipeline, proposers
+from engined import memory_guard, model_split, pipeline
 from engined.device import device_kind
 from engined.encode_thread import EncodeThread
 from engined.loaders import LoadedModel, load_model
@@ -44,7 +44,8 @@ from engined.request import Request, WaitingPlaces, check_prompt, take_output
 from engined.runner import ModelRunner
 from engined.sampler import LaunchedStep, Sampler, needs_host_tokens
 from engined.scheduler import KVCacheManager, Scheduler, SchedulerOutput
-from engined.speculative import Speculator
+from engined.speculation import proposers
+from engined.speculation.speculator import Speculator
 from engined.structured import GrammarCompiler
 from shared.config import EngineConfig
 from shared.errors import ContextLengthError, InvalidRequestError, NotFoundError
@@ -92,7 +93,7 @@ class Engine:
         # The checkpoint's MTP layer; its K/V are a group of the KV manager (billed with it).
         self.mtp = (proposers.load_mtp(spec, loaded, self.runner.head, kv, config, dtype, self.sampler, backend)
                     if spec and spec.method == "mtp" else None)
-        # None when speculation is off: a plain step never enters engined.speculative.
+        # None when speculation is off: a plain step never enters engined.speculation.speculator.
         self.speculator = (Speculator(spec, self.sampler, self.metrics, self.max_model_len, self.drafter or self.mtp,
                                       kv.block_ids) if spec is not None else None)
         stores = [kv] + ([self.drafter] if self.drafter else []) + ([self.lora] if self.lora else [])

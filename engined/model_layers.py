@@ -116,7 +116,7 @@ def _where(model: nn.Module, i: int) -> str:
 # each layer the reshapes into and out of the packed batch and the residual add's broadcast. Each is proven
 # by the family parity tests (``tests/engined/test_families.py``); Ministral 3, Gemma 4 and the hybrid
 # families read the sequence axis and stay packed, as does GLM-4.5, whose MTP layer reads the packed hidden
-# states (``engined/mtp.py``).
+# states (``engined/speculation/mtp.py``).
 FLAT_STREAM = frozenset({"llama", "qwen2", "qwen3", "qwen3_moe", "gpt_oss", "gemma2", "gemma3_text", "mixtral",
                          "phi3", "glm4", "olmo2", "smollm3"})
 

@@ -22,7 +22,7 @@ class SpeculativeConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True
     checkpoint: Gemma 4's assistant). Omitted, it is "draft_model" when a
     ``model`` is given, else "mtp", as vLLM infers it; the engine then refuses
     a checkpoint without MTP layers, and reads a Gemma 4 assistant given as a
-    draft model as "mtp" (``engined.proposers.resolve``).
+    draft model as "mtp" (``engined.speculation.proposers.resolve``).
     """
 
     method: str | None = None
