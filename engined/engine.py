@@ -35,11 +35,11 @@ from engined import kernels
 from engined import memory_guard, model_split, pipeline
 from engined.device import device_kind
 from engined.encode_thread import EncodeThread
+from engined.encoders.pooling import matryoshka_dimensions, pooled_results, score_token_ids, store_results
 from engined.loaders import LoadedModel, load_model
 from engined.lora.registry import LoraRegistry
 from engined.metrics import EngineMetrics
 from engined.model_layers import float_dtype, read_layers
-from engined.pooling import matryoshka_dimensions, pooled_results, score_token_ids, store_results
 from engined.request import Request, WaitingPlaces, check_prompt, take_output
 from engined.runner import ModelRunner
 from engined.sampler import LaunchedStep, Sampler, needs_host_tokens
@@ -61,7 +61,7 @@ class Engine:
         loaded = loaded or load_model(config.model, config.dtype)
         self.loaded = loaded
         self.max_model_len = config.max_model_len or loaded.context_length
-        # An encoder folder runs in engined.encoder_engine instead; auto here is a decoder's generate.
+        # An encoder folder runs in engined.encoders.engine instead; auto here is a decoder's generate.
         self.task = "generate" if config.task == "auto" else config.task
         dtype = float_dtype(loaded.model)
         backend = kernels.resolve_backend(config.attention_backend)

@@ -344,7 +344,7 @@ class LaunchedStep:
         self.logprob_parts = logprob_parts
         self.spec_results = spec_results  # verified draft windows' results, read after evaluation
         self._rows = {r: i for i, r in enumerate(reqs)}
-        # Pooled requests' results (engined.pooling.pooled_results), stored when the step is read.
+        # Pooled requests' results (engined.encoders.pooling.pooled_results), stored when the step is read.
         self.pooled = None
         self._pending = pending  # what ``start`` evaluates
         self._encoder: EncodeThread | None = None
