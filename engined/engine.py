@@ -32,7 +32,7 @@ from contextlib import nullcontext
 import mlx.core as mx
 
 from engined import kernels
-from engined import memory_guard, model_split, pipeline
+from engined import memory_guard
 from engined.device import device_kind
 from engined.encode_thread import EncodeThread
 from engined.encoders.pooling import matryoshka_dimensions, pooled_results, score_token_ids, store_results
@@ -40,6 +40,7 @@ from engined.loaders import LoadedModel, load_model
 from engined.lora.registry import LoraRegistry
 from engined.metrics import EngineMetrics
 from engined.model_layers import float_dtype, read_layers
+from engined.parallel import model_split, pipeline
 from engined.request import Request, WaitingPlaces, check_prompt, take_output
 from engined.runner import ModelRunner
 from engined.sampler import LaunchedStep, Sampler, needs_host_tokens
@@ -105,7 +106,7 @@ class Engine:
         if self.drafter:
             kv.follow(self.drafter.kv)
         kv.create(self.memory.num_blocks, self.memory.resident_blocks)
-        # A pipeline keeps a batch per lane in flight (engined/pipeline.py); speculation proposes from
+        # A pipeline keeps a batch per lane in flight (engined/parallel/pipeline.py); speculation proposes from
         # every running request's host tokens, so it keeps one.
         self.num_lanes = ((config.pipeline_batches or config.pipeline_parallel_size)
                           if config.pipeline_parallel_size > 1 and spec is None else 1)

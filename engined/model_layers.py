@@ -256,7 +256,7 @@ def _kv_source(model: nn.Module, i: int, attn: nn.Module) -> int | None:
 
 
 def transformer_layers(model: nn.Module) -> list[nn.Module]:
-    """The layers this process runs: all of them, or one pipeline rank's run (``engined.pipeline``)."""
+    """The layers this process runs: all of them, or one pipeline rank's run (``engined.parallel.pipeline``)."""
     text = text_model(model)
     inner = getattr(text, "model", None)
     split = getattr(inner, "end_idx", None) is not None  # mlx_lm's pipeline() set it; its layers list has Nones

@@ -37,7 +37,7 @@ def run_engine(config: EngineConfig, daemon: DaemonConfig, parent_pid: int | Non
     if (warning := slow_blas_warning()) is not None:
         log.warning("%s", warning)
     if config.num_ranks > 1:
-        from engined import pipeline
+        from engined.parallel import pipeline
 
         group = pipeline.join(config)
         if group.rank() > 0:  # a worker: no socket, no gateways; it mirrors rank 0 until rank 0 is gone
