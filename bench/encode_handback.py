@@ -4,7 +4,7 @@
 to return. The engine's thread, meanwhile building the next step in Python,
 gives the lock up only when it blocks or when the interpreter's switch
 interval runs out (5 ms by default), so the worker's time around the call (what
-``EncodeThread.encode_s`` counts) stretches to that. ``engined/encode_thread.py``
+``EncodeThread.encode_s`` counts) stretches to that. ``engined/fastpath/encode_thread.py``
 shortens the interval (``SWITCH_INTERVAL_S``); this probe measures both in one
 run, alternating: the worker encodes a chain of ``--ops`` additions while the
 main thread spins ``--python-ms`` of pure Python, then waits for it.
@@ -24,7 +24,7 @@ def worker_wall(interval_s: float, seconds: float, ops: int, python_ms: float) -
     """Median seconds of the worker's ``mx.async_eval`` of one graph, and how many graphs were timed."""
     import mlx.core as mx
 
-    from engined.encode_thread import EncodeThread
+    from engined.fastpath.encode_thread import EncodeThread
 
     encoder = EncodeThread()
     sys.setswitchinterval(interval_s)  # after the thread set its own
@@ -48,7 +48,7 @@ def worker_wall(interval_s: float, seconds: float, ops: int, python_ms: float) -
 
 
 def main(argv=None) -> None:
-    from engined.encode_thread import SWITCH_INTERVAL_S
+    from engined.fastpath.encode_thread import SWITCH_INTERVAL_S
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seconds", type=float, default=2.0, help="per measurement")

@@ -2,12 +2,12 @@
 
 ``--compare qk-rope``: the q/k/v kernel (``engined.kernels.qk_rope``) against
 MLX's operations; ``--compare encode-thread``: each step's graph encoded on a
-thread of its own (``engined/encode_thread.py``) against on the engine's;
+thread of its own (``engined/fastpath/encode_thread.py``) against on the engine's;
 ``--compare lean-graph``: linears holding their weight's transpose
-(``engined/transposed_linear.py``) and the 2-D stream (``model_layers.FLAT_STREAM``)
+(``engined/fastpath/transposed_linear.py``) and the 2-D stream (``model_layers.FLAT_STREAM``)
 against mlx's own linears on the packed ``[1, T, hidden]`` stream (~180 graph nodes a
 step more at 36 layers); ``--compare compiled``: decode steps replayed from compiled traces
-(``engined/compiled_decode.py``) against built layer by layer in Python. The other changes
+(``engined/fastpath/compiled_decode.py``) against built layer by layer in Python. The other changes
 are on in both engines, as the device's defaults have them.
 Two asynchronous engines over the same random weights of a real shape (bf16),
 the change on in one ("new") and off in the other ("old"), each with c requests of 512-token
@@ -155,7 +155,7 @@ def packed_with_mlx_linears(engine) -> None:
     """``--compare lean-graph``'s old engine: mlx's own linears (a Transpose node a call) on the packed stream."""
     import mlx.nn as nn
 
-    from engined.transposed_linear import TransposedEmbedding, TransposedLinear
+    from engined.fastpath.transposed_linear import TransposedEmbedding, TransposedLinear
 
     if not engine.runner.flat:
         raise SystemExit("this model's family does not run on the 2-D stream")

@@ -22,7 +22,7 @@ that LoRA's groups add to a step. The CUDA route's term kernel
 (``engined.kernels.lora_term``) is a stand-in there too.
 
 ``--compile`` measures each level again on an engine whose decode steps are
-replayed from compiled traces (``--compile-decode``, ``engined/compiled_decode.py``)
+replayed from compiled traces (``--compile-decode``, ``engined/fastpath/compiled_decode.py``)
 and prints the ratios; a replayed step runs no layer's Python, so its layer and
 attention timers stay at zero.
 

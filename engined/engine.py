@@ -34,8 +34,8 @@ import mlx.core as mx
 from engined import kernels
 from engined import memory_guard
 from engined.device import device_kind
-from engined.encode_thread import EncodeThread
 from engined.encoders.pooling import matryoshka_dimensions, pooled_results, score_token_ids, store_results
+from engined.fastpath.encode_thread import EncodeThread
 from engined.loaders import LoadedModel, load_model
 from engined.lora.registry import LoraRegistry
 from engined.metrics import EngineMetrics
@@ -116,7 +116,7 @@ class Engine:
         # host token ids: both read every step before the next.
         self.async_scheduling = config.async_scheduling and spec is None and not pipelined
         self.sampler.choose_on_device = self.async_scheduling
-        # Steps built on this thread and encoded on another (engined/encode_thread.py); not where attention
+        # Steps built on this thread and encoded on another (engined/fastpath/encode_thread.py); not where attention
         # reads its inputs on the host ("host"), which evaluates while the step is being built.
         self.encoder = (EncodeThread() if self.async_scheduling and config.encode_thread and backend != "host"
                         else None)

@@ -22,7 +22,7 @@ from collections.abc import Callable
 import mlx.core as mx
 import numpy as np
 
-from engined.encode_thread import EncodeThread
+from engined.fastpath.encode_thread import EncodeThread
 from engined.request import Request
 from engined.scheduler import SchedulerOutput
 from shared.protocol import Logprob

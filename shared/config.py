@@ -105,7 +105,7 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     # None: the device's default (on for CUDA, off for Metal and the CPU).
     encode_thread: bool | None = None
     # Decode steps replayed from a graph compiled once per shape instead of built layer by layer
-    # (engined/compiled_decode.py). None: the device's default (on for a GPU, off on the CPU).
+    # (engined/fastpath/compiled_decode.py). None: the device's default (on for a GPU, off on the CPU).
     compile_decode: bool | None = None
     # Ranks the model's layers are split over (engined/parallel/pipeline.py); each rank is a process, on
     # this machine or on others (mlx.launch), and holds only its layers' weights and KV.

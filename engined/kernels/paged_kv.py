@@ -81,7 +81,7 @@ class AttentionMetadata:
         cu = np.zeros(len(q) + 1, dtype=np.int32)
         np.cumsum(q, out=cu[1:])
         # Rounded up so that a decode step's arrays keep their shapes while contexts grow
-        # (engined/compiled_decode.py replays one graph per shape); entries past a table are never read.
+        # (engined/fastpath/compiled_decode.py replays one graph per shape); entries past a table are never read.
         longest = max((len(t) for t in block_tables), default=0)
         width = max(-(-longest // TABLE_WIDTH_STEP), 1) * TABLE_WIDTH_STEP
         table = np.zeros((len(q), width), dtype=np.int32)

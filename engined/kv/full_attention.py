@@ -187,7 +187,7 @@ class FullAttentionGroup(KVGroup):
         self.floor = 0  # the resident size the pool starts at and never shrinks below
         self._resident = 0  # blocks the arrays hold now
         # Called before the arrays are resized: an engine whose steps are encoded on another thread
-        # waits there for the step in flight (engined/encode_thread.py).
+        # waits there for the step in flight (engined/fastpath/encode_thread.py).
         self.settle: Callable[[], None] = lambda: None
 
     @classmethod
