@@ -39,7 +39,7 @@ def row_key(seed: int, position: int) -> mx.array:
 
 
 class Sampler:
-    def __init__(self, vocab_size: int, eos_token_ids: list[int], grammars=None):
+    def __init__(self, vocab_size: int, eos_token_ids: list[int], grammars=None, choose_on_device: bool = False):
         self.vocab_size = vocab_size
         self.eos_token_ids = list(eos_token_ids)
         # engined.structured.GrammarCompiler: masks rows of constrained requests.
@@ -47,7 +47,7 @@ class Sampler:
         # Asynchronous scheduling: the step before may still run, and reading which rows' kept sets
         # run past their head would wait for it. Those rows are then sampled over the whole sorted
         # vocabulary on the device as well, and each row takes its answer there.
-        self.choose_on_device = False
+        self.choose_on_device = choose_on_device
 
     def __call__(self, logits: mx.array, reqs: list[Request]) -> tuple[mx.array, list | None]:
         """Sample one token per row of ``logits [S, V]``; returns (tokens [S], logprob parts or None).

@@ -50,6 +50,7 @@ from __future__ import annotations
 import math
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import mlx.core as mx
@@ -466,15 +467,17 @@ class KVCacheManager:
         self._idle_since: float | None = None  # when ``release_idle`` first saw no block held
 
     @classmethod
-    def build(cls, specs: list[LayerSpec], config: EngineConfig, dtype: mx.Dtype) -> "KVCacheManager":
-        """Groups for a model's layers (``model_layers.read_layers``); arrays come with ``create``."""
+    def build(cls, specs: list[LayerSpec], config: EngineConfig, dtype: mx.Dtype,
+              settle: Callable[[], None] | None = None) -> "KVCacheManager":
+        """Groups for a model's layers (``model_layers.read_layers``); arrays come with ``create``.
+        ``settle`` is called before the main pool's arrays are resized (``FullAttentionGroup``)."""
         others, left = [], list(specs)
         for kind in KINDS:
             group = kind.claim(left, config, dtype)
             if group is not None:
                 others.append(group)
                 left = [s for s in left if s.index not in group.layers]
-        main = FullAttentionGroup.claim(left, config, dtype)
+        main = FullAttentionGroup.claim(left, config, dtype, settle)
         # A pipeline rank may hold linear layers only; the pool's blocks then cost it nothing.
         if not main.layers and config.pipeline_parallel_size == 1:
             raise ModelLoadError("the model has no attention layer: the paged runner needs at least one")

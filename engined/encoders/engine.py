@@ -65,13 +65,12 @@ class EncoderEngine:
             vocab_size=_vocab_size(path), eos_token_ids=[], tasks=["embed"], embedding_dim=self.model.dim,
             matryoshka_dimensions=matryoshka_dimensions(path),
         )
-        self.metrics = EngineMetrics(name, config.metrics_prefix, self.max_model_len)
         self.places = WaitingPlaces(config.max_waiting_requests)
         self.waiting: deque[Request] = deque()
         self.requests: dict[str, Request] = {}
         self._ended: list[RequestOutput] = []
         self._failed: list[tuple[str, InvalidRequestError]] = []
-        self.metrics.attach(self)
+        self.metrics = EngineMetrics(name, config, self.max_model_len, self.stats())
 
     # -- requests -----------------------------------------------------------------------------
 

@@ -172,7 +172,8 @@ class PagedArrays:
 
 
 class FullAttentionGroup(KVGroup):
-    def __init__(self, specs: list[LayerSpec], block_size: int, enable_caching: bool, dtype: mx.Dtype):
+    def __init__(self, specs: list[LayerSpec], block_size: int, enable_caching: bool, dtype: mx.Dtype,
+                 settle: Callable[[], None] | None = None):
         self.layers = [s.index for s in specs]
         self.block_size = block_size
         self.enable_caching = enable_caching
@@ -188,14 +189,15 @@ class FullAttentionGroup(KVGroup):
         self._resident = 0  # blocks the arrays hold now
         # Called before the arrays are resized: an engine whose steps are encoded on another thread
         # waits there for the step in flight (engined/fastpath/encode_thread.py).
-        self.settle: Callable[[], None] = lambda: None
+        self.settle: Callable[[], None] = settle or (lambda: None)
 
     @classmethod
-    def claim(cls, specs: list[LayerSpec], config: EngineConfig, dtype: mx.Dtype) -> "FullAttentionGroup":
+    def claim(cls, specs: list[LayerSpec], config: EngineConfig, dtype: mx.Dtype,
+              settle: Callable[[], None] | None = None) -> "FullAttentionGroup":
         """Every attention layer left: full attention, and windowed layers with no pool of their own
-        (their window is then applied by the kernel over the whole table)."""
+        (their window is then applied by the kernel over the whole table); ``settle``: see ``__init__``."""
         return cls([s for s in specs if s.settings is not None], config.block_size,
-                   config.enable_prefix_caching, dtype)
+                   config.enable_prefix_caching, dtype, settle)
 
     @property
     def bytes_per_block(self) -> int:
