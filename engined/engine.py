@@ -36,6 +36,7 @@ from engined import memory_guard
 from engined.device import device_kind
 from engined.encoders.pooling import matryoshka_dimensions, pooled_results, score_token_ids, store_results
 from engined.fastpath.encode_thread import EncodeThread
+from engined.kv.manager import KVCacheManager
 from engined.loaders import LoadedModel, load_model
 from engined.lora.registry import LoraRegistry
 from engined.metrics import EngineMetrics
@@ -44,7 +45,7 @@ from engined.parallel import model_split, pipeline
 from engined.request import Request, WaitingPlaces, check_prompt, take_output
 from engined.runner import LastTokenNorm, ModelRunner
 from engined.sampler import LaunchedStep, Sampler, needs_host_tokens
-from engined.scheduler import KVCacheManager, Scheduler, SchedulerOutput
+from engined.scheduler import Scheduler, SchedulerOutput
 from engined.speculation import proposers
 from engined.speculation.speculator import Speculator
 from engined.structured import GrammarCompiler

@@ -30,10 +30,11 @@ from engined.fastpath.linear_join import fuse_linears, join_siblings
 from engined.fastpath.transposed_linear import hold_transposes
 from engined.kernels import gated_delta
 from engined.kernels.qk_rope import QKRope
+from engined.kv.manager import KVCacheManager
 from engined.linear_attention import SlottedLinearAttention
 from engined.lora.registry import LoraRegistry
 from engined.model_layers import LayerSettings, LayerSpec, flat_stream, text_model, transformer_layers
-from engined.scheduler import KVCacheManager, SchedulerOutput
+from engined.scheduler import SchedulerOutput
 from shared.errors import ModelLoadError
 
 

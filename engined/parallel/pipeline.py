@@ -41,12 +41,13 @@ import mlx.core as mx
 
 from engined import memory_guard
 from engined.device import device_kind
+from engined.kv.manager import KVCacheManager
 from engined.memory_guard import MemoryPlan
 from engined.parallel import model_split
 from engined.parallel.rank_link import Link, Message, Op
 from engined.request import Request
 from engined.runner import ModelRunner, forward, forward_pooled
-from engined.scheduler import KVCacheManager, SchedulerOutput
+from engined.scheduler import SchedulerOutput
 from shared.config import EngineConfig
 from shared.errors import ModelLoadError
 from shared.protocol import SamplingParams

@@ -37,13 +37,13 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
+from engined.kv.manager import KVCacheManager
 from engined.kv.mtp_layer import MTPLayerGroup
 from engined.loaders.mlx_dir import MTPWeights
 from engined.model_layers import LayerSpec, float_dtype, layer_settings, text_model
 from engined.request import Request
 from engined.runner import LastTokenNorm, PagedAttention
 from engined.sampler import Sampler
-from engined.scheduler import KVCacheManager
 from engined.kernels import AttentionMetadata
 from engined.speculation.draft_model import draft_loop, rows_for
 from engined.speculation.speculator import may_speculate

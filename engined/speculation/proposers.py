@@ -14,11 +14,11 @@ from __future__ import annotations
 import mlx.core as mx
 import msgspec
 
+from engined.kv.manager import KVCacheManager
 from engined.loaders import LoadedModel, load_model
 from engined.model_layers import read_layers
 from engined.runner import LastTokenNorm
 from engined.sampler import Sampler
-from engined.scheduler import KVCacheManager
 from engined.speculation.draft_model import DraftProposer
 from engined.speculation.gemma4_assistant import Gemma4AssistantProposer, assistant_dir, load_assistant
 from engined.speculation.mtp import MTPProposer, build_layer
