@@ -11,12 +11,10 @@ graph there while this thread postprocesses the step before and builds the next.
 
 The daemon wraps this object; tests and benchmarks use it directly.
 
-At about 450 lines this module is over the ~400 the project aims for, on purpose: it is the one
-object that wires the collaborators (runner, KV manager, scheduler, sampler, speculator, LoRA
-registry, memory guard) and drives them, in three screens (construction, request intake, the step);
-validation, output records and drafter loading already live with what they concern
-(``request.check_prompt``/``take_output``, ``proposers``), and splitting the rest would pass the
-same dozen fields between two halves of one state machine.
+Over 400 lines because it is the one object that builds the collaborators and drives them, in three
+screens (construction, request intake, the step): validation, output records and drafter loading already
+live with what they concern (``request.check_prompt``/``take_output``, ``speculation.proposers``), and split
+further, two halves of one state machine would pass the same dozen fields back and forth.
 """
 
 from __future__ import annotations

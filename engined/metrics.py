@@ -6,6 +6,9 @@ names vLLM's example dashboard still reads are served too. Each Engine has its
 own registry (several engines may live in one test process). Every series
 carries vLLM's ``model_name`` and ``engine`` labels (one engine: "0").
 tests/engined/vllm_metrics.json is vLLM's table these are checked against.
+
+Over 400 lines because every series vLLM defines is declared here, under its names, buckets and
+labels, beside the periodic log line read from the same counters: metrics are defined in one place.
 """
 
 from __future__ import annotations

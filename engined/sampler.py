@@ -13,6 +13,9 @@ step n+1 reads its requests' placeholders from there (the runner's
 ``fills``), and the host reads them with ``read`` (the sync point) only once
 step n+1 is queued behind it. Without it, ``read`` follows the launch at once
 and the step is the synchronous one.
+
+Over 400 lines because the launched step (``LaunchedStep``) is the sampler's one call split in two
+for asynchronous scheduling: launched where the step is built, read where it is postprocessed.
 """
 
 from __future__ import annotations

@@ -22,6 +22,10 @@ long prefill chunks into query blocks that only score keys up to their own
 last position (half the causal work skipped). Same contract and answers as
 ``reference_attention``; float32 only (the CPU runs float32 weights,
 and numpy has no bfloat16).
+
+Over 400 lines because the layout and the two implementations that need no GPU kernel are one
+contract: the oracle and the CPU path read the layout as the kernels do, and each is checked
+against the other.
 """
 
 from __future__ import annotations

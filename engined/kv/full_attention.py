@@ -32,6 +32,10 @@ first ``num_resident`` blocks exist: the owner's arrays follow that number.
 Blocks are added at the tail in large steps when an allocation would otherwise
 evict a cached prefix or run short, and ``shrink`` cuts free tail blocks off
 again, so resident memory follows demand while every block id stays valid.
+
+Over 400 lines because the main pool, its prefix cache and the paged arrays sized to it are the
+full-attention group's state, changed together by its allocate, commit and resize (the sliding-window
+group reuses the pool and the arrays from here).
 """
 
 from __future__ import annotations
