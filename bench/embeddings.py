@@ -51,7 +51,7 @@ def main() -> None:
     from sentence_transformers import SentenceTransformer
     from tokenizers import Tokenizer
 
-    from engined.encoder import EncoderModel
+    from engined.encoders.text import EncoderModel
 
     if args.model:
         folder = Path(args.model)

@@ -124,7 +124,7 @@ def main(argv=None) -> None:
         for _ in range(4):  # a compiled shape's trace and its fused kernels' compilation, untimed
             engine.step()
         if engine.encoder is not None:
-            engine.encoder.wait()  # no evaluation here while the worker encodes (engined/encode_thread.py)
+            engine.encoder.wait()  # no evaluation here while the worker encodes (engined/fastpath/encode_thread.py)
         offset = clock_offset(stamp)
         by_pending.clear()
         LaunchedStep.start, LaunchedStep.read, mx.async_eval = stamped_start, timed_read, timed_async_eval

@@ -71,7 +71,7 @@ def build(shape_name: str, seed: int, dtype: str = "bfloat16"):
 
     from engined.loaders import LoadedModel
     from engined.loaders.mlx_dir import MTPWeights
-    from engined.mtp import MTPLayer
+    from engined.speculation.mtp import MTPLayer
 
     shape = SHAPES[shape_name]
     model_cls, args_cls = _get_classes(shape)

@@ -18,6 +18,9 @@ and dropped.
 A gateway's send queue is bounded: a send past it fails at once (mandatory
 routing) and the wire thread decides: a PONG is dropped, anything else (or
 many PONGs) ends the gateway, which the engine thread learns as ``STALLED``.
+
+Over 400 lines because the engine process's two threads and the inbox and outbox between them are
+one protocol (what the wire thread answers itself, what it hands the engine thread), read in one place.
 """
 
 from __future__ import annotations

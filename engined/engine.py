@@ -11,12 +11,10 @@ graph there while this thread postprocesses the step before and builds the next.
 
 The daemon wraps this object; tests and benchmarks use it directly.
 
-At about 450 lines this module is over the ~400 the project aims for, on purpose: it is the one
-object that wires the collaborators (runner, KV manager, scheduler, sampler, speculator, LoRA
-registry, memory guard) and drives them, in three screens (construction, request intake, the step);
-validation, output records and drafter loading already live with what they concern
-(``request.check_prompt``/``take_output``, ``proposers``), and splitting the rest would pass the
-same dozen fields between two halves of one state machine.
+Over 400 lines because it is the one object that builds the collaborators and drives them, in three
+screens (construction, request intake, the step): validation, output records and drafter loading already
+live with what they concern (``request.check_prompt``/``take_output``, ``speculation.proposers``), and split
+further, two halves of one state machine would pass the same dozen fields back and forth.
 """
 
 from __future__ import annotations
@@ -32,21 +30,24 @@ from contextlib import nullcontext
 import mlx.core as mx
 
 from engined import kernels
-from engined import memory_guard, model_split, pipeline, proposers
+from engined import memory_guard
 from engined.device import device_kind
-from engined.encode_thread import EncodeThread
+from engined.encoders.pooling import matryoshka_dimensions, pooled_results, score_token_ids, store_results
+from engined.fastpath.encode_thread import EncodeThread
+from engined.kv.manager import KVCacheManager
 from engined.loaders import LoadedModel, load_model
 from engined.lora.registry import LoraRegistry
 from engined.metrics import EngineMetrics
-from engined.model_layers import float_dtype, read_layers
-from engined.pooling import matryoshka_dimensions, pooled_results, score_token_ids, store_results
+from engined.model_layers import LayerSpec, float_dtype, read_layers
+from engined.parallel import model_split, pipeline
 from engined.request import Request, WaitingPlaces, check_prompt, take_output
-from engined.runner import ModelRunner
+from engined.runner import LastTokenNorm, ModelRunner
 from engined.sampler import LaunchedStep, Sampler, needs_host_tokens
-from engined.scheduler import KVCacheManager, Scheduler, SchedulerOutput
-from engined.speculative import Speculator
+from engined.scheduler import Scheduler, SchedulerOutput
+from engined.speculation import proposers
+from engined.speculation.speculator import Speculator
 from engined.structured import GrammarCompiler
-from shared.config import EngineConfig
+from shared.config import EngineConfig, SpeculativeConfig
 from shared.errors import ContextLengthError, InvalidRequestError, NotFoundError
 from shared.protocol import TASKS, EngineStats, LoraAdapter, ModelInfo, RequestOutput, SamplingParams
 
@@ -60,41 +61,40 @@ class Engine:
         loaded = loaded or load_model(config.model, config.dtype)
         self.loaded = loaded
         self.max_model_len = config.max_model_len or loaded.context_length
-        # An encoder folder runs in engined.encoder_engine instead; auto here is a decoder's generate.
+        # An encoder folder runs in engined.encoders.engine instead; auto here is a decoder's generate.
         self.task = "generate" if config.task == "auto" else config.task
         dtype = float_dtype(loaded.model)
         backend = kernels.resolve_backend(config.attention_backend)
         pipelined = config.num_ranks > 1
-        if pipelined:
-            model_split.prepare(loaded.model, pipeline.join(config), config)
-        specs = read_layers(loaded.model)
-        kv = KVCacheManager.build(specs, config, dtype)
         spec = proposers.resolve(config.speculative)  # a Gemma 4 assistant given as a draft model is MTP
-        if spec is not None and not kv.can_rewind:
-            raise InvalidRequestError(
-                "speculative decoding is not supported for this model: one of its caches cannot take "
-                "rejected draft tokens back", param="speculative_config",
-            )
-        # Adapter slots are made before the memory guard measures the weights, so it counts them.
+
+        # How steps run. Speculation proposes from the last tokens on the host, and a pipeline sends
+        # the other ranks host token ids: both read every step before the next.
+        self.async_scheduling = config.async_scheduling and spec is None and not pipelined
+        # Steps built on this thread and encoded on another (engined/fastpath/encode_thread.py); not where
+        # attention reads its inputs on the host ("host"), which evaluates while the step is being built.
+        self.encoder = (EncodeThread() if self.async_scheduling and config.encode_thread and backend != "host"
+                        else None)
+
+        # The model and its KV cache. Adapter slots are made before the memory guard measures the
+        # weights, so it counts them.
+        specs, kv = _layers_and_kv(loaded.model, config, spec, dtype, self.encoder)
         self.lora = (LoraRegistry(loaded.model, config.max_loras, config.max_lora_rank, dtype, config.max_cpu_loras,
                                   term_kernel=backend == "cuda") if config.enable_lora else None)
-        # Not where a drafter reads the target's hidden states as its forward runs (MTP, a Gemma 4
-        # assistant): a replayed step runs none of the model's Python, so would hand it none.
-        compile_decode = bool(config.compile_decode) and (spec is None or spec.method != "mtp")
-        self.runner = (pipeline.MirroredRunner(loaded.model, specs, kv, backend, config) if pipelined
-                       else ModelRunner(loaded.model, specs, kv, backend, self.lora, compile_decode))
+        self.runner = _runner(loaded.model, specs, kv, backend, config, spec, self.lora)
         kv = self.runner.kv  # on several ranks, the journal the other ranks replay
-        self.sampler = Sampler(loaded.vocab_size, loaded.eos_token_ids)
-        self.metrics = EngineMetrics(config.served_model_name or loaded.model_id, config.metrics_prefix,
-                                     self.max_model_len)
+
+        # Sampling, and the drafter that proposes for it when speculation is on.
+        self.grammars = GrammarCompiler(str(loaded.tokenizer_dir), loaded.vocab_size, loaded.eos_token_ids)
+        self.sampler = Sampler(loaded.vocab_size, loaded.eos_token_ids, self.grammars,
+                               choose_on_device=self.async_scheduling)
         self.drafter = (proposers.load_drafter(spec, loaded, config, dtype, self.sampler, backend)
                         if spec and spec.method == "draft_model" else None)
         # The checkpoint's MTP layer; its K/V are a group of the KV manager (billed with it).
         self.mtp = (proposers.load_mtp(spec, loaded, self.runner.head, kv, config, dtype, self.sampler, backend)
                     if spec and spec.method == "mtp" else None)
-        # None when speculation is off: a plain step never enters engined.speculative.
-        self.speculator = (Speculator(spec, self.sampler, self.metrics, self.max_model_len, self.drafter or self.mtp,
-                                      kv.block_ids) if spec is not None else None)
+
+        # The memory guard sizes the KV pool from what is left beside everything built so far.
         stores = [kv] + ([self.drafter] if self.drafter else []) + ([self.lora] if self.lora else [])
         self.memory = memory_guard.plan(self.runner, stores, config, self.max_model_len, loaded.vocab_size,
                                         progress, kernels=backend in ("metal", "cuda") and not pipelined)
@@ -104,22 +104,20 @@ class Engine:
         if self.drafter:
             kv.follow(self.drafter.kv)
         kv.create(self.memory.num_blocks, self.memory.resident_blocks)
-        # A pipeline keeps a batch per lane in flight (engined/pipeline.py); speculation proposes from
-        # every running request's host tokens, so it keeps one.
+
+        # Scheduling, its metrics, and speculation's part in the step (None when it is off: a plain
+        # step never enters engined.speculation). A pipeline keeps a batch per lane in flight
+        # (engined/parallel/pipeline.py); speculation proposes from every running request's host
+        # tokens, so it keeps one.
         self.num_lanes = ((config.pipeline_batches or config.pipeline_parallel_size)
                           if config.pipeline_parallel_size > 1 and spec is None else 1)
         self.scheduler = Scheduler(kv, config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len,
                                    tuple(loaded.eos_token_ids), self.lora, self.num_lanes)
-        # Speculation proposes from the last tokens on the host, and a pipeline sends the other ranks
-        # host token ids: both read every step before the next.
-        self.async_scheduling = config.async_scheduling and spec is None and not pipelined
-        self.sampler.choose_on_device = self.async_scheduling
-        # Steps built on this thread and encoded on another (engined/encode_thread.py); not where attention
-        # reads its inputs on the host ("host"), which evaluates while the step is being built.
-        self.encoder = (EncodeThread() if self.async_scheduling and config.encode_thread and backend != "host"
-                        else None)
-        if self.encoder is not None:
-            kv.main.settle = self.encoder.wait
+        self.metrics = EngineMetrics(config.served_model_name or loaded.model_id, config, self.max_model_len,
+                                     self.scheduler.stats())
+        self.speculator = (Speculator(spec, self.sampler, self.metrics, self.max_model_len, self.drafter or self.mtp,
+                                      kv.block_ids) if spec is not None else None)
+
         self._inflight: LaunchedStep | None = None  # the step launched whose tokens are not read yet
         # Steps launched, and seconds the host spent blocked reading their tokens (the rest of a
         # step's time is the host's own work: benchmarks report both).
@@ -132,21 +130,9 @@ class Engine:
         # Requests whose grammar is compiling, and those that failed after being accepted (id, error).
         self._compiling: list[Request] = []
         self._failed: list[tuple[str, InvalidRequestError]] = []
-        self.info = ModelInfo(
-            model_id=loaded.model_id,
-            served_model_name=config.served_model_name or loaded.model_id,
-            tokenizer_dir=str(loaded.tokenizer_dir),
-            max_model_len=self.max_model_len,
-            block_size=config.block_size,
-            num_kv_blocks=self.memory.num_blocks,
-            vocab_size=loaded.vocab_size,
-            eos_token_ids=list(loaded.eos_token_ids),
-            tasks=[self.task],
-            enable_lora=config.enable_lora,
-            # The final norm's width: what an embed row's hidden state has.
-            embedding_dim=int(self.runner.head.inner.weight.shape[-1]) if self.task == "embed" else 0,
-            matryoshka_dimensions=matryoshka_dimensions(loaded.tokenizer_dir) if self.task == "embed" else None,
-        )
+
+        self.info = _model_info(loaded, config, self.task, self.max_model_len, self.memory.num_blocks,
+                                self.runner.head)
         self.score_ids = (score_token_ids(loaded.tokenizer_dir, config.score_tokens)
                           if self.task == "score" else None)
         for name, path in config.lora_adapters:
@@ -154,9 +140,6 @@ class Engine:
         if self.lora is not None:
             log.info("LoRA: %d slot(s) of rank %d, %.1f MiB; adapters: %s", config.max_loras, config.max_lora_rank,
                      self.lora.nbytes / 2**20, ", ".join(self.lora.adapters) or "none yet")
-        self.grammars = GrammarCompiler(self.info.tokenizer_dir, loaded.vocab_size, loaded.eos_token_ids)
-        self.sampler.grammars = self.grammars
-        self.metrics.attach(self)
 
     # -- requests ---------------------------------------------------------------------------
 
@@ -473,3 +456,50 @@ class Engine:
                     if out.finish_reason:
                         pending.discard(out.request_id)
         return [results[rid] for rid in ids]
+
+
+def _layers_and_kv(model, config: EngineConfig, spec: SpeculativeConfig | None, dtype: mx.Dtype,
+                   encoder: EncodeThread | None) -> tuple[list[LayerSpec], KVCacheManager]:
+    """The layers this process runs (all of them, or its part of a pipeline or tensor-parallel group)
+    and the KV cache manager of their groups, whose pool waits for ``encoder`` before it resizes."""
+    if config.num_ranks > 1:
+        model_split.prepare(model, pipeline.join(config), config)
+    specs = read_layers(model)
+    kv = KVCacheManager.build(specs, config, dtype, settle=encoder.wait if encoder is not None else None)
+    if spec is not None and not kv.can_rewind:
+        raise InvalidRequestError(
+            "speculative decoding is not supported for this model: one of its caches cannot take "
+            "rejected draft tokens back", param="speculative_config",
+        )
+    return specs, kv
+
+
+def _runner(model, specs: list[LayerSpec], kv: KVCacheManager, backend: str, config: EngineConfig,
+            spec: SpeculativeConfig | None, lora: LoraRegistry | None) -> ModelRunner | pipeline.MirroredRunner:
+    """Rank 0's runner of a group of ranks, or this process's own."""
+    if config.num_ranks > 1:
+        return pipeline.MirroredRunner(model, specs, kv, backend, config)
+    # Not where a drafter reads the target's hidden states as its forward runs (MTP, a Gemma 4
+    # assistant): a replayed step runs none of the model's Python, so would hand it none.
+    compile_decode = bool(config.compile_decode) and (spec is None or spec.method != "mtp")
+    return ModelRunner(model, specs, kv, backend, lora, compile_decode)
+
+
+def _model_info(loaded: LoadedModel, config: EngineConfig, task: str, max_model_len: int, num_kv_blocks: int,
+                head: LastTokenNorm) -> ModelInfo:
+    """What the gateways are told about the model served (``READY``)."""
+    return ModelInfo(
+        model_id=loaded.model_id,
+        served_model_name=config.served_model_name or loaded.model_id,
+        tokenizer_dir=str(loaded.tokenizer_dir),
+        max_model_len=max_model_len,
+        block_size=config.block_size,
+        num_kv_blocks=num_kv_blocks,
+        vocab_size=loaded.vocab_size,
+        eos_token_ids=list(loaded.eos_token_ids),
+        tasks=[task],
+        enable_lora=config.enable_lora,
+        # The final norm's width: what an embed row's hidden state has.
+        embedding_dim=int(head.inner.weight.shape[-1]) if task == "embed" else 0,
+        matryoshka_dimensions=matryoshka_dimensions(loaded.tokenizer_dir) if task == "embed" else None,
+    )

@@ -29,7 +29,7 @@ from tqdm import tqdm
 from engined.request import Request
 from engined.sampler import Sampler
 from engined.scheduler import SchedulerOutput
-from engined.speculative import Verifier
+from engined.speculation.speculator import Verifier
 from shared.config import EngineConfig
 from shared.errors import MemoryBudgetError
 from shared.protocol import SamplingParams

@@ -6,6 +6,9 @@ names vLLM's example dashboard still reads are served too. Each Engine has its
 own registry (several engines may live in one test process). Every series
 carries vLLM's ``model_name`` and ``engine`` labels (one engine: "0").
 tests/engined/vllm_metrics.json is vLLM's table these are checked against.
+
+Over 400 lines because every series vLLM defines is declared here, under its names, buckets and
+labels, beside the periodic log line read from the same counters: metrics are defined in one place.
 """
 
 from __future__ import annotations
@@ -21,6 +24,8 @@ from prometheus_client import (
 )
 
 from engined.request import Request
+from shared.config import EngineConfig
+from shared.protocol import EngineStats
 
 log = logging.getLogger("mlxd.engine")
 
@@ -53,8 +58,6 @@ def build_1_2_5_buckets(max_value: int) -> list[int]:
 
 # vLLM's buckets of the n parameter.
 N_BUCKETS = [1, 2, 5, 10, 20]
-# Bucket lists of the per-request token histograms before the engine says its max_model_len.
-DEFAULT_MAX_MODEL_LEN = 2048
 
 
 @dataclass
@@ -72,7 +75,11 @@ def _copy(totals: SpecTotals) -> SpecTotals:
 
 
 class EngineMetrics:
-    def __init__(self, model_name: str, prefix: str = "mlxd", max_model_len: int | None = None):
+    def __init__(self, model_name: str, config: EngineConfig, max_model_len: int, stats: EngineStats):
+        """One engine's series, set from its state when it is built (``stats``): the KV gauges and
+        cache_config_info from the start, not from the first request, and the spec-decode series
+        declared when the engine speculates, as vLLM does."""
+        prefix = config.metrics_prefix
         if prefix not in ("mlxd", "vllm"):
             raise ValueError("metrics prefix must be 'mlxd' or 'vllm'")
         self.registry = CollectorRegistry()
@@ -144,8 +151,15 @@ class EngineMetrics:
                                                                     "engine_step.", TOKEN_BUCKETS)
         self.step_time = histogram("step_duration_seconds", "Wall time of one engine step.", STEP_BUCKETS)
         self.params_n = histogram("request_params_n", "Histogram of the n request parameter.", N_BUCKETS)
-        self._sized: list = []
-        self._size_histograms(max_model_len or DEFAULT_MAX_MODEL_LEN)
+        # The per-request token histograms, whose buckets follow max_model_len as vLLM's do.
+        sizes = build_1_2_5_buckets(max_model_len)
+        self.request_prompt_tokens = histogram("request_prompt_tokens", "Number of prefill tokens processed.", sizes)
+        self.request_generation_tokens = histogram("request_generation_tokens",
+                                                   "Number of generation tokens processed.", sizes)
+        self.request_max_generation_tokens = histogram(
+            "request_max_num_generation_tokens", "Histogram of maximum number of requested generation tokens.", sizes)
+        self.params_max_tokens = histogram("request_params_max_tokens",
+                                           "Histogram of the max_tokens request parameter.", sizes)
         app_tokens = Counter(name("app_generation_tokens"), "Generated tokens by app.",
                              labels + ["app"], registry=self.registry)
         app_requests = Counter(name("app_requests"), "Finished requests by app.",
@@ -161,7 +175,6 @@ class EngineMetrics:
         self._spec = None
         self._lora_info = None
         self._lora_seen: tuple | None = None
-        self._attached = False
         # Running totals for the periodic stats line (StatsLog): prompt tokens prefilled (of
         # which found in the prefix cache) and tokens generated.
         self.total_prompt_tokens = 0
@@ -169,66 +182,33 @@ class EngineMetrics:
         self.total_generation_tokens = 0
         self.spec: SpecTotals | None = None  # set when the engine speculates
 
-    def attach(self, engine) -> None:
-        """Once the engine is built: KV gauges and cache_config_info set now (not at the first
-        request), and the spec-decode series declared when the engine speculates.
-
-        The Engine calls this at the end of its __init__; idempotent.
-        """
-        if self._attached:
-            return
-        self._attached = True
-        if engine.max_model_len != self._max_model_len:
-            # Built without it (a test's EngineMetrics); nothing was observed yet.
-            self._size_histograms(engine.max_model_len)
-        config = engine.config
-        stats = engine.stats()
         info = Gauge(self._name("cache_config_info"), "Information of the LLMEngine CacheConfig",
                      ["block_size", "cache_dtype", "enable_prefix_caching", "gpu_memory_utilization",
                       "num_gpu_blocks", "engine"], registry=self.registry)
         info.labels(str(config.block_size), "auto", str(config.enable_prefix_caching),
                     str(config.gpu_memory_utilization), str(stats.num_total_blocks), ENGINE_INDEX).set(1)
-        spec = engine.config.speculative
+        spec = config.speculative
         if spec is not None:
             per_pos = self._spec_series()[3]
             for pos in range(spec.num_speculative_tokens):  # every position's series from the start, as vLLM
                 per_pos(pos)
             self.spec = SpecTotals(accepted_per_pos=[0] * spec.num_speculative_tokens)
-        if engine.config.enable_lora:
+        if config.enable_lora:
             self._lora_info = Gauge(self._name("lora_requests_info"), "Running stats on lora requests.",
                                     ["max_lora", "waiting_lora_adapters", "running_lora_adapters"],
                                     registry=self.registry)
-            self.on_lora(engine.config.max_loras, [], [])
+            self.on_lora(config.max_loras, [], [])
         self.on_step(0, 0.0, stats)
 
     def on_lora(self, max_loras: int, running: list[str], waiting: list[str]) -> None:
         """vLLM's lora_requests_info: one series, labelled with the adapters running and waiting (comma
-        separated), valued at the time they last changed. Nothing before ``attach``."""
+        separated), valued at the time they last changed. Nothing where adapters are off."""
         labels = (str(max_loras), ",".join(waiting), ",".join(running))
         if self._lora_info is None or labels == self._lora_seen:
             return
         self._lora_seen = labels
         self._lora_info.clear()  # one series: the state now, not every state seen since the start
         self._lora_info.labels(*labels).set_to_current_time()
-
-    def _size_histograms(self, max_model_len: int) -> None:
-        """The per-request token histograms, whose buckets follow max_model_len as vLLM's do."""
-        for family in self._sized:
-            self.registry.unregister(family)
-        sizes = build_1_2_5_buckets(max_model_len)
-        self._sized = []
-
-        def make(n, doc):
-            family = Histogram(self._name(n), doc, self._labels, buckets=sizes, registry=self.registry)
-            self._sized.append(family)
-            return family.labels(*self._values)
-
-        self.request_prompt_tokens = make("request_prompt_tokens", "Number of prefill tokens processed.")
-        self.request_generation_tokens = make("request_generation_tokens", "Number of generation tokens processed.")
-        self.request_max_generation_tokens = make("request_max_num_generation_tokens",
-                                                  "Histogram of maximum number of requested generation tokens.")
-        self.params_max_tokens = make("request_params_max_tokens", "Histogram of the max_tokens request parameter.")
-        self._max_model_len = max_model_len
 
     def _spec_series(self):
         """The spec-decode counters, declared at the first use: vLLM serves them only when it speculates."""

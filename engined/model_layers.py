@@ -116,7 +116,7 @@ def _where(model: nn.Module, i: int) -> str:
 # each layer the reshapes into and out of the packed batch and the residual add's broadcast. Each is proven
 # by the family parity tests (``tests/engined/test_families.py``); Ministral 3, Gemma 4 and the hybrid
 # families read the sequence axis and stay packed, as does GLM-4.5, whose MTP layer reads the packed hidden
-# states (``engined/mtp.py``).
+# states (``engined/speculation/mtp.py``).
 FLAT_STREAM = frozenset({"llama", "qwen2", "qwen3", "qwen3_moe", "gpt_oss", "gemma2", "gemma3_text", "mixtral",
                          "phi3", "glm4", "olmo2", "smollm3"})
 
@@ -256,7 +256,7 @@ def _kv_source(model: nn.Module, i: int, attn: nn.Module) -> int | None:
 
 
 def transformer_layers(model: nn.Module) -> list[nn.Module]:
-    """The layers this process runs: all of them, or one pipeline rank's run (``engined.pipeline``)."""
+    """The layers this process runs: all of them, or one pipeline rank's run (``engined.parallel.pipeline``)."""
     text = text_model(model)
     inner = getattr(text, "model", None)
     split = getattr(inner, "end_idx", None) is not None  # mlx_lm's pipeline() set it; its layers list has Nones

@@ -37,13 +37,13 @@ def run_engine(config: EngineConfig, daemon: DaemonConfig, parent_pid: int | Non
     if (warning := slow_blas_warning()) is not None:
         log.warning("%s", warning)
     if config.num_ranks > 1:
-        from engined import pipeline
+        from engined.parallel import pipeline
 
         group = pipeline.join(config)
         if group.rank() > 0:  # a worker: no socket, no gateways; it mirrors rank 0 until rank 0 is gone
             return pipeline.serve_worker(config, group, loading)
     from engined.daemon import Daemon
-    from engined.encoder_engine import EncoderEngine, encoder_dir
+    from engined.encoders.engine import EncoderEngine, encoder_dir
     from engined.engine import Engine
     from shared.curve import check_endpoint
     from shared.paths import check_ipc_endpoint, default_engine_endpoint, refuse_live_ipc

@@ -25,15 +25,16 @@ import mlx.nn as nn
 import numpy as np
 
 from engined import kernels
-from engined.compiled_decode import CompiledDecode
+from engined.fastpath.compiled_decode import CompiledDecode
+from engined.fastpath.linear_join import fuse_linears, join_siblings
+from engined.fastpath.transposed_linear import hold_transposes
 from engined.kernels import gated_delta
 from engined.kernels.qk_rope import QKRope
+from engined.kv.manager import KVCacheManager
 from engined.linear_attention import SlottedLinearAttention
-from engined.linear_join import fuse_linears, join_siblings
 from engined.lora.registry import LoraRegistry
 from engined.model_layers import LayerSettings, LayerSpec, flat_stream, text_model, transformer_layers
-from engined.transposed_linear import hold_transposes
-from engined.scheduler import KVCacheManager, SchedulerOutput
+from engined.scheduler import SchedulerOutput
 from shared.errors import ModelLoadError
 
 
@@ -112,7 +113,7 @@ class ModelRunner:
         if lora is None:  # LoRA's groups write adapters into their bases' weights in place
             hold_transposes(model)
         self.flat = flat_stream(model)
-        # Decode steps replayed from a trace (engined/compiled_decode.py); not with adapters, whose
+        # Decode steps replayed from a trace (engined/fastpath/compiled_decode.py); not with adapters, whose
         # slots change between steps what a layer computes.
         self.compiled = (CompiledDecode(functools.partial(run_model, model, flat=self.flat), self.head,
                                         attention_backend) if compile_decode and lora is None else None)

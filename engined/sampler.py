@@ -13,6 +13,9 @@ step n+1 reads its requests' placeholders from there (the runner's
 ``fills``), and the host reads them with ``read`` (the sync point) only once
 step n+1 is queued behind it. Without it, ``read`` follows the launch at once
 and the step is the synchronous one.
+
+Over 400 lines because the launched step (``LaunchedStep``) is the sampler's one call split in two
+for asynchronous scheduling: launched where the step is built, read where it is postprocessed.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from collections.abc import Callable
 import mlx.core as mx
 import numpy as np
 
-from engined.encode_thread import EncodeThread
+from engined.fastpath.encode_thread import EncodeThread
 from engined.request import Request
 from engined.scheduler import SchedulerOutput
 from shared.protocol import Logprob
@@ -39,7 +42,7 @@ def row_key(seed: int, position: int) -> mx.array:
 
 
 class Sampler:
-    def __init__(self, vocab_size: int, eos_token_ids: list[int], grammars=None):
+    def __init__(self, vocab_size: int, eos_token_ids: list[int], grammars=None, choose_on_device: bool = False):
         self.vocab_size = vocab_size
         self.eos_token_ids = list(eos_token_ids)
         # engined.structured.GrammarCompiler: masks rows of constrained requests.
@@ -47,7 +50,7 @@ class Sampler:
         # Asynchronous scheduling: the step before may still run, and reading which rows' kept sets
         # run past their head would wait for it. Those rows are then sampled over the whole sorted
         # vocabulary on the device as well, and each row takes its answer there.
-        self.choose_on_device = False
+        self.choose_on_device = choose_on_device
 
     def __call__(self, logits: mx.array, reqs: list[Request]) -> tuple[mx.array, list | None]:
         """Sample one token per row of ``logits [S, V]``; returns (tokens [S], logprob parts or None).
@@ -344,7 +347,7 @@ class LaunchedStep:
         self.logprob_parts = logprob_parts
         self.spec_results = spec_results  # verified draft windows' results, read after evaluation
         self._rows = {r: i for i, r in enumerate(reqs)}
-        # Pooled requests' results (engined.pooling.pooled_results), stored when the step is read.
+        # Pooled requests' results (engined.encoders.pooling.pooled_results), stored when the step is read.
         self.pooled = None
         self._pending = pending  # what ``start`` evaluates
         self._encoder: EncodeThread | None = None

@@ -22,7 +22,7 @@ class SpeculativeConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True
     checkpoint: Gemma 4's assistant). Omitted, it is "draft_model" when a
     ``model`` is given, else "mtp", as vLLM infers it; the engine then refuses
     a checkpoint without MTP layers, and reads a Gemma 4 assistant given as a
-    draft model as "mtp" (``engined.proposers.resolve``).
+    draft model as "mtp" (``engined.speculation.proposers.resolve``).
     """
 
     method: str | None = None
@@ -105,9 +105,9 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     # None: the device's default (on for CUDA, off for Metal and the CPU).
     encode_thread: bool | None = None
     # Decode steps replayed from a graph compiled once per shape instead of built layer by layer
-    # (engined/compiled_decode.py). None: the device's default (on for a GPU, off on the CPU).
+    # (engined/fastpath/compiled_decode.py). None: the device's default (on for a GPU, off on the CPU).
     compile_decode: bool | None = None
-    # Ranks the model's layers are split over (engined/pipeline.py); each rank is a process, on
+    # Ranks the model's layers are split over (engined/parallel/pipeline.py); each rank is a process, on
     # this machine or on others (mlx.launch), and holds only its layers' weights and KV.
     pipeline_parallel_size: int = 1
     # Layers per rank, rank 0 first (rank 0 runs the last layers); empty: an even split.
@@ -222,7 +222,7 @@ class EngineConfig(msgspec.Struct, kw_only=True):
 
     @property
     def num_ranks(self) -> int:
-        """Processes the model runs over (``engined/pipeline.py``); 1: this one alone."""
+        """Processes the model runs over (``engined/parallel/pipeline.py``); 1: this one alone."""
         return self.pipeline_parallel_size * self.tensor_parallel_size
 
     @property

@@ -22,6 +22,10 @@ long prefill chunks into query blocks that only score keys up to their own
 last position (half the causal work skipped). Same contract and answers as
 ``reference_attention``; float32 only (the CPU runs float32 weights,
 and numpy has no bfloat16).
+
+Over 400 lines because the layout and the two implementations that need no GPU kernel are one
+contract: the oracle and the CPU path read the layout as the kernels do, and each is checked
+against the other.
 """
 
 from __future__ import annotations
@@ -81,7 +85,7 @@ class AttentionMetadata:
         cu = np.zeros(len(q) + 1, dtype=np.int32)
         np.cumsum(q, out=cu[1:])
         # Rounded up so that a decode step's arrays keep their shapes while contexts grow
-        # (engined/compiled_decode.py replays one graph per shape); entries past a table are never read.
+        # (engined/fastpath/compiled_decode.py replays one graph per shape); entries past a table are never read.
         longest = max((len(t) for t in block_tables), default=0)
         width = max(-(-longest // TABLE_WIDTH_STEP), 1) * TABLE_WIDTH_STEP
         table = np.zeros((len(q), width), dtype=np.int32)

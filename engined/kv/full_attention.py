@@ -32,6 +32,10 @@ first ``num_resident`` blocks exist: the owner's arrays follow that number.
 Blocks are added at the tail in large steps when an allocation would otherwise
 evict a cached prefix or run short, and ``shrink`` cuts free tail blocks off
 again, so resident memory follows demand while every block id stays valid.
+
+Over 400 lines because the main pool, its prefix cache and the paged arrays sized to it are the
+full-attention group's state, changed together by its allocate, commit and resize (the sliding-window
+group reuses the pool and the arrays from here).
 """
 
 from __future__ import annotations
@@ -172,7 +176,8 @@ class PagedArrays:
 
 
 class FullAttentionGroup(KVGroup):
-    def __init__(self, specs: list[LayerSpec], block_size: int, enable_caching: bool, dtype: mx.Dtype):
+    def __init__(self, specs: list[LayerSpec], block_size: int, enable_caching: bool, dtype: mx.Dtype,
+                 settle: Callable[[], None] | None = None):
         self.layers = [s.index for s in specs]
         self.block_size = block_size
         self.enable_caching = enable_caching
@@ -187,15 +192,16 @@ class FullAttentionGroup(KVGroup):
         self.floor = 0  # the resident size the pool starts at and never shrinks below
         self._resident = 0  # blocks the arrays hold now
         # Called before the arrays are resized: an engine whose steps are encoded on another thread
-        # waits there for the step in flight (engined/encode_thread.py).
-        self.settle: Callable[[], None] = lambda: None
+        # waits there for the step in flight (engined/fastpath/encode_thread.py).
+        self.settle: Callable[[], None] = settle or (lambda: None)
 
     @classmethod
-    def claim(cls, specs: list[LayerSpec], config: EngineConfig, dtype: mx.Dtype) -> "FullAttentionGroup":
+    def claim(cls, specs: list[LayerSpec], config: EngineConfig, dtype: mx.Dtype,
+              settle: Callable[[], None] | None = None) -> "FullAttentionGroup":
         """Every attention layer left: full attention, and windowed layers with no pool of their own
-        (their window is then applied by the kernel over the whole table)."""
+        (their window is then applied by the kernel over the whole table); ``settle``: see ``__init__``."""
         return cls([s for s in specs if s.settings is not None], config.block_size,
-                   config.enable_prefix_caching, dtype)
+                   config.enable_prefix_caching, dtype, settle)
 
     @property
     def bytes_per_block(self) -> int:

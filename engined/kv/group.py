@@ -1,4 +1,4 @@
-"""The contract every KV group keeps; ``engined.scheduler.KVCacheManager`` composes them.
+"""The contract every KV group keeps; ``manager.KVCacheManager`` composes them.
 
 A group owns one kind of per-layer cache for the layers it claims: its sizes,
 its arrays, its per-request tables, how far a cached prefix can serve it, and

@@ -1,4 +1,4 @@
-"""The K/V of a checkpoint's MTP layer (``engined.mtp``): paged like the full-attention layers, in the main pool.
+"""The K/V of a checkpoint's MTP layer (``engined.speculation.mtp``): paged like full attention, in the main pool.
 
 The MTP layer attends over its own K/V at the target's positions, so its
 arrays are indexed by the main pool's block ids: the block a request holds

@@ -21,6 +21,9 @@ no resident adapter targets, skips the term.
 Mixture-of-experts layers (mlx_lm's ``SwitchGLU``) hold one pair per slot
 and expert, gathered by ``slot * experts + expert`` per routed row: their rows
 are gathered for the base's own experts anyway.
+
+Over 400 lines because each wrapper's form and the ``install`` that picks it for a family's module
+are one mapping, read together.
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ import numpy as np
 from mlx_lm.models.activations import swiglu
 from mlx_lm.models.switch_layers import SwitchGLU
 
-from engined.linear_join import JoinedMember, dims, fuse_linears
+from engined.fastpath.linear_join import JoinedMember, dims, fuse_linears
 from engined.lora.groups import ProjectionGroup
 from engined.model_layers import transformer_layers
 

@@ -7,7 +7,7 @@ chunks, a queue longer than the running batch, a pool tight enough to
 preempt, requests that stop on a token, on max_tokens and on the context,
 aborts, seeded sampling, logprobs and penalties (whose steps are read before
 the next is scheduled). Again with each step's graph encoded on a thread of
-its own (``engined/encode_thread.py``) while the engine builds the next; the
+its own (``engined/fastpath/encode_thread.py``) while the engine builds the next; the
 pool here also grows under the steps in flight.
 """
 

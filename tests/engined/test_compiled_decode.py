@@ -1,4 +1,4 @@
-"""Decode steps replayed from compiled traces (engined.compiled_decode): a graph is replayed only for a
+"""Decode steps replayed from compiled traces (engined.fastpath.compiled_decode): a graph is replayed only for a
 step that would have built the same one, the K/V pools are written in place as in a built step, shapes
 are traced the second time they are met, the traces kept stay bounded, and a trace that fails leaves the
 steps built. That outputs equal a built step's, family by family, is in test_families."""
@@ -9,8 +9,9 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from engined import compiled_decode, kernels
+from engined import kernels
 from engined.engine import Engine
+from engined.fastpath import compiled_decode
 from engined.kernels import AttentionMetadata
 from engined.kernels.gpu_geometry import PARTITION_TOKENS
 from engined.loaders import load_model

@@ -1,4 +1,4 @@
-"""Where a worker finds rank 0's wake socket (engined/doorbell.py): the address the launcher gave the ranks."""
+"""Where a worker finds rank 0's wake socket (engined/parallel/doorbell.py): the address the launcher gave the ranks."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from engined.doorbell import rank0_host
+from engined.parallel.doorbell import rank0_host
 
 
 @pytest.mark.parametrize("hosts,expected", [

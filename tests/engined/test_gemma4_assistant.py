@@ -22,9 +22,9 @@ import pytest
 from mlx.utils import tree_flatten
 
 from engined.engine import Engine
-from engined.gemma4_assistant import LAYER_TYPES, Gemma4AssistantProposer, load_assistant
 from engined.loaders import load_model
 from engined.model_layers import text_model
+from engined.speculation.gemma4_assistant import LAYER_TYPES, Gemma4AssistantProposer, load_assistant
 from shared.config import EngineConfig
 from shared.errors import ModelLoadError
 from shared.protocol import SamplingParams, StructuredSpec

@@ -13,8 +13,8 @@ import numpy as np
 from mlx.utils import tree_flatten
 
 from engined.engine import Engine
-from engined.gemma4_assistant import load_assistant
 from engined.loaders import load_model
+from engined.speculation.gemma4_assistant import load_assistant
 from shared.config import EngineConfig
 from tests.engined.test_gemma4_assistant import (  # noqa: F401 (pair and trained are fixtures)
     ACCEPTANCE_FLOOR, GREEDY_32, KW, assistant_config, pair, save_assistant, spec_counts, trained)

@@ -8,8 +8,8 @@ import pytest
 
 from engined.engine import Engine
 from engined.kv.full_attention import BlockPool
+from engined.kv.manager import IDLE_RELEASE_S
 from engined.loaders import load_model
-from engined.scheduler import IDLE_RELEASE_S
 from shared.config import EngineConfig
 from shared.protocol import SamplingParams
 from tests.tiny_models import make_tiny_model, seeded_rng

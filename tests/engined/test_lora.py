@@ -290,7 +290,6 @@ def test_lora_requests_info_has_vllms_labels_and_names_running_and_waiting_adapt
     model_dir, a_dir, b_dir, _ = setups("llama")
     # One slot: while A's request runs, B's waits for it.
     engine = _engine(model_dir, "float32", a_dir, b_dir, max_loras=1, metrics_prefix="vllm")
-    engine.metrics.attach(engine)
     params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
     engine.add_request("a", [1, 2, 3], params, lora_name="A")
     engine.add_request("b", [4, 5, 6], params, lora_name="B")

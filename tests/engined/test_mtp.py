@@ -25,7 +25,7 @@ from engined.kv.mtp_layer import MTPLayerGroup
 from engined.loaders import load_model
 from engined.metrics import StatsLog
 from engined.model_layers import text_model
-from engined.mtp import build_layer
+from engined.speculation.mtp import build_layer
 from shared.config import EngineConfig
 from shared.errors import ModelLoadError
 from shared.protocol import SamplingParams, StructuredSpec

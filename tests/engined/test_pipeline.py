@@ -1,4 +1,4 @@
-"""Pipeline and tensor parallelism (engined/pipeline.py) with real ranks on loopback over MLX's ring backend.
+"""Pipeline and tensor parallelism (engined/parallel/pipeline.py) with real ranks on loopback over MLX's ring backend.
 
 Each case runs ``tests/engined/pipeline_driver.py`` as rank 0 (the in-process
 Engine) with the other ranks started by ``mlxd.ranks`` as `mlxd engine`

@@ -166,8 +166,7 @@ def test_choosing_overflowing_rows_on_the_device_gives_the_host_checks_tokens():
     params = [SamplingParams(temperature=1.0, top_p=0.9, top_k=50), SamplingParams(temperature=0.8, top_p=0.99),
               SamplingParams(temperature=1.0), SamplingParams(temperature=0.0, top_p=0.9)] * (rows // 4)
     reqs = [Request(f"r{i}", [1], p, seed=int(rng.integers(1 << 30))) for i, p in enumerate(params)]
-    host, device = Sampler(vocab, [0]), Sampler(vocab, [0])
-    device.choose_on_device = True
+    host, device = Sampler(vocab, [0]), Sampler(vocab, [0], choose_on_device=True)
     _, past = host._sample_head(logits, reqs)
     assert set(range(1, rows, 4)) <= set(past), "the flat top-p rows were meant to overflow their head"
     assert np.array(device(logits, reqs)[0]).tolist() == np.array(host(logits, reqs)[0]).tolist()

@@ -9,8 +9,9 @@ import random
 
 from hypothesis import given, settings, strategies as st
 
+from engined.kv.manager import KVCacheManager
 from engined.request import Request, Status
-from engined.scheduler import KVCacheManager, Scheduler, SchedulerOutput, attended_keys
+from engined.scheduler import Scheduler, SchedulerOutput, attended_keys
 from shared.protocol import SamplingParams
 from tests.tiny_models import fresh_seed
 

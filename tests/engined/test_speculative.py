@@ -9,7 +9,7 @@ from engined.engine import Engine
 from engined.loaders import load_model
 from engined.request import Request
 from engined.sampler import Sampler
-from engined.speculative import Verifier, ngram_propose
+from engined.speculation.speculator import Verifier, ngram_propose
 from shared.config import EngineConfig
 from shared.protocol import SamplingParams
 from tests.engined.device_waits import DeviceWaits

@@ -11,7 +11,7 @@ from transformers import AutoTokenizer
 
 from engined.request import Request
 from engined.sampler import Sampler
-from engined.speculative import Verifier
+from engined.speculation.speculator import Verifier
 from shared.protocol import SamplingParams, StructuredSpec
 from tests.engined.test_speculative import (  # noqa: F401 (smol: the engines fixture)
     CHI2_999, assert_drafts_were_verified, counts, draft_engines, smol, spec_counters,

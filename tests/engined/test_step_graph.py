@@ -1,5 +1,5 @@
 """A step's graph carries no node it can do without: linears hold their weight's transpose
-(engined.transposed_linear), computing nn.Linear's outputs bit for bit, and the families of
+(engined.fastpath.transposed_linear), computing nn.Linear's outputs bit for bit, and the families of
 ``model_layers.FLAT_STREAM`` run on a 2-D stream, without the packed batch's reshapes and broadcasts."""
 
 import collections
@@ -10,8 +10,8 @@ import mlx.nn as nn
 import pytest
 
 from engined.engine import Engine
+from engined.fastpath.transposed_linear import TransposedEmbedding, TransposedLinear, hold_transposes
 from engined.loaders import load_model
-from engined.transposed_linear import TransposedEmbedding, TransposedLinear, hold_transposes
 from shared.config import EngineConfig
 from shared.protocol import SamplingParams
 from tests.tiny_models import fresh_seed, make_tiny_model

@@ -10,7 +10,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from engined.engine import Engine
-from engined.speculative import can_speculate
+from engined.speculation.speculator import can_speculate
 from shared.config import EngineConfig
 from shared.errors import InvalidRequestError
 from shared.protocol import SamplingParams, StructuredSpec

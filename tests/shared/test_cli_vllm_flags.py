@@ -76,7 +76,7 @@ def test_vllm_flags_with_no_effect_warn_and_ones_that_would_change_behaviour_are
         ["serve", "--tensor-parallel-size", "1", "--trust-remote-code", "--enable-chunked-prefill",
          "--download-dir", "/tmp/x", "--disable-log-requests", "--disable-log-stats", "--dtype", "auto"])
     warnings = vllm_compat.check(args)
-    # --tensor-parallel-size is mlxd's own flag (engined/pipeline.py): no warning.
+    # --tensor-parallel-size is mlxd's own flag (engined/parallel/pipeline.py): no warning.
     assert len(warnings) == 3 and all(w.count("\n") == 0 and "no effect" in w for w in warnings), warnings
     assert build_config(GatewayConfig, args).enable_log_requests is False
     for bad in (["-dp", "2"], ["--no-enable-chunked-prefill"], ["--kv-cache-dtype", "fp8"]):

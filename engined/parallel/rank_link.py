@@ -5,7 +5,7 @@ of its KV manager's calls since the last one (``Op``, replayed by each
 worker's ``pipeline.Mirror``), then the forward's tokens or a query. It goes
 over the group's own ``mx.distributed`` send/recv (``Link``); all-gathers
 answer the queries. While nothing is in flight the other ranks rest on a
-doorbell (``engined.doorbell``) instead of waiting in MLX's receive.
+doorbell (``engined.parallel.doorbell``) instead of waiting in MLX's receive.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import mlx.core as mx
 import msgspec
 import numpy as np
 
-from engined import doorbell
+from engined.parallel import doorbell
 
 
 class Op(msgspec.Struct, array_like=True):

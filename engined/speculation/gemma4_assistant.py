@@ -43,15 +43,15 @@ from mlx_lm.models.gemma4_text import DecoderLayer, ModelArgs
 from mlx_lm.utils import infer_quant_config
 
 from engined import kernels
-from engined.draft_model import draft_loop, rows_for
+from engined.kv.manager import KVCacheManager
 from engined.loaders.mlx_dir import dense_weights, gemma4_text_fields, resolve_hf_repo
 from engined.model_layers import float_dtype, text_model
-from engined.mtp import TargetHiddenStates
 from engined.request import Request
 from engined.runner import LastTokenNorm
 from engined.sampler import Sampler
-from engined.scheduler import KVCacheManager
 from engined.kernels import AttentionMetadata
+from engined.speculation.draft_model import draft_loop, rows_for
+from engined.speculation.mtp import TargetHiddenStates
 from shared.errors import ModelLoadError
 
 MODEL_TYPE = "gemma4_assistant"

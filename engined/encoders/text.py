@@ -10,7 +10,7 @@ Why not PyPI's mlx-embeddings (inspected at 0.1.0): it needs mlx-vlm, which pull
 mlx-audio, datasets, fastapi and more into the engine; its loader imports huggingface_hub's
 snapshot_download and transformers' AutoProcessor on every load; its package sets environment
 variables at import time; and it is GPLv3. The encoder architectures are small, so mlxd keeps its
-own (``encoder_bert.py``, ``encoder_modernbert.py``), written against Hugging Face's tensor names.
+own (``bert.py``, ``modernbert.py``), written against Hugging Face's tensor names.
 
 Batching: one call embeds a whole request set. Inputs are sorted by length and cut into chunks of
 similar lengths (``_length_chunks``); each chunk is one padded forward with a key mask, so a
@@ -28,10 +28,10 @@ import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten
 
-from engined import encoder_bert, encoder_modernbert
+from engined.encoders import bert, modernbert
 from shared.errors import InvalidRequestError, ModelLoadError
 
-_FAMILIES = {t: family for family in (encoder_bert, encoder_modernbert) for t in family.MODEL_TYPES}
+_FAMILIES = {t: family for family in (bert, modernbert) for t in family.MODEL_TYPES}
 
 # Padded tokens per forward: bounds the attention scores ([chunk, heads, L, L] floats) and the
 # activations of one forward while keeping matmuls large enough to run at full speed on a CPU.

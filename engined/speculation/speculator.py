@@ -123,7 +123,7 @@ class Speculator:
         self.verifier = Verifier(sampler)
         self.metrics = metrics
         self.max_model_len = max_model_len
-        # engined.draft_model.DraftProposer or engined.mtp.MTPProposer, and the target's block tables
+        # draft_model.DraftProposer or mtp.MTPProposer (of this package), and the target's block tables
         # by request id the draft model writes through.
         self.drafter = drafter
         self.mtp = config is not None and config.method == "mtp"

@@ -24,7 +24,7 @@ memory, for its own layers). A rank that dies makes the next step raise on rank
 0 ("connection to a peer was lost"), which ends the engine; a rank that stops
 answering is caught by ``Watchdog``. With nothing in flight rank 0 lets the
 other ranks rest (``Link.rest``): they wait in the OS for its doorbell, since a
-worker waiting in MLX's receive keeps a core busy (``engined.doorbell``).
+worker waiting in MLX's receive keeps a core busy (``engined.parallel.doorbell``).
 """
 
 from __future__ import annotations
@@ -39,13 +39,15 @@ from collections import deque
 
 import mlx.core as mx
 
-from engined import memory_guard, model_split
+from engined import memory_guard
 from engined.device import device_kind
+from engined.kv.manager import KVCacheManager
 from engined.memory_guard import MemoryPlan
-from engined.rank_link import Link, Message, Op
+from engined.parallel import model_split
+from engined.parallel.rank_link import Link, Message, Op
 from engined.request import Request
 from engined.runner import ModelRunner, forward, forward_pooled
-from engined.scheduler import KVCacheManager, SchedulerOutput
+from engined.scheduler import SchedulerOutput
 from shared.config import EngineConfig
 from shared.errors import ModelLoadError
 from shared.protocol import SamplingParams

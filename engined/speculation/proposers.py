@@ -14,14 +14,14 @@ from __future__ import annotations
 import mlx.core as mx
 import msgspec
 
-from engined.draft_model import DraftProposer
-from engined.gemma4_assistant import Gemma4AssistantProposer, assistant_dir, load_assistant
+from engined.kv.manager import KVCacheManager
 from engined.loaders import LoadedModel, load_model
 from engined.model_layers import read_layers
-from engined.mtp import MTPProposer, build_layer
 from engined.runner import LastTokenNorm
 from engined.sampler import Sampler
-from engined.scheduler import KVCacheManager
+from engined.speculation.draft_model import DraftProposer
+from engined.speculation.gemma4_assistant import Gemma4AssistantProposer, assistant_dir, load_assistant
+from engined.speculation.mtp import MTPProposer, build_layer
 from shared.config import EngineConfig, SpeculativeConfig
 from shared.errors import InvalidRequestError, ModelLoadError
 

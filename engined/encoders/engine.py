@@ -22,8 +22,8 @@ import numpy as np
 
 from engined import memory_guard
 from engined.device import device_kind
+from engined.encoders.pooling import matryoshka_dimensions
 from engined.metrics import EngineMetrics
-from engined.pooling import matryoshka_dimensions
 from engined.request import Request, Status, WaitingPlaces, take_output
 from shared.config import EngineConfig
 from shared.errors import ContextLengthError, InvalidRequestError, ModelLoadError
@@ -37,14 +37,14 @@ def encoder_dir(model: str) -> Path | None:
     path = Path(model) if model else None
     if path is None or not path.is_dir():
         return None
-    from engined.encoder import EncoderModel
+    from engined.encoders.text import EncoderModel
 
     return path if EncoderModel.is_encoder_dir(path) else None
 
 
 class EncoderEngine:
     def __init__(self, config: EngineConfig, path: Path, progress: bool = False):
-        from engined.encoder import EncoderModel
+        from engined.encoders.text import EncoderModel
 
         if config.task not in ("auto", "embed"):
             raise ModelLoadError(f"{path} is an encoder model: it serves --task embed, not {config.task}")
@@ -65,13 +65,12 @@ class EncoderEngine:
             vocab_size=_vocab_size(path), eos_token_ids=[], tasks=["embed"], embedding_dim=self.model.dim,
             matryoshka_dimensions=matryoshka_dimensions(path),
         )
-        self.metrics = EngineMetrics(name, config.metrics_prefix, self.max_model_len)
         self.places = WaitingPlaces(config.max_waiting_requests)
         self.waiting: deque[Request] = deque()
         self.requests: dict[str, Request] = {}
         self._ended: list[RequestOutput] = []
         self._failed: list[tuple[str, InvalidRequestError]] = []
-        self.metrics.attach(self)
+        self.metrics = EngineMetrics(name, config, self.max_model_len, self.stats())
 
     # -- requests -----------------------------------------------------------------------------
 

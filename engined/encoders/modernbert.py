@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 import mlx.nn as nn
 
-from engined.encoder_bert import gelu_erf
+from engined.encoders.bert import gelu_erf
 
 MODEL_TYPES = ("modernbert",)
 

@@ -37,16 +37,16 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from engined.draft_model import draft_loop, rows_for
+from engined.kv.manager import KVCacheManager
 from engined.kv.mtp_layer import MTPLayerGroup
 from engined.loaders.mlx_dir import MTPWeights
 from engined.model_layers import LayerSpec, float_dtype, layer_settings, text_model
 from engined.request import Request
 from engined.runner import LastTokenNorm, PagedAttention
 from engined.sampler import Sampler
-from engined.scheduler import KVCacheManager
-from engined.speculative import may_speculate
 from engined.kernels import AttentionMetadata
+from engined.speculation.draft_model import draft_loop, rows_for
+from engined.speculation.speculator import may_speculate
 from shared.errors import ModelLoadError
 
 FAMILIES = ("qwen3_next", "qwen3_5", "qwen3_5_moe", "glm4_moe")
@@ -164,7 +164,7 @@ class HiddenTap(nn.Module):
 
 class TargetHiddenStates:
     """What a drafter that reads the target's hidden states keeps between steps (the MTP layer here,
-    Gemma 4's assistant in ``engined.gemma4_assistant``): the tap in place of the target's final
+    Gemma 4's assistant in ``engined.speculation.gemma4_assistant``): the tap in place of the target's final
     norm, the rows the last forward computed per request, and ``pending`` per request."""
 
     def __init__(self, model: nn.Module, head: LastTokenNorm):

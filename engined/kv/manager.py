@@ -1,0 +1,213 @@
+"""The KV cache manager the scheduler allocates through: a model's KV groups, seen as one.
+
+As in vLLM's V1 core, admission is an allocation that succeeds or waits. The
+manager is an ordered list of KV groups built from each layer's settings. The
+first group is always the full-attention group (``full_attention``): its pool
+bounds admission and context, and the memory guard sizes it. The others
+(``sliding_window``, ``recurrent_state``; a new kind is one file and a line in
+``KINDS``) claim the layers of their kind and follow it:
+
+- a cached prefix is the longest run of leading full blocks every group can
+  resume from (each group may only cut it shorter);
+- ``allocate`` succeeds for all groups or for none;
+- ``commit`` and ``free`` reach every group;
+- bytes per block and fixed bytes are the groups' sums.
+
+The chained block hashes live on the request and are computed here once for
+every group.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import mlx.core as mx
+import numpy as np
+
+from engined.kv.full_attention import BlockPool, FullAttentionGroup, PagedArrays, extend_hashes
+from engined.kv.group import Block, KVGroup
+from engined.kv.recurrent_state import RecurrentStateGroup
+from engined.kv.sliding_window import SlidingWindowGroup
+from engined.model_layers import LayerSpec
+from engined.request import Request
+from shared.config import EngineConfig
+from shared.errors import ModelLoadError
+
+# Seconds with no request holding a block before the main pool is cut back to its starting size:
+# long enough that an agent's pause between turns keeps its grown pool and cached prefixes.
+IDLE_RELEASE_S = 30.0
+
+# Kinds that claim layers before the full-attention group takes every attention layer left.
+KINDS: tuple[type[KVGroup], ...] = (SlidingWindowGroup, RecurrentStateGroup)
+
+
+class KVCacheManager:
+    def __init__(self, main: FullAttentionGroup, others: list[KVGroup] = (), num_layers: int = 0):
+        self.main = main
+        self.groups: list[KVGroup] = [main, *others]
+        self.block_size = main.block_size
+        self.enable_caching = main.enable_caching
+        self.num_layers = num_layers
+        # Prompt tokens looked up in / found in the prefix cache (vLLM's prefix_cache_queries/hits).
+        self.queries = 0
+        self.hits = 0
+        self._idle_since: float | None = None  # when ``release_idle`` first saw no block held
+
+    @classmethod
+    def build(cls, specs: list[LayerSpec], config: EngineConfig, dtype: mx.Dtype,
+              settle: Callable[[], None] | None = None) -> "KVCacheManager":
+        """Groups for a model's layers (``model_layers.read_layers``); arrays come with ``create``.
+        ``settle`` is called before the main pool's arrays are resized (``FullAttentionGroup``)."""
+        others, left = [], list(specs)
+        for kind in KINDS:
+            group = kind.claim(left, config, dtype)
+            if group is not None:
+                others.append(group)
+                left = [s for s in left if s.index not in group.layers]
+        main = FullAttentionGroup.claim(left, config, dtype, settle)
+        # A pipeline rank may hold linear layers only; the pool's blocks then cost it nothing.
+        if not main.layers and config.pipeline_parallel_size == 1:
+            raise ModelLoadError("the model has no attention layer: the paged runner needs at least one")
+        return cls(main, others, len(specs))
+
+    @classmethod
+    def blocks_only(cls, num_blocks: int, block_size: int, enable_caching: bool) -> "KVCacheManager":
+        """A manager of the main pool alone, with no arrays (scheduler tests, no model)."""
+        kv = cls(FullAttentionGroup([], block_size, enable_caching, mx.float32))
+        kv.create(num_blocks)
+        return kv
+
+    # -- memory ------------------------------------------------------------------------------
+
+    @property
+    def bytes_per_block(self) -> int:
+        return sum(g.bytes_per_block for g in self.groups)
+
+    @property
+    def fixed_bytes(self) -> int:
+        return sum(g.fixed_bytes for g in self.groups)
+
+    @property
+    def can_rewind(self) -> bool:
+        """Whether tokens computed past what is kept (rejected drafts) can be taken back."""
+        return all(g.can_rewind for g in self.groups)
+
+    @property
+    def resize_bytes_per_block(self) -> int:
+        """Per block of the main pool, the largest array it resizes: the transient a growth step holds."""
+        return self.main.kv.array_bytes_per_block
+
+    def create(self, num_blocks: int, resident: int | None = None) -> None:
+        """(Re)create every group's pools for a main pool of ``num_blocks`` blocks, ``resident`` of
+        them (default: all) with arrays now; 0 drops them."""
+        self.main.create(num_blocks, resident)
+        for g in self.groups[1:]:
+            g.create(num_blocks)
+
+    def add(self, group: KVGroup) -> None:
+        """A group that claims none of the model's layers but keeps K/V per block of the main pool
+        (an MTP layer's, ``kv/mtp_layer.py``): billed with the groups, its arrays following the pool."""
+        self.groups.append(group)
+        self.follow(group.kv)
+
+    def follow(self, arrays: PagedArrays) -> None:
+        """Keep ``arrays`` (indexed by the main pool's block ids) sized to the main pool's resident blocks."""
+        self.main.followers.append(arrays)
+
+    def release_idle(self, now: float) -> bool:
+        """Cut the main pool back once no request has held a block for ``IDLE_RELEASE_S`` seconds
+        (``now`` on ``time.monotonic``'s clock) and hand MLX's freed buffers back; True if it did."""
+        if self.main.tables:
+            self._idle_since = None
+            return False
+        if self._idle_since is None:
+            self._idle_since = now
+        if now - self._idle_since < IDLE_RELEASE_S or self.pool.num_resident <= self.main.floor:
+            return False
+        self.main.shrink()
+        mx.clear_cache()
+        return True
+
+    def arrays(self) -> list[mx.array]:
+        return [a for g in self.groups for a in g.arrays()]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of every array the groups hold now (main pool and fixed pools)."""
+        return sum(a.nbytes for a in self.arrays())
+
+    # -- the main pool -------------------------------------------------------------------------
+
+    @property
+    def pool(self) -> BlockPool:
+        return self.main.pool
+
+    @property
+    def req_blocks(self) -> dict[str, list[Block]]:
+        return self.main.tables
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.main.pool.num_free
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return self.main.blocks_for(num_tokens)
+
+    def block_ids(self, request_id: str) -> np.ndarray:
+        return self.main.block_ids(request_id)
+
+    # -- per request ---------------------------------------------------------------------------
+
+    def cached_prefix(self, req: Request) -> list[Block]:
+        """The longest chain of cached full blocks that prefixes ``req``'s tokens and every group can use.
+
+        Stops one token short of the end: the last token is always recomputed
+        so that the step yields its logits.
+        """
+        if not self.enable_caching:
+            return []
+        n = (req.num_tokens - 1) // self.block_size
+        extend_hashes(req, n, self.block_size)
+        while True:
+            cut = n
+            for g in self.groups:
+                cut = g.prefix_blocks(req, cut)
+            if cut == n:
+                return self.main.prefix(req, n)
+            n = cut
+
+    def record_lookup(self, num_tokens: int, num_hit_tokens: int) -> None:
+        self.queries += num_tokens
+        self.hits += num_hit_tokens
+
+    def allocate(self, req: Request, num_new_tokens: int, prefix: list[Block] = ()) -> bool:
+        """Hold room for ``num_new_tokens`` more tokens (after ``prefix``) in every group; False if one can't."""
+        prefix = list(prefix)
+        if not all(g.can_allocate(req, num_new_tokens, prefix) for g in self.groups):
+            return False
+        for g in self.groups:
+            g.allocate(req, num_new_tokens, prefix)
+        self._idle_since = None
+        return True
+
+    def commit(self, req: Request) -> None:
+        """After a step advanced the request: register its completed blocks, drop what is out of use."""
+        if self.enable_caching:
+            extend_hashes(req, req.num_computed_tokens // self.block_size, self.block_size)
+        for g in self.groups:
+            g.commit(req)
+
+    def free(self, req: Request) -> None:
+        for g in self.groups:
+            g.free(req)
+
+    # -- per step ------------------------------------------------------------------------------
+
+    def step_caches(self, scheduled: list[tuple[Request, int]]) -> list:
+        """The model's ``cache`` argument for this step: one step object per layer, from its group."""
+        query_lens = [n for _, n in scheduled]
+        seq_lens = [r.num_computed_tokens + n for r, n in scheduled]
+        caches = [None] * self.num_layers
+        for g in self.groups:
+            g.step(scheduled, query_lens, seq_lens, caches)
+        return caches
