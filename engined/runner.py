@@ -26,8 +26,7 @@ import numpy as np
 
 from engined import kernels
 from engined.fastpath.compiled_decode import CompiledDecode
-from engined.fastpath.linear_join import fuse_linears, join_siblings
-from engined.fastpath.transposed_linear import hold_transposes
+from engined.fastpath.linears import fuse_linears, hold_transposes, join_siblings
 from engined.kernels import gated_delta
 from engined.kernels.qk_rope import QKRope
 from engined.kv.manager import KVCacheManager

@@ -36,7 +36,7 @@ import numpy as np
 from mlx_lm.models.activations import swiglu
 from mlx_lm.models.switch_layers import SwitchGLU
 
-from engined.fastpath.linear_join import JoinedMember, dims, fuse_linears
+from engined.fastpath.linears import JoinedMember, dims, fuse_linears
 from engined.lora.groups import ProjectionGroup
 from engined.model_layers import transformer_layers
 

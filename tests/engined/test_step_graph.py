@@ -1,5 +1,5 @@
 """A step's graph carries no node it can do without: linears hold their weight's transpose
-(engined.fastpath.transposed_linear), computing nn.Linear's outputs bit for bit, and the families of
+(engined.fastpath.linears), computing nn.Linear's outputs bit for bit, and the families of
 ``model_layers.FLAT_STREAM`` run on a 2-D stream, without the packed batch's reshapes and broadcasts."""
 
 import collections
@@ -10,7 +10,7 @@ import mlx.nn as nn
 import pytest
 
 from engined.engine import Engine
-from engined.fastpath.transposed_linear import TransposedEmbedding, TransposedLinear, hold_transposes
+from engined.fastpath.linears import TransposedEmbedding, TransposedLinear, hold_transposes
 from engined.loaders import load_model
 from shared.config import EngineConfig
 from shared.protocol import SamplingParams

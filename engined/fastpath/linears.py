@@ -1,12 +1,20 @@
-"""Linears of one input as one linear: one matmul where several ran (q/k/v, gate/up).
+"""A model's linears rewritten once, at install, so that a step's graph has fewer nodes.
 
-A step on a GPU is bound by the host's cost per launched operation, so
-joining projections that read the same array saves whole operations per
-layer, as vLLM's ``QKVParallelLinear`` and ``MergedColumnParallelLinear`` do.
-The paged attention joins its own q/k/v (``fuse_linears``); an MLP's
-gate/up, called by mlx_lm's code one by one, become ``JoinedMember`` views of
-one ``JoinedLinears`` (``join_siblings``), as the LoRA groups do for both
-(``engined/lora/groups.py``).
+A step on a GPU is bound by the host's cost per graph node (``bench/gpu_serving_results.md``), so:
+
+- linears of one input run as one (``fuse_linears``, ``join_siblings``): one
+  matmul where several ran, as vLLM's ``QKVParallelLinear`` and
+  ``MergedColumnParallelLinear`` do. The paged attention joins its own q/k/v;
+  an MLP's gate/up, called by mlx_lm's code one by one, become
+  ``JoinedMember`` views of one ``JoinedLinears``, as the LoRA groups do for
+  both (``engined/lora/groups.py``);
+- a dense linear holds its weight's transpose (``hold_transposes``):
+  ``nn.Linear`` computes ``x @ weight.T`` (a tied LM head,
+  ``nn.Embedding.as_linear``, the same), a Transpose node per call, four per
+  decoder layer plus the LM head. The transpose is a view: made and evaluated
+  once, it is an array with the weight's memory and swapped strides, which the
+  matmul reads as it would read the node's output, so the result is the same
+  bit for bit.
 """
 
 from __future__ import annotations
@@ -122,3 +130,50 @@ def join_siblings(parent: nn.Module, names: tuple[str, ...]) -> bool:
     for i, name in enumerate(names):
         setattr(parent, name, JoinedMember(joined, i))
     return True
+
+
+def _held(module: nn.Module) -> mx.array:
+    """``module``'s weight's transpose, evaluated, kept beside it outside the parameters (so the memory guard
+    and the checkpoint's paths see the module as before). A weight assigned anew is seen by identity and
+    its view made again."""
+    weight = module["weight"]
+    if module.__dict__.get("_of") is not weight:
+        view = weight.T
+        mx.eval(view)
+        object.__setattr__(module, "_of", weight)
+        object.__setattr__(module, "_view", view)
+    return module._view
+
+
+class TransposedLinear(nn.Linear):
+    """An ``nn.Linear`` multiplying by its held transpose."""
+
+    def __call__(self, x: mx.array) -> mx.array:
+        view = _held(self)
+        return mx.addmm(self["bias"], x, view) if "bias" in self else x @ view
+
+
+class TransposedEmbedding(nn.Embedding):
+    """An ``nn.Embedding`` whose use as the tied LM head multiplies by its held transpose."""
+
+    def as_linear(self, x: mx.array) -> mx.array:
+        return x @ _held(self)
+
+
+_HELD = {nn.Linear: TransposedLinear, nn.Embedding: TransposedEmbedding}
+
+
+def hold_transposes(model: nn.Module) -> int:
+    """Make every plain ``nn.Linear`` and ``nn.Embedding`` of ``model`` hold its weight's transpose; how many.
+
+    Each instance keeps its identity (its class changes): a joined linear's
+    members call it through a reference outside the module tree
+    (``JoinedLinears.base``). Only for weights nothing writes into
+    afterwards in place: LoRA's groups fold adapters into their bases' weights,
+    so an engine with adapters does not call this.
+    """
+    modules = [m for _, m in model.named_modules() if type(m) in _HELD]
+    for module in modules:
+        module.__class__ = _HELD[type(module)]
+        _held(module)
+    return len(modules)
