@@ -11,10 +11,9 @@ from starlette.responses import Response
 
 from gateway import openai_types as t
 from gateway import params as P
-from gateway.bodies import decode_body
 from gateway.errors import sse_error_event
 from gateway.generation import DONE, KEEPALIVE, Generation, SSEResponse, event
-from gateway.state import GatewayState
+from gateway.state import GatewayState, decode_body
 from gateway.structured import one_spec, response_format_spec, structured_outputs_spec
 from shared.errors import MlxdError
 

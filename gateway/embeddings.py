@@ -22,9 +22,8 @@ from starlette.responses import Response
 
 from gateway import params as P
 from gateway import pooling_types as t
-from gateway.bodies import decode_body
 from gateway.pooled import input_ids, run_pooled, vectors
-from gateway.state import GatewayState
+from gateway.state import GatewayState, decode_body
 from shared.errors import InvalidRequestError
 from shared.protocol import EngineInfo
 

@@ -12,8 +12,7 @@ from starlette.responses import JSONResponse, Response
 
 from gateway import openai_types as t
 from gateway import params as P
-from gateway.bodies import decode_body
-from gateway.state import GatewayState
+from gateway.state import GatewayState, decode_body
 from shared.errors import InvalidRequestError
 from shared.protocol import PROTOCOL_VERSION
 

@@ -14,8 +14,7 @@ import msgspec
 from starlette.requests import Request
 from starlette.responses import PlainTextResponse, Response
 
-from gateway.bodies import decode_body
-from gateway.state import GatewayState
+from gateway.state import GatewayState, decode_body
 from shared.errors import ForbiddenError, InvalidRequestError
 
 

@@ -1,7 +1,6 @@
 """`mlxd gateway`: the Starlette app, what every request passes through before its route (HTTP metrics,
 the guards), and how it runs under uvicorn and shuts down. The process's state and the opening every
-route shares (the API key, the body, the engine, the model) are ``gateway.state``'s; bodies are read
-and decoded by ``gateway.bodies``.
+route shares (the API key, the body, the engine, the model) are ``gateway.state``'s.
 
 On SIGTERM/SIGINT the gateway stops accepting connections and gives open
 requests ``shutdown_timeout`` seconds to finish; then it ends each one that

@@ -1,9 +1,12 @@
 """What one gateway process holds (``GatewayState``): its config, the engine client, the current
 model's tokenizer and parsers, and its view of the key file (``KeyChecker``, reloaded whenever the
 file changes, so a revoked key stops working at once; ``shared.keys`` is the file itself, which
-`mlxd keys` writes). ``open_request`` is the opening every model route shares.
+`mlxd keys` writes). ``open_request`` is the opening every model route shares, and ``decode_body``
+the request body's read: size, time and nesting bounded, JSON into a typed Struct, every refusal an
+InvalidRequestError (or a subclass with its own status), so that a hostile body is a 4xx and never an
+exception the route did not expect.
 
-The routes import this module and ``gateway.bodies``; ``gateway.server`` builds the app over them.
+The routes import this module; ``gateway.server`` builds the app over it.
 """
 
 from __future__ import annotations
@@ -15,15 +18,17 @@ import logging
 import os
 from typing import TypeVar
 
+import msgspec
 from starlette.requests import Request
 
 from gateway.access_log import AccessLoggedClient
-from gateway.bodies import decode_body
 from gateway.engine_client import EngineClient
-from gateway.params import SamplingDefaults, Tokenizer, load_chat_template, sampling_defaults
+from gateway.params import (MAX_JSON_DEPTH, SamplingDefaults, Tokenizer, check_depth, load_chat_template,
+                            sampling_defaults)
 from gateway.parsers import choose_parsers
 from shared.curve import check_endpoint
-from shared.errors import AuthenticationError, EngineUnavailableError, InvalidRequestError, MlxdError, NotFoundError
+from shared.errors import (AuthenticationError, EngineUnavailableError, InvalidRequestError, MlxdError, NotFoundError,
+                           RequestTimeoutError, RequestTooLargeError)
 from shared.keys import KeyFile, default_keys_file, match_key, read_keys, required_marker
 from shared.paths import check_ipc_endpoint, default_engine_endpoint
 from shared.protocol import EngineInfo
@@ -207,3 +212,55 @@ class KeyChecker:
             return None
         self._refresh()
         return next((k.loras for k in self._keys.keys if k.app == app), None)
+
+
+# Far above any context window's worth of text; stops a client from filling the gateway's memory.
+MAX_BODY_BYTES = 64 << 20
+
+
+async def read_body(request: Request) -> bytes:
+    """The request body, refusing (413) one over MAX_BODY_BYTES before or while reading it, and
+    (408) one whose next chunk does not arrive within --request-timeout seconds (a client that
+    stops mid-body would otherwise hold its connection and its task)."""
+    idle_timeout = request.app.state.gw.config.request_timeout
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > MAX_BODY_BYTES:
+        raise RequestTooLargeError(f"the request body is over {MAX_BODY_BYTES >> 20} MiB")
+    chunks, size = [], 0
+    stream = request.stream().__aiter__()
+    while True:
+        try:
+            chunk = await asyncio.wait_for(stream.__anext__(), idle_timeout)
+        except StopAsyncIteration:
+            break
+        except asyncio.TimeoutError:
+            raise RequestTimeoutError(f"no part of the request body arrived for {idle_timeout:g} s") from None
+        size += len(chunk)
+        if size > MAX_BODY_BYTES:
+            raise RequestTooLargeError(f"the request body is over {MAX_BODY_BYTES >> 20} MiB")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def decode(body: bytes, typ):
+    """``body`` as a ``typ`` Struct; msgspec's ValidationError (a 400 naming the field) when it does not fit."""
+    try:
+        value = msgspec.json.decode(body)
+    except RecursionError:
+        raise InvalidRequestError(f"the request body nests deeper than {MAX_JSON_DEPTH} levels") from None
+    except msgspec.DecodeError as e:
+        raise InvalidRequestError(f"the request body is not valid JSON: {e}") from None
+    check_depth(value)
+    return msgspec.convert(value, typ)
+
+
+# Bodies above this are decoded in a worker thread: tens of MB of JSON take the loop's time.
+THREAD_DECODE_BYTES = 1 << 20
+
+
+async def decode_body(request: Request, typ):
+    """Read and decode a request body into ``typ``."""
+    body = await read_body(request)
+    if len(body) > THREAD_DECODE_BYTES:
+        return await asyncio.to_thread(decode, body, typ)
+    return decode(body, typ)

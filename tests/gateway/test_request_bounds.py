@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from gateway.bodies import decode
+from gateway.state import decode
 from gateway.params import MAX_JSON_DEPTH, TemplateStepsExceeded, json_depth, loads, step_capped
 from shared.errors import InvalidRequestError
 
