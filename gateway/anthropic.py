@@ -196,7 +196,7 @@ def _response_format(output_config: dict | None) -> dict | None:
 
 async def count_tokens(request: Request) -> Response:
     gw, _, req, _ = await open_request(request, CountTokensRequest)
-    prompt = await render(gw, chat_input(req), check_length=False)
+    prompt = await render(gw, chat_input(req), request.receive, check_length=False)
     return Response(msgspec.json.encode({"input_tokens": len(prompt.ids)}), media_type="application/json")
 
 
@@ -207,12 +207,12 @@ async def messages(request: Request) -> Response:
     inp = chat_input(req)
     inp.app = app
     inp.lora_name = gw.lora_name(model)
-    run = ChatRun(gw, inp)
+    run = ChatRun(gw, inp, request.receive)
     await run.start()
     mid = "msg_" + run.id
     if req.stream:
-        return SSEResponse(_stream(run, mid, model))
-    if not await run.collect(request):
+        return SSEResponse(_stream(run, mid, model), on_close=run.gen.abort_unfinished)
+    if not await run.collect():
         return Response(status_code=499)  # nobody is listening
     reasoning, content, calls = run.whole()
     blocks: list[dict] = []

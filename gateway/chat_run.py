@@ -5,7 +5,9 @@ their bodies into a ``ChatInput`` (template-ready message dicts, OpenAI
 function tools, a tool_choice, sampling fields) and drive a ``ChatRun``: one
 template, tool-choice grammar, stop strings, parsers and engine requests for
 all three, with only the output's shape left to the caller. Rendering and
-tokenizing run in a worker thread, off the event loop.
+tokenizing run in a worker thread, off the event loop; a client that hangs up
+before its answer begins (its prompt still waiting for a thread, say) is never
+sent to the engine.
 
 Each choice's text is split by a ``ChatOutput`` into reasoning, content and
 tool calls. Reasoning is split off first (``<think>…</think>``); what remains
@@ -34,7 +36,7 @@ from starlette.responses import Response
 from gateway import openai_types as t
 from gateway import params as P
 from gateway.errors import sse_error_event
-from gateway.generation import DONE, KEEPALIVE, Generation, SSEResponse, event
+from gateway.generation import DONE, KEEPALIVE, Generation, SSEResponse, event, while_connected
 from gateway.parsers import (REASONING_PARSERS, ReasoningStream, ToolParser, ToolStream, keeps_special_tokens,
                              parse_complete)
 from gateway.state import GatewayState, open_request
@@ -109,8 +111,9 @@ class Prompt:
     tools: ToolPlan
 
 
-async def render(gw: GatewayState, inp: ChatInput, check_length: bool = True) -> Prompt:
-    """Check, template and tokenize; InvalidRequestError (400) for anything the engine would refuse.
+async def render(gw: GatewayState, inp: ChatInput, receive, check_length: bool = True) -> Prompt:
+    """Check, template and tokenize; InvalidRequestError (400) for anything the engine would refuse,
+    ClientGoneError when the client (ASGI ``receive``) hangs up first.
 
     Without ``check_length`` a prompt longer than the context is still counted
     (clients count tokens to learn that they must shorten the conversation),
@@ -138,7 +141,7 @@ async def render(gw: GatewayState, inp: ChatInput, check_length: bool = True) ->
         P.check_prompt_bytes(text, info, tok.max_token_bytes, inp.param, slack=1 if check_length else 4)
         return text, tok.encode(text, add_special_tokens=False)
 
-    text, ids = await asyncio.to_thread(template_and_tokenize)
+    text, ids = await while_connected(asyncio.to_thread(template_and_tokenize), receive)
     ids = P.truncate_prompt(ids, inp.truncate_prompt_tokens, info)
     if not check_length:
         return Prompt(text, ids, 0, plan)
@@ -224,11 +227,13 @@ class ChatRun:
     """One generation of a ChatInput (``n`` choices): streamed as Pieces or collected whole.
 
     Construct, then ``await start()``; the prompt, the id and the choices exist from then on.
+    ``receive`` is the HTTP request's ASGI receive, watched for the client's leaving.
     """
 
-    def __init__(self, gw: GatewayState, inp: ChatInput):
+    def __init__(self, gw: GatewayState, inp: ChatInput, receive):
         self._gw = gw
         self.inp = inp
+        self._receive = receive
         self.prompt: Prompt | None = None
         self.gen: Generation | None = None
         self.outputs: list[ChatOutput] = []
@@ -254,14 +259,15 @@ class ChatRun:
     async def start(self) -> None:
         """Check and render the request, then send it. A constrained one waits for its first
         output, so that a grammar the engine refuses is a 400 before any response starts
-        rather than an error mid-stream."""
+        rather than an error mid-stream. A client that hangs up meanwhile is ClientGoneError:
+        its requests are never sent, or aborted."""
         gw, inp = self._gw, self.inp
         info, tok = gw.require_ready()
         P.check_task(info, "generate")
         n = P.check_n(inp.n)
         P.check_priority(inp.priority)
         stops = P.stop_list(inp.stop)
-        self.prompt = prompt = await render(gw, inp)
+        self.prompt = prompt = await render(gw, inp, self._receive)
         reasoning_parser = gw.parsers.reasoning
         spec = None
         if inp.response_format or inp.structured_outputs or prompt.tools.spec is not None:
@@ -281,7 +287,8 @@ class ChatRun:
         self.outputs = [ChatOutput(reasoning_parser, prompt.text, parser) for _ in self.gen.choices]
         self.gen.start()
         try:
-            self._deltas = await self.gen.primed_deltas(self.keepalive, wait_first=spec is not None)
+            self._deltas = await while_connected(self.gen.primed_deltas(self.keepalive, wait_first=spec is not None),
+                                                 self._receive)
         except MlxdError as e:
             raise self._engine_error(e) from None
 
@@ -316,12 +323,12 @@ class ChatRun:
         finally:
             self.gen.abort_unfinished()
 
-    async def collect(self, request: Request) -> bool:
+    async def collect(self) -> bool:
         """Run to the end; False when the client hung up (the generation is aborted).
 
         The text is read as it comes, as when streaming, so that a choice ends where a
         streamed one would (a tool-call list that repeats a call)."""
-        return await self.gen.collect(request.receive, self.pieces())
+        return await self.gen.collect(self._receive, self.pieces())
 
     def whole(self, index: int = 0) -> tuple[str | None, str | None, list[dict]]:
         """A finished choice as (reasoning, content, OpenAI tool_calls), parsed from its whole text."""
@@ -372,7 +379,7 @@ async def chat_completions(request: Request) -> Response:
     gw, app, req, model = await open_request(request, t.ChatCompletionRequest)
     inp = chat_input(req, app)
     inp.lora_name = gw.lora_name(model)
-    run = ChatRun(gw, inp)
+    run = ChatRun(gw, inp, request.receive)
     await run.start()
     rid = "chatcmpl-" + run.id
     created = int(time.time())
@@ -380,7 +387,7 @@ async def chat_completions(request: Request) -> Response:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         return SSEResponse(_stream(gw, run, rid, created, model, include_usage),
                            on_close=run.gen.abort_unfinished)
-    if not await run.collect(request):
+    if not await run.collect():
         return Response(status_code=499)  # nobody is listening; nginx's 'client closed request'
     choices = []
     for c in run.choices:

@@ -12,7 +12,7 @@ from starlette.responses import Response
 from gateway import openai_types as t
 from gateway import params as P
 from gateway.errors import sse_error_event
-from gateway.generation import DONE, KEEPALIVE, Generation, SSEResponse, event
+from gateway.generation import DONE, KEEPALIVE, Generation, SSEResponse, event, while_connected
 from gateway.state import GatewayState, decode_body
 from gateway.structured import one_spec, response_format_spec, structured_outputs_spec
 from shared.errors import MlxdError
@@ -35,8 +35,9 @@ async def completions(request: Request) -> Response:
     stops = P.stop_list(req.stop)
     requested = P.requested_max_tokens(req.max_tokens, "max_tokens")
     P.check_choices(P.num_prompts(req.prompt), n)
-    prompts = [P.truncate_prompt(p, req.truncate_prompt_tokens, info)
-               for p in await asyncio.to_thread(P.completion_prompts, req.prompt, tok, info)]
+    # A client that leaves while its prompts wait for a worker thread is never sent (ClientGoneError).
+    encoded = await while_connected(asyncio.to_thread(P.completion_prompts, req.prompt, tok, info), request.receive)
+    prompts = [P.truncate_prompt(p, req.truncate_prompt_tokens, info) for p in encoded]
     max_tokens = min(P.check_prompt(p, info, DEFAULT_MAX_TOKENS if requested is None else requested, "prompt")
                      for p in prompts)
     spec = one_spec(("response_format", response_format_spec(req.response_format)),
@@ -52,7 +53,8 @@ async def completions(request: Request) -> Response:
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         try:
-            deltas = await gen.primed_deltas(gw.config.sse_keepalive, wait_first=spec is not None)
+            deltas = await while_connected(gen.primed_deltas(gw.config.sse_keepalive, wait_first=spec is not None),
+                                           request.receive)
         except MlxdError as e:
             raise P.engine_error(e, "prompt", given) from None
         return SSEResponse(_stream(gw, gen, rid, created, model, include_usage, req.logprobs, deltas, given),

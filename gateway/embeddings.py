@@ -22,6 +22,7 @@ from starlette.responses import Response
 
 from gateway import params as P
 from gateway import pooling_types as t
+from gateway.generation import while_connected
 from gateway.pooled import input_ids, run_pooled, vectors
 from gateway.state import GatewayState, decode_body
 from shared.errors import InvalidRequestError
@@ -63,8 +64,9 @@ async def _pooled_vectors(request: Request, app: str | None, req: t.EmbeddingReq
     model = gw.check_model(req.model, app)
     P.check_task(info, "embed")
     check_dimensions(req.dimensions, info)
-    prompts = await asyncio.to_thread(input_ids, req.input, tok, info, "input", req.add_special_tokens,
-                                      req.truncate_prompt_tokens)
+    prompts = await while_connected(asyncio.to_thread(input_ids, req.input, tok, info, "input",
+                                                      req.add_special_tokens, req.truncate_prompt_tokens),
+                                    request.receive)
     outputs = await run_pooled(gw, request, prompts, "embed", app, req.priority, "input")
     if outputs is None:
         return info, model, None, 0

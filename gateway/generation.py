@@ -23,6 +23,10 @@ Starlette's StreamingResponse only learns of a closed connection when a write
 fails; a stream waiting on a long prefill would keep its engine request (and
 its KV blocks) until then. ``SSEResponse`` watches the connection itself and
 cancels the event source at once, whose ``finally`` aborts the requests.
+Before the answer begins, ``while_connected`` watches it the same way over the
+work that prepares it (a prompt waiting for a worker thread to tokenize it, a
+constrained request's wait for its first output): a client that leaves then is
+never sent to the engine, or is aborted at once.
 """
 
 from __future__ import annotations
@@ -34,7 +38,7 @@ from dataclasses import dataclass, field
 
 import msgspec
 
-from shared.errors import MlxdError
+from shared.errors import ClientGoneError, MlxdError
 from shared.protocol import Logprob, RequestOutput, SamplingParams
 
 
@@ -375,10 +379,14 @@ async def wait_disconnect(receive) -> None:
             return
 
 
-async def unless_disconnected(work, receive) -> bool:
-    """Run the coroutine ``work`` until it ends or the client hangs up (ASGI ``receive`` sees the
-    disconnect), whichever comes first; False if the client went first (``work`` is cancelled).
-    ``work``'s own exception is raised."""
+async def while_connected(work, receive):
+    """The result of the coroutine ``work``, unless the client hangs up first (ASGI ``receive`` sees
+    the disconnect): then ``work`` is cancelled and ClientGoneError raised. ``work``'s own exception
+    is raised.
+
+    Whatever ``work`` awaits is cancelled with it: a job queued for a worker thread
+    (``asyncio.to_thread``) is then dropped before it runs, so that under load a prompt whose client
+    left while it waited for a thread is neither tokenized nor sent."""
     task = asyncio.create_task(work)
     gone = asyncio.create_task(wait_disconnect(receive))
     try:
@@ -389,8 +397,16 @@ async def unless_disconnected(work, receive) -> bool:
             task.cancel()
         await asyncio.gather(task, gone, return_exceptions=True)
     if task.cancelled():
+        raise ClientGoneError("the client closed the connection")
+    return task.result()
+
+
+async def unless_disconnected(work, receive) -> bool:
+    """``while_connected``, as whether ``work`` ran to its end (False: the client went first)."""
+    try:
+        await while_connected(work, receive)
+    except ClientGoneError:
         return False
-    task.result()
     return True
 
 

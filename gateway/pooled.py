@@ -3,7 +3,9 @@
 Every input of one HTTP request becomes one engine request of the route's
 task, sent as one group (the engine admits all or none of them). The engine
 answers each with its final output: a float32 vector (embed) or a
-probability (score). A client that hangs up aborts what is still running.
+probability (score). A client that hangs up aborts what is still running; one
+that hangs up while its inputs wait for a worker thread to tokenize them is
+never sent (the routes tokenize under ``while_connected``).
 """
 
 from __future__ import annotations

@@ -165,12 +165,12 @@ async def responses(request: Request) -> Response:
     inp = chat_input(req, tools)
     inp.app = app
     inp.lora_name = gw.lora_name(model)
-    run = ChatRun(gw, inp)
+    run = ChatRun(gw, inp, request.receive)
     await run.start()
     shell = _Shell("resp_" + run.id, model, req, tools)
     if req.stream:
-        return SSEResponse(_stream(run, shell))
-    if not await run.collect(request):
+        return SSEResponse(_stream(run, shell), on_close=run.gen.abort_unfinished)
+    if not await run.collect():
         return Response(status_code=499)  # nobody is listening
     reasoning, content, calls = run.whole()
     parts: list[tuple[str, object]] = []

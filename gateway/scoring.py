@@ -23,6 +23,7 @@ from starlette.responses import Response
 
 from gateway import params as P
 from gateway import pooling_types as t
+from gateway.generation import while_connected
 from gateway.pooled import MAX_INPUTS, check_ids, input_ids, run_pooled, vectors
 from gateway.state import GatewayState, open_request
 from shared.errors import InvalidRequestError
@@ -72,13 +73,15 @@ async def pair_scores(request: Request, app: str | None, pairs: list[tuple[str, 
     gw: GatewayState = request.app.state.gw
     info, tok = gw.require_ready()
     if "score" in info.tasks:
-        prompts = await asyncio.to_thread(pair_ids, pairs, tok, info, truncate, param)
+        prompts = await while_connected(asyncio.to_thread(pair_ids, pairs, tok, info, truncate, param),
+                                        request.receive)
         outputs = await run_pooled(gw, request, prompts, "score", app, priority, param)
         scores = None if outputs is None else [o.score for o in outputs]
         return scores, sum(map(len, prompts))
     if "embed" in info.tasks:
         texts = list(dict.fromkeys(text for pair in pairs for text in pair))
-        prompts = await asyncio.to_thread(input_ids, texts, tok, info, param, True, truncate)
+        prompts = await while_connected(asyncio.to_thread(input_ids, texts, tok, info, param, True, truncate),
+                                        request.receive)
         outputs = await run_pooled(gw, request, prompts, "embed", app, priority, param)
         if outputs is None:
             return None, 0

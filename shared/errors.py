@@ -105,6 +105,15 @@ class EngineUnavailableError(MlxdError):
     code = "engine_unavailable"
 
 
+class ClientGoneError(MlxdError):
+    """The client hung up before its answer began: its engine requests are never sent, or aborted;
+    the answer (nginx's 499, client closed request) goes to a closed connection, for the metrics."""
+
+    status = 499
+    type = "invalid_request_error"
+    code = "client_closed_request"
+
+
 class ModelLoadError(MlxdError):
     """A model could not be found or loaded (missing file, offline and not cached, unsupported)."""
 
