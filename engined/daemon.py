@@ -7,13 +7,20 @@ it takes what the wire's inbox holds, runs the next step and queues the
 outputs for the wire. A gateway that stops pinging is declared gone and its
 requests are aborted, freeing their blocks.
 
+An ABORT (a client left) must not wait behind the inbox: a step can take
+minutes on a loaded machine, and a burst queues thousands of messages. The
+wire thread notes the ids of each ABORT as it arrives; at the next point
+between steps the engine thread aborts those it holds before it reads the
+inbox, and never admits an ADD whose ABORT came, however far behind it sits.
+
 The wire thread answers HELLO itself, and PING too while a step has run for
 over a second (a 60 s prefill is not a dead engine), notes when each gateway
 was last heard from, hands every other message to the engine thread's
 ``inbox`` in order (so a PING answered there reflects all that its gateway
 sent before it), and forwards what the engine thread ``send``s (over an inproc
 socket: ZeroMQ sockets are not shared between threads). Bad frames are logged
-and dropped.
+and dropped. A PONG carries what the engine holds when it is answered
+(``Daemon.held``, read live from either thread), as the metrics' gauges do.
 
 A gateway's send queue is bounded: a send past it fails at once (mandatory
 routing) and the wire thread decides: a PONG is dropped, anything else (or
@@ -34,6 +41,7 @@ import time
 import traceback
 import uuid
 from collections import defaultdict
+from collections.abc import Callable
 
 import msgspec
 import zmq
@@ -88,7 +96,8 @@ class Daemon:
         self.io_seconds = 0.0
         self.num_steps = 0
         self._stop_deadline = 0.0
-        self.wire = Wire(endpoint, curve_keys, self.info)
+        self._stop_lock = threading.Lock()
+        self.wire = Wire(endpoint, curve_keys, self.info, self.held)
         self.endpoint = self.wire.endpoint
 
     def _engine_info(self) -> p.EngineInfo:
@@ -103,20 +112,42 @@ class Daemon:
     # -- signals -------------------------------------------------------------
 
     def install_signal_handlers(self) -> None:
+        """SIGTERM and SIGINT stop the engine (``request_stop``), counted from the signal's arrival.
+
+        Python runs a signal handler in the main thread between bytecodes, so a signal that comes
+        during a step (one MLX call, minutes long on a loaded machine) would be handled when the step
+        ends, and the shutdown timeout would start only then. The signal's number written to a pipe
+        (``signal.set_wakeup_fd``) wakes a thread of its own at once instead.
+        """
         def on_signal(signum, _frame):
-            if self.stop_reason is None:
-                self.request_stop(f"{signal.Signals(signum).name} received")
-        signal.signal(signal.SIGTERM, on_signal)
-        signal.signal(signal.SIGINT, on_signal)
+            self.request_stop(f"{signal.Signals(signum).name} received")
+
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, on_signal)
+        r, w = os.pipe()
+        os.set_blocking(w, False)
+        signal.set_wakeup_fd(w, warn_on_full_buffer=False)
+        threading.Thread(target=self._watch_signals, args=(r,), name="signal-watch", daemon=True).start()
+
+    def _watch_signals(self, fd: int) -> None:
+        while data := os.read(fd, 64):
+            for signum in data:
+                if signum in (signal.SIGTERM, signal.SIGINT):
+                    self.request_stop(f"{signal.Signals(signum).name} received")
 
     def request_stop(self, reason: str) -> None:
-        """Stop taking requests; running ones get ``shutdown_timeout`` to finish.
+        """Stop taking requests; running ones get ``shutdown_timeout`` to finish (from any thread; the
+        first call decides).
 
         ``reason`` is the cause alone ("SIGTERM received"): gateways put it after "the engine
         stopped: ", clients after "the engine is shutting down: ".
         """
-        self.stop_reason = reason
-        self._stop_deadline = time.monotonic() + self.shutdown_timeout
+        with self._stop_lock:
+            if self.stop_reason is not None:
+                return
+            # The deadline first: the engine thread reads it once it sees a reason.
+            self._stop_deadline = time.monotonic() + self.shutdown_timeout
+            self.stop_reason = reason
         n = len(self.owner)
         log.info("stopping (%s): %s", reason, f"{n} request(s) in flight get {self.shutdown_timeout:g}s to finish"
                  if n else "no request in flight")
@@ -125,7 +156,7 @@ class Daemon:
 
     def run(self) -> int:
         log.info("engine serving %s on %s", self.info.served_model_name, self.endpoint)
-        self._publish_stats()
+        self.wire.publish(self._adapters())
         self.wire.start()
         next_housekeeping = time.monotonic() + _HOUSEKEEPING_S
         clock = time.perf_counter
@@ -149,12 +180,10 @@ class Daemon:
                     self.num_steps += 1
                     # Socket work around the step: what serving costs the engine.
                     self.io_seconds += (t1 - t0 if busy else 0.0) + clock() - t2
-                    self._publish_stats()
                 now = time.monotonic()
                 if now >= next_housekeeping:
                     next_housekeeping = now + _HOUSEKEEPING_S
                     self._housekeeping()
-                    self._publish_stats()
                     if self._stats_log is not None:
                         self._stats_log.maybe_log(now, self.engine.stats(), _STATS_LOG_S)
                 if self.stop_reason is not None:
@@ -170,13 +199,19 @@ class Daemon:
             self.wire.close()  # after the frames queued above (DEAD, the per-request errors) are sent
 
     def _drain(self, wait: float) -> None:
-        """Act on what the wire thread handed over, waiting up to ``wait`` seconds for the first."""
-        inbox = self.wire.inbox
+        """Act on what the wire thread handed over, waiting up to ``wait`` seconds for the first;
+        the ABORTs it received first, ahead of whatever is queued before them."""
+        wire = self.wire
+        for identity, ids in wire.aborting().items():
+            self._abort(identity, ids)
+        inbox = wire.inbox
         for i in range(MAX_DRAIN):
             try:
                 identity, kind, msg = inbox.get(timeout=wait) if i == 0 and wait else inbox.get_nowait()
             except queue.Empty:
                 return
+            if kind is Kind.ADD:
+                wire.adds_taken += 1
             try:
                 self._handle(identity, kind, msg)
             except Exception:
@@ -189,14 +224,9 @@ class Daemon:
         if kind is Kind.ADD:
             self._add(identity, msg)
         elif kind is Kind.ABORT:
-            ids = [r for r in msg.request_ids if self.owner.get(r) == identity]
-            for r in ids:
-                del self.owner[r]
-            if ids:
-                self.engine.abort(ids)
-            log.debug("gateway %s aborted %s (%d in flight)", identity.hex(), msg.request_ids, len(ids))
+            self.wire.aborted(identity, msg.request_ids)
+            self._abort(identity, msg.request_ids)
         elif kind is Kind.PING:
-            self._publish_stats()
             self._send(identity, Kind.PONG, self.wire.pong(msg.sent_at))
         elif kind is Kind.LORA:
             self._update_lora(identity, msg)
@@ -205,8 +235,21 @@ class Daemon:
         elif kind == STALLED:
             self._forget_gateway(identity, f"stopped reading (over {SEND_HWM} messages queued for it)")
 
+    def _abort(self, identity: bytes, request_ids: list[str]) -> None:
+        """Stop those of ``request_ids`` that ``identity`` sent and the engine holds; the rest are
+        finished, or not taken in yet (``_add`` skips those)."""
+        ids = [r for r in request_ids if self.owner.get(r) == identity]
+        for r in ids:
+            del self.owner[r]
+        if ids:
+            self.engine.abort(ids)
+            log.debug("gateway %s aborted %s", identity.hex(), ids)
+
     def _add(self, identity: bytes, msg: p.AddRequest) -> None:
         rid = msg.request_id
+        if self.wire.is_aborting(identity, rid):
+            self._skip(msg)
+            return
         try:
             if self.stop_reason is not None:
                 raise EngineUnavailableError(f"the engine is shutting down: {self.stop_reason}")
@@ -225,6 +268,20 @@ class Daemon:
             return
         self.owner[rid] = identity
 
+    def _skip(self, msg: p.AddRequest) -> None:
+        """Never admit a request whose ABORT came before the engine took it in (its client left).
+
+        The first member of a client request's group reserved a waiting place for each later one
+        (``WaitingPlaces``); a member skipped here is counted off as admission would count it, or
+        the reservation would outlive the group.
+        """
+        if msg.group is not None and msg.group_size > 1:
+            try:
+                self.engine.places.take(msg.group, msg.group_size, self.engine.stats().num_waiting)
+            except MlxdError:
+                pass  # the group was refused: nothing was reserved
+        log.debug("request %s skipped: aborted before the engine took it in", msg.request_id)
+
     def _update_lora(self, identity: bytes, msg: p.LoraUpdate) -> None:
         """Load or unload an adapter between steps; the answer lists the adapters served after it."""
         try:
@@ -241,6 +298,7 @@ class Daemon:
             log.error("LoRA %s of %s failed:\n%s", msg.action, msg.lora_name, traceback.format_exc())
             self._send_error(identity, msg.op_id, InvalidRequestError(f"LoRA {msg.action} failed: {e}"))
             return
+        self.wire.publish(self._adapters())
         self._send(identity, Kind.LORA_DONE, p.LoraAdapters(op_id=msg.op_id, adapters=self._adapters()))
 
     def _adapters(self) -> list[p.LoraAdapter]:
@@ -275,14 +333,16 @@ class Daemon:
         self._send(identity, Kind.ERROR, p.Error(request_id=request_id, code=e.code,
                                                  message=e.message, param=e.param))
 
-    def _publish_stats(self) -> None:
+    def held(self) -> p.EngineStats:
+        """What the engine holds now, from either thread (a PONG the wire thread answers during a long
+        step says what that step runs, not what ran before it): the ADDs in the inbox count as waiting."""
         s = self.engine.stats()
-        self.wire.publish(p.EngineStats(
-            num_running=s.num_running, num_waiting=s.num_waiting, num_free_blocks=s.num_free_blocks,
-            num_total_blocks=s.num_total_blocks, num_preemptions=s.num_preemptions,
-            prefix_cache_queries=s.prefix_cache_queries, prefix_cache_hits=s.prefix_cache_hits,
-            step_seconds=self.step_seconds, io_seconds=self.io_seconds, num_steps=self.num_steps),
-            self._adapters())
+        return p.EngineStats(
+            num_running=s.num_running, num_waiting=s.num_waiting + self.wire.num_arriving(),
+            num_free_blocks=s.num_free_blocks, num_total_blocks=s.num_total_blocks,
+            num_preemptions=s.num_preemptions, prefix_cache_queries=s.prefix_cache_queries,
+            prefix_cache_hits=s.prefix_cache_hits, step_seconds=self.step_seconds, io_seconds=self.io_seconds,
+            num_steps=self.num_steps)
 
     # -- housekeeping --------------------------------------------------------
 
@@ -325,7 +385,7 @@ class Daemon:
 MAX_DRAIN = 4096
 # The wire thread's poll timeout (ms): how late it notices that it must stop.
 _WIRE_POLL_MS = 100
-# A step running this long (s) gets its PINGs answered by the wire thread, from the last stats.
+# A step running this long (s) gets its PINGs answered by the wire thread (its stats read live).
 _LONG_STEP_S = 1.0
 # Messages queued for one gateway before sends to it fail: a gateway that stops reading
 # (while it still writes, so it never looks silent) must not grow the engine without bound.
@@ -338,10 +398,13 @@ STALLED = "stalled"
 
 class Wire:
     """The socket, bound at construction; ``start`` runs the thread, ``close`` ends it after every
-    queued frame is on the wire. ``info`` (the READY answer) and ``instance_id`` are the engine's."""
+    queued frame is on the wire. ``info`` (the READY answer) and ``instance_id`` are the engine's;
+    ``held()`` is the stats a PONG carries (``Daemon.held``)."""
 
-    def __init__(self, endpoint: str, curve_keys: str | None, info: p.EngineInfo):
+    def __init__(self, endpoint: str, curve_keys: str | None, info: p.EngineInfo,
+                 held: Callable[[], p.EngineStats]):
         self.info = info
+        self._held = held
         # gateway identity -> monotonic time it was last heard from (written here, read by the
         # engine thread's housekeeping); guarded with ``greeted`` by ``_lock``.
         self.last_seen: dict[bytes, float] = {}
@@ -351,8 +414,14 @@ class Wire:
         self._lock = threading.Lock()
         # (identity, kind, message) from gateways, for the engine thread.
         self.inbox: queue.Queue = queue.Queue()
-        # What a PONG carries: replaced whole by the engine thread (``publish``), read here.
-        self._stats = p.EngineStats()
+        # (gateway, request id) of each ABORT put in the inbox and not yet reached there by the
+        # engine thread (guarded by ``_lock``): see the module docstring.
+        self._aborting: set[tuple[bytes, str]] = set()
+        # ADDs put in the inbox (counted here) and taken from it (counted by the engine thread):
+        # the difference is held by the engine but not taken in yet, waiting as a client sees it.
+        self.adds_received = 0
+        self.adds_taken = 0
+        # The adapters a PONG and READY carry: replaced whole by the engine thread (``publish``), read here.
         self._adapters: list[p.LoraAdapter] = []
         # When the running step began (monotonic; set by the engine thread), None between steps.
         self.step_started: float | None = None
@@ -394,12 +463,39 @@ class Wire:
         """Queue a frame for the wire thread (never blocks: the inproc pipe has no limit)."""
         self._outbox.send_multipart([identity, *p.encode(kind, payload)])
 
-    def publish(self, stats: p.EngineStats, adapters: list[p.LoraAdapter]) -> None:
-        """What the PONGs this thread answers carry from now on."""
-        self._stats, self._adapters = stats, adapters
+    def publish(self, adapters: list[p.LoraAdapter]) -> None:
+        """The adapters the PONGs and READYs carry from now on."""
+        self._adapters = adapters
+
+    def aborting(self) -> dict[bytes, list[str]]:
+        """The request ids of the ABORTs in the inbox, by gateway."""
+        if not self._aborting:  # the common case, read without the lock
+            return {}
+        by_gateway: dict[bytes, list[str]] = defaultdict(list)
+        with self._lock:
+            for identity, rid in self._aborting:
+                by_gateway[identity].append(rid)
+        return by_gateway
+
+    def is_aborting(self, identity: bytes, request_id: str) -> bool:
+        if not self._aborting:
+            return False
+        with self._lock:
+            return (identity, request_id) in self._aborting
+
+    def aborted(self, identity: bytes, request_ids: list[str]) -> None:
+        """The engine thread reached this ABORT in the inbox: every ADD before it has been seen."""
+        with self._lock:
+            self._aborting.difference_update((identity, r) for r in request_ids)
+
+    def num_arriving(self) -> int:
+        """ADDs in the inbox (from any thread: each count has one writer). The count taken is read
+        first: the one received only grows and is never behind it, so the difference is never negative."""
+        taken = self.adds_taken
+        return self.adds_received - taken
 
     def pong(self, sent_at: float) -> p.Pong:
-        return p.Pong(self.info.instance_id, sent_at, self._stats, self._adapters)
+        return p.Pong(self.info.instance_id, sent_at, self._held(), self._adapters)
 
     def silent(self, at: float, timeout: float) -> list[tuple[bytes, float]]:
         """(gateway, seconds quiet) of the gateways not heard from for over ``timeout`` before ``at``."""
@@ -512,6 +608,12 @@ class Wire:
             elif kind is Kind.HELLO:
                 self._hello(identity, msg)
             elif kind in (Kind.ADD, Kind.ABORT, Kind.BYE, Kind.PING, Kind.LORA):
+                # Counted before the engine thread can see it (so that it never counts more taken).
+                if kind is Kind.ADD:
+                    self.adds_received += 1
+                elif kind is Kind.ABORT:
+                    with self._lock:
+                        self._aborting.update((identity, r) for r in msg.request_ids)
                 self.inbox.put((identity, kind, msg))
             else:
                 log.warning("dropped a %s frame: not a gateway's message", kind.name)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -75,10 +76,13 @@ def _copy(totals: SpecTotals) -> SpecTotals:
 
 
 class EngineMetrics:
-    def __init__(self, model_name: str, config: EngineConfig, max_model_len: int, stats: EngineStats):
-        """One engine's series, set from its state when it is built (``stats``): the KV gauges and
-        cache_config_info from the start, not from the first request, and the spec-decode series
-        declared when the engine speculates, as vLLM does."""
+    def __init__(self, model_name: str, config: EngineConfig, max_model_len: int,
+                 held: Callable[[], EngineStats]):
+        """One engine's series. ``held`` is what the engine holds now (its queues and KV pool): the
+        request and KV gauges read it when they are scraped, from the metrics server's thread, so
+        that they are current during a step of minutes and not only once it ends (it reads sizes of
+        the engine thread's queues, which the GIL keeps whole). cache_config_info is set from the
+        start, and the spec-decode series are declared when the engine speculates, as vLLM does."""
         prefix = config.metrics_prefix
         if prefix not in ("mlxd", "vllm"):
             raise ValueError("metrics prefix must be 'mlxd' or 'vllm'")
@@ -106,13 +110,21 @@ class EngineMetrics:
             return Histogram(name(n), doc, labels, buckets=buckets, registry=self.registry).labels(*values)
 
         self._name, self._counter = name, counter
-        self.running = gauge("num_requests_running", "Number of requests in model execution batches.")
-        self.waiting = gauge("num_requests_waiting", "Number of requests waiting to be processed.")
-        self.kv_usage = gauge("kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.")
-        self.gpu_cache_usage = gauge("gpu_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage. "
-                                     "DEPRECATED: use vllm:kv_cache_usage_perc.") if deprecated else None
-        self.kv_blocks_total = gauge("kv_cache_blocks_total", "KV-cache blocks in the fixed pool.")
-        self.kv_blocks_free = gauge("kv_cache_blocks_free", "KV-cache blocks free (cached prefixes included).")
+        # What the gauges read (``serve`` may name another source).
+        self._held = held
+        gauge("num_requests_running", "Number of requests in model execution batches.").set_function(
+            lambda: self._held().num_running)
+        gauge("num_requests_waiting", "Number of requests waiting to be processed.").set_function(
+            lambda: self._held().num_waiting)
+        gauge("kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.").set_function(
+            lambda: _kv_usage(self._held()))
+        if deprecated:
+            gauge("gpu_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage. DEPRECATED: use "
+                  "vllm:kv_cache_usage_perc.").set_function(lambda: _kv_usage(self._held()))
+        gauge("kv_cache_blocks_total", "KV-cache blocks in the fixed pool.").set_function(
+            lambda: self._held().num_total_blocks)
+        gauge("kv_cache_blocks_free", "KV-cache blocks free (cached prefixes included).").set_function(
+            lambda: self._held().num_free_blocks)
         self.mlx_active = gauge("mlx_active_memory_bytes", "Memory held by live MLX arrays.")
         self.mlx_cache = gauge("mlx_cache_memory_bytes", "Memory in MLX's buffer cache.")
         self.mlx_peak = gauge("mlx_peak_memory_bytes", "Peak MLX memory since start.")
@@ -186,7 +198,7 @@ class EngineMetrics:
                      ["block_size", "cache_dtype", "enable_prefix_caching", "gpu_memory_utilization",
                       "num_gpu_blocks", "engine"], registry=self.registry)
         info.labels(str(config.block_size), "auto", str(config.enable_prefix_caching),
-                    str(config.gpu_memory_utilization), str(stats.num_total_blocks), ENGINE_INDEX).set(1)
+                    str(config.gpu_memory_utilization), str(held().num_total_blocks), ENGINE_INDEX).set(1)
         spec = config.speculative
         if spec is not None:
             per_pos = self._spec_series()[3]
@@ -198,7 +210,7 @@ class EngineMetrics:
                                     ["max_lora", "waiting_lora_adapters", "running_lora_adapters"],
                                     registry=self.registry)
             self.on_lora(config.max_loras, [], [])
-        self.on_step(0, 0.0, stats)
+        self.on_step(0, 0.0, held())
 
     def on_lora(self, max_loras: int, running: list[str], waiting: list[str]) -> None:
         """vLLM's lora_requests_info: one series, labelled with the adapters running and waiting (comma
@@ -235,8 +247,12 @@ class EngineMetrics:
     def spec_accepted(self):
         return self._spec_series()[2]
 
-    def serve(self, port: int, host: str = "127.0.0.1"):
+    def serve(self, port: int, host: str = "127.0.0.1", held: Callable[[], EngineStats] | None = None):
         """Serve /metrics over HTTP in a background thread; returns (server, thread).
+
+        ``held`` (callable from that thread), when given, is what the gauges read instead of the
+        engine's own: the daemon's, which counts the requests it received but has not taken in
+        yet (its inbox, read between steps) as waiting.
 
         Always the classic text format: prometheus-client's OpenMetrics encoder
         (chosen when Prometheus asks for it) rewrites the ``:`` of sample names
@@ -244,6 +260,8 @@ class EngineMetrics:
         ``vllm:``/``mlxd:`` names.
         """
         registry = self.registry
+        if held is not None:
+            self._held = held
 
         class Handler(BaseHTTPRequestHandler):
             def do_GET(self):
@@ -274,14 +292,7 @@ class EngineMetrics:
         return app
 
     def on_step(self, num_tokens: int, duration: float, stats) -> None:
-        """After every step: gauges from the engine's stats, counters from their growth."""
-        self.running.set(stats.num_running)
-        self.waiting.set(stats.num_waiting)
-        self.kv_blocks_total.set(stats.num_total_blocks)
-        self.kv_blocks_free.set(stats.num_free_blocks)
-        # An encoder engine has no KV pool (0 blocks): nothing of it is in use.
-        usage = 1.0 - stats.num_free_blocks / stats.num_total_blocks if stats.num_total_blocks else 0.0
-        self.kv_usage.set(usage)
+        """After every step: MLX's memory, and counters from the growth of the engine's stats."""
         self.mlx_active.set(mx.get_active_memory())
         self.mlx_cache.set(mx.get_cache_memory())
         self.mlx_peak.set(mx.get_peak_memory())
@@ -289,7 +300,6 @@ class EngineMetrics:
         self.prefix_queries.inc(queries - self._prefix_seen[0])
         self.prefix_hits.inc(hits - self._prefix_seen[1])
         if self.gpu_prefix is not None:
-            self.gpu_cache_usage.set(usage)
             self.gpu_prefix[0].inc(queries - self._prefix_seen[0])
             self.gpu_prefix[1].inc(hits - self._prefix_seen[1])
         self._prefix_seen = (queries, hits)
@@ -378,6 +388,11 @@ class EngineMetrics:
                                       if generated > 1 else 0.0)
 
 
+def _kv_usage(stats: EngineStats) -> float:
+    # An encoder engine has no KV pool (0 blocks): nothing of it is in use.
+    return 1.0 - stats.num_free_blocks / stats.num_total_blocks if stats.num_total_blocks else 0.0
+
+
 class StatsLog:
     """vLLM's periodic stats line: throughput since the last line, the batch, KV usage, prefix hits;
     and, when drafts were verified since, vLLM's SpecDecoding line: mean acceptance length (the
@@ -410,7 +425,7 @@ class StatsLog:
         busy = bool(prompt or generated)
         level = logging.INFO if busy or self._was_busy else logging.DEBUG
         self._was_busy = busy
-        usage = 1.0 - stats.num_free_blocks / stats.num_total_blocks if stats.num_total_blocks else 0.0
+        usage = _kv_usage(stats)
         hit_rate = stats.prefix_cache_hits / stats.prefix_cache_queries if stats.prefix_cache_queries else 0.0
         line = (f"Engine 000: Avg prompt throughput: {prompt_tps:.1f} tokens/s, Avg generation throughput: "
                 f"{gen_tps:.1f} tokens/s, Running: {stats.num_running} reqs, Waiting: {stats.num_waiting} reqs, "

@@ -67,7 +67,7 @@ def run_engine(config: EngineConfig, daemon: DaemonConfig, parent_pid: int | Non
                curve_keys=daemon.curve_keys, log_stats=not daemon.disable_log_stats)
     d.install_signal_handlers()
     if daemon.metrics_port is not None:
-        server, _ = engine.metrics.serve(daemon.metrics_port, daemon.metrics_host)
+        server, _ = engine.metrics.serve(daemon.metrics_port, daemon.metrics_host, held=d.held)
         print(f"mlxd engine metrics on http://{daemon.metrics_host}:{server.server_port}/metrics",
               file=sys.stderr, flush=True)
     info = d.info

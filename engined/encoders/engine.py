@@ -70,7 +70,7 @@ class EncoderEngine:
         self.requests: dict[str, Request] = {}
         self._ended: list[RequestOutput] = []
         self._failed: list[tuple[str, InvalidRequestError]] = []
-        self.metrics = EngineMetrics(name, config, self.max_model_len, self.stats())
+        self.metrics = EngineMetrics(name, config, self.max_model_len, self.stats)
 
     # -- requests -----------------------------------------------------------------------------
 
