@@ -55,6 +55,9 @@ class EngineClient:
         self._pong_waiters: list[tuple[float, asyncio.Future]] = []
         # The LoRA adapters the engine serves (from READY, each PONG and each runtime update).
         self.lora_adapters: list[p.LoraAdapter] = []
+        # Set when the gateway begins to stop: nothing more is sent (the engine of `mlxd serve`, told in
+        # the same moment, takes nothing more in), and the engine's going away is no loss.
+        self.stopping = False
 
     # -- lifecycle ------------------------------------------------------------------------
 
@@ -99,11 +102,14 @@ class EngineClient:
             app: str | None = None, priority: int = 0, group: tuple[str, int, int, int] | None = None,
             task: str = "generate", lora_name: str | None = None) -> None:
         """Send a request; its outputs (or an MlxdError) arrive on ``queue`` as (index, item).
+        EngineUnavailableError (503) once the gateway is stopping, or while the engine is gone.
 
         ``group`` (id, size, n, choice): the requests of one client request, sent one after
         another, which the engine admits to its waiting queue all or none; its n, and this
         request's choice among its prompt's n. ``task``: ``shared.protocol.TASKS``.
         """
+        if self.stopping:
+            raise EngineUnavailableError("the server is shutting down")
         if not self.ready:
             raise EngineUnavailableError(self.unavailable_reason)
         self._streams[request_id] = (queue, index)
@@ -180,7 +186,10 @@ class EngineClient:
     def _lost(self, reason: str) -> None:
         """The engine is gone; the first reason given is the one clients see."""
         if self.ready:
-            log.warning("engine lost: %s", reason)
+            if self.stopping:
+                log.info("the engine is gone, as the gateway stops: %s", reason)
+            else:
+                log.warning("engine lost: %s", reason)
             self.ready = False
             self.unavailable_reason = reason
         self._fail_all(EngineUnavailableError(self.unavailable_reason))

@@ -3,10 +3,13 @@ the guards), and how it runs under uvicorn and shuts down. The process's state a
 route shares (the API key, the body, the engine, the model) are ``gateway.state``'s.
 
 On SIGTERM/SIGINT the gateway stops accepting connections and gives open
-requests ``shutdown_timeout`` seconds to finish; then it ends each one that
+requests ``shutdown_timeout`` seconds to finish (one not sent to the engine yet,
+its body still arriving, is refused with a 503); then it ends each one that
 is left with an error its client can read (a JSON error body, or an SSE
 error event and ``[DONE]``) and aborts it in the engine, and exits.
-uvicorn's own grace only has to cover writing those last words.
+uvicorn's own grace only has to cover writing those last words. Under `mlxd
+serve` the engine is told to stop in the same moment (``supervisor``'s
+``begin_stop``): both count down one timeout, not one after the other.
 
 The HTTP metrics, served on the gateway's own ``/metrics``: requests by route
 and status, their duration, those in progress and the event streams still
@@ -402,7 +405,8 @@ def run_gateway(config: GatewayConfig, supervisor=None) -> int:
     """Serve until interrupted; returns the exit code.
 
     ``supervisor`` (under `mlxd serve`; see mlxd/serve.py) is polled while the
-    gateway runs: a non-None answer is the exit code serve ends with.
+    gateway runs: a non-None answer is the exit code serve ends with. When the
+    gateway begins to stop, its ``begin_stop()`` stops the engine too.
     """
     if config.api_key_file is not None:
         config.api_key = _read_key_file(config.api_key_file)
@@ -439,6 +443,9 @@ def run_gateway(config: GatewayConfig, supervisor=None) -> int:
                     rc, server.should_exit = code, True
             if server.should_exit and deadline is None:
                 deadline = time.monotonic() + config.shutdown_timeout
+                client.stopping = True
+                if supervisor is not None:
+                    supervisor.begin_stop()
                 log.info("shutting down: open requests get %.1fs to finish", config.shutdown_timeout)
             if deadline is not None and not ended and time.monotonic() >= deadline:
                 ended = True

@@ -6,6 +6,14 @@ delay, and reconnects by itself when the new engine is up. An engine that
 dies before it ever served (a failed first load) ends serve with its exit
 code; one that keeps dying soon after each start ends it after
 ``CRASH_LOOP_LIMIT`` tries, with one line saying so.
+
+SIGTERM or SIGINT stops both at once, under one ``--shutdown-timeout``: the
+gateway stops taking connections and tells the engine (``begin_stop``), and
+both let what runs finish until the same deadline, then end it with an error
+each client reads. The engine exits after the step it is in (a step is one MLX
+call, which nothing interrupts); serve waits that long, up to
+``STEP_GRACE_S``, so that the whole process tree exits within the timeout and
+one step, before a service manager's own stop timeout has to kill it.
 """
 
 from __future__ import annotations
@@ -29,6 +37,9 @@ MAX_RESTART_DELAY_S = 8.0
 # An engine that served this long before dying was not crash-looping: the count starts again.
 STABLE_AFTER_S = 60.0
 CRASH_LOOP_LIMIT = 5
+# How long past the shutdown deadline serve waits for the engine's step in flight before it kills
+# the engine (its requests have all been ended by then: nothing is lost but the step).
+STEP_GRACE_S = 10.0
 
 
 class EngineSupervisor:
@@ -46,12 +57,14 @@ class EngineSupervisor:
         self._restart_at: float | None = None
         # Set by serve's SIGTERM/SIGINT handler until the gateway's own takes over.
         self.stop_requested = False
+        # When the engine was told to stop (monotonic), None before.
+        self._stopping_since: float | None = None
 
     def start(self) -> None:
         r, w = os.pipe()
         try:
             # A session of its own: a terminal's Ctrl-C reaches serve alone, which stops the gateway
-            # (its requests drained) and then the engine; one stopped under its gateway reads as lost.
+            # and tells the engine in the same moment (``begin_stop``), so that one timeout holds for both.
             self.process = subprocess.Popen([*self.argv, "--ready-fd", str(w)], pass_fds=(w,),
                                             start_new_session=True)
         finally:
@@ -103,14 +116,28 @@ class EngineSupervisor:
         self._restart_at = now + delay
         return None
 
-    def stop(self, timeout: float) -> None:
-        """SIGTERM the engine (it finishes what it runs within its shutdown timeout), then SIGKILL."""
+    def begin_stop(self) -> None:
+        """SIGTERM the engine, once: it stops taking requests and gives those it runs its shutdown
+        timeout, counted from now, the gateway's moment."""
+        if self._stopping_since is not None:
+            return
+        self._stopping_since = time.monotonic()
         p = self.process
         if p is not None and p.poll() is None:
             p.send_signal(signal.SIGTERM)
+
+    def stop(self, timeout: float) -> None:
+        """Wait for the engine to exit (``begin_stop`` if not yet) until ``timeout`` seconds after it
+        was told, plus STEP_GRACE_S for its step in flight; then SIGKILL it."""
+        self.begin_stop()
+        p = self.process
+        if p is not None and p.poll() is None:
+            left = self._stopping_since + timeout + STEP_GRACE_S - time.monotonic()
             try:
-                p.wait(timeout=timeout)
+                p.wait(timeout=max(left, 0.0))
             except subprocess.TimeoutExpired:
+                print(f"mlxd: the engine was still in a step {STEP_GRACE_S:g}s past the shutdown timeout; "
+                      "killing it", file=sys.stderr, flush=True)
                 p.kill()
                 p.wait()
         if self._ready_r is not None:
@@ -185,6 +212,6 @@ def main(args) -> int:
 
         return run_gateway(gateway_cfg, supervisor=supervisor)
     finally:
-        supervisor.stop(daemon_cfg.shutdown_timeout + 10)
+        supervisor.stop(daemon_cfg.shutdown_timeout)
         if lock is not None:
             lock.close()
