@@ -144,7 +144,7 @@ def test_a_burst_whose_clients_leave_during_a_slow_step_is_dropped_when_it_ends_
     assert after[FINISHED] - before[FINISHED] == 1
 
 
-# A chat template of the request that takes a second of a worker thread to render (a loaded
+# A chat template of the request that takes half a second of a worker thread to render (a loaded
 # gateway's wait for its threads): 200,000 empty loop turns, then ChatML.
 SLOW_TEMPLATE = ("{% for i in range(40000) %}{% for j in range(5) %}{% endfor %}{% endfor %}"
                  "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
@@ -187,7 +187,8 @@ def test_the_gauges_say_what_the_engine_holds_during_a_slow_step(slow):
     try:
         while True:
             now = metrics(engine_metrics)
-            assert now[STEPS] == before[STEPS], f"the step ended before the gauges showed it: {now}"
+            assert now[STEPS] == before[STEPS], \
+                f"the step ended before the gauges showed it: {[now[k] for k in (RUNNING, WAITING, BLOCKS_FREE)]}"
             # The step's request runs and holds blocks; the four that came during it wait.
             if now[RUNNING] == 1 and now[WAITING] == 4 and now[BLOCKS_FREE] < now[BLOCKS]:
                 break
