@@ -44,14 +44,14 @@ def main() -> None:
 
     # OpenBLAS must be in the process before mlx.core is imported (MLX's CPU backend otherwise runs a
     # reference BLAS ~80x slower); the engine process does the same at start.
-    from engined.device import load_fast_blas
+    from mlxd.engined.device import load_fast_blas
 
     load_fast_blas()
     import torch
     from sentence_transformers import SentenceTransformer
     from tokenizers import Tokenizer
 
-    from engined.encoders.text import EncoderModel
+    from mlxd.engined.encoders.text import EncoderModel
 
     if args.model:
         folder = Path(args.model)

@@ -80,8 +80,8 @@ def main(argv=None) -> None:
 
     import mlx.core as mx
 
-    from bench.gpu_serving import DEFAULT_CACHE_LIMIT, build_models, drain, engine_for, start_decoding
-    from engined.sampler import LaunchedStep
+    from mlxd.bench.gpu_serving import DEFAULT_CACHE_LIMIT, build_models, drain, engine_for, start_decoding
+    from mlxd.engined.sampler import LaunchedStep
 
     spin, stamp = clock_kernels()
     DEFAULT_CACHE_LIMIT.append(mx.set_cache_limit(0))

@@ -48,7 +48,7 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.agent import peers
+from mlxd.bench.agent import peers
 
 SERVERS = ("mlxd", "mlx_lm")
 FORMATS = ("bf16", "q4")
@@ -74,7 +74,7 @@ def write_checkpoint(shape: str, fmt: str, seed: int, out: Path) -> None:
     of its own, so that its arrays leave the device before a server starts."""
     from mlx_lm.utils import save_config, save_model
 
-    from bench.gpu_serving import SHAPES, build_models
+    from mlxd.bench.gpu_serving import SHAPES, build_models
 
     model, _, _ = build_models(shape, fmt, seed)
     for name in ("weight",) if fmt == "bf16" else ("scales", "biases"):
@@ -386,7 +386,7 @@ def ratios(rows: list[dict]) -> str:
 
 
 def parser() -> argparse.ArgumentParser:
-    from bench.gpu_serving import SHAPES
+    from mlxd.bench.gpu_serving import SHAPES
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="qwen3-8b", choices=sorted(SHAPES), help="the checkpoint's shape")

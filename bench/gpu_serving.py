@@ -74,7 +74,7 @@ def build_models(name: str, dtype: str, seed: int):
     from mlx.utils import tree_flatten
     from mlx_lm.utils import _get_classes
 
-    from engined.loaders import LoadedModel
+    from mlxd.engined.loaders import LoadedModel
 
     shape = SHAPES[name]
     model_cls, args_cls = _get_classes(shape)
@@ -154,8 +154,8 @@ def run_mlx_lm(model, prompts, max_tokens: int) -> float:
 
 def engine_for(make_loaded, args, c: int, async_scheduling: bool, encode_thread: bool | None = None,
                compile_decode: bool | None = None):
-    from engined.engine import Engine
-    from shared.config import EngineConfig
+    from mlxd.engined.engine import Engine
+    from mlxd.shared.config import EngineConfig
 
     cfg = EngineConfig(max_num_seqs=max(c, 1), max_num_batched_tokens=args.max_num_batched_tokens,
                        num_kv_blocks=args.num_kv_blocks, max_model_len=4096, async_scheduling=async_scheduling,
@@ -166,7 +166,7 @@ def engine_for(make_loaded, args, c: int, async_scheduling: bool, encode_thread:
 def start_decoding(engine, prompts: list[list[int]], max_tokens: int) -> None:
     """Add ``prompts`` (greedy, ``max_tokens`` each) and step through their prefill and the first decode
     steps, so that the probes' timed steps are decode steps of all of them."""
-    from shared.protocol import SamplingParams
+    from mlxd.shared.protocol import SamplingParams
 
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     for i, p in enumerate(prompts):
@@ -185,7 +185,7 @@ def drain(engine) -> None:
 def run_mlxd(engine, prompts, max_tokens: int) -> tuple[float, dict]:
     import mlx.core as mx
 
-    from shared.protocol import SamplingParams
+    from mlxd.shared.protocol import SamplingParams
 
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     steps0, wait0, cached0 = engine.num_steps, engine.sync_wait_s, cached_tokens(engine)
@@ -242,7 +242,7 @@ def poisson(model, make_loaded, args, rows: list) -> None:
     import mlx.core as mx
     from mlx_lm.generate import BatchGenerator
 
-    from shared.protocol import SamplingParams
+    from mlxd.shared.protocol import SamplingParams
 
     rng = np.random.default_rng(args.seed + 1)
     n = args.poisson_requests

@@ -60,9 +60,9 @@ def main(argv=None) -> None:
 
     import mlx.core as mx
 
-    from bench.gpu_device_step import STAMP_SOURCE, clock_kernels
-    from bench.gpu_serving import DEFAULT_CACHE_LIMIT, build_models, drain, engine_for, start_decoding
-    from engined.sampler import LaunchedStep
+    from mlxd.bench.gpu_device_step import STAMP_SOURCE, clock_kernels
+    from mlxd.bench.gpu_serving import DEFAULT_CACHE_LIMIT, build_models, drain, engine_for, start_decoding
+    from mlxd.engined.sampler import LaunchedStep
 
     _, stamp = clock_kernels()
     after_kernel = mx.fast.cuda_kernel(

@@ -26,7 +26,7 @@ import time
 import httpx
 import numpy as np
 
-from bench.serving import wait_healthy
+from mlxd.bench.serving import wait_healthy
 
 _WORDS = ("river stone lamp orbit quiet violet harbor maple signal copper meadow lantern falcon "
           "ember tide glass thunder willow cobalt saffron").split()

@@ -52,7 +52,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from engined.device import load_fast_blas
+from mlxd.engined.device import load_fast_blas
 
 # A benchmark script, run as __main__: the fast BLAS before the imports below load mlx.core.
 load_fast_blas()
@@ -60,14 +60,14 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.activations import swiglu
 
-from bench.kernels.on_cuda import alternating_ms
-from engined.engine import Engine
-from engined.kernels import lora_term
-from engined.loaders import load_model
-from engined.lora.layers import install
-from engined.model_layers import transformer_layers
-from shared.config import EngineConfig
-from shared.protocol import SamplingParams
+from mlxd.bench.kernels.on_cuda import alternating_ms
+from mlxd.engined.engine import Engine
+from mlxd.engined.kernels import lora_term
+from mlxd.engined.loaders import load_model
+from mlxd.engined.lora.layers import install
+from mlxd.engined.model_layers import transformer_layers
+from mlxd.shared.config import EngineConfig
+from mlxd.shared.protocol import SamplingParams
 
 NUM_ADAPTERS = 4
 SHAPES = {
@@ -89,7 +89,7 @@ def random_model_maker(name: str):
     """A maker of LoadedModels of shape ``name`` whose models all share one set of random bf16 arrays."""
     from mlx_lm.utils import _get_classes
 
-    from engined.loaders import LoadedModel
+    from mlxd.engined.loaders import LoadedModel
 
     shape = SHAPES[name]
     model_cls, args_cls = _get_classes(shape)

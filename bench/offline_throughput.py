@@ -15,17 +15,17 @@ import argparse
 import statistics
 import time
 
-from engined.device import load_fast_blas
+from mlxd.engined.device import load_fast_blas
 
 # A benchmark script, run as __main__: the fast BLAS before the imports below load mlx.core.
 load_fast_blas()
 import numpy as np
 from mlx_lm.generate import batch_generate
 
-from engined.engine import Engine
-from engined.loaders import load_model
-from shared.config import EngineConfig
-from shared.protocol import SamplingParams
+from mlxd.engined.engine import Engine
+from mlxd.engined.loaders import load_model
+from mlxd.shared.config import EngineConfig
+from mlxd.shared.protocol import SamplingParams
 
 
 class _NoStop:

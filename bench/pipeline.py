@@ -32,7 +32,7 @@ from pathlib import Path
 import msgspec
 import numpy as np
 
-from shared.config import EngineConfig
+from mlxd.shared.config import EngineConfig
 
 CONFIGS = {
     "1 rank": {},
@@ -91,11 +91,11 @@ def _rank0(config: EngineConfig, prompts: list[list[int]], max_tokens: int) -> d
 
     children = ranks.start_local(config) if config.num_ranks > 1 else []
     try:
-        from engined.device import load_fast_blas
+        from mlxd.engined.device import load_fast_blas
 
         load_fast_blas()
-        from engined.engine import Engine
-        from shared.protocol import SamplingParams
+        from mlxd.engined.engine import Engine
+        from mlxd.shared.protocol import SamplingParams
 
         engine = Engine(config)
         params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
@@ -142,7 +142,7 @@ def _compare(args, model: str, names: list[str]) -> int:
     results = {}
     for name in names:
         config = EngineConfig(**base, **CONFIGS[name])
-        out = subprocess.run([sys.executable, "-m", "bench.pipeline", "--run", msgspec.json.encode(config).decode(),
+        out = subprocess.run([sys.executable, "-m", "mlxd.bench.pipeline", "--run", msgspec.json.encode(config).decode(),
                               json.dumps(prompts), str(args.max_tokens)], capture_output=True, text=True)
         if out.returncode:
             print(f"{name}: failed\n{out.stderr[-3000:]}", file=sys.stderr)

@@ -55,8 +55,8 @@ import httpx
 import numpy as np
 import psutil
 
-from bench.agent.peers import tree_rss
-from bench.agent.report import machine
+from mlxd.bench.agent.peers import tree_rss
+from mlxd.bench.agent.report import machine
 from tests.e2e.serve_process import Serve
 
 
@@ -478,9 +478,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, help="markdown file (default: print)")
     args = ap.parse_args(argv)
 
-    from engined.device import device_kind
-    from shared.config import DEVICE_DEFAULTS
-    from shared.serve_config import DaemonConfig
+    from mlxd.engined.device import device_kind
+    from mlxd.shared.config import DEVICE_DEFAULTS
+    from mlxd.shared.serve_config import DaemonConfig
 
     sizes = QUICK if args.quick else Sizes()
     sizes = replace(sizes, soak=args.soak or sizes.soak, soak_concurrency=args.concurrency or sizes.soak_concurrency,

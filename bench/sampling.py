@@ -19,9 +19,9 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.offline_throughput import make_engine, make_prompts, time_it
-from engined.loaders import load_model
-from shared.protocol import SamplingParams
+from mlxd.bench.offline_throughput import make_engine, make_prompts, time_it
+from mlxd.engined.loaders import load_model
+from mlxd.shared.protocol import SamplingParams
 
 
 def text_prompts(loaded, n: int) -> list[list[int]]:

@@ -65,18 +65,18 @@ class InProcess:
     """An Engine in this process, running the whole batch on demand."""
 
     def __init__(self, model: str = ""):
-        from engined.device import load_fast_blas
+        from mlxd.engined.device import load_fast_blas
 
         load_fast_blas()  # before mlx.core (engined/device.py)
-        from engined.engine import Engine
-        from shared.config import EngineConfig
+        from mlxd.engined.engine import Engine
+        from mlxd.shared.config import EngineConfig
 
         self.engine = Engine(EngineConfig(**ENGINE_SETTINGS, model=model))
         self.runs = 0
 
     def run(self, prompts, max_tokens: int) -> tuple[float, int, int, float]:
         """(tokens/s, tokens, steps, seconds inside step()) of one batch."""
-        from shared.protocol import SamplingParams
+        from mlxd.shared.protocol import SamplingParams
 
         params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
         self.runs += 1

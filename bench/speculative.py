@@ -20,14 +20,14 @@ import json
 import statistics
 import time
 
-from engined.device import load_fast_blas
+from mlxd.engined.device import load_fast_blas
 
 # A benchmark script, run as __main__: the fast BLAS before the imports below load mlx.core.
 load_fast_blas()
-from engined.engine import Engine  # noqa: E402
-from engined.loaders import load_model
-from shared.config import EngineConfig
-from shared.protocol import SamplingParams
+from mlxd.engined.engine import Engine  # noqa: E402
+from mlxd.engined.loaders import load_model
+from mlxd.shared.config import EngineConfig
+from mlxd.shared.protocol import SamplingParams
 
 SNIPPETS = [
     "def area(width, height):\n    result = width * height\n    return result\n\n"
@@ -85,7 +85,7 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
     if args.method == "mtp":
-        from bench import speculative_mtp
+        from mlxd.bench import speculative_mtp
 
         speculative_mtp.main(args)
         return

@@ -69,9 +69,9 @@ def build(shape_name: str, seed: int, dtype: str = "bfloat16"):
     from mlx_lm.models.qwen3_5 import DecoderLayer
     from mlx_lm.utils import _get_classes
 
-    from engined.loaders import LoadedModel
-    from engined.loaders.mlx_dir import MTPWeights
-    from engined.speculation.mtp import MTPLayer
+    from mlxd.engined.loaders import LoadedModel
+    from mlxd.engined.loaders.mlx_dir import MTPWeights
+    from mlxd.engined.speculation.mtp import MTPLayer
 
     shape = SHAPES[shape_name]
     model_cls, args_cls = _get_classes(shape)
@@ -155,9 +155,9 @@ def timed(engine, prompts, params) -> tuple[float, list[list[int]], int]:
 
 
 def main(args) -> None:
-    from engined.engine import Engine
-    from shared.config import EngineConfig
-    from shared.protocol import SamplingParams
+    from mlxd.engined.engine import Engine
+    from mlxd.shared.config import EngineConfig
+    from mlxd.shared.protocol import SamplingParams
 
     make_loaded, vocab = build(args.shape, args.seed, args.dtype)
     rng = np.random.default_rng(args.seed)

@@ -20,15 +20,15 @@ import json
 import statistics
 import time
 
-from engined.device import load_fast_blas
+from mlxd.engined.device import load_fast_blas
 
 # A benchmark script, run as __main__: the fast BLAS before the imports below load mlx.core.
 load_fast_blas()
 from transformers import AutoTokenizer  # noqa: E402
 
-from engined.engine import Engine
-from shared.config import EngineConfig
-from shared.protocol import SamplingParams, StructuredSpec
+from mlxd.engined.engine import Engine
+from mlxd.shared.config import EngineConfig
+from mlxd.shared.protocol import SamplingParams, StructuredSpec
 
 SCHEMA = {"type": "object", "properties": {"story": {"type": "string", "minLength": 400, "maxLength": 800}},
           "required": ["story"], "additionalProperties": False}

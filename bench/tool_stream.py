@@ -19,7 +19,7 @@ import re
 import statistics
 import time
 
-from gateway.parsers import TOOL_PARSERS, ToolStream
+from mlxd.gateway.parsers import TOOL_PARSERS, ToolStream
 from tests.gateway.test_parsers_incremental import WRITE, long_call, payload
 
 _NAME_FIRST = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"(?:arguments|parameters)"\s*:\s*')

@@ -46,12 +46,12 @@ from collections.abc import Callable
 import msgspec
 import zmq
 
-from engined.metrics import StatsLog
-from shared import protocol as p
-from shared.curve import secure_server
-from shared.errors import EngineUnavailableError, InvalidRequestError, MlxdError
-from shared.paths import check_ipc_endpoint, refuse_live_ipc
-from shared.protocol import Kind
+from mlxd.engined.metrics import StatsLog
+from mlxd.shared import protocol as p
+from mlxd.shared.curve import secure_server
+from mlxd.shared.errors import EngineUnavailableError, InvalidRequestError, MlxdError
+from mlxd.shared.paths import check_ipc_endpoint, refuse_live_ipc
+from mlxd.shared.protocol import Kind
 
 log = logging.getLogger("mlxd.engine")
 

@@ -29,27 +29,27 @@ from contextlib import nullcontext
 
 import mlx.core as mx
 
-from engined import kernels
-from engined import memory_guard
-from engined.device import device_kind
-from engined.encoders.pooling import matryoshka_dimensions, pooled_results, score_token_ids, store_results
-from engined.fastpath.encode_thread import EncodeThread
-from engined.kv.manager import KVCacheManager
-from engined.loaders import LoadedModel, load_model
-from engined.lora.registry import LoraRegistry
-from engined.metrics import EngineMetrics
-from engined.model_layers import LayerSpec, float_dtype, read_layers
-from engined.parallel import model_split, pipeline
-from engined.request import Request, WaitingPlaces, check_prompt, take_output
-from engined.runner import LastTokenNorm, ModelRunner
-from engined.sampler import LaunchedStep, Sampler, needs_host_tokens
-from engined.scheduler import Scheduler, SchedulerOutput
-from engined.speculation import proposers
-from engined.speculation.speculator import Speculator
-from engined.structured import GrammarCompiler
-from shared.config import EngineConfig, SpeculativeConfig
-from shared.errors import ContextLengthError, InvalidRequestError, NotFoundError
-from shared.protocol import TASKS, EngineStats, LoraAdapter, ModelInfo, RequestOutput, SamplingParams
+from mlxd.engined import kernels
+from mlxd.engined import memory_guard
+from mlxd.engined.device import device_kind
+from mlxd.engined.encoders.pooling import matryoshka_dimensions, pooled_results, score_token_ids, store_results
+from mlxd.engined.fastpath.encode_thread import EncodeThread
+from mlxd.engined.kv.manager import KVCacheManager
+from mlxd.engined.loaders import LoadedModel, load_model
+from mlxd.engined.lora.registry import LoraRegistry
+from mlxd.engined.metrics import EngineMetrics
+from mlxd.engined.model_layers import LayerSpec, float_dtype, read_layers
+from mlxd.engined.parallel import model_split, pipeline
+from mlxd.engined.request import Request, WaitingPlaces, check_prompt, take_output
+from mlxd.engined.runner import LastTokenNorm, ModelRunner
+from mlxd.engined.sampler import LaunchedStep, Sampler, needs_host_tokens
+from mlxd.engined.scheduler import Scheduler, SchedulerOutput
+from mlxd.engined.speculation import proposers
+from mlxd.engined.speculation.speculator import Speculator
+from mlxd.engined.structured import GrammarCompiler
+from mlxd.shared.config import EngineConfig, SpeculativeConfig
+from mlxd.shared.errors import ContextLengthError, InvalidRequestError, NotFoundError
+from mlxd.shared.protocol import TASKS, EngineStats, LoraAdapter, ModelInfo, RequestOutput, SamplingParams
 
 log = logging.getLogger("mlxd.engine")
 

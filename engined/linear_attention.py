@@ -61,7 +61,7 @@ class SlottedLinearAttention(nn.Module):
         """``cache``: this layer's ``engined.kv.recurrent_state.StateLayerStep`` (the plan, its slot arrays)."""
         if cache is None:
             raise RuntimeError("a linear-attention layer ran without state slots: run the model through "
-                               "engined.runner.ModelRunner")
+                               "mlxd.engined.runner.ModelRunner")
         # The family's layer calls the update by its module-level name; the swap lasts while this layer
         # builds its graph (the engine builds one step at a time, on one thread).
         if self.recurrence is None:

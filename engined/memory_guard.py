@@ -26,13 +26,13 @@ import mlx.core as mx
 import numpy as np
 from tqdm import tqdm
 
-from engined.request import Request
-from engined.sampler import Sampler
-from engined.scheduler import SchedulerOutput
-from engined.speculation.speculator import Verifier
-from shared.config import EngineConfig
-from shared.errors import MemoryBudgetError
-from shared.protocol import SamplingParams
+from mlxd.engined.request import Request
+from mlxd.engined.sampler import Sampler
+from mlxd.engined.scheduler import SchedulerOutput
+from mlxd.engined.speculation.speculator import Verifier
+from mlxd.shared.config import EngineConfig
+from mlxd.shared.errors import MemoryBudgetError
+from mlxd.shared.protocol import SamplingParams
 
 log = logging.getLogger("mlxd.engine")
 
@@ -156,8 +156,8 @@ def warm_kernels(runner, sampler: Sampler, vocab_size: int) -> None:
     cached prefix cost seconds (bench/gpu_serving_results.md, run 5). The warm-up's largest
     step meets none of these. Its blocks and state slots are freed.
     """
-    from engined.kernels.gpu import SDPA_CHUNK_TOKENS
-    from engined.kernels.gpu_geometry import PARTITION_TOKENS
+    from mlxd.engined.kernels.gpu import SDPA_CHUNK_TOKENS
+    from mlxd.engined.kernels.gpu_geometry import PARTITION_TOKENS
 
     kv = runner.kv
     short, long = 16, PARTITION_TOKENS + SDPA_CHUNK_TOKENS
@@ -219,8 +219,8 @@ def plan(runner, stores: list, config: EngineConfig, max_model_len: int, vocab_s
         mx.set_cache_limit(activations)
     if kernels:
         # On a pool of their own, dropped after with any state snapshot the steps left.
-        from engined.kernels.gpu import SDPA_CHUNK_TOKENS
-        from engined.kernels.gpu_geometry import PARTITION_TOKENS
+        from mlxd.engined.kernels.gpu import SDPA_CHUNK_TOKENS
+        from mlxd.engined.kernels.gpu_geometry import PARTITION_TOKENS
 
         runner.kv.create(2 * runner.kv.blocks_for(PARTITION_TOKENS + SDPA_CHUNK_TOKENS + 32))
         warm_kernels(runner, Sampler(vocab_size, []), vocab_size)

@@ -24,9 +24,9 @@ from prometheus_client import (
     CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, generate_latest,
 )
 
-from engined.request import Request
-from shared.config import EngineConfig
-from shared.protocol import EngineStats
+from mlxd.engined.request import Request
+from mlxd.shared.config import EngineConfig
+from mlxd.shared.protocol import EngineStats
 
 log = logging.getLogger("mlxd.engine")
 

@@ -25,7 +25,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
-from shared.errors import ModelLoadError
+from mlxd.shared.errors import ModelLoadError
 
 _LAYER_TYPES = {"full_attention": False, "sliding_attention": True}
 

@@ -9,9 +9,9 @@ import sys
 import threading
 import time
 
-from shared.config import EngineConfig
-from shared.errors import MlxdError
-from shared.serve_config import DaemonConfig
+from mlxd.shared.config import EngineConfig
+from mlxd.shared.errors import MlxdError
+from mlxd.shared.serve_config import DaemonConfig
 
 log = logging.getLogger("mlxd.engine")
 
@@ -29,7 +29,7 @@ def run_engine(config: EngineConfig, daemon: DaemonConfig, parent_pid: int | Non
         # and must not outlive it.
         threading.Thread(target=_exit_with_parent, args=(parent_pid, loading), daemon=True,
                          name="parent-watch").start()
-    from engined.device import load_fast_blas, slow_blas_warning
+    from mlxd.engined.device import load_fast_blas, slow_blas_warning
 
     # Before anything imports mlx.core (engined/device.py says why).
     load_fast_blas()
@@ -37,16 +37,16 @@ def run_engine(config: EngineConfig, daemon: DaemonConfig, parent_pid: int | Non
     if (warning := slow_blas_warning()) is not None:
         log.warning("%s", warning)
     if config.num_ranks > 1:
-        from engined.parallel import pipeline
+        from mlxd.engined.parallel import pipeline
 
         group = pipeline.join(config)
         if group.rank() > 0:  # a worker: no socket, no gateways; it mirrors rank 0 until rank 0 is gone
             return pipeline.serve_worker(config, group, loading)
-    from engined.daemon import Daemon
-    from engined.encoders.engine import EncoderEngine, encoder_dir
-    from engined.engine import Engine
-    from shared.curve import check_endpoint
-    from shared.paths import check_ipc_endpoint, default_engine_endpoint, refuse_live_ipc
+    from mlxd.engined.daemon import Daemon
+    from mlxd.engined.encoders.engine import EncoderEngine, encoder_dir
+    from mlxd.engined.engine import Engine
+    from mlxd.shared.curve import check_endpoint
+    from mlxd.shared.paths import check_ipc_endpoint, default_engine_endpoint, refuse_live_ipc
 
     endpoint = daemon.engine_endpoint or default_engine_endpoint()
     # Refused before the model loads, which can take minutes.

@@ -6,8 +6,8 @@ from __future__ import annotations
 import enum
 import time
 
-from shared.errors import ContextLengthError, InvalidRequestError, OverloadedError
-from shared.protocol import Logprob, RequestOutput, SamplingParams
+from mlxd.shared.errors import ContextLengthError, InvalidRequestError, OverloadedError
+from mlxd.shared.protocol import Logprob, RequestOutput, SamplingParams
 
 
 class Status(enum.Enum):

@@ -24,17 +24,17 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from engined import kernels
-from engined.fastpath.compiled_decode import CompiledDecode
-from engined.fastpath.linears import fuse_linears, hold_transposes, join_siblings
-from engined.kernels import gated_delta
-from engined.kernels.qk_rope import QKRope
-from engined.kv.manager import KVCacheManager
-from engined.linear_attention import SlottedLinearAttention
-from engined.lora.registry import LoraRegistry
-from engined.model_layers import LayerSettings, LayerSpec, flat_stream, text_model, transformer_layers
-from engined.scheduler import SchedulerOutput
-from shared.errors import ModelLoadError
+from mlxd.engined import kernels
+from mlxd.engined.fastpath.compiled_decode import CompiledDecode
+from mlxd.engined.fastpath.linears import fuse_linears, hold_transposes, join_siblings
+from mlxd.engined.kernels import gated_delta
+from mlxd.engined.kernels.qk_rope import QKRope
+from mlxd.engined.kv.manager import KVCacheManager
+from mlxd.engined.linear_attention import SlottedLinearAttention
+from mlxd.engined.lora.registry import LoraRegistry
+from mlxd.engined.model_layers import LayerSettings, LayerSpec, flat_stream, text_model, transformer_layers
+from mlxd.engined.scheduler import SchedulerOutput
+from mlxd.shared.errors import ModelLoadError
 
 
 def _row_index(ends: np.ndarray, counts: list[int]) -> mx.array:
@@ -249,7 +249,7 @@ class PagedAttention(nn.Module):
         meta = getattr(cache, "meta", None)
         if meta is None:
             raise RuntimeError("a paged attention layer ran without its step: run the model through "
-                               "engined.runner.ModelRunner")
+                               "mlxd.engined.runner.ModelRunner")
         s = self.settings
         # The layer runs on [T, hidden], [T, heads, 1, D] around RoPE: a 3-D input costs a matmul a flatten
         # and an unflatten, and a step on a GPU is bound by the host's cost per operation. A flat stream's

@@ -25,10 +25,10 @@ from collections.abc import Callable
 import mlx.core as mx
 import numpy as np
 
-from engined.fastpath.encode_thread import EncodeThread
-from engined.request import Request
-from engined.scheduler import SchedulerOutput
-from shared.protocol import Logprob
+from mlxd.engined.fastpath.encode_thread import EncodeThread
+from mlxd.engined.request import Request
+from mlxd.engined.scheduler import SchedulerOutput
+from mlxd.shared.protocol import Logprob
 
 _NEG = -1e30
 _MASK64 = (1 << 64) - 1

@@ -41,10 +41,10 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from engined.kv.manager import KVCacheManager
-from engined.request import Request, Status
-from shared.errors import InvalidRequestError
-from shared.protocol import EngineStats, Logprob
+from mlxd.engined.kv.manager import KVCacheManager
+from mlxd.engined.request import Request, Status
+from mlxd.shared.errors import InvalidRequestError
+from mlxd.shared.protocol import EngineStats, Logprob
 
 
 @dataclass

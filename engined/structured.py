@@ -35,9 +35,9 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import mlx.core as mx
 import numpy as np
 
-from shared.errors import InvalidRequestError
-from shared.hub import load_tokenizer
-from shared.protocol import StructuredSpec
+from mlxd.shared.errors import InvalidRequestError
+from mlxd.shared.hub import load_tokenizer
+from mlxd.shared.protocol import StructuredSpec
 
 log = logging.getLogger("mlxd.structured")
 

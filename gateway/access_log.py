@@ -13,8 +13,8 @@ import contextvars
 import logging
 import time
 
-from gateway.engine_client import EngineClient
-from shared.protocol import RequestOutput
+from mlxd.gateway.engine_client import EngineClient
+from mlxd.shared.protocol import RequestOutput
 
 log = logging.getLogger("mlxd.access")
 

@@ -18,11 +18,11 @@ import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
 
-from gateway.chat_run import ChatInput, ChatRun, render
-from gateway.errors import anthropic_sse_error_event
-from gateway.generation import KEEPALIVE, SSEResponse, named_event
-from gateway.state import open_request
-from shared.errors import InvalidRequestError, MlxdError
+from mlxd.gateway.chat_run import ChatInput, ChatRun, render
+from mlxd.gateway.errors import anthropic_sse_error_event
+from mlxd.gateway.generation import KEEPALIVE, SSEResponse, named_event
+from mlxd.gateway.state import open_request
+from mlxd.shared.errors import InvalidRequestError, MlxdError
 
 
 class Message(msgspec.Struct, kw_only=True):

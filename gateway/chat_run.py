@@ -33,17 +33,17 @@ import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
 
-from gateway import openai_types as t
-from gateway import params as P
-from gateway.errors import sse_error_event
-from gateway.generation import DONE, KEEPALIVE, Generation, SSEResponse, event, while_connected
-from gateway.parsers import (REASONING_PARSERS, ReasoningStream, ToolParser, ToolStream, keeps_special_tokens,
+from mlxd.gateway import openai_types as t
+from mlxd.gateway import params as P
+from mlxd.gateway.errors import sse_error_event
+from mlxd.gateway.generation import DONE, KEEPALIVE, Generation, SSEResponse, event, while_connected
+from mlxd.gateway.parsers import (REASONING_PARSERS, ReasoningStream, ToolParser, ToolStream, keeps_special_tokens,
                              parse_complete)
-from gateway.state import GatewayState, open_request
-from gateway.structured import (NO_TOOLS, ToolPlan, marker_literal, one_spec, reasoning_aware, response_format_spec,
+from mlxd.gateway.state import GatewayState, open_request
+from mlxd.gateway.structured import (NO_TOOLS, ToolPlan, marker_literal, one_spec, reasoning_aware, response_format_spec,
                                 structured_outputs_spec, tool_plan)
-from shared.errors import MlxdError
-from shared.protocol import Logprob
+from mlxd.shared.errors import MlxdError
+from mlxd.shared.protocol import Logprob
 
 
 @dataclass

@@ -9,13 +9,13 @@ import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
 
-from gateway import openai_types as t
-from gateway import params as P
-from gateway.errors import sse_error_event
-from gateway.generation import DONE, KEEPALIVE, Generation, SSEResponse, event, while_connected
-from gateway.state import GatewayState, decode_body
-from gateway.structured import one_spec, response_format_spec, structured_outputs_spec
-from shared.errors import MlxdError
+from mlxd.gateway import openai_types as t
+from mlxd.gateway import params as P
+from mlxd.gateway.errors import sse_error_event
+from mlxd.gateway.generation import DONE, KEEPALIVE, Generation, SSEResponse, event, while_connected
+from mlxd.gateway.state import GatewayState, decode_body
+from mlxd.gateway.structured import one_spec, response_format_spec, structured_outputs_spec
+from mlxd.shared.errors import MlxdError
 
 # OpenAI's default for completions.
 DEFAULT_MAX_TOKENS = 16

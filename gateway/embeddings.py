@@ -20,13 +20,13 @@ import numpy as np
 from starlette.requests import Request
 from starlette.responses import Response
 
-from gateway import params as P
-from gateway import pooling_types as t
-from gateway.generation import while_connected
-from gateway.pooled import input_ids, run_pooled, vectors
-from gateway.state import GatewayState, decode_body
-from shared.errors import InvalidRequestError
-from shared.protocol import EngineInfo
+from mlxd.gateway import params as P
+from mlxd.gateway import pooling_types as t
+from mlxd.gateway.generation import while_connected
+from mlxd.gateway.pooled import input_ids, run_pooled, vectors
+from mlxd.gateway.state import GatewayState, decode_body
+from mlxd.shared.errors import InvalidRequestError
+from mlxd.shared.protocol import EngineInfo
 
 
 def check_dimensions(dimensions: int | None, info: EngineInfo) -> None:

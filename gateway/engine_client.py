@@ -22,10 +22,10 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
-from shared import protocol as p
-from shared.curve import secure_client
-from shared.errors import EngineUnavailableError, MlxdError, error_from_code
-from shared.protocol import Kind, SamplingParams
+from mlxd.shared import protocol as p
+from mlxd.shared.curve import secure_client
+from mlxd.shared.errors import EngineUnavailableError, MlxdError, error_from_code
+from mlxd.shared.protocol import Kind, SamplingParams
 
 log = logging.getLogger("mlxd.gateway")
 

@@ -14,7 +14,7 @@ import msgspec
 from starlette.exceptions import HTTPException
 from starlette.responses import JSONResponse
 
-from shared.errors import ContextLengthError, InvalidRequestError, MlxdError
+from mlxd.shared.errors import ContextLengthError, InvalidRequestError, MlxdError
 
 log = logging.getLogger("mlxd.gateway")
 

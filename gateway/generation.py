@@ -38,8 +38,8 @@ from dataclasses import dataclass, field
 
 import msgspec
 
-from shared.errors import ClientGoneError, MlxdError
-from shared.protocol import Logprob, RequestOutput, SamplingParams
+from mlxd.shared.errors import ClientGoneError, MlxdError
+from mlxd.shared.protocol import Logprob, RequestOutput, SamplingParams
 
 
 @dataclass

@@ -10,11 +10,11 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from gateway import openai_types as t
-from gateway import params as P
-from gateway.state import GatewayState, decode_body
-from shared.errors import InvalidRequestError
-from shared.protocol import PROTOCOL_VERSION
+from mlxd.gateway import openai_types as t
+from mlxd.gateway import params as P
+from mlxd.gateway.state import GatewayState, decode_body
+from mlxd.shared.errors import InvalidRequestError
+from mlxd.shared.protocol import PROTOCOL_VERSION
 
 # /tokenize counts a text longer than the context (clients ask in order to shorten it), up to this many contexts.
 COUNT_SLACK = 4

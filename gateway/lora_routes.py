@@ -14,8 +14,8 @@ import msgspec
 from starlette.requests import Request
 from starlette.responses import PlainTextResponse, Response
 
-from gateway.state import GatewayState, decode_body
-from shared.errors import ForbiddenError, InvalidRequestError
+from mlxd.gateway.state import GatewayState, decode_body
+from mlxd.shared.errors import ForbiddenError, InvalidRequestError
 
 
 class LoadLoraAdapterRequest(msgspec.Struct, kw_only=True):

@@ -38,10 +38,10 @@ from typing import Any
 
 import msgspec
 
-from shared.errors import ContextLengthError, InvalidRequestError, MlxdError
-from shared.hub import load_tokenizer
-from shared.protocol import INT64_MAX, INT64_MIN, EngineInfo, SamplingParams, StructuredSpec
-from shared.serve_config import generation_sampling_keys
+from mlxd.shared.errors import ContextLengthError, InvalidRequestError, MlxdError
+from mlxd.shared.hub import load_tokenizer
+from mlxd.shared.protocol import INT64_MAX, INT64_MIN, EngineInfo, SamplingParams, StructuredSpec
+from mlxd.shared.serve_config import generation_sampling_keys
 
 MAX_STOP_STRINGS = 16
 MAX_N = 64

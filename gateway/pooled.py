@@ -16,11 +16,11 @@ import uuid
 import numpy as np
 from starlette.requests import Request
 
-from gateway import params as P
-from gateway.generation import unless_disconnected
-from gateway.state import GatewayState
-from shared.errors import ContextLengthError, InvalidRequestError, MlxdError
-from shared.protocol import EngineInfo, RequestOutput, SamplingParams
+from mlxd.gateway import params as P
+from mlxd.gateway.generation import unless_disconnected
+from mlxd.gateway.state import GatewayState
+from mlxd.shared.errors import ContextLengthError, InvalidRequestError, MlxdError
+from mlxd.shared.protocol import EngineInfo, RequestOutput, SamplingParams
 
 # Inputs one HTTP request may carry: each is an engine request and a place in its waiting queue
 # (which refuses, with 429, a request larger than it).

@@ -17,13 +17,13 @@ import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
 
-from gateway.chat_run import ChatInput, ChatRun
-from gateway.errors import error_body, to_mlxd_error
-from gateway.generation import KEEPALIVE, SSEResponse, named_event
-from gateway.params import loads
-from gateway.responses_tools import ResponsesTools, responses_tools
-from gateway.state import open_request
-from shared.errors import InvalidRequestError, MlxdError
+from mlxd.gateway.chat_run import ChatInput, ChatRun
+from mlxd.gateway.errors import error_body, to_mlxd_error
+from mlxd.gateway.generation import KEEPALIVE, SSEResponse, named_event
+from mlxd.gateway.params import loads
+from mlxd.gateway.responses_tools import ResponsesTools, responses_tools
+from mlxd.gateway.state import open_request
+from mlxd.shared.errors import InvalidRequestError, MlxdError
 
 
 class ResponsesRequest(msgspec.Struct, kw_only=True):

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from shared.errors import InvalidRequestError
+from mlxd.shared.errors import InvalidRequestError
 
 # Tool types OpenAI's platform executes itself; a client lists them, the server would run them.
 HOSTED_TOOL_TYPES = frozenset({

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from starlette.routing import Route
 
-from gateway import anthropic, embeddings, info_routes, lora_routes, responses, scoring
-from gateway.chat_run import chat_completions
-from gateway.completions import completions
+from mlxd.gateway import anthropic, embeddings, info_routes, lora_routes, responses, scoring
+from mlxd.gateway.chat_run import chat_completions
+from mlxd.gateway.completions import completions
 
 ROUTES = [
     Route("/health", info_routes.health, methods=["GET"]),

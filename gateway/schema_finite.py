@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from urllib.parse import unquote
 
-from shared.errors import InvalidRequestError
+from mlxd.shared.errors import InvalidRequestError
 
 
 def check_finite(schema, param: str, what: str = "the JSON schema") -> None:

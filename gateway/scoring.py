@@ -21,12 +21,12 @@ import numpy as np
 from starlette.requests import Request
 from starlette.responses import Response
 
-from gateway import params as P
-from gateway import pooling_types as t
-from gateway.generation import while_connected
-from gateway.pooled import MAX_INPUTS, check_ids, input_ids, run_pooled, vectors
-from gateway.state import GatewayState, open_request
-from shared.errors import InvalidRequestError
+from mlxd.gateway import params as P
+from mlxd.gateway import pooling_types as t
+from mlxd.gateway.generation import while_connected
+from mlxd.gateway.pooled import MAX_INPUTS, check_ids, input_ids, run_pooled, vectors
+from mlxd.gateway.state import GatewayState, open_request
+from mlxd.shared.errors import InvalidRequestError
 
 
 def score_pairs(text_1: str | list[str], text_2: str | list[str]) -> list[tuple[str, str]]:

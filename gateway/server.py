@@ -80,13 +80,13 @@ from starlette.middleware.cors import CORSMiddleware
 from starlette.routing import Match
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from gateway.errors import ANTHROPIC_PREFIX, error_response, handle_exception
-from gateway.parsers import check_names
-from gateway.routes import ROUTES
-from gateway.state import GatewayState
-from shared.errors import (ForbiddenError, InvalidRequestError, MlxdError, RequestHeaderTooLargeError,
+from mlxd.gateway.errors import ANTHROPIC_PREFIX, error_response, handle_exception
+from mlxd.gateway.parsers import check_names
+from mlxd.gateway.routes import ROUTES
+from mlxd.gateway.state import GatewayState
+from mlxd.shared.errors import (ForbiddenError, InvalidRequestError, MlxdError, RequestHeaderTooLargeError,
                            UnsupportedMediaTypeError)
-from shared.serve_config import GatewayConfig
+from mlxd.shared.serve_config import GatewayConfig
 
 log = logging.getLogger("mlxd.gateway")
 
@@ -412,7 +412,7 @@ def run_gateway(config: GatewayConfig, supervisor=None) -> int:
         config.api_key = _read_key_file(config.api_key_file)
     app = build_app(config)
     if config.enable_log_requests:
-        from gateway.access_log import AccessLog
+        from mlxd.gateway.access_log import AccessLog
 
         asgi = AccessLog(app)
     else:

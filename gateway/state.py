@@ -21,18 +21,18 @@ from typing import TypeVar
 import msgspec
 from starlette.requests import Request
 
-from gateway.access_log import AccessLoggedClient
-from gateway.engine_client import EngineClient
-from gateway.params import (MAX_JSON_DEPTH, SamplingDefaults, Tokenizer, check_depth, load_chat_template,
+from mlxd.gateway.access_log import AccessLoggedClient
+from mlxd.gateway.engine_client import EngineClient
+from mlxd.gateway.params import (MAX_JSON_DEPTH, SamplingDefaults, Tokenizer, check_depth, load_chat_template,
                             sampling_defaults)
-from gateway.parsers import choose_parsers
-from shared.curve import check_endpoint
-from shared.errors import (AuthenticationError, EngineUnavailableError, InvalidRequestError, MlxdError, NotFoundError,
+from mlxd.gateway.parsers import choose_parsers
+from mlxd.shared.curve import check_endpoint
+from mlxd.shared.errors import (AuthenticationError, EngineUnavailableError, InvalidRequestError, MlxdError, NotFoundError,
                            RequestTimeoutError, RequestTooLargeError)
-from shared.keys import KeyFile, default_keys_file, match_key, read_keys, required_marker
-from shared.paths import check_ipc_endpoint, default_engine_endpoint
-from shared.protocol import EngineInfo
-from shared.serve_config import GatewayConfig
+from mlxd.shared.keys import KeyFile, default_keys_file, match_key, read_keys, required_marker
+from mlxd.shared.paths import check_ipc_endpoint, default_engine_endpoint
+from mlxd.shared.protocol import EngineInfo
+from mlxd.shared.serve_config import GatewayConfig
 
 log = logging.getLogger("mlxd.gateway")
 

@@ -14,12 +14,12 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from gateway.parsers import REASONING_PARSERS, TOOL_PARSERS, ToolParser
-from gateway.parsers.template_detect import DEFAULT_TOOL_FORMAT
-from gateway.regex_digits import ascii_digits
-from gateway.schema_finite import check_finite
-from shared.errors import InvalidRequestError
-from shared.protocol import StructuredSpec
+from mlxd.gateway.parsers import REASONING_PARSERS, TOOL_PARSERS, ToolParser
+from mlxd.gateway.parsers.template_detect import DEFAULT_TOOL_FORMAT
+from mlxd.gateway.regex_digits import ascii_digits
+from mlxd.gateway.schema_finite import check_finite
+from mlxd.shared.errors import InvalidRequestError
+from mlxd.shared.protocol import StructuredSpec
 
 
 @dataclass

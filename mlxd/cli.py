@@ -18,9 +18,9 @@ import sys
 
 from mlxd import vllm_compat
 from mlxd.flags import HELP, add_struct_flags
-from shared.config import EngineConfig
-from shared.errors import MlxdError
-from shared.serve_config import DaemonConfig, GatewayConfig
+from mlxd.shared.config import EngineConfig
+from mlxd.shared.errors import MlxdError
+from mlxd.shared.serve_config import DaemonConfig, GatewayConfig
 
 # What `serve` and `service install` set on the gateway from the engine's flags of the same name.
 SHARED_WITH_ENGINE = ("engine_endpoint", "curve_keys", "shutdown_timeout")
@@ -135,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["bench"]:
         # The benchmark has its own parser (bench/agent/harness.py); imported only here.
-        from bench.agent.harness import run as run_bench
+        from mlxd.bench.agent.harness import run as run_bench
 
         return run_bench(argv[1:])
     args = build_parser().parse_args(argv)

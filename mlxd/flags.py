@@ -15,7 +15,7 @@ import typing
 
 import msgspec
 
-from shared.config import ATTENTION_BACKENDS, DTYPES, ENGINE_TASKS
+from mlxd.shared.config import ATTENTION_BACKENDS, DTYPES, ENGINE_TASKS
 
 HELP = {
     "model": "GGUF file, mlx_lm/Hugging Face directory or repo id (default: the embedded SmolLM2)",

@@ -7,7 +7,7 @@ import sys
 
 
 def main(args) -> int:
-    from shared import keys as k
+    from mlxd.shared import keys as k
 
     path = getattr(args, "keys_file", None) or k.default_keys_file()
     if args.verb == "add":
@@ -35,7 +35,7 @@ def main(args) -> int:
             print(f"mlxd: app {args.app!r} has no key", file=sys.stderr)
             return 1
     else:
-        from shared.curve import default_curve_dir, make_keys
+        from mlxd.shared.curve import default_curve_dir, make_keys
 
         directory = make_keys(args.dir or default_curve_dir())
         print(f"CurveZMQ keys in {directory}: pass --curve-keys {directory} to the engine and the gateways",

@@ -5,7 +5,7 @@ from __future__ import annotations
 import errno
 import socket
 
-from shared.errors import InvalidRequestError
+from mlxd.shared.errors import InvalidRequestError
 
 
 def check_free(host: str, port: int | None, flag: str) -> None:

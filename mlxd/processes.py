@@ -7,16 +7,16 @@ import os
 from mlxd import ranks as mlxd_ranks
 from mlxd.flags import build_config
 from mlxd.ports import check_free
-from shared.config import EngineConfig
-from shared.errors import InvalidRequestError
-from shared.serve_config import DaemonConfig, GatewayConfig
+from mlxd.shared.config import EngineConfig
+from mlxd.shared.errors import InvalidRequestError
+from mlxd.shared.serve_config import DaemonConfig, GatewayConfig
 
 
 def _load_env_file(args) -> None:
     """``--env-file``: its variables set before the process's own modules are imported (some,
     Hugging Face's, read the environment then)."""
     if args.env_file:
-        from service.jobs import read_env_file
+        from mlxd.service.jobs import read_env_file
 
         try:
             os.environ.update(read_env_file(args.env_file))
@@ -26,7 +26,7 @@ def _load_env_file(args) -> None:
 
 def engine(args) -> int:
     _load_env_file(args)
-    from engined.process import run_engine
+    from mlxd.engined.process import run_engine
 
     daemon = build_config(DaemonConfig, args)
     config = build_config(EngineConfig, args)
@@ -46,7 +46,7 @@ def engine(args) -> int:
 
 def gateway(args) -> int:
     _load_env_file(args)
-    from gateway.server import run_gateway
+    from mlxd.gateway.server import run_gateway
 
     config = build_config(GatewayConfig, args)
     check_free(config.host, config.port, "--port")

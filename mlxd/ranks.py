@@ -18,7 +18,7 @@ import sys
 import tempfile
 
 from mlxd.flags import to_flags
-from shared.config import EngineConfig
+from mlxd.shared.config import EngineConfig
 
 LAUNCHED = "MLX_RANK"  # set by mlx.launch (or by this module) for each rank it starts
 

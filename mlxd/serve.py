@@ -27,9 +27,9 @@ import time
 
 from mlxd.flags import build_config, to_flags
 from mlxd.ports import check_free
-from shared.config import EngineConfig
-from shared.errors import InvalidRequestError
-from shared.serve_config import DaemonConfig, GatewayConfig
+from mlxd.shared.config import EngineConfig
+from mlxd.shared.errors import InvalidRequestError
+from mlxd.shared.serve_config import DaemonConfig, GatewayConfig
 
 # Restart delays grow from the first to the last, doubling.
 FIRST_RESTART_DELAY_S = 0.5
@@ -176,7 +176,7 @@ def check_model_path(model: str) -> None:
 
 
 def main(args) -> int:
-    from shared.paths import check_ipc_endpoint, default_engine_endpoint, refuse_live_ipc
+    from mlxd.shared.paths import check_ipc_endpoint, default_engine_endpoint, refuse_live_ipc
 
     engine_cfg = build_config(EngineConfig, args)
     daemon_cfg = build_config(DaemonConfig, args)
@@ -208,7 +208,7 @@ def main(args) -> int:
         signal.signal(sig, on_signal)
     try:
         supervisor.start()
-        from gateway.server import run_gateway
+        from mlxd.gateway.server import run_gateway
 
         return run_gateway(gateway_cfg, supervisor=supervisor)
     finally:

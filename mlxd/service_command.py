@@ -13,25 +13,25 @@ import sys
 from pathlib import Path
 
 from mlxd.flags import build_config, to_flags
-from shared.config import EngineConfig
-from shared.serve_config import DaemonConfig, GatewayConfig
+from mlxd.shared.config import EngineConfig
+from mlxd.shared.serve_config import DaemonConfig, GatewayConfig
 
 
 def api_key_path() -> Path:
-    from shared.paths import config_dir
+    from mlxd.shared.paths import config_dir
 
     return Path(config_dir()) / "service-api-key"
 
 
 def env_file_path() -> Path:
-    from shared.paths import config_dir
+    from mlxd.shared.paths import config_dir
 
     return Path(config_dir()) / "service.env"
 
 
 def _keep_private(path: Path, data: bytes | None) -> str | None:
     """Write ``data`` to ``path`` readable by its owner alone; None: remove it (a re-install without it)."""
-    from service.jobs import write_atomic
+    from mlxd.service.jobs import write_atomic
 
     if data is None:
         path.unlink(missing_ok=True)
@@ -41,7 +41,7 @@ def _keep_private(path: Path, data: bytes | None) -> str | None:
 
 
 def main(args) -> int:
-    from service import managers
+    from mlxd.service import managers
 
     manager = managers.make_manager(args.manager or managers.default_manager())
     jobs = None
@@ -63,8 +63,8 @@ def main(args) -> int:
 
 def _jobs(args) -> list:
     """The engine's and the gateway's command lines and environment, from the install's flags."""
-    from service.jobs import Job, env_items, format_env_file, mlxd_command, service_env
-    from shared.paths import default_engine_endpoint
+    from mlxd.service.jobs import Job, env_items, format_env_file, mlxd_command, service_env
+    from mlxd.shared.paths import default_engine_endpoint
 
     engine_cfg = build_config(EngineConfig, args)
     daemon_cfg = build_config(DaemonConfig, args)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import logging
 
-from shared.errors import InvalidRequestError
+from mlxd.shared.errors import InvalidRequestError
 
 log = logging.getLogger("mlxd")
 

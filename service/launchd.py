@@ -15,7 +15,7 @@ import subprocess
 from collections import deque
 from pathlib import Path
 
-from service.jobs import TEMPLATES, Job, call, call_captured, write_atomic
+from mlxd.service.jobs import TEMPLATES, Job, call, call_captured, write_atomic
 
 LABEL_PREFIX = "local.mlxd."
 JOB_NAMES = ("engine", "gateway")  # start order; stopped in reverse

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import sys
 
-from service.jobs import Job
-from service.launchd import LaunchdManager
-from service.systemd import SystemdManager
+from mlxd.service.jobs import Job
+from mlxd.service.launchd import LaunchdManager
+from mlxd.service.systemd import SystemdManager
 
 
 def default_manager() -> str:

@@ -13,8 +13,8 @@ import re
 import string
 from pathlib import Path
 
-from service.jobs import TEMPLATES, Job, call, call_captured, write_atomic
-from shared.paths import xdg_home
+from mlxd.service.jobs import TEMPLATES, Job, call, call_captured, write_atomic
+from mlxd.shared.paths import xdg_home
 
 JOB_NAMES = ("engine", "gateway")
 _BARE = re.compile(r"[A-Za-z0-9_@%+=:,./-]+")

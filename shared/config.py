@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import msgspec
 
-from shared.errors import InvalidRequestError
+from mlxd.shared.errors import InvalidRequestError
 
 # engined.kernels.BACKENDS, spelled out here because shared/ does not import the kernels (nor MLX).
 ATTENTION_BACKENDS = ("auto", "reference", "host", "metal", "cuda")

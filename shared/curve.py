@@ -25,8 +25,8 @@ import shutil
 import zmq
 import zmq.auth
 
-from shared.errors import InvalidRequestError
-from shared.paths import check_private_dir, config_dir
+from mlxd.shared.errors import InvalidRequestError
+from mlxd.shared.paths import check_private_dir, config_dir
 
 
 class InsecureEndpointError(InvalidRequestError):

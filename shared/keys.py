@@ -37,8 +37,8 @@ import time
 
 import msgspec
 
-from shared.errors import InvalidRequestError, MlxdError
-from shared.paths import config_dir
+from mlxd.shared.errors import InvalidRequestError, MlxdError
+from mlxd.shared.paths import config_dir
 
 # Short and plain: app names become metric labels and log fields.
 _APP_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")

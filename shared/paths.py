@@ -7,7 +7,7 @@ import socket
 import stat
 import tempfile
 
-from shared.errors import InvalidRequestError
+from mlxd.shared.errors import InvalidRequestError
 
 
 class UnsafeDirectoryError(InvalidRequestError):

@@ -21,7 +21,7 @@ import enum
 
 import msgspec
 
-from shared.errors import InvalidRequestError
+from mlxd.shared.errors import InvalidRequestError
 
 # 2: AddRequest gained app and priority.
 # 3: AddRequest gained group and group_size.

@@ -9,7 +9,7 @@ import json
 
 import msgspec
 
-from shared.errors import InvalidRequestError
+from mlxd.shared.errors import InvalidRequestError
 
 
 class DaemonConfig(msgspec.Struct, kw_only=True):

@@ -1,6 +1,6 @@
 """Shared fixtures, and the test session's start-up."""
 
-from engined.device import load_fast_blas
+from mlxd.engined.device import load_fast_blas
 
 
 def pytest_configure(config):

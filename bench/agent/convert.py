@@ -15,13 +15,13 @@ def mlx_lm_dir(out: Path, spec: str = "") -> Path:
     out = Path(out)
     if (out / "config.json").is_file() and any(out.glob("*.safetensors")):
         return out
-    from engined.device import load_fast_blas
+    from mlxd.engined.device import load_fast_blas
 
     load_fast_blas()  # before mlx.core (engined/device.py)
     from mlx_lm.utils import save_config, save_model
 
-    from engined.loaders import default_model_path, load_model
-    from engined.loaders.gguf import load_gguf
+    from mlxd.engined.loaders import default_model_path, load_model
+    from mlxd.engined.loaders.gguf import load_gguf
 
     path = spec or default_model_path()
     config = load_gguf(path).config  # the mlx_lm config the loader derived from the GGUF metadata

@@ -64,7 +64,7 @@ def _warm_up(url: str, model: str, timeout: float) -> None:
 
 
 def _launch(name: str, args, log_dir: Path, concurrency: int, sessions) -> peers.Server:
-    from engined.loaders import default_model_path
+    from mlxd.engined.loaders import default_model_path
 
     gguf = args.model or default_model_path()
     checkpoint = Path(gguf).is_dir()

@@ -8,7 +8,7 @@ reference BLAS on this CPU and the comparison would measure BLAS, not serving.
 import sys
 
 if __name__ == "__main__":
-    from engined.device import load_fast_blas
+    from mlxd.engined.device import load_fast_blas
 
     load_fast_blas()  # must precede any mlx import
     from mlx_lm import server

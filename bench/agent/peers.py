@@ -176,7 +176,7 @@ class MlxLm(Server):
         return str(self.model_dir)  # it serves a path as the model it was started with
 
     def command(self):
-        return [sys.executable, "-m", "bench.agent.mlx_lm_peer", "--model", str(self.model_dir),
+        return [sys.executable, "-m", "mlxd.bench.agent.mlx_lm_peer", "--model", str(self.model_dir),
                 "--port", str(self.port), "--log-level", "WARNING", *self.extra]
 
 

@@ -28,10 +28,10 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import mlx.core as mx  # noqa: E402
 import numpy as np  # noqa: E402
 
-from engined.kernels import gpu, paged_kv  # noqa: E402
-from engined.kernels import gpu_geometry as geo  # noqa: E402
+from mlxd.engined.kernels import gpu, paged_kv  # noqa: E402
+from mlxd.engined.kernels import gpu_geometry as geo  # noqa: E402
 from tests.kernels.cases import dense_attention, host_gather_runs, make_case, rel_error  # noqa: E402
-from engined.kernels.paged_kv import AttentionMetadata, write_kv  # noqa: E402
+from mlxd.engined.kernels.paged_kv import AttentionMetadata, write_kv  # noqa: E402
 
 TOL = {mx.float32: 1e-4, mx.float16: 3e-3, mx.bfloat16: 1.2e-2}
 S = 1  # size divisor (only the CPU dry run shrinks the problems)

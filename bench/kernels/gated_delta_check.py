@@ -19,7 +19,7 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.gated_delta import gated_delta_ops
 
-from engined.kernels import gated_delta
+from mlxd.engined.kernels import gated_delta
 
 SEED = 20261203
 

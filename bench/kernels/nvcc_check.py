@@ -18,7 +18,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 
 import mlx.core as mx  # noqa: E402
 
-from engined.kernels import gated_delta, gpu, gpu_geometry, lora_term, qk_rope, source  # noqa: E402
+from mlxd.engined.kernels import gated_delta, gpu, gpu_geometry, lora_term, qk_rope, source  # noqa: E402
 
 SIZES = {"float32": 4, "float16": 2, "bfloat16": 2}
 CUDA_TYPES = {"float32": "float", "float16": "__half", "bfloat16": "__nv_bfloat16", "int32": "int32_t",

@@ -18,7 +18,7 @@ import time
 import mlx.core as mx
 import mlx.nn as nn
 
-from engined.kernels.qk_rope import QKRope
+from mlxd.engined.kernels.qk_rope import QKRope
 
 SHAPES = {"qwen3-8b": (32, 8, 128, True, 1e6), "smollm2-135m": (9, 3, 64, False, 1e5)}
 

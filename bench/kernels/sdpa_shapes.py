@@ -25,7 +25,7 @@ import time
 import mlx.core as mx
 import numpy as np
 
-from bench.kernels.on_cuda import seeded_cuda
+from mlxd.bench.kernels.on_cuda import seeded_cuda
 
 H, HKV, D = 32, 8, 128
 

@@ -43,7 +43,7 @@ def trace() -> tuple[dict[str, list[str]], str]:
     tmp = Path(tempfile.mkdtemp(prefix="mlxd-trace-"))
     endpoint, port = f"ipc://{tmp}/engine.sock", _free_port()
     os.chmod(tmp, 0o700)
-    rec = [sys.executable, "-m", "bench.trace.recorder"]
+    rec = [sys.executable, "-m", "mlxd.bench.trace.recorder"]
     engine = subprocess.Popen(rec + [str(tmp / "engine.json"), "--", "engine", "--engine-endpoint", endpoint,
                                      "--kv-cache-memory", "200000000", "--max-model-len", "2048"], cwd=ROOT)
     gateway = subprocess.Popen(rec + [str(tmp / "gateway.json"), "--", "gateway", "--engine-endpoint", endpoint,

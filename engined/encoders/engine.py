@@ -20,14 +20,14 @@ from pathlib import Path
 
 import numpy as np
 
-from engined import memory_guard
-from engined.device import device_kind
-from engined.encoders.pooling import matryoshka_dimensions
-from engined.metrics import EngineMetrics
-from engined.request import Request, Status, WaitingPlaces, take_output
-from shared.config import EngineConfig
-from shared.errors import ContextLengthError, InvalidRequestError, ModelLoadError
-from shared.protocol import TASKS, EngineStats, ModelInfo, RequestOutput, SamplingParams
+from mlxd.engined import memory_guard
+from mlxd.engined.device import device_kind
+from mlxd.engined.encoders.pooling import matryoshka_dimensions
+from mlxd.engined.metrics import EngineMetrics
+from mlxd.engined.request import Request, Status, WaitingPlaces, take_output
+from mlxd.shared.config import EngineConfig
+from mlxd.shared.errors import ContextLengthError, InvalidRequestError, ModelLoadError
+from mlxd.shared.protocol import TASKS, EngineStats, ModelInfo, RequestOutput, SamplingParams
 
 log = logging.getLogger("mlxd.engine")
 
@@ -37,14 +37,14 @@ def encoder_dir(model: str) -> Path | None:
     path = Path(model) if model else None
     if path is None or not path.is_dir():
         return None
-    from engined.encoders.text import EncoderModel
+    from mlxd.engined.encoders.text import EncoderModel
 
     return path if EncoderModel.is_encoder_dir(path) else None
 
 
 class EncoderEngine:
     def __init__(self, config: EngineConfig, path: Path, progress: bool = False):
-        from engined.encoders.text import EncoderModel
+        from mlxd.engined.encoders.text import EncoderModel
 
         if config.task not in ("auto", "embed"):
             raise ModelLoadError(f"{path} is an encoder model: it serves --task embed, not {config.task}")

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 import mlx.nn as nn
 
-from engined.encoders.bert import gelu_erf
+from mlxd.engined.encoders.bert import gelu_erf
 
 MODEL_TYPES = ("modernbert",)
 

@@ -16,10 +16,10 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from engined.request import Request
-from engined.scheduler import SchedulerOutput
-from shared.errors import ModelLoadError
-from shared.hub import load_tokenizer
+from mlxd.engined.request import Request
+from mlxd.engined.scheduler import SchedulerOutput
+from mlxd.shared.errors import ModelLoadError
+from mlxd.shared.hub import load_tokenizer
 
 
 def score_token_ids(tokenizer_dir: Path, score_tokens: str) -> tuple[int, int]:

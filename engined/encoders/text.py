@@ -28,8 +28,8 @@ import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten
 
-from engined.encoders import bert, modernbert
-from shared.errors import InvalidRequestError, ModelLoadError
+from mlxd.engined.encoders import bert, modernbert
+from mlxd.shared.errors import InvalidRequestError, ModelLoadError
 
 _FAMILIES = {t: family for family in (bert, modernbert) for t in family.MODEL_TYPES}
 

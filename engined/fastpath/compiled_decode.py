@@ -26,9 +26,9 @@ from collections.abc import Callable
 
 import mlx.core as mx
 
-from engined import kernels
-from engined.kernels import AttentionMetadata
-from engined.kv.full_attention import PagedArrays, PagedLayerStep
+from mlxd.engined import kernels
+from mlxd.engined.kernels import AttentionMetadata
+from mlxd.engined.kv.full_attention import PagedArrays, PagedLayerStep
 
 log = logging.getLogger("mlxd.engine")
 

@@ -16,8 +16,8 @@ from collections.abc import Callable
 
 import mlx.core as mx
 
-from engined.kernels import gpu, gpu_geometry, paged_kv
-from engined.kernels.paged_kv import AttentionMetadata, write_kv
+from mlxd.engined.kernels import gpu, gpu_geometry, paged_kv
+from mlxd.engined.kernels.paged_kv import AttentionMetadata, write_kv
 
 __all__ = ["BACKENDS", "AttentionMetadata", "paged_attention", "replay_key", "resolve_backend", "write_kv"]
 

@@ -23,9 +23,9 @@ from functools import lru_cache
 import mlx.core as mx
 import numpy as np
 
-from engined.kernels import gpu_geometry as geo
-from engined.kernels import paged_kv, source
-from engined.kernels.paged_kv import AttentionMetadata, in_packed_order
+from mlxd.engined.kernels import gpu_geometry as geo
+from mlxd.engined.kernels import paged_kv, source
+from mlxd.engined.kernels.paged_kv import AttentionMetadata, in_packed_order
 
 SDPA_CHUNK_TOKENS = 64  # prefill chunks at least this long may take MLX's fused SDPA (see chunks_take_sdpa)
 NO_SKIP = 1 << 30

@@ -12,8 +12,8 @@ from functools import lru_cache
 
 import mlx.core as mx
 
-from engined.kernels import source
-from engined.kernels.paged_kv import AttentionMetadata
+from mlxd.engined.kernels import source
+from mlxd.engined.kernels.paged_kv import AttentionMetadata
 
 HEAD_DIMS = (64, 80, 96, 128, 256)
 # Threadgroup memory a Metal thread group may use; CUDA takes dynamic shared memory up to this.

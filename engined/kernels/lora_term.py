@@ -20,7 +20,7 @@ from functools import lru_cache
 
 import mlx.core as mx
 
-from engined.kernels.source import CUDA_TYPES
+from mlxd.engined.kernels.source import CUDA_TYPES
 
 MAX_ROWS = 128
 _THREADS = 256

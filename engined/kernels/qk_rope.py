@@ -26,7 +26,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from engined.kernels.source import CUDA_TYPES
+from mlxd.engined.kernels.source import CUDA_TYPES
 
 _THREADS = 128  # four warps a group, each a (token, head)
 

@@ -48,12 +48,12 @@ from collections.abc import Callable
 import mlx.core as mx
 import numpy as np
 
-from engined import kernels
-from engined.kv.group import Block, KVGroup
-from engined.model_layers import LayerSpec
-from engined.request import Request
-from engined.kernels import AttentionMetadata
-from shared.config import EngineConfig
+from mlxd.engined import kernels
+from mlxd.engined.kv.group import Block, KVGroup
+from mlxd.engined.model_layers import LayerSpec
+from mlxd.engined.request import Request
+from mlxd.engined.kernels import AttentionMetadata
+from mlxd.shared.config import EngineConfig
 
 
 class PagedLayerStep:

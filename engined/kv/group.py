@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from engined.model_layers import LayerSpec
-from engined.request import Request
-from shared.config import EngineConfig
+from mlxd.engined.model_layers import LayerSpec
+from mlxd.engined.request import Request
+from mlxd.shared.config import EngineConfig
 
 
 class Block:

@@ -24,14 +24,14 @@ from collections.abc import Callable
 import mlx.core as mx
 import numpy as np
 
-from engined.kv.full_attention import BlockPool, FullAttentionGroup, PagedArrays, extend_hashes
-from engined.kv.group import Block, KVGroup
-from engined.kv.recurrent_state import RecurrentStateGroup
-from engined.kv.sliding_window import SlidingWindowGroup
-from engined.model_layers import LayerSpec
-from engined.request import Request
-from shared.config import EngineConfig
-from shared.errors import ModelLoadError
+from mlxd.engined.kv.full_attention import BlockPool, FullAttentionGroup, PagedArrays, extend_hashes
+from mlxd.engined.kv.group import Block, KVGroup
+from mlxd.engined.kv.recurrent_state import RecurrentStateGroup
+from mlxd.engined.kv.sliding_window import SlidingWindowGroup
+from mlxd.engined.model_layers import LayerSpec
+from mlxd.engined.request import Request
+from mlxd.shared.config import EngineConfig
+from mlxd.shared.errors import ModelLoadError
 
 # Seconds with no request holding a block before the main pool is cut back to its starting size:
 # long enough that an agent's pause between turns keeps its grown pool and cached prefixes.

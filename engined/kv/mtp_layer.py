@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from engined.kv.full_attention import PagedArrays
-from engined.kv.group import KVGroup
-from engined.model_layers import LayerSpec
+from mlxd.engined.kv.full_attention import PagedArrays
+from mlxd.engined.kv.group import KVGroup
+from mlxd.engined.model_layers import LayerSpec
 
 
 class MTPLayerGroup(KVGroup):

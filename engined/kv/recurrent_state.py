@@ -35,12 +35,12 @@ from collections import OrderedDict
 import mlx.core as mx
 import numpy as np
 
-from engined.kv.full_attention import extend_hashes
-from engined.kv.group import KVGroup
-from engined.linear_attention import StateGroup, StatePlan, state_shapes
-from engined.model_layers import LayerSpec
-from engined.request import Request
-from shared.config import EngineConfig
+from mlxd.engined.kv.full_attention import extend_hashes
+from mlxd.engined.kv.group import KVGroup
+from mlxd.engined.linear_attention import StateGroup, StatePlan, state_shapes
+from mlxd.engined.model_layers import LayerSpec
+from mlxd.engined.request import Request
+from mlxd.shared.config import EngineConfig
 
 
 class StateLayerStep:

@@ -19,12 +19,12 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from engined.kv.full_attention import BlockPool, PagedArrays
-from engined.kv.group import Block, KVGroup
-from engined.model_layers import LayerSpec
-from engined.request import Request
-from engined.kernels import AttentionMetadata
-from shared.config import EngineConfig
+from mlxd.engined.kv.full_attention import BlockPool, PagedArrays
+from mlxd.engined.kv.group import Block, KVGroup
+from mlxd.engined.model_layers import LayerSpec
+from mlxd.engined.request import Request
+from mlxd.engined.kernels import AttentionMetadata
+from mlxd.shared.config import EngineConfig
 
 
 def first_visible_block(position: int, window: int, block_size: int) -> int:

@@ -18,8 +18,8 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_map_with_path
 
-from engined.device import weight_dtype
-from shared.errors import ModelLoadError
+from mlxd.engined.device import weight_dtype
+from mlxd.shared.errors import ModelLoadError
 
 from .gguf import load_gguf
 from .mlx_dir import MTPWeights, dense_weights, is_model_dir, load_dir, resolve_hf_repo

@@ -20,7 +20,7 @@ import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from mlx_lm.utils import _get_classes
 
-from shared.errors import ModelLoadError
+from mlxd.shared.errors import ModelLoadError
 
 from .gguf_arch import config_from_metadata, family_of, mlx_weights
 from .gguf_quant import Packed, dense, quantized

@@ -29,7 +29,7 @@ from typing import Callable
 
 import numpy as np
 
-from shared.errors import ModelLoadError
+from mlxd.shared.errors import ModelLoadError
 
 from .gguf_gemma4 import GEMMA4_GLOBALS, GEMMA4_LAYERS, GEMMA4_SCALES, gemma4_config
 from .gguf_quant import Value, cat_rows, permute_cols, take_rows

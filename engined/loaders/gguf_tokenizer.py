@@ -22,8 +22,8 @@ from pathlib import Path
 
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
 
-from shared.errors import ModelLoadError
-from shared.paths import cache_dir
+from mlxd.shared.errors import ModelLoadError
+from mlxd.shared.paths import cache_dir
 
 log = logging.getLogger(__name__)
 

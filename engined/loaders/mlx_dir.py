@@ -11,9 +11,9 @@ import mlx.nn as nn
 from mlx_lm.utils import _get_classes
 from mlx_lm.utils import load_model as mlx_lm_load_model
 
-from engined.model_layers import check_model_type
-from shared.errors import ModelLoadError
-from shared.hub import cached_snapshot
+from mlxd.engined.model_layers import check_model_type
+from mlxd.shared.errors import ModelLoadError
+from mlxd.shared.hub import cached_snapshot
 
 
 @dataclass

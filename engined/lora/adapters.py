@@ -28,7 +28,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from shared.errors import InvalidRequestError, NotFoundError
+from mlxd.shared.errors import InvalidRequestError, NotFoundError
 
 MLX_WEIGHTS, PEFT_WEIGHTS, CONFIG = "adapters.safetensors", "adapter_model.safetensors", "adapter_config.json"
 # Hugging Face expert projections under the names mlx_lm's switch layers take (Mixtral spells them w1..w3).

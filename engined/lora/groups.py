@@ -45,8 +45,8 @@ import mlx.nn as nn
 import numpy as np
 from mlx_lm.models.activations import swiglu
 
-from engined.fastpath.linears import JoinedLinears, dims
-from engined.kernels import lora_term
+from mlxd.engined.fastpath.linears import JoinedLinears, dims
+from mlxd.engined.kernels import lora_term
 
 
 class ProjectionGroup(JoinedLinears):

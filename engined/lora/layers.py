@@ -36,9 +36,9 @@ import numpy as np
 from mlx_lm.models.activations import swiglu
 from mlx_lm.models.switch_layers import SwitchGLU
 
-from engined.fastpath.linears import JoinedMember, dims, fuse_linears
-from engined.lora.groups import ProjectionGroup
-from engined.model_layers import transformer_layers
+from mlxd.engined.fastpath.linears import JoinedMember, dims, fuse_linears
+from mlxd.engined.lora.groups import ProjectionGroup
+from mlxd.engined.model_layers import transformer_layers
 
 
 class LoraStep:

@@ -28,10 +28,10 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from engined.device import on_cpu
-from engined.lora import layers
-from engined.lora.adapters import CONFIG, MLX_WEIGHTS, PEFT_WEIGHTS, AdapterWeights, read_adapter
-from shared.errors import InvalidRequestError, MlxdError, NotFoundError
+from mlxd.engined.device import on_cpu
+from mlxd.engined.lora import layers
+from mlxd.engined.lora.adapters import CONFIG, MLX_WEIGHTS, PEFT_WEIGHTS, AdapterWeights, read_adapter
+from mlxd.shared.errors import InvalidRequestError, MlxdError, NotFoundError
 
 
 @dataclass

@@ -14,9 +14,9 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.pipeline import PipelineMixin
 
-from engined.model_layers import text_model, transformer_layers
-from shared.config import EngineConfig
-from shared.errors import ModelLoadError
+from mlxd.engined.model_layers import text_model, transformer_layers
+from mlxd.shared.config import EngineConfig
+from mlxd.shared.errors import ModelLoadError
 
 log = logging.getLogger("mlxd.engine")
 

@@ -39,18 +39,18 @@ from collections import deque
 
 import mlx.core as mx
 
-from engined import memory_guard
-from engined.device import device_kind
-from engined.kv.manager import KVCacheManager
-from engined.memory_guard import MemoryPlan
-from engined.parallel import model_split
-from engined.parallel.rank_link import Link, Message, Op
-from engined.request import Request
-from engined.runner import ModelRunner, forward, forward_pooled
-from engined.scheduler import SchedulerOutput
-from shared.config import EngineConfig
-from shared.errors import ModelLoadError
-from shared.protocol import SamplingParams
+from mlxd.engined import memory_guard
+from mlxd.engined.device import device_kind
+from mlxd.engined.kv.manager import KVCacheManager
+from mlxd.engined.memory_guard import MemoryPlan
+from mlxd.engined.parallel import model_split
+from mlxd.engined.parallel.rank_link import Link, Message, Op
+from mlxd.engined.request import Request
+from mlxd.engined.runner import ModelRunner, forward, forward_pooled
+from mlxd.engined.scheduler import SchedulerOutput
+from mlxd.shared.config import EngineConfig
+from mlxd.shared.errors import ModelLoadError
+from mlxd.shared.protocol import SamplingParams
 
 log = logging.getLogger("mlxd.engine")
 
@@ -288,9 +288,9 @@ class MirroredRunner(ModelRunner):
 def serve_worker(config: EngineConfig, group: mx.distributed.Group, joined: threading.Event) -> int:
     """A rank other than 0: load this rank's layers, then replay rank 0's messages until it is gone;
     ``joined`` is set once the group is whole (rank 0's going away then ends this rank)."""
-    from engined.loaders import load_model
-    from engined.model_layers import float_dtype, read_layers
-    from engined import kernels
+    from mlxd.engined.loaders import load_model
+    from mlxd.engined.model_layers import float_dtype, read_layers
+    from mlxd.engined import kernels
 
     config = config.for_device(device_kind())  # the same batch limits as rank 0's engine
     loaded = load_model(config.model, config.dtype)

@@ -14,7 +14,7 @@ import mlx.core as mx
 import msgspec
 import numpy as np
 
-from engined.parallel import doorbell
+from mlxd.engined.parallel import doorbell
 
 
 class Op(msgspec.Struct, array_like=True):

@@ -15,14 +15,14 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from engined.kv.full_attention import PagedArrays
-from engined.model_layers import LayerSpec
-from engined.request import Request
-from engined.runner import forward_pooled, install
-from engined.sampler import Sampler, row_key
-from engined.structured import DraftWalk
-from engined.kernels import AttentionMetadata
-from shared.errors import ModelLoadError
+from mlxd.engined.kv.full_attention import PagedArrays
+from mlxd.engined.model_layers import LayerSpec
+from mlxd.engined.request import Request
+from mlxd.engined.runner import forward_pooled, install
+from mlxd.engined.sampler import Sampler, row_key
+from mlxd.engined.structured import DraftWalk
+from mlxd.engined.kernels import AttentionMetadata
+from mlxd.shared.errors import ModelLoadError
 
 # Keeps the draft's sampling noise independent of the verifier's for the same seed and position.
 _DRAFT_SEED_OFFSET = 0x5DEECE66D

@@ -42,17 +42,17 @@ from mlx.utils import tree_flatten
 from mlx_lm.models.gemma4_text import DecoderLayer, ModelArgs
 from mlx_lm.utils import infer_quant_config
 
-from engined import kernels
-from engined.kv.manager import KVCacheManager
-from engined.loaders.mlx_dir import dense_weights, gemma4_text_fields, resolve_hf_repo
-from engined.model_layers import float_dtype, text_model
-from engined.request import Request
-from engined.runner import LastTokenNorm
-from engined.sampler import Sampler
-from engined.kernels import AttentionMetadata
-from engined.speculation.draft_model import draft_loop, rows_for
-from engined.speculation.mtp import TargetHiddenStates
-from shared.errors import ModelLoadError
+from mlxd.engined import kernels
+from mlxd.engined.kv.manager import KVCacheManager
+from mlxd.engined.loaders.mlx_dir import dense_weights, gemma4_text_fields, resolve_hf_repo
+from mlxd.engined.model_layers import float_dtype, text_model
+from mlxd.engined.request import Request
+from mlxd.engined.runner import LastTokenNorm
+from mlxd.engined.sampler import Sampler
+from mlxd.engined.kernels import AttentionMetadata
+from mlxd.engined.speculation.draft_model import draft_loop, rows_for
+from mlxd.engined.speculation.mtp import TargetHiddenStates
+from mlxd.shared.errors import ModelLoadError
 
 MODEL_TYPE = "gemma4_assistant"
 TARGETS = ("gemma4", "gemma4_text")

@@ -37,17 +37,17 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from engined.kv.manager import KVCacheManager
-from engined.kv.mtp_layer import MTPLayerGroup
-from engined.loaders.mlx_dir import MTPWeights
-from engined.model_layers import LayerSpec, float_dtype, layer_settings, text_model
-from engined.request import Request
-from engined.runner import LastTokenNorm, PagedAttention
-from engined.sampler import Sampler
-from engined.kernels import AttentionMetadata
-from engined.speculation.draft_model import draft_loop, rows_for
-from engined.speculation.speculator import may_speculate
-from shared.errors import ModelLoadError
+from mlxd.engined.kv.manager import KVCacheManager
+from mlxd.engined.kv.mtp_layer import MTPLayerGroup
+from mlxd.engined.loaders.mlx_dir import MTPWeights
+from mlxd.engined.model_layers import LayerSpec, float_dtype, layer_settings, text_model
+from mlxd.engined.request import Request
+from mlxd.engined.runner import LastTokenNorm, PagedAttention
+from mlxd.engined.sampler import Sampler
+from mlxd.engined.kernels import AttentionMetadata
+from mlxd.engined.speculation.draft_model import draft_loop, rows_for
+from mlxd.engined.speculation.speculator import may_speculate
+from mlxd.shared.errors import ModelLoadError
 
 FAMILIES = ("qwen3_next", "qwen3_5", "qwen3_5_moe", "glm4_moe")
 

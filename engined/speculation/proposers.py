@@ -14,16 +14,16 @@ from __future__ import annotations
 import mlx.core as mx
 import msgspec
 
-from engined.kv.manager import KVCacheManager
-from engined.loaders import LoadedModel, load_model
-from engined.model_layers import read_layers
-from engined.runner import LastTokenNorm
-from engined.sampler import Sampler
-from engined.speculation.draft_model import DraftProposer
-from engined.speculation.gemma4_assistant import Gemma4AssistantProposer, assistant_dir, load_assistant
-from engined.speculation.mtp import MTPProposer, build_layer
-from shared.config import EngineConfig, SpeculativeConfig
-from shared.errors import InvalidRequestError, ModelLoadError
+from mlxd.engined.kv.manager import KVCacheManager
+from mlxd.engined.loaders import LoadedModel, load_model
+from mlxd.engined.model_layers import read_layers
+from mlxd.engined.runner import LastTokenNorm
+from mlxd.engined.sampler import Sampler
+from mlxd.engined.speculation.draft_model import DraftProposer
+from mlxd.engined.speculation.gemma4_assistant import Gemma4AssistantProposer, assistant_dir, load_assistant
+from mlxd.engined.speculation.mtp import MTPProposer, build_layer
+from mlxd.shared.config import EngineConfig, SpeculativeConfig
+from mlxd.shared.errors import InvalidRequestError, ModelLoadError
 
 
 def resolve(spec: SpeculativeConfig | None) -> SpeculativeConfig | None:

@@ -29,9 +29,9 @@ import mlx.core as mx
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
-from engined.request import Request
-from engined.sampler import Sampler, logprobs_for, row_key
-from shared.config import SpeculativeConfig
+from mlxd.engined.request import Request
+from mlxd.engined.sampler import Sampler, logprobs_for, row_key
+from mlxd.shared.config import SpeculativeConfig
 
 _NEG = -1e30
 

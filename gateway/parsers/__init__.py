@@ -2,19 +2,19 @@
 
 from __future__ import annotations
 
-from gateway.parsers.base import ToolParser, ToolStream, parse_complete
-from gateway.parsers.gemma4 import Gemma4ToolParser
-from gateway.parsers.glm45 import Glm45ToolParser
-from gateway.parsers.harmony import HarmonyReasoningParser, HarmonyToolParser
-from gateway.parsers.hermes import HermesToolParser
-from gateway.parsers.llama3_json import Llama3JsonToolParser
-from gateway.parsers.mistral import Mistral3ToolParser, MistralToolParser
-from gateway.parsers.pythonic import PythonicToolParser
-from gateway.parsers.qwen3_coder import Qwen3CoderToolParser
-from gateway.parsers.reasoning import (Gemma4ReasoningParser, MistralReasoningParser, ReasoningParser, ReasoningStream,
+from mlxd.gateway.parsers.base import ToolParser, ToolStream, parse_complete
+from mlxd.gateway.parsers.gemma4 import Gemma4ToolParser
+from mlxd.gateway.parsers.glm45 import Glm45ToolParser
+from mlxd.gateway.parsers.harmony import HarmonyReasoningParser, HarmonyToolParser
+from mlxd.gateway.parsers.hermes import HermesToolParser
+from mlxd.gateway.parsers.llama3_json import Llama3JsonToolParser
+from mlxd.gateway.parsers.mistral import Mistral3ToolParser, MistralToolParser
+from mlxd.gateway.parsers.pythonic import PythonicToolParser
+from mlxd.gateway.parsers.qwen3_coder import Qwen3CoderToolParser
+from mlxd.gateway.parsers.reasoning import (Gemma4ReasoningParser, MistralReasoningParser, ReasoningParser, ReasoningStream,
                                        ThinkReasoningParser)
-from gateway.parsers.template_detect import AUTO, ParserChoice, choose_parsers
-from shared.errors import InvalidRequestError
+from mlxd.gateway.parsers.template_detect import AUTO, ParserChoice, choose_parsers
+from mlxd.shared.errors import InvalidRequestError
 
 TOOL_PARSERS: dict[str, type[ToolParser]] = {
     "hermes": HermesToolParser,

@@ -17,7 +17,7 @@ import secrets
 from dataclasses import dataclass, field
 from typing import Callable, ClassVar
 
-from gateway.parsers.scanning import JsonEnd, Markers, Reader, drop
+from mlxd.gateway.parsers.scanning import JsonEnd, Markers, Reader, drop
 
 # The JSON layout the grammars ask for: compact, one space after separators.
 JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}

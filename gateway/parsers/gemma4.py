@@ -12,9 +12,9 @@ from __future__ import annotations
 import json
 import re
 
-from gateway.parsers.base import ToolParser, json_term
-from gateway.parsers.param_values import is_text
-from gateway.parsers.scanning import Markers, Meter, drop, partial_suffix
+from mlxd.gateway.parsers.base import ToolParser, json_term
+from mlxd.gateway.parsers.param_values import is_text
+from mlxd.gateway.parsers.scanning import Markers, Meter, drop, partial_suffix
 
 OPEN, CLOSE, QUOTE = "<|tool_call>", "<tool_call|>", '<|"|>'
 _OPEN = Markers(OPEN)

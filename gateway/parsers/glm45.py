@@ -12,9 +12,9 @@ reasoning parser, the same as ``think``).
 
 from __future__ import annotations
 
-from gateway.parsers.base import ToolParser
-from gateway.parsers.param_values import function_rules, json_member, value_term
-from gateway.parsers.scanning import Markers
+from mlxd.gateway.parsers.base import ToolParser
+from mlxd.gateway.parsers.param_values import function_rules, json_member, value_term
+from mlxd.gateway.parsers.scanning import Markers
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 KEY, KEY_END, VALUE, VALUE_END = "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>"

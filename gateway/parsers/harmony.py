@@ -24,9 +24,9 @@ from __future__ import annotations
 import json
 import re
 
-from gateway.parsers.base import ToolParser, json_term
-from gateway.parsers.reasoning import ReasoningParser
-from gateway.parsers.scanning import Markers, Reader
+from mlxd.gateway.parsers.base import ToolParser, json_term
+from mlxd.gateway.parsers.reasoning import ReasoningParser
+from mlxd.gateway.parsers.scanning import Markers, Reader
 
 START, CHANNEL, MESSAGE, CONSTRAIN = "<|start|>", "<|channel|>", "<|message|>", "<|constrain|>"
 END, CALL, RETURN = "<|end|>", "<|call|>", "<|return|>"

@@ -6,9 +6,9 @@ the model's filler and is dropped, as the chat templates never put any there.
 
 from __future__ import annotations
 
-from gateway.parsers.base import ToolParser, function_schema, json_term
-from gateway.parsers.json_calls import JsonCallObject
-from gateway.parsers.scanning import Markers, drop
+from mlxd.gateway.parsers.base import ToolParser, function_schema, json_term
+from mlxd.gateway.parsers.json_calls import JsonCallObject
+from mlxd.gateway.parsers.scanning import Markers, drop
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 _OPEN, _CLOSE = Markers(OPEN), Markers(CLOSE)

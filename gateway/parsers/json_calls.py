@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import re
 
-from gateway.parsers.scanning import JsonEnd
+from mlxd.gateway.parsers.scanning import JsonEnd
 
 _NAME_FIRST = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"(?:arguments|parameters)"\s*:\s*')
 # A head longer than this is not a name-first head: the object is read whole instead.

@@ -7,8 +7,8 @@ non-blank character arrives nothing can be said, so leading blanks are held.
 
 from __future__ import annotations
 
-from gateway.parsers.base import ToolParser, function_schema, json_term
-from gateway.parsers.json_calls import JsonCallObject
+from mlxd.gateway.parsers.base import ToolParser, function_schema, json_term
+from mlxd.gateway.parsers.json_calls import JsonCallObject
 
 TAG = "<|python_tag|>"
 _SEPARATORS = "; \t\r\n"

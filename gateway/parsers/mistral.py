@@ -8,9 +8,9 @@ the gateway keeps them in the decoded text while this parser is in use.
 
 from __future__ import annotations
 
-from gateway.parsers.base import ToolParser, function_schema, json_term
-from gateway.parsers.json_calls import JsonCallObject
-from gateway.parsers.scanning import JsonEnd, Markers, drop
+from mlxd.gateway.parsers.base import ToolParser, function_schema, json_term
+from mlxd.gateway.parsers.json_calls import JsonCallObject
+from mlxd.gateway.parsers.scanning import JsonEnd, Markers, drop
 
 TOOL_CALLS, ARGS = "[TOOL_CALLS]", "[ARGS]"
 _TOOL_CALLS, _ARGS = Markers(TOOL_CALLS), Markers(ARGS)

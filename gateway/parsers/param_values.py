@@ -5,7 +5,7 @@ from __future__ import annotations
 import ast
 import json
 
-from gateway.parsers.base import json_term
+from mlxd.gateway.parsers.base import json_term
 
 
 def is_text(schema: dict) -> bool:

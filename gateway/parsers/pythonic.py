@@ -12,7 +12,7 @@ import ast
 import json
 import re
 
-from gateway.parsers.base import ToolParser, json_term
+from mlxd.gateway.parsers.base import ToolParser, json_term
 
 START = "<|python_start|>"
 _HEAD = re.compile(r"\s*([A-Za-z_][\w.]*)\s*\(")

@@ -15,9 +15,9 @@ time: ``{"city": "Paris"`` then ``, "days": 3`` then ``}`` once the function clo
 
 from __future__ import annotations
 
-from gateway.parsers.base import ToolParser
-from gateway.parsers.param_values import function_rules, json_member, value_term
-from gateway.parsers.scanning import Markers
+from mlxd.gateway.parsers.base import ToolParser
+from mlxd.gateway.parsers.param_values import function_rules, json_member, value_term
+from mlxd.gateway.parsers.scanning import Markers
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 FUNCTION, FUNCTION_END, PARAM, PARAM_END = "<function=", "</function>", "<parameter=", "</parameter>"

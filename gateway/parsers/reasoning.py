@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import ClassVar
 
-from gateway.parsers.scanning import Markers, Reader
+from mlxd.gateway.parsers.scanning import Markers, Reader
 
 
 class ReasoningParser(Reader):

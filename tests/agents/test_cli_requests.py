@@ -17,9 +17,9 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from gateway import anthropic as A
-from gateway import responses as R
-from gateway.responses_tools import responses_tools
+from mlxd.gateway import anthropic as A
+from mlxd.gateway import responses as R
+from mlxd.gateway.responses_tools import responses_tools
 
 FIXTURES = Path(__file__).parent / "fixtures"
 
@@ -32,9 +32,9 @@ def load(name: str) -> dict:
 def tokenizer():
     import mlx.core as mx
 
-    from engined.loaders import default_model_path
-    from engined.loaders.gguf_tokenizer import build_tokenizer_dir
-    from gateway.params import Tokenizer
+    from mlxd.engined.loaders import default_model_path
+    from mlxd.engined.loaders.gguf_tokenizer import build_tokenizer_dir
+    from mlxd.gateway.params import Tokenizer
 
     path = default_model_path()
     _, meta = mx.load(path, return_metadata=True)

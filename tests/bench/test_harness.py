@@ -8,8 +8,8 @@ import threading
 
 import pytest
 
-from bench.agent import loadgen, report, workload
-from bench.agent.peers import served_model
+from mlxd.bench.agent import loadgen, report, workload
+from mlxd.bench.agent.peers import served_model
 from tests.e2e.servers import Engine, Gateway, free_port
 
 

@@ -17,7 +17,7 @@ import re
 
 import pytest
 
-from bench.trace.request_path import PROCESSES, ROOT, distinct, trace
+from mlxd.bench.trace.request_path import PROCESSES, ROOT, distinct, trace
 
 CAP = 18
 

@@ -12,8 +12,8 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from shared.curve import make_keys
-from shared.keys import add_key, revoke_key
+from mlxd.shared.curve import make_keys
+from mlxd.shared.keys import add_key, revoke_key
 from tests.e2e.servers import Engine, Gateway, _env, free_port
 
 CHAT = {"messages": [{"role": "user", "content": "Say hi."}], "max_tokens": 4, "temperature": 0}

@@ -123,7 +123,7 @@ def test_bad_requests_do_not_disturb_a_stream_in_flight(client, model, gateway):
 
 
 def test_oversized_body_is_413(gateway, client, model):
-    from gateway.state import MAX_BODY_BYTES
+    from mlxd.gateway.state import MAX_BODY_BYTES
 
     big = b'{"prompt": "' + b"a" * (MAX_BODY_BYTES + 16) + b'"}'
     err = _error(_post(gateway, big, path="/v1/completions"), 413)

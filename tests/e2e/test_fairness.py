@@ -16,7 +16,7 @@ import time
 
 import httpx
 
-from shared.keys import add_key
+from mlxd.shared.keys import add_key
 from tests.e2e.servers import Gateway
 
 FLOOD = 64

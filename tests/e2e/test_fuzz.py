@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 
-from bench.fuzz import ROUTES, make_case, normal_request_ok, send_all
+from mlxd.bench.fuzz import ROUTES, make_case, normal_request_ok, send_all
 from tests.e2e.serve_process import Serve
 
 SEED = 18

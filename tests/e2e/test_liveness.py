@@ -7,11 +7,11 @@ import time
 
 import zmq
 
-from engined.daemon import Daemon
-from engined.engine import Engine
-from shared import protocol as p
-from shared.config import EngineConfig
-from shared.protocol import Kind, SamplingParams
+from mlxd.engined.daemon import Daemon
+from mlxd.engined.engine import Engine
+from mlxd.shared import protocol as p
+from mlxd.shared.config import EngineConfig
+from mlxd.shared.protocol import Kind, SamplingParams
 from tests.tiny_models import make_tiny_model
 
 HOLD_S = 20.0  # the longest the step is held: far past any ping's answer, were it answered

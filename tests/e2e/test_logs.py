@@ -115,7 +115,7 @@ class _Stats:
 
 
 def test_the_stats_line_reads_like_vllms_and_is_quiet_when_idle(caplog):
-    from engined.metrics import StatsLog
+    from mlxd.engined.metrics import StatsLog
 
     totals = _Totals()
     stats = StatsLog(totals)

@@ -19,7 +19,7 @@ import numpy as np
 import openai
 import pytest
 
-from engined.loaders import load_model
+from mlxd.engined.loaders import load_model
 from mlxd import cli
 from tests.e2e.servers import Engine, Gateway, free_port
 from tests.engined.test_lora import random_adapter, write_mlx_lm, write_peft

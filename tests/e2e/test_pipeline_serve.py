@@ -14,9 +14,9 @@ import openai
 import pytest
 from transformers import AutoTokenizer
 
-from engined.engine import Engine
-from shared.config import EngineConfig
-from shared.protocol import SamplingParams
+from mlxd.engined.engine import Engine
+from mlxd.shared.config import EngineConfig
+from mlxd.shared.protocol import SamplingParams
 from tests.e2e.serve_harness import Serve, gone
 
 FLAGS = ["--pipeline-parallel-size", "2", "--pipeline-timeout", "6", "--num-kv-blocks", "96",

@@ -8,8 +8,8 @@ import msgspec
 import pytest
 import zmq
 
-from shared import protocol as p
-from shared.protocol import Kind, SamplingParams
+from mlxd.shared import protocol as p
+from mlxd.shared.protocol import Kind, SamplingParams
 
 
 @pytest.fixture

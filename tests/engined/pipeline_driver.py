@@ -15,17 +15,17 @@ import msgspec
 
 def main() -> int:
     from mlxd import ranks
-    from shared.config import EngineConfig
+    from mlxd.shared.config import EngineConfig
 
     config = msgspec.json.decode(sys.argv[1], type=EngineConfig)
     prompts = json.loads(sys.argv[2])
     children = ranks.start_local(config)
     try:
-        from engined.device import load_fast_blas
+        from mlxd.engined.device import load_fast_blas
 
         load_fast_blas()
-        from engined.engine import Engine
-        from shared.protocol import SamplingParams
+        from mlxd.engined.engine import Engine
+        from mlxd.shared.protocol import SamplingParams
 
         engine = Engine(config)
         params = SamplingParams(temperature=0.0, max_tokens=int(sys.argv[3]) if len(sys.argv) > 3 else 8,

@@ -9,14 +9,14 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from engined import kernels
-from engined.engine import Engine
-from engined.fastpath import compiled_decode
-from engined.kernels import AttentionMetadata
-from engined.kernels.gpu_geometry import PARTITION_TOKENS
-from engined.loaders import load_model
-from shared.config import EngineConfig
-from shared.protocol import SamplingParams
+from mlxd.engined import kernels
+from mlxd.engined.engine import Engine
+from mlxd.engined.fastpath import compiled_decode
+from mlxd.engined.kernels import AttentionMetadata
+from mlxd.engined.kernels.gpu_geometry import PARTITION_TOKENS
+from mlxd.engined.loaders import load_model
+from mlxd.shared.config import EngineConfig
+from mlxd.shared.protocol import SamplingParams
 from tests.tiny_models import fresh_seed, make_tiny_model
 
 

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from engined.parallel.doorbell import rank0_host
+from mlxd.engined.parallel.doorbell import rank0_host
 
 
 @pytest.mark.parametrize("hosts,expected", [

@@ -13,11 +13,11 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from engined.engine import Engine
-from engined.loaders import load_model
-from shared.config import EngineConfig
-from shared.errors import InvalidRequestError
-from shared.protocol import SamplingParams
+from mlxd.engined.engine import Engine
+from mlxd.engined.loaders import load_model
+from mlxd.shared.config import EngineConfig
+from mlxd.shared.errors import InvalidRequestError
+from mlxd.shared.protocol import SamplingParams
 from tests.tiny_models import fresh_seed, make_tiny_model, seeded_rng
 
 TOL = 1e-4

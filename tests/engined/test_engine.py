@@ -5,10 +5,10 @@ import numpy as np
 import pytest
 from transformers import AutoTokenizer
 
-from engined.engine import Engine
-from shared.config import EngineConfig
-from shared.errors import ContextLengthError, InvalidRequestError
-from shared.protocol import SamplingParams
+from mlxd.engined.engine import Engine
+from mlxd.shared.config import EngineConfig
+from mlxd.shared.errors import ContextLengthError, InvalidRequestError
+from mlxd.shared.protocol import SamplingParams
 
 
 @pytest.fixture(scope="module")

@@ -16,12 +16,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from engined import model_layers
-from engined.engine import Engine
-from engined.loaders import load_model
-from shared.config import EngineConfig
-from shared.errors import ModelLoadError
-from shared.protocol import SamplingParams
+from mlxd.engined import model_layers
+from mlxd.engined.engine import Engine
+from mlxd.engined.loaders import load_model
+from mlxd.shared.config import EngineConfig
+from mlxd.shared.errors import ModelLoadError
+from mlxd.shared.protocol import SamplingParams
 from tests import model_support
 from tests.engined.test_parity import check_parity
 from tests.tiny_models import make_tiny_model, quantize_in_groups_of_32, seeded_rng, tiny_config

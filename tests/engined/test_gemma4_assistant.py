@@ -21,13 +21,13 @@ import numpy as np
 import pytest
 from mlx.utils import tree_flatten
 
-from engined.engine import Engine
-from engined.loaders import load_model
-from engined.model_layers import text_model
-from engined.speculation.gemma4_assistant import LAYER_TYPES, Gemma4AssistantProposer, load_assistant
-from shared.config import EngineConfig
-from shared.errors import ModelLoadError
-from shared.protocol import SamplingParams, StructuredSpec
+from mlxd.engined.engine import Engine
+from mlxd.engined.loaders import load_model
+from mlxd.engined.model_layers import text_model
+from mlxd.engined.speculation.gemma4_assistant import LAYER_TYPES, Gemma4AssistantProposer, load_assistant
+from mlxd.shared.config import EngineConfig
+from mlxd.shared.errors import ModelLoadError
+from mlxd.shared.protocol import SamplingParams, StructuredSpec
 from tests.engined.test_mtp import mixed_batch
 from tests.engined.test_speculative import CHI2_999, chi2_two_sample, waits_per_draft_round
 from tests.tiny_models import (assert_greedy_equal_up_to_ties, make_tiny_gemma4_assistant, make_tiny_model,

@@ -12,10 +12,10 @@ import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten
 
-from engined.engine import Engine
-from engined.loaders import load_model
-from engined.speculation.gemma4_assistant import load_assistant
-from shared.config import EngineConfig
+from mlxd.engined.engine import Engine
+from mlxd.engined.loaders import load_model
+from mlxd.engined.speculation.gemma4_assistant import load_assistant
+from mlxd.shared.config import EngineConfig
 from tests.engined.test_gemma4_assistant import (  # noqa: F401 (pair and trained are fixtures)
     ACCEPTANCE_FLOOR, GREEDY_32, KW, assistant_config, pair, save_assistant, spec_counts, trained)
 from tests.engined.test_mtp import mixed_batch

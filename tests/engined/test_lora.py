@@ -18,12 +18,12 @@ import pytest
 from mlx.utils import tree_unflatten
 from mlx_lm.tuner.utils import load_adapters
 
-from engined.engine import Engine
-from engined.loaders import load_model
-from engined.lora.adapters import read_adapter
-from shared.config import EngineConfig
-from shared.errors import InvalidRequestError, NotFoundError
-from shared.protocol import SamplingParams
+from mlxd.engined.engine import Engine
+from mlxd.engined.loaders import load_model
+from mlxd.engined.lora.adapters import read_adapter
+from mlxd.shared.config import EngineConfig
+from mlxd.shared.errors import InvalidRequestError, NotFoundError
+from mlxd.shared.protocol import SamplingParams
 from tests.tiny_models import fresh_seed, make_tiny_model, quantize_in_groups_of_32
 
 ATTN = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj")

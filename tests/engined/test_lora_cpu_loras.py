@@ -7,10 +7,10 @@ import shutil
 import numpy as np
 import pytest
 
-from engined.lora.adapters import read_adapter
-from shared.config import EngineConfig
-from shared.errors import InvalidRequestError
-from shared.protocol import SamplingParams
+from mlxd.engined.lora.adapters import read_adapter
+from mlxd.shared.config import EngineConfig
+from mlxd.shared.errors import InvalidRequestError
+from mlxd.shared.protocol import SamplingParams
 from tests.engined.test_lora import _engine, _module_shapes, _load, setups  # noqa: F401 (the fixture)
 from tests.tiny_models import fresh_seed
 

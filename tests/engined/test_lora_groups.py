@@ -8,8 +8,8 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 
-from engined.lora.adapters import read_adapter
-from shared.protocol import SamplingParams
+from mlxd.engined.lora.adapters import read_adapter
+from mlxd.shared.protocol import SamplingParams
 from tests.engined.test_lora import _engine, _load, random_adapter, setups, write_mlx_lm  # noqa: F401 (setups)
 from tests.tiny_models import fresh_seed
 
@@ -103,7 +103,7 @@ def test_the_term_kernels_arguments_give_the_masked_terms_logits(setups, tmp_pat
     contract computed row by row, one mixed step (A, the base, B) has the logits of MLX's mask and addmm, for
     a folded group (x·A in the base output, read from its last columns) and a quantized one (x·A apart).
     ``python -m bench.lora --term`` checks the kernel against the same operations on a GPU."""
-    from engined.kernels import lora_term
+    from mlxd.engined.kernels import lora_term
 
     engine = _llama_engine(setups, tmp_path, None, weights)
     prompts = {"A": [3, 4, 5, 6], None: [7, 8, 9], "B": [10, 11]}
@@ -136,7 +136,7 @@ def test_only_a_swiglu_mlp_takes_its_hidden_state_from_its_group():
     hidden state from its gate/up group in one piece; another activation (gemma's GELU) is not."""
     from mlx_lm.models import gemma, llama
 
-    from engined.lora.layers import _swiglu_form
+    from mlxd.engined.lora.layers import _swiglu_form
 
     assert _swiglu_form(llama.MLP(llama.ModelArgs(model_type="llama", **_ONE_LAYER)))
     assert not _swiglu_form(gemma.MLP(32, 64))
@@ -147,7 +147,7 @@ def test_only_a_plain_residual_block_hands_its_additions_to_its_groups():
     down_proj's groups may then add the residual); gemma2's, which norms each branch's output first, is not."""
     from mlx_lm.models import gemma2, llama
 
-    from engined.lora.layers import _residual_form
+    from mlxd.engined.lora.layers import _residual_form
 
     assert _residual_form(llama.TransformerBlock(llama.ModelArgs(model_type="llama", **_ONE_LAYER)))
     assert not _residual_form(gemma2.TransformerBlock(gemma2.ModelArgs(model_type="gemma2", head_dim=16, **_ONE_LAYER)))

@@ -7,9 +7,9 @@ import json
 import numpy as np
 import pytest
 
-from engined.engine import Engine
-from shared.config import EngineConfig
-from shared.protocol import SamplingParams
+from mlxd.engined.engine import Engine
+from mlxd.shared.config import EngineConfig
+from mlxd.shared.protocol import SamplingParams
 from tests.engined.test_lora import _engine, _load, setups  # noqa: F401 (the fixture)
 from tests.tiny_models import fresh_seed
 

@@ -8,12 +8,12 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from engined.engine import Engine
-from engined.loaders import load_model
-from engined.memory_guard import device_memory
-from shared.config import EngineConfig
-from shared.errors import MemoryBudgetError, OverloadedError
-from shared.protocol import SamplingParams
+from mlxd.engined.engine import Engine
+from mlxd.engined.loaders import load_model
+from mlxd.engined.memory_guard import device_memory
+from mlxd.shared.config import EngineConfig
+from mlxd.shared.errors import MemoryBudgetError, OverloadedError
+from mlxd.shared.protocol import SamplingParams
 from tests.tiny_models import make_tiny_model
 
 
@@ -165,7 +165,7 @@ def test_kernel_warm_up_hands_its_slots_back(tmp_path, arch, extra):
     attention: what is checked is the steps' bookkeeping, the same on every backend. (A hybrid's
     state snapshots from its blocks are dropped with the warm-up's pool; here they stay, keyed by
     prompts no request sends.)"""
-    from engined import memory_guard
+    from mlxd.engined import memory_guard
 
     path = make_tiny_model(tmp_path, arch, seed=5, mtp="speculative_config" in extra, max_position_embeddings=4096)
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)

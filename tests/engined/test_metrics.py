@@ -5,10 +5,10 @@ import urllib.request
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from engined.engine import Engine
-from engined.loaders import load_model
-from shared.config import EngineConfig
-from shared.protocol import SamplingParams
+from mlxd.engined.engine import Engine
+from mlxd.engined.loaders import load_model
+from mlxd.shared.config import EngineConfig
+from mlxd.shared.protocol import SamplingParams
 from tests.tiny_models import make_tiny_model
 
 VLLM_NAMES = {
@@ -71,7 +71,7 @@ def test_metrics_endpoint_serves_vllm_names_that_move_with_work(prefix, tmp_path
 
 
 def test_per_app_metrics_have_bounded_cardinality(tmp_path):
-    from engined.metrics import MAX_APP_LABELS
+    from mlxd.engined.metrics import MAX_APP_LABELS
 
     d = make_tiny_model(tmp_path / "m", "llama", seed=6)
     e = Engine(EngineConfig(num_kv_blocks=128, max_num_batched_tokens=64, served_model_name="tiny"),

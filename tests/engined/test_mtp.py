@@ -20,15 +20,15 @@ import pytest
 from mlx.utils import tree_flatten
 from transformers import AutoTokenizer
 
-from engined.engine import Engine
-from engined.kv.mtp_layer import MTPLayerGroup
-from engined.loaders import load_model
-from engined.metrics import StatsLog
-from engined.model_layers import text_model
-from engined.speculation.mtp import build_layer
-from shared.config import EngineConfig
-from shared.errors import ModelLoadError
-from shared.protocol import SamplingParams, StructuredSpec
+from mlxd.engined.engine import Engine
+from mlxd.engined.kv.mtp_layer import MTPLayerGroup
+from mlxd.engined.loaders import load_model
+from mlxd.engined.metrics import StatsLog
+from mlxd.engined.model_layers import text_model
+from mlxd.engined.speculation.mtp import build_layer
+from mlxd.shared.config import EngineConfig
+from mlxd.shared.errors import ModelLoadError
+from mlxd.shared.protocol import SamplingParams, StructuredSpec
 from tests.engined.test_speculative import CHI2_999, chi2_two_sample, waits_per_draft_round
 from tests.tiny_models import assert_greedy_equal_up_to_ties, make_tiny_model, seeded_rng
 

@@ -10,12 +10,12 @@ scale (observed ~1e-6).
 import mlx.core as mx
 import pytest
 
-from engined.engine import Engine
-from engined.loaders import load_model
-from engined.request import Request
-from engined.scheduler import SchedulerOutput
-from shared.config import EngineConfig
-from shared.protocol import SamplingParams
+from mlxd.engined.engine import Engine
+from mlxd.engined.loaders import load_model
+from mlxd.engined.request import Request
+from mlxd.engined.scheduler import SchedulerOutput
+from mlxd.shared.config import EngineConfig
+from mlxd.shared.protocol import SamplingParams
 from tests.tiny_models import ARCHS, fresh_seed, make_tiny_model, seeded_rng
 
 REL_TOL = 2e-4

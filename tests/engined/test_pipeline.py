@@ -18,9 +18,9 @@ import time
 import msgspec
 import pytest
 
-from engined.engine import Engine
-from shared.config import EngineConfig
-from shared.protocol import SamplingParams
+from mlxd.engined.engine import Engine
+from mlxd.shared.config import EngineConfig
+from mlxd.shared.protocol import SamplingParams
 from tests.e2e.serve_harness import gone
 from tests.tiny_models import fresh_seed, make_tiny_model, seeded_rng
 

@@ -12,13 +12,13 @@ import mlx.core as mx
 import pytest
 from mlx_lm.utils import _get_classes
 
-from engined.engine import Engine
-from engined.kernels import gpu, paged_kv, qk_rope
-from engined.loaders import load_model
-from engined.model_layers import read_layers, transformer_layers
-from engined.runner import install
-from shared.config import EngineConfig
-from shared.protocol import SamplingParams
+from mlxd.engined.engine import Engine
+from mlxd.engined.kernels import gpu, paged_kv, qk_rope
+from mlxd.engined.loaders import load_model
+from mlxd.engined.model_layers import read_layers, transformer_layers
+from mlxd.engined.runner import install
+from mlxd.shared.config import EngineConfig
+from mlxd.shared.protocol import SamplingParams
 from tests.tiny_models import fresh_seed, make_tiny_model, tiny_config
 
 # Heads of 64: the kernel takes whole heads in pairs of 32-lane halves.

@@ -8,12 +8,12 @@ the engine goes on serving.
 
 import pytest
 
-from engined.engine import Engine
-from engined.loaders import load_model
-from engined.structured import Grammar
-from shared.config import EngineConfig
-from shared.errors import InvalidRequestError
-from shared.protocol import SamplingParams, StructuredSpec
+from mlxd.engined.engine import Engine
+from mlxd.engined.loaders import load_model
+from mlxd.engined.structured import Grammar
+from mlxd.shared.config import EngineConfig
+from mlxd.shared.errors import InvalidRequestError
+from mlxd.shared.protocol import SamplingParams, StructuredSpec
 from tests.tiny_models import fresh_seed, make_tiny_model, seeded_rng
 
 NGRAM = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}'

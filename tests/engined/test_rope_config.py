@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 from mlx.utils import tree_flatten
 
-from engined.loaders import default_model_path, load_model
-from engined.loaders.gguf import load_gguf
-from engined.loaders.mlx_dir import rope_fields
+from mlxd.engined.loaders import default_model_path, load_model
+from mlxd.engined.loaders.gguf import load_gguf
+from mlxd.engined.loaders.mlx_dir import rope_fields
 from tests.tiny_models import make_tiny_model
 
 TOKENS = mx.array([[264, 5, 72, 101, 108, 256, 111, 32, 199, 3, 64, 265, 17, 90, 41, 7]])

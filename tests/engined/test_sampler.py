@@ -8,9 +8,9 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from engined.request import Request
-from engined.sampler import _CANDIDATES, _NEG, Sampler
-from shared.protocol import SamplingParams
+from mlxd.engined.request import Request
+from mlxd.engined.sampler import _CANDIDATES, _NEG, Sampler
+from mlxd.shared.protocol import SamplingParams
 
 
 def _request(i: int, params: SamplingParams, prompt: list[int], output: list[int]) -> Request:

@@ -9,10 +9,10 @@ import random
 
 from hypothesis import given, settings, strategies as st
 
-from engined.kv.manager import KVCacheManager
-from engined.request import Request, Status
-from engined.scheduler import Scheduler, SchedulerOutput, attended_keys
-from shared.protocol import SamplingParams
+from mlxd.engined.kv.manager import KVCacheManager
+from mlxd.engined.request import Request, Status
+from mlxd.engined.scheduler import Scheduler, SchedulerOutput, attended_keys
+from mlxd.shared.protocol import SamplingParams
 from tests.tiny_models import fresh_seed
 
 blocks_only = KVCacheManager.blocks_only

@@ -10,10 +10,10 @@ scheduled again.
 import random
 from collections import deque
 
-from engined.kv.manager import KVCacheManager
-from engined.request import Request
-from engined.scheduler import Scheduler
-from shared.protocol import SamplingParams
+from mlxd.engined.kv.manager import KVCacheManager
+from mlxd.engined.request import Request
+from mlxd.engined.scheduler import Scheduler
+from mlxd.shared.protocol import SamplingParams
 from tests.engined.test_scheduler import check_invariants, complete
 from tests.tiny_models import fresh_seed
 

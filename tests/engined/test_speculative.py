@@ -5,13 +5,13 @@ import numpy as np
 import pytest
 from transformers import AutoTokenizer
 
-from engined.engine import Engine
-from engined.loaders import load_model
-from engined.request import Request
-from engined.sampler import Sampler
-from engined.speculation.speculator import Verifier, ngram_propose
-from shared.config import EngineConfig
-from shared.protocol import SamplingParams
+from mlxd.engined.engine import Engine
+from mlxd.engined.loaders import load_model
+from mlxd.engined.request import Request
+from mlxd.engined.sampler import Sampler
+from mlxd.engined.speculation.speculator import Verifier, ngram_propose
+from mlxd.shared.config import EngineConfig
+from mlxd.shared.protocol import SamplingParams
 from tests.engined.device_waits import DeviceWaits
 from tests.tiny_models import make_tiny_model, seeded_rng
 
@@ -145,7 +145,7 @@ def test_sampled_token_frequencies_agree_with_and_without_speculation(tmp_path):
 def draft_engines(plain: Engine, tmp_path, num_kv_blocks: int):
     """(engine, good): engines speculating with a good draft (a second copy of the model) and a
     useless one (random weights, same vocabulary): outputs must not depend on the draft's quality."""
-    from engined.loaders import default_model_path
+    from mlxd.engined.loaders import default_model_path
 
     random_draft = make_tiny_model(tmp_path / "draft", "llama", seed=2, vocab_size=plain.info.vocab_size)
     for draft, good in ((default_model_path(), True), (str(random_draft), False)):
@@ -208,7 +208,7 @@ def test_draft_model_sampling_keeps_the_target_distribution(tmp_path):
 
 
 def test_draft_model_with_another_vocabulary_is_refused(tmp_path):
-    from shared.errors import ModelLoadError
+    from mlxd.shared.errors import ModelLoadError
 
     draft = make_tiny_model(tmp_path / "d", "llama", seed=1)  # 272 tokens vs SmolLM2's 49152
     cfg = f'{{"method": "draft_model", "model": "{draft}", "num_speculative_tokens": 2}}'

@@ -10,11 +10,11 @@ prefix caching on, with drafts both accepted and rejected.
 import numpy as np
 import pytest
 
-from engined.engine import Engine
-from engined.kv.recurrent_state import RecurrentStateGroup
-from engined.loaders import load_model
-from shared.config import EngineConfig
-from shared.protocol import SamplingParams
+from mlxd.engined.engine import Engine
+from mlxd.engined.kv.recurrent_state import RecurrentStateGroup
+from mlxd.engined.loaders import load_model
+from mlxd.shared.config import EngineConfig
+from mlxd.shared.protocol import SamplingParams
 from tests.tiny_models import make_tiny_model, seeded_rng
 
 NGRAM = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}'

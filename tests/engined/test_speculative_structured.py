@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 from transformers import AutoTokenizer
 
-from engined.request import Request
-from engined.sampler import Sampler
-from engined.speculation.speculator import Verifier
-from shared.protocol import SamplingParams, StructuredSpec
+from mlxd.engined.request import Request
+from mlxd.engined.sampler import Sampler
+from mlxd.engined.speculation.speculator import Verifier
+from mlxd.shared.protocol import SamplingParams, StructuredSpec
 from tests.engined.test_speculative import (  # noqa: F401 (smol: the engines fixture)
     CHI2_999, assert_drafts_were_verified, counts, draft_engines, smol, spec_counters,
 )

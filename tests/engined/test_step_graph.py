@@ -9,11 +9,11 @@ import mlx.core as mx
 import mlx.nn as nn
 import pytest
 
-from engined.engine import Engine
-from engined.fastpath.linears import TransposedEmbedding, TransposedLinear, hold_transposes
-from engined.loaders import load_model
-from shared.config import EngineConfig
-from shared.protocol import SamplingParams
+from mlxd.engined.engine import Engine
+from mlxd.engined.fastpath.linears import TransposedEmbedding, TransposedLinear, hold_transposes
+from mlxd.engined.loaders import load_model
+from mlxd.shared.config import EngineConfig
+from mlxd.shared.protocol import SamplingParams
 from tests.tiny_models import fresh_seed, make_tiny_model
 
 

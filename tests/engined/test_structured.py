@@ -9,11 +9,11 @@ import jsonschema
 import pytest
 from transformers import AutoTokenizer
 
-from engined.engine import Engine
-from engined.speculation.speculator import can_speculate
-from shared.config import EngineConfig
-from shared.errors import InvalidRequestError
-from shared.protocol import SamplingParams, StructuredSpec
+from mlxd.engined.engine import Engine
+from mlxd.engined.speculation.speculator import can_speculate
+from mlxd.shared.config import EngineConfig
+from mlxd.shared.errors import InvalidRequestError
+from mlxd.shared.protocol import SamplingParams, StructuredSpec
 
 PERSON = {
     "type": "object",

@@ -10,11 +10,11 @@ import pytest
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from engined.engine import Engine
-from engined.loaders import load_model
-from engined.metrics import build_1_2_5_buckets
-from shared.config import EngineConfig
-from shared.protocol import SamplingParams
+from mlxd.engined.engine import Engine
+from mlxd.engined.loaders import load_model
+from mlxd.engined.metrics import build_1_2_5_buckets
+from mlxd.shared.config import EngineConfig
+from mlxd.shared.protocol import SamplingParams
 from tests.tiny_models import make_tiny_model
 
 TABLE = json.loads((pathlib.Path(__file__).parent / "vllm_metrics.json").read_text())

@@ -2,11 +2,11 @@
 
 import pytest
 
-from engined.engine import Engine
-from engined.loaders import load_model
-from shared.config import EngineConfig
-from shared.errors import OverloadedError
-from shared.protocol import SamplingParams
+from mlxd.engined.engine import Engine
+from mlxd.engined.loaders import load_model
+from mlxd.shared.config import EngineConfig
+from mlxd.shared.errors import OverloadedError
+from mlxd.shared.protocol import SamplingParams
 from tests.tiny_models import fresh_seed, make_tiny_model
 
 PARAMS = SamplingParams(max_tokens=2, temperature=0.0)

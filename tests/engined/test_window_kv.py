@@ -10,12 +10,12 @@ cached prefix, and outputs are the same with prefix caching on and off.
 import numpy as np
 import pytest
 
-from engined.engine import Engine
-from engined.kv.sliding_window import SlidingWindowGroup, first_visible_block, window_pool_blocks
-from engined.loaders import load_model
-from engined.request import Request
-from shared.config import EngineConfig
-from shared.protocol import SamplingParams
+from mlxd.engined.engine import Engine
+from mlxd.engined.kv.sliding_window import SlidingWindowGroup, first_visible_block, window_pool_blocks
+from mlxd.engined.loaders import load_model
+from mlxd.engined.request import Request
+from mlxd.shared.config import EngineConfig
+from mlxd.shared.protocol import SamplingParams
 from tests.engined.test_hybrid import assert_close, drive
 from tests.tiny_models import make_tiny_model, seeded_rng
 

@@ -9,9 +9,9 @@ import pytest
 def tokenizer():
     import mlx.core as mx
 
-    from engined.loaders import default_model_path
-    from engined.loaders.gguf_tokenizer import build_tokenizer_dir
-    from gateway.params import Tokenizer
+    from mlxd.engined.loaders import default_model_path
+    from mlxd.engined.loaders.gguf_tokenizer import build_tokenizer_dir
+    from mlxd.gateway.params import Tokenizer
 
     path = default_model_path()
     _, meta = mx.load(path, return_metadata=True)

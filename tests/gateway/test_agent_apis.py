@@ -7,11 +7,11 @@ import json
 import msgspec
 import pytest
 
-from gateway import anthropic as A
-from gateway import responses as R
-from gateway.errors import anthropic_error_body, error_body
-from gateway.responses_tools import responses_tools
-from shared.errors import AuthenticationError, EngineUnavailableError, InvalidRequestError, OverloadedError
+from mlxd.gateway import anthropic as A
+from mlxd.gateway import responses as R
+from mlxd.gateway.errors import anthropic_error_body, error_body
+from mlxd.gateway.responses_tools import responses_tools
+from mlxd.shared.errors import AuthenticationError, EngineUnavailableError, InvalidRequestError, OverloadedError
 
 # Renders tools and calls the way Qwen-style templates do: arguments through tojson.
 TOOL_TEMPLATE = (

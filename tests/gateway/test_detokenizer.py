@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gateway.generation import IncrementalDetokenizer
+from mlxd.gateway.generation import IncrementalDetokenizer
 
 TEXTS = [
     "Hello, world! 😀🎉 naïve café — 日本語のテキスト, Ελληνικά, emoji 👩‍👩‍👧 end.",

@@ -7,11 +7,11 @@ import json
 import msgspec
 import pytest
 
-from gateway import openai_types as t
-from gateway import params as P
-from gateway.params import SamplingDefaults, sampling_defaults
-from shared.errors import InvalidRequestError
-from shared.serve_config import GatewayConfig
+from mlxd.gateway import openai_types as t
+from mlxd.gateway import params as P
+from mlxd.gateway.params import SamplingDefaults, sampling_defaults
+from mlxd.shared.errors import InvalidRequestError
+from mlxd.shared.serve_config import GatewayConfig
 
 QWEN_LIKE = {"do_sample": True, "temperature": 0.6, "top_k": 20, "top_p": 0.95, "eos_token_id": [1, 2],
              "bos_token_id": 0}

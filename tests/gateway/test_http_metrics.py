@@ -7,8 +7,8 @@ import socket
 from prometheus_client.parser import text_string_to_metric_families
 from starlette.testclient import TestClient
 
-from gateway.server import build_app
-from shared.serve_config import GatewayConfig
+from mlxd.gateway.server import build_app
+from mlxd.shared.serve_config import GatewayConfig
 
 
 def _unused_endpoint() -> str:
@@ -61,7 +61,7 @@ def test_each_app_has_its_own_registry():
 def test_scrapes_of_metrics_stay_out_of_the_access_log_at_info(caplog):
     import logging
 
-    from gateway.access_log import AccessLog
+    from mlxd.gateway.access_log import AccessLog
 
     app = build_app(GatewayConfig(engine_endpoint=_unused_endpoint()))
     with caplog.at_level(logging.DEBUG, logger="mlxd.access"), \

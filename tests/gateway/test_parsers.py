@@ -14,8 +14,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gateway.parsers import REASONING_PARSERS, TOOL_PARSERS, ReasoningStream, ToolStream, parse_complete
-from gateway.parsers.reasoning import ThinkReasoningParser
+from mlxd.gateway.parsers import REASONING_PARSERS, TOOL_PARSERS, ReasoningStream, ToolStream, parse_complete
+from mlxd.gateway.parsers.reasoning import ThinkReasoningParser
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object",
@@ -273,9 +273,9 @@ def test_hermes_list_may_end_after_any_call_its_last_marker_optional(ll_tokenize
 
 
 def test_an_unknown_parser_name_stops_the_gateway_before_it_serves():
-    from gateway.server import build_app
-    from shared.errors import InvalidRequestError
-    from shared.serve_config import GatewayConfig
+    from mlxd.gateway.server import build_app
+    from mlxd.shared.errors import InvalidRequestError
+    from mlxd.shared.serve_config import GatewayConfig
 
     for field in ("tool_call_parser", "reasoning_parser"):
         with pytest.raises(InvalidRequestError, match=field) as err:

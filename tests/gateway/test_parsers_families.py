@@ -14,9 +14,9 @@ import json
 
 import pytest
 
-from gateway.chat_run import ChatOutput
-from gateway.parsers import REASONING_PARSERS, TOOL_PARSERS, ReasoningStream, choose_parsers
-from gateway.parsers.template_detect import template_parsers
+from mlxd.gateway.chat_run import ChatOutput
+from mlxd.gateway.parsers import REASONING_PARSERS, TOOL_PARSERS, ReasoningStream, choose_parsers
+from mlxd.gateway.parsers.template_detect import template_parsers
 from tests.gateway.test_parsers import TIME, TOOLS, N, W, complete, matcher_accepts
 
 # (parser, recorded text, expected content, expected calls as (name, arguments object))
@@ -157,15 +157,15 @@ def test_auto_flags_resolve_from_the_template_and_unset_flags_keep_their_meaning
 
 
 def test_auto_is_a_parser_name_the_gateway_starts_with():
-    from gateway.server import build_app
-    from shared.serve_config import GatewayConfig
+    from mlxd.gateway.server import build_app
+    from mlxd.shared.serve_config import GatewayConfig
 
     app = build_app(GatewayConfig(enable_auto_tool_choice=True, tool_call_parser="auto", reasoning_parser="auto"))
     assert app.state.gw.parsers.tool == "hermes"  # until the model's template is known
 
 
 def test_formats_spelled_in_special_tokens_keep_them_in_the_decoded_text():
-    from gateway.parsers import keeps_special_tokens
+    from mlxd.gateway.parsers import keeps_special_tokens
 
     assert keeps_special_tokens(None, "harmony") and keeps_special_tokens(None, "gemma4")
     assert keeps_special_tokens(TOOL_PARSERS["gemma4"](TOOLS), None)
@@ -174,8 +174,8 @@ def test_formats_spelled_in_special_tokens_keep_them_in_the_decoded_text():
 
 
 def test_a_constraint_waits_for_the_end_of_the_reasoning_the_parser_names():
-    from gateway.structured import reasoning_aware
-    from shared.protocol import StructuredSpec
+    from mlxd.gateway.structured import reasoning_aware
+    from mlxd.shared.protocol import StructuredSpec
 
     spec = StructuredSpec("json_object")
     gemma = reasoning_aware(spec, "gemma4", "<|turn>model\n<|channel>thought\n", json.dumps)

@@ -15,7 +15,7 @@ import random
 
 import pytest
 
-from gateway.parsers import REASONING_PARSERS, TOOL_PARSERS, ReasoningStream, ToolStream, parse_complete
+from mlxd.gateway.parsers import REASONING_PARSERS, TOOL_PARSERS, ReasoningStream, ToolStream, parse_complete
 from tests.gateway import test_parsers, test_parsers_families
 
 WRITE = {"type": "function", "function": {"name": "write", "parameters": {

@@ -3,11 +3,11 @@
 import numpy as np
 import pytest
 
-from gateway.embeddings import check_dimensions, cut_dimensions
-from gateway.params import Tokenizer, check_task
-from gateway.scoring import pair_ids, score_pairs
-from shared.errors import InvalidRequestError
-from shared.protocol import EngineInfo
+from mlxd.gateway.embeddings import check_dimensions, cut_dimensions
+from mlxd.gateway.params import Tokenizer, check_task
+from mlxd.gateway.scoring import pair_ids, score_pairs
+from mlxd.shared.errors import InvalidRequestError
+from mlxd.shared.protocol import EngineInfo
 from tests.tiny_models import make_tiny_model, seeded_rng
 
 

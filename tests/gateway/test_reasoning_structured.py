@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from gateway.structured import reasoning_aware, response_format_spec, structured_outputs_spec, tool_plan
-from shared.protocol import StructuredSpec
+from mlxd.gateway.structured import reasoning_aware, response_format_spec, structured_outputs_spec, tool_plan
+from mlxd.shared.protocol import StructuredSpec
 
 OPEN_PROMPT = "<|im_start|>assistant\n<think>\n"
 CLOSED_PROMPT = "<|im_start|>assistant\n"

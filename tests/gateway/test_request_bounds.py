@@ -6,9 +6,9 @@ import random
 
 import pytest
 
-from gateway.state import decode
-from gateway.params import MAX_JSON_DEPTH, TemplateStepsExceeded, json_depth, loads, step_capped
-from shared.errors import InvalidRequestError
+from mlxd.gateway.state import decode
+from mlxd.gateway.params import MAX_JSON_DEPTH, TemplateStepsExceeded, json_depth, loads, step_capped
+from mlxd.shared.errors import InvalidRequestError
 
 SEED = 20261201
 

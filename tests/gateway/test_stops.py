@@ -5,7 +5,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gateway.generation import StopMatcher
+from mlxd.gateway.generation import StopMatcher
 
 
 def reference(text: str, stops: list[str], include: bool) -> tuple[str, bool]:

@@ -4,13 +4,13 @@ import json
 
 import pytest
 
-from gateway.chat_run import ChatOutput, finish_reason
-from gateway.parsers import TOOL_PARSERS
-from gateway.schema_finite import has_finite_value
-from gateway.structured import (marker_literal, one_spec, response_format_spec, structured_outputs_spec,
+from mlxd.gateway.chat_run import ChatOutput, finish_reason
+from mlxd.gateway.parsers import TOOL_PARSERS
+from mlxd.gateway.schema_finite import has_finite_value
+from mlxd.gateway.structured import (marker_literal, one_spec, response_format_spec, structured_outputs_spec,
                                 tool_plan)
-from shared.errors import InvalidRequestError
-from shared.protocol import StructuredSpec
+from mlxd.shared.errors import InvalidRequestError
+from mlxd.shared.protocol import StructuredSpec
 
 TOOLS = [{"type": "function", "function": {"name": "add", "parameters": {
     "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}, "required": ["a", "b"]}}},
@@ -91,8 +91,8 @@ def test_chat_output_streams_what_it_returns_whole():
 
 
 def test_history_tool_call_arguments_reach_templates_as_objects():
-    from gateway.openai_types import ChatMessage
-    from gateway.params import message_dicts
+    from mlxd.gateway.openai_types import ChatMessage
+    from mlxd.gateway.params import message_dicts
 
     call = {"id": "call_1", "type": "function", "function": {"name": "add", "arguments": '{"a": 1, "b": 2}'}}
     msgs = message_dicts([ChatMessage(role="user", content="hi"),

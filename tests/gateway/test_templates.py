@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from gateway.openai_types import ChatMessage
-from gateway.params import check_chat, load_chat_template, message_dicts
-from shared.errors import InvalidRequestError
+from mlxd.gateway.openai_types import ChatMessage
+from mlxd.gateway.params import check_chat, load_chat_template, message_dicts
+from mlxd.shared.errors import InvalidRequestError
 
 CONVO = [{"role": "user", "content": "Hi"}]
 

@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from gateway.parsers import TOOL_PARSERS
-from gateway.parsers.base import closed_objects
+from mlxd.gateway.parsers import TOOL_PARSERS
+from mlxd.gateway.parsers.base import closed_objects
 
 CITY = {"type": "object", "properties": {"city": {"type": "string"}, "where": {
     "type": "object", "properties": {"lat": {"type": "number"}}}}, "required": ["city"]}

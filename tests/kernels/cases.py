@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
-from engined.kernels.paged_kv import AttentionMetadata
+from mlxd.engined.kernels.paged_kv import AttentionMetadata
 
 
 @dataclass

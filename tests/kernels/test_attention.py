@@ -11,11 +11,11 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from engined import kernels
-from engined.kernels import gpu, paged_kv, source
-from engined.kernels import gpu_geometry as geo
+from mlxd.engined import kernels
+from mlxd.engined.kernels import gpu, paged_kv, source
+from mlxd.engined.kernels import gpu_geometry as geo
 from tests.kernels.cases import dense_attention, host_gather_runs, make_case, rel_error
-from engined.kernels.paged_kv import AttentionMetadata
+from mlxd.engined.kernels.paged_kv import AttentionMetadata
 
 TOL = {mx.float32: 2e-5, mx.float16: 3e-3, mx.bfloat16: 2e-2}
 

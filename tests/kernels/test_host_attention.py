@@ -7,7 +7,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from engined.kernels import paged_kv
+from mlxd.engined.kernels import paged_kv
 from tests.kernels.cases import dense_attention, make_case, rel_error
 
 

@@ -10,8 +10,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from engined import kernels
-from engined.kernels import paged_kv
+from mlxd.engined import kernels
+from mlxd.engined.kernels import paged_kv
 from tests.kernels.cases import make_case, rel_error
 
 

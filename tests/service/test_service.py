@@ -23,8 +23,8 @@ import pytest
 
 from mlxd import cli
 from mlxd.flags import build_config
-from shared.config import EngineConfig
-from shared.serve_config import DaemonConfig, GatewayConfig
+from mlxd.shared.config import EngineConfig
+from mlxd.shared.serve_config import DaemonConfig, GatewayConfig
 
 FAKE = """#!{python}
 import json, os, sys
@@ -93,7 +93,7 @@ INSTALL = ["service", "install", "/models/m.gguf", "--max-model-len", "256", "--
 
 def _parse_back(argv):
     """The configs an installed command line would run with (its flags parsed by the real parser)."""
-    from service.jobs import mlxd_command
+    from mlxd.service.jobs import mlxd_command
 
     # The installed entry point, not `python -m mlxd`: that would import a ~/shared/ first.
     assert argv[0] == mlxd_command() and os.path.dirname(argv[0]) == os.path.dirname(sys.executable)
@@ -106,7 +106,7 @@ def _parse_back(argv):
 
 def _check_env_kept_private(argv, home, unit_files) -> None:
     """--env values reach the process through a 0600 file named by --env-file, never its unit or argv."""
-    from service.jobs import read_env_file
+    from mlxd.service.jobs import read_env_file
 
     args = _parse_back(argv)
     assert read_env_file(args.env_file) == {"HF_TOKEN": "hf_s3cret token"}
@@ -281,7 +281,7 @@ def test_systemd_user_units_install_idempotently_and_uninstall_leaves_nothing(ho
 
 
 def test_systemd_quoting_survives_specifiers_and_quotes():
-    from service.systemd import _quote
+    from mlxd.service.systemd import _quote
 
     assert _quote("--max-model-len") == "--max-model-len"
     assert _quote("50%") == "50%%" and _quote("$HOME") == '"$$HOME"'
@@ -291,8 +291,8 @@ def test_systemd_quoting_survives_specifiers_and_quotes():
 
 @pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="systemd-analyze is not installed")
 def test_systemd_units_pass_systemd_analyze_verify(tmp_path):
-    from service.jobs import Job, mlxd_command, service_env
-    from service.systemd import SystemdManager
+    from mlxd.service.jobs import Job, mlxd_command, service_env
+    from mlxd.service.systemd import SystemdManager
 
     manager = SystemdManager(str(tmp_path))
     env = {**service_env(), "NOTE": "50% of $HOME"}  # a passed path may hold either
@@ -332,7 +332,7 @@ def test_without_a_user_session_every_verb_says_so_in_one_line_with_the_fix(tmp_
 
 @pytest.mark.skipif(not _no_user_session(), reason="needs the real systemctl and no systemd user session")
 def test_uninstall_reports_a_failed_disable_and_still_removes_the_units(tmp_path, monkeypatch, capsys):
-    from service.systemd import SystemdManager
+    from mlxd.service.systemd import SystemdManager
 
     home = tmp_path / "home"
     monkeypatch.setenv("HOME", str(home))
@@ -354,7 +354,7 @@ def test_env_file_sets_the_processes_environment_and_a_missing_one_is_one_line(t
     import argparse
 
     from mlxd.processes import _load_env_file
-    from service.jobs import env_items, format_env_file
+    from mlxd.service.jobs import env_items, format_env_file
 
     path = tmp_path / "service.env"
     path.write_bytes(format_env_file(env_items(["MLXD_TEST_TOKEN=a=b c", "MLXD_TEST_EMPTY="])))

@@ -12,9 +12,9 @@ import pytest
 
 from mlxd import cli
 from mlxd.flags import build_config, to_flags
-from shared.config import EngineConfig
-from shared.paths import default_engine_endpoint, runtime_dir
-from shared.serve_config import DaemonConfig, GatewayConfig
+from mlxd.shared.config import EngineConfig
+from mlxd.shared.paths import default_engine_endpoint, runtime_dir
+from mlxd.shared.serve_config import DaemonConfig, GatewayConfig
 
 
 def _parse(*argv):

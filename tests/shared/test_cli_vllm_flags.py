@@ -12,9 +12,9 @@ import pytest
 
 from mlxd import cli, vllm_compat
 from mlxd.flags import build_config, to_flags
-from shared.config import EngineConfig
-from shared.errors import InvalidRequestError
-from shared.serve_config import GatewayConfig
+from mlxd.shared.config import EngineConfig
+from mlxd.shared.errors import InvalidRequestError
+from mlxd.shared.serve_config import GatewayConfig
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

@@ -8,12 +8,12 @@ import stat
 
 import pytest
 
-from gateway.state import KeyChecker
+from mlxd.gateway.state import KeyChecker
 from mlxd import cli
-from shared.curve import InsecureEndpointError, check_endpoint, is_loopback, make_keys
-from shared.errors import MlxdError
-from shared.keys import add_key, match_key, read_keys, revoke_key
-from shared.paths import UnsafeDirectoryError, check_ipc_endpoint, check_private_dir
+from mlxd.shared.curve import InsecureEndpointError, check_endpoint, is_loopback, make_keys
+from mlxd.shared.errors import MlxdError
+from mlxd.shared.keys import add_key, match_key, read_keys, revoke_key
+from mlxd.shared.paths import UnsafeDirectoryError, check_ipc_endpoint, check_private_dir
 
 
 def test_keys_add_list_revoke_through_the_cli(tmp_path, monkeypatch, capsys):
@@ -140,7 +140,7 @@ def test_curve_keys_are_made_once_with_private_secrets(tmp_path, monkeypatch, ca
 
 
 def test_listeners_default_to_loopback():
-    from shared.serve_config import DaemonConfig, GatewayConfig
+    from mlxd.shared.serve_config import DaemonConfig, GatewayConfig
 
     assert GatewayConfig().host == "127.0.0.1" and DaemonConfig().metrics_host == "127.0.0.1"
     assert DaemonConfig().engine_endpoint is None  # the ipc socket in the private runtime dir

@@ -11,9 +11,9 @@ import json
 import subprocess
 import sys
 
-MODULES = ["engined", "engined.engine", "engined.daemon", "engined.process", "engined.device",
-           "engined.loaders", "engined.structured", "engined.kernels", "gateway.params",
-           "gateway.server", "mlxd.cli", "mlxd.serve", "service.managers", "shared.hub"]
+MODULES = ["mlxd.engined", "mlxd.engined.engine", "mlxd.engined.daemon", "mlxd.engined.process", "mlxd.engined.device",
+           "mlxd.engined.loaders", "mlxd.engined.structured", "mlxd.engined.kernels", "mlxd.gateway.params",
+           "mlxd.gateway.server", "mlxd.cli", "mlxd.serve", "mlxd.service.managers", "mlxd.shared.hub"]
 
 PROBE = """
 import json, os, sys
@@ -40,9 +40,9 @@ def test_importing_the_packages_sets_no_variable_and_loads_no_blas():
 
 
 def test_the_attention_backend_is_a_setting_with_the_kernels_names():
-    from engined import kernels
-    from shared.config import ATTENTION_BACKENDS, EngineConfig
-    from shared.errors import InvalidRequestError
+    from mlxd.engined import kernels
+    from mlxd.shared.config import ATTENTION_BACKENDS, EngineConfig
+    from mlxd.shared.errors import InvalidRequestError
 
     assert ATTENTION_BACKENDS == kernels.BACKENDS
     assert EngineConfig(attention_backend="reference").attention_backend == "reference"

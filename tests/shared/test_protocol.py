@@ -5,8 +5,8 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-from shared import protocol as p
-from shared.protocol import Kind, SamplingParams
+from mlxd.shared import protocol as p
+from mlxd.shared.protocol import Kind, SamplingParams
 
 EXAMPLES = {
     Kind.HELLO: p.Hello(protocol_version=p.PROTOCOL_VERSION, pid=3),

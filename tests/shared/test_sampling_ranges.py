@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from shared import protocol as p
-from shared.errors import InvalidRequestError
-from shared.protocol import INT64_MAX, INT64_MIN, SamplingParams
+from mlxd.shared import protocol as p
+from mlxd.shared.errors import InvalidRequestError
+from mlxd.shared.protocol import INT64_MAX, INT64_MIN, SamplingParams
 
 VOCAB = 1000
 
