@@ -123,3 +123,15 @@ class Gateway:
                 self.proc.kill()
                 self.proc.wait()
         self._log.close()
+
+
+def assert_error(r, anthropic: bool, status: int = 400) -> dict:
+    """The error object of ``r``, a response of ``status`` whose body is the route's error shape
+    (OpenAI's, or Anthropic's where ``anthropic``)."""
+    assert r.status_code == status, (r.status_code, r.text[:300])
+    body = r.json()
+    if anthropic:
+        assert body["type"] == "error" and set(body["error"]) == {"type", "message"}, body
+        return body["error"]
+    assert set(body["error"]) == {"message", "type", "param", "code"} and body["error"]["message"], body
+    return body["error"]

@@ -9,7 +9,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from tests.e2e.servers import Gateway
+from tests.e2e.servers import Gateway, assert_error
 from tests.e2e.serve_process import Serve
 
 CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
@@ -36,16 +36,6 @@ def http(serve):
     # One keep-alive connection for the whole module: every refusal must leave it usable.
     with httpx.Client(base_url=serve.url, timeout=60) as c:
         yield c
-
-
-def assert_error(r: httpx.Response, anthropic: bool, status: int = 400) -> dict:
-    assert r.status_code == status, r.text
-    body = r.json()
-    if anthropic:
-        assert body["type"] == "error" and set(body["error"]) == {"type", "message"}, body
-        return body["error"]
-    assert set(body["error"]) == {"message", "type", "param", "code"} and body["error"]["message"], body
-    return body["error"]
 
 
 def assert_still_serving(serve, http):

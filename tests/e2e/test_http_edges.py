@@ -11,20 +11,10 @@ import sys
 import httpx
 import pytest
 
-from tests.e2e.servers import Gateway, _env
+from tests.e2e.servers import Gateway, _env, assert_error
 
 CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "temperature": 0}
 HEAD_LIMIT = 64 << 10
-
-
-def _error(r: httpx.Response, status: int, anthropic: bool = False) -> dict:
-    assert r.status_code == status, (r.status_code, r.headers, r.text[:300])
-    body = r.json()
-    if anthropic:
-        assert body["type"] == "error" and set(body["error"]) == {"type", "message"}, body
-        return body["error"]
-    assert set(body["error"]) == {"message", "type", "param", "code"} and body["error"]["message"], body
-    return body["error"]
 
 
 def _raw(gateway, pieces: list[bytes]) -> bytes:
@@ -49,14 +39,14 @@ def _answer(raw: bytes) -> tuple[int, dict, bytes]:
 def test_a_70_kb_header_is_431_in_the_routes_error_shape(gateway, path, anthropic):
     body = {**CHAT, "model": "m"}
     r = httpx.post(gateway.url + path, json=body, headers={"x-padding": "p" * 70_000}, timeout=30)
-    assert "64 KiB" in _error(r, 431, anthropic)["message"]
+    assert "64 KiB" in assert_error(r, anthropic, 431)["message"]
     assert r.headers["content-type"] == "application/json"
 
 
 def test_a_bearer_token_of_100000_characters_is_431(gateway):
     r = httpx.post(gateway.url + "/v1/chat/completions", json=CHAT, timeout=30,
                    headers={"authorization": "Bearer " + "t" * 100_000})
-    assert _error(r, 431)["code"] == "request_header_too_large"
+    assert assert_error(r, False, 431)["code"] == "request_header_too_large"
 
 
 def test_a_head_still_growing_past_64_kib_is_answered_431_before_it_ends(gateway):
@@ -82,16 +72,16 @@ def test_a_trailing_slash_is_the_route_itself(gateway):
     assert r.json()["object"] == "chat.completion"
     model = httpx.get(gateway.url + "/v1/models/", timeout=10).json()["data"][0]["id"]
     assert httpx.get(gateway.url + f"/v1/models/{model}/", timeout=10).json()["id"] == model
-    _error(httpx.get(gateway.url + "/v1/nothing/", timeout=10), 404)
+    assert_error(httpx.get(gateway.url + "/v1/nothing/", timeout=10), False, 404)
 
 
 @pytest.mark.parametrize("path,anthropic", [("/v1/nothing", False), ("/v1/messages/nothing", True)])
 def test_a_multipart_post_to_a_path_no_route_serves_is_404(gateway, path, anthropic):
     r = httpx.post(gateway.url + path, files={"file": ("a.txt", b"hello")}, timeout=10)
-    _error(r, 404, anthropic)
+    assert_error(r, anthropic, 404)
     # A path that is served keeps refusing a body that is not JSON.
     r = httpx.post(gateway.url + "/v1/chat/completions", files={"file": ("a.txt", b"hello")}, timeout=10)
-    assert _error(r, 415)["code"] == "unsupported_media_type"
+    assert assert_error(r, False, 415)["code"] == "unsupported_media_type"
 
 
 def test_a_tool_message_without_tool_call_id_is_400(gateway):
@@ -100,7 +90,7 @@ def test_a_tool_message_without_tool_call_id_is_400(gateway):
                     {"id": "c1", "type": "function", "function": {"name": "weather", "arguments": "{}"}}]},
                 {"role": "tool", "content": "sunny"}]
     r = httpx.post(gateway.url + "/v1/chat/completions", json={**CHAT, "messages": messages}, timeout=60)
-    assert _error(r, 400)["param"] == "messages[2].tool_call_id"
+    assert assert_error(r, False, 400)["param"] == "messages[2].tool_call_id"
     messages[2]["tool_call_id"] = "c1"
     assert httpx.post(gateway.url + "/v1/chat/completions", json={**CHAT, "messages": messages},
                       timeout=60).status_code == 200
