@@ -66,7 +66,7 @@ def responses_tools(tools: list[dict] | None) -> ResponsesTools:
                     raise InvalidRequestError(f"only function tools are supported inside a namespace "
                                               f"(got {kind_j!r})", param=f"{where}.tools[{j}]")
                 found.append((_function(t, f"{where}.tools[{j}]"), ns))
-        elif kind in HOSTED_TOOL_TYPES:
+        elif isinstance(kind, str) and kind in HOSTED_TOOL_TYPES:
             continue
         else:
             raise InvalidRequestError(f"only function and namespace tools are supported (got {kind!r})",

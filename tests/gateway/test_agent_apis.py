@@ -173,3 +173,11 @@ def test_responses_tools_flatten_namespaces_and_qualify_only_clashing_names():
         with pytest.raises(InvalidRequestError) as err:
             responses_tools(bad)
         assert err.value.param == param
+
+
+@pytest.mark.parametrize("kind", [[65, 66], {"a": 1}, 7, None])
+def test_a_responses_tool_whose_type_is_not_a_string_is_a_400(kind):
+    # A list or dict as the type was an unhashable set lookup: a 500 (bench.fuzz, seed 2).
+    with pytest.raises(InvalidRequestError, match="only function and namespace tools") as err:
+        responses_tools([{"type": kind, "name": "add", "parameters": {"type": "object"}}])
+    assert err.value.param == "tools[0]"
