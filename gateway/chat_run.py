@@ -20,6 +20,9 @@ the end), is here too: its body is already in a ChatInput's terms, so the
 route is only that translation in and OpenAI's JSON or chunks out. The
 routes of the other APIs keep their own modules (``anthropic``,
 ``responses``).
+
+Over 400 lines because the three chat APIs share this one run (parsers, tool calls, reasoning,
+streamed and whole answers alike); split, each API would keep a copy of it.
 """
 
 from __future__ import annotations

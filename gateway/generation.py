@@ -27,6 +27,9 @@ Before the answer begins, ``while_connected`` watches it the same way over the
 work that prepares it (a prompt waiting for a worker thread to tokenize it, a
 constrained request's wait for its first output): a client that leaves then is
 never sent to the engine, or is aborted at once.
+
+Over 400 lines because a generation's requests, their outputs' queue, the stream and the
+client's connection end together, and each ending must abort the others.
 """
 
 from __future__ import annotations

@@ -25,6 +25,9 @@ A prompt's tokens come from here too: the model's tokenizer and chat template
 handshake (the engine's loader materializes one for GGUF files), always
 offline, and the messages as the plain dicts a template expects
 (``message_dicts``).
+
+Over 400 lines because every request field's range and shape is checked in this one place, so
+that the engine and the wire never see a value they cannot hold.
 """
 
 from __future__ import annotations

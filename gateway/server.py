@@ -56,6 +56,9 @@ answers. So:
   404 whatever its body).
 
 Refusals are 403/415 in the shape of the route's API.
+
+Over 400 lines because the app's construction and every guard in front of the routes (host,
+origin, content type, request-head limits, keys) are read together: each guard's order matters.
 """
 
 from __future__ import annotations
