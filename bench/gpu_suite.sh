@@ -9,7 +9,16 @@
 set -uo pipefail
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
 cd "$ROOT"
-export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$ROOT" PYTHONUNBUFFERED=1
+NS=""
+if ! python3 -c 'import mlxd.engined' 2>/dev/null; then
+  # Not installed (a GPU machine with MLX's wheels only): the folders import each other as mlxd.<folder>
+  # (pyproject.toml's package-dir), so a folder of links stands in for the install, run from there so
+  # that the checkout's own mlxd/ does not hide it.
+  NS=$(mktemp -d) && mkdir "$NS/mlxd" && cp -r "$ROOT"/mlxd/. "$NS/mlxd/"
+  for d in engined gateway shared service bench; do ln -s "$ROOT/$d" "$NS/mlxd/$d"; done
+  cd "$NS"
+fi
+export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}${NS:+$NS:}$ROOT" PYTHONUNBUFFERED=1
 OUT="${OUT:-$ROOT/bench/results/gpu_suite}"
 mkdir -p "$OUT"
 T0=$(date +%s)
@@ -52,7 +61,7 @@ for what in ${@:-serving http}; do
       step mtp 300 python3 -m bench.speculative --method mtp --shape qwen3_5-8b --levels 1 4 16 --k 3 \
         --p 0 0.5 0.7 0.9 1 --max-tokens 64 --prompt-tokens 256 ;;
     kernels)  # the project's CUDA kernels against their references, then timed: paged attention, gated delta, q/k/v
-      step paged_attention 300 env MLX_ENABLE_TF32=0 python3 bench/kernels/cuda_check.py --out "$OUT/paged_attention"
+      step paged_attention 300 env MLX_ENABLE_TF32=0 python3 "$ROOT/bench/kernels/cuda_check.py" --out "$OUT/paged_attention"
       step gated_delta 120 python3 -m bench.kernels.gated_delta_check
       step qk_rope 90 python3 -m bench.kernels.qk_rope_check ;;
     sdpa_shapes)  # what a prefill chunk of a new shape costs in MLX's fused SDPA (cuDNN graph builds)
