@@ -34,6 +34,7 @@ from mlxd.engined import memory_guard
 from mlxd.engined.device import device_kind
 from mlxd.engined.encoders.pooling import matryoshka_dimensions, pooled_results, score_token_ids, store_results
 from mlxd.engined.fastpath.encode_thread import EncodeThread
+from mlxd.engined.kv.disk_tier import weights_fingerprint
 from mlxd.engined.kv.manager import KVCacheManager
 from mlxd.engined.loaders import LoadedModel, load_model
 from mlxd.engined.lora.registry import LoraRegistry
@@ -372,9 +373,10 @@ class Engine:
         return True
 
     def _idle(self) -> list[RequestOutput]:
-        if self._compiling:
-            # Nothing else to run: wait briefly for a grammar instead of spinning.
-            wait_futures([r.grammar.future for r in self._compiling], timeout=0.005, return_when=FIRST_COMPLETED)
+        # Nothing else to run: wait briefly for a grammar, or blocks read from disk, instead of spinning.
+        waits = [r.grammar.future for r in self._compiling] + self.scheduler.kv.reads()
+        if waits:
+            wait_futures(waits, timeout=0.005, return_when=FIRST_COMPLETED)
         self.metrics.on_step(0, 0.0, self.stats())
         return []
 
@@ -465,7 +467,10 @@ def _layers_and_kv(model, config: EngineConfig, spec: SpeculativeConfig | None, 
     if config.num_ranks > 1:
         model_split.prepare(model, pipeline.join(config), config)
     specs = read_layers(model)
-    kv = KVCacheManager.build(specs, config, dtype, settle=encoder.wait if encoder is not None else None)
+    # The disk tier keeps the main pool's K/V alone: not a draft model's, nor another rank's.
+    weights = weights_fingerprint(model) if config.kv_disk_cache and spec is None and config.num_ranks == 1 else None
+    kv = KVCacheManager.build(specs, config, dtype, settle=encoder.wait if encoder is not None else None,
+                              weights=weights)
     if spec is not None and not kv.can_rewind:
         raise InvalidRequestError(
             "speculative decoding is not supported for this model: one of its caches cannot take "

@@ -177,11 +177,16 @@ class Scheduler:
 
         # Admit waiting requests only if no running request had to be preempted to grow.
         pressure = len(out.preempted) > len(fair_preempted)
-        no_slot: set[Request] = set()  # their adapter found every slot held: later ones may still run
+        # Stepped over this step (later ones may still run): their adapter found every slot held, or
+        # their cached blocks are being read from disk.
+        no_slot: set[Request] = set()
         while budget > 0 and not pressure and len(self.running) < self.max_num_seqs and self._fewest(mine):
             req = self._next_waiting(no_slot)
             if req is None:
                 break
+            if self.kv.reading(req):
+                no_slot.add(req)
+                continue
             if not self._take_lora_slot(req):
                 no_slot.add(req)
                 continue

@@ -27,6 +27,10 @@ HELP = {
     "max_waiting_requests": "requests queued beyond the running ones; past this new ones get HTTP 429",
     "block_size": "tokens per KV-cache block",
     "enable_prefix_caching": "reuse the KV cache of prompt prefixes seen before",
+    "kv_disk_cache": "keep cached prefix blocks evicted from memory, and the last sessions', in files read "
+                     "back instead of recomputed, also after a restart",
+    "kv_cache_dir": "folder of the KV disk cache (default: kv/ in the user's cache dir, ~/.cache/mlxd)",
+    "kv_disk_budget": "most bytes the KV disk cache keeps per model, e.g. 20GiB (least recently used out first)",
     "dtype": "weights' dtype: auto is float32 on MLX's CPU backend, the checkpoint's own on a GPU",
     "seed": "seed of the sampling of requests that give none",
     "speculative_config": "JSON, e.g. '{\"method\": \"ngram\", \"num_speculative_tokens\": 4}'; methods "
@@ -111,7 +115,7 @@ ALIASES = {"pipeline_parallel_size": "-pp", "tensor_parallel_size": "-tp"}
 
 # Sizes vLLM parses with its human_readable_int: 32k is 32000, 32K is 32768.
 HUMAN_INTS = ("max_model_len", "max_num_batched_tokens", "max_num_seqs", "max_waiting_requests",
-              "kv_cache_memory", "num_kv_blocks")
+              "kv_cache_memory", "num_kv_blocks", "kv_disk_budget")
 
 _DECIMAL = {"k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
 _BINARY = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
@@ -119,9 +123,9 @@ _BINARY = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
 
 def human_readable_int(value: str) -> int:
     """An int, or a number with a suffix as vLLM reads it: k/m/g/t are powers of 1000 and take
-    decimals (25.6k is 25600), K/M/G/T powers of 1024 and do not."""
+    decimals (25.6k is 25600), K/M/G/T powers of 1024 and do not (20GiB is 20G)."""
     value = value.strip()
-    match = re.fullmatch(r"(\d+(?:\.\d+)?)([kKmMgGtT])", value)
+    match = re.fullmatch(r"(\d+(?:\.\d+)?)([kKmMgGtT])(?:(?<=[KMGT])iB)?", value)
     if match is None:
         try:
             return int(value)

@@ -88,6 +88,13 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     # Explicit KV pool size in blocks; overrides both (tests, benchmarks).
     num_kv_blocks: int | None = None
     enable_prefix_caching: bool = True
+    # The prefix cache's disk tier (engined/kv/disk_tier.py): cached blocks evicted from the pool, and
+    # those of the last sessions, kept in files under kv_cache_dir (None: kv/ in the user's cache dir),
+    # at most kv_disk_budget bytes, and read back instead of recomputed, also after a restart.
+    # Off until measured to pay (bench/kv_disk.py).
+    kv_disk_cache: bool = False
+    kv_cache_dir: str | None = None
+    kv_disk_budget: int = 20 * 2**30
     # "auto": float32 on MLX's CPU backend, the checkpoint's own (quantized) weights on a GPU.
     dtype: str = "auto"
     seed: int = 0
@@ -147,6 +154,8 @@ class EngineConfig(msgspec.Struct, kw_only=True):
             raise InvalidRequestError(
                 "gpu_memory_utilization must be in (0, 1]", param="gpu_memory_utilization"
             )
+        if self.kv_disk_budget < 1:
+            raise InvalidRequestError("kv_disk_budget must be positive", param="kv_disk_budget")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise InvalidRequestError("num_kv_blocks must be positive", param="num_kv_blocks")
         if self.speculative_config is not None:

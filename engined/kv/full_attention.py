@@ -207,9 +207,10 @@ class FullAttentionGroup(KVGroup):
     def bytes_per_block(self) -> int:
         return self.kv.bytes_per_block
 
-    def create(self, num_blocks: int, resident: int | None = None) -> None:
-        """A pool of ``num_blocks`` blocks, of which ``resident`` (default: all) have arrays now."""
-        self.pool = BlockPool(num_blocks, resident)
+    def create(self, num_blocks: int, resident: int | None = None, record_evictions: bool = False) -> None:
+        """A pool of ``num_blocks`` blocks, of which ``resident`` (default: all) have arrays now;
+        ``record_evictions``: see ``BlockPool``."""
+        self.pool = BlockPool(num_blocks, resident, record_evictions)
         self.tables, self._ids, self._hashed = {}, {}, {}
         self.floor = self._resident = self.pool.num_resident
         for arrays in (self.kv, *self.followers):
@@ -227,11 +228,19 @@ class FullAttentionGroup(KVGroup):
                 arrays.resize(n)
             self._resident = n
 
-    def shrink(self) -> None:
+    def shrink(self, before_cut: Callable[[], None] = lambda: None) -> None:
         """Cut the pool back towards its starting size, keeping every block a request holds
-        (cached prefixes past the cut are dropped)."""
+        (cached prefixes past the cut are dropped; ``before_cut`` runs while their K/V are still there)."""
         self.pool.shrink(self.floor)
+        before_cut()
         self._fit_arrays()
+
+    def take_blocks(self, n: int) -> list[Block]:
+        """``n`` blocks held for contents written from outside a step (the disk tier), arrays sized;
+        the caller caches and frees them."""
+        blocks = self.pool.allocate(n)
+        self._fit_arrays()
+        return blocks
 
     def arrays(self) -> list[mx.array]:
         return self.kv.arrays()
@@ -348,14 +357,17 @@ def extend_hashes(req, num_blocks: int, block_size: int) -> None:
 
 
 class BlockPool:
-    def __init__(self, num_blocks: int, num_resident: int | None = None):
-        """``num_blocks`` is the capacity; ``num_resident`` (default: all of it) the blocks that exist now."""
+    def __init__(self, num_blocks: int, num_resident: int | None = None, record_evictions: bool = False):
+        """``num_blocks`` is the capacity; ``num_resident`` (default: all of it) the blocks that exist now.
+        With ``record_evictions``, each cached block evicted or cut off is listed in ``evicted`` as
+        (hash, block id) for its owner to take (the disk tier), its K/V still intact until then."""
         resident = num_blocks if num_resident is None else min(num_resident, num_blocks)
         self.capacity = num_blocks
         self.blocks = [Block(i) for i in range(resident)]
         # Insertion order is eviction order: the front is evicted first.
         self.free_queue: OrderedDict[int, Block] = OrderedDict((b.block_id, b) for b in self.blocks)
         self.cached: dict[bytes, Block] = {}
+        self.evicted: list[tuple[bytes, int]] | None = [] if record_evictions else None
 
     @property
     def num_blocks(self) -> int:
@@ -403,6 +415,8 @@ class BlockPool:
             del self.free_queue[block.block_id]
             if block.block_hash is not None and self.cached.get(block.block_hash) is block:
                 del self.cached[block.block_hash]
+                if self.evicted is not None:
+                    self.evicted.append((block.block_hash, block.block_id))
         del self.blocks[cut:]
         return cut
 
@@ -424,6 +438,8 @@ class BlockPool:
             if block.block_hash is not None:
                 if self.cached.get(block.block_hash) is block:
                     del self.cached[block.block_hash]
+                    if self.evicted is not None:
+                        self.evicted.append((block.block_hash, block.block_id))
                 block.block_hash = None
             block.ref_count = 1
             out.append(block)

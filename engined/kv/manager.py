@@ -14,16 +14,21 @@ bounds admission and context, and the memory guard sizes it. The others
 - bytes per block and fixed bytes are the groups' sums.
 
 The chained block hashes live on the request and are computed here once for
-every group.
+every group. Under the main pool, an optional disk tier (``disk_tier``) keeps
+evicted cached blocks and reads them back before a request is admitted.
 """
 
 from __future__ import annotations
 
+import logging
+import os
 from collections.abc import Callable
 
 import mlx.core as mx
 import numpy as np
 
+from mlxd.engined.kv.disk_store import DiskStore
+from mlxd.engined.kv.disk_tier import DiskTier
 from mlxd.engined.kv.full_attention import BlockPool, FullAttentionGroup, PagedArrays, extend_hashes
 from mlxd.engined.kv.group import Block, KVGroup
 from mlxd.engined.kv.recurrent_state import RecurrentStateGroup
@@ -32,6 +37,9 @@ from mlxd.engined.model_layers import LayerSpec
 from mlxd.engined.request import Request
 from mlxd.shared.config import EngineConfig
 from mlxd.shared.errors import ModelLoadError
+from mlxd.shared.paths import cache_dir
+
+log = logging.getLogger("mlxd.engine")
 
 # Seconds with no request holding a block before the main pool is cut back to its starting size:
 # long enough that an agent's pause between turns keeps its grown pool and cached prefixes.
@@ -42,8 +50,10 @@ KINDS: tuple[type[KVGroup], ...] = (SlidingWindowGroup, RecurrentStateGroup)
 
 
 class KVCacheManager:
-    def __init__(self, main: FullAttentionGroup, others: list[KVGroup] = (), num_layers: int = 0):
+    def __init__(self, main: FullAttentionGroup, others: list[KVGroup] = (), num_layers: int = 0,
+                 disk: DiskTier | None = None):
         self.main = main
+        self.disk = disk
         self.groups: list[KVGroup] = [main, *others]
         self.block_size = main.block_size
         self.enable_caching = main.enable_caching
@@ -55,9 +65,10 @@ class KVCacheManager:
 
     @classmethod
     def build(cls, specs: list[LayerSpec], config: EngineConfig, dtype: mx.Dtype,
-              settle: Callable[[], None] | None = None) -> "KVCacheManager":
+              settle: Callable[[], None] | None = None, weights: str | None = None) -> "KVCacheManager":
         """Groups for a model's layers (``model_layers.read_layers``); arrays come with ``create``.
-        ``settle`` is called before the main pool's arrays are resized (``FullAttentionGroup``)."""
+        ``settle`` is called before the main pool's arrays are resized (``FullAttentionGroup``).
+        ``weights``: the weights' fingerprint, given where the disk tier may serve the engine."""
         others, left = [], list(specs)
         for kind in KINDS:
             group = kind.claim(left, config, dtype)
@@ -68,7 +79,7 @@ class KVCacheManager:
         # A pipeline rank may hold linear layers only; the pool's blocks then cost it nothing.
         if not main.layers and config.pipeline_parallel_size == 1:
             raise ModelLoadError("the model has no attention layer: the paged runner needs at least one")
-        return cls(main, others, len(specs))
+        return cls(main, others, len(specs), _disk_tier(main, others, config, dtype, weights))
 
     @classmethod
     def blocks_only(cls, num_blocks: int, block_size: int, enable_caching: bool) -> "KVCacheManager":
@@ -100,7 +111,7 @@ class KVCacheManager:
     def create(self, num_blocks: int, resident: int | None = None) -> None:
         """(Re)create every group's pools for a main pool of ``num_blocks`` blocks, ``resident`` of
         them (default: all) with arrays now; 0 drops them."""
-        self.main.create(num_blocks, resident)
+        self.main.create(num_blocks, resident, record_evictions=self.disk is not None)
         for g in self.groups[1:]:
             g.create(num_blocks)
 
@@ -122,9 +133,11 @@ class KVCacheManager:
             return False
         if self._idle_since is None:
             self._idle_since = now
+            if self.disk is not None:  # once per pause: what a restart should find
+                self.disk.persist()
         if now - self._idle_since < IDLE_RELEASE_S or self.pool.num_resident <= self.main.floor:
             return False
-        self.main.shrink()
+        self.main.shrink(self.disk.spill if self.disk is not None else lambda: None)
         mx.clear_cache()
         return True
 
@@ -176,6 +189,15 @@ class KVCacheManager:
                 return self.main.prefix(req, n)
             n = cut
 
+    def reading(self, req: Request) -> bool:
+        """Whether ``req``, waiting, waits for blocks of its prefix being read from disk (the scheduler
+        steps over it meanwhile, as over a request whose blocks are being computed)."""
+        return self.disk is not None and req.num_computed_tokens == 0 and self.disk.reading(req)
+
+    def reads(self) -> list:
+        """Futures of the disk reads in progress (an idle engine waits on them)."""
+        return self.disk.futures() if self.disk is not None else []
+
     def record_lookup(self, num_tokens: int, num_hit_tokens: int) -> None:
         self.queries += num_tokens
         self.hits += num_hit_tokens
@@ -187,6 +209,8 @@ class KVCacheManager:
             return False
         for g in self.groups:
             g.allocate(req, num_new_tokens, prefix)
+        if self.disk is not None:
+            self.disk.spill()
         self._idle_since = None
         return True
 
@@ -200,6 +224,8 @@ class KVCacheManager:
     def free(self, req: Request) -> None:
         for g in self.groups:
             g.free(req)
+        if self.disk is not None:
+            self.disk.forget(req)
 
     # -- per step ------------------------------------------------------------------------------
 
@@ -211,3 +237,19 @@ class KVCacheManager:
         for g in self.groups:
             g.step(scheduled, query_lens, seq_lens, caches)
         return caches
+
+
+def _disk_tier(main: FullAttentionGroup, others: list[KVGroup], config: EngineConfig, dtype: mx.Dtype,
+               weights: str | None) -> DiskTier | None:
+    """The disk tier under the main pool, where it is on and can hold every group's state (``disk_tier``)."""
+    if not (config.kv_disk_cache and config.enable_prefix_caching and weights is not None and main.layers):
+        return None
+    if others:
+        log.info("KV disk cache off: %s keep state beside the main pool that is not written to disk",
+                 ", ".join(type(g).__name__ for g in others))
+        return None
+    identity = {"format": 1, "weights": weights, "dtype": str(dtype), "block_size": config.block_size,
+                "layout": [[layer, *shape] for layer, shape in zip(main.kv.layers, main.kv.shapes)],
+                "aliases": main.kv.aliases}
+    root = config.kv_cache_dir or os.path.join(cache_dir(), "kv")
+    return DiskTier(DiskStore(root, identity, config.kv_disk_budget), main)

@@ -1,0 +1,271 @@
+"""Block files on disk: the prefix cache's second tier, one checksummed file per cached block.
+
+A block's file is named by its chained hash (``full_attention.hash_block``,
+which already covers the tokens before it, the cache salt and so the LoRA
+adapter) inside a namespace folder named by a digest of everything else that
+changes a block's content: the weights' fingerprint, the KV dtype, the block
+size and the layout of the paged layers. Engines of different models can share
+the root; each keeps to its own namespace and budget.
+
+One file per block, not per run of blocks: the key of a block is already its
+whole prefix, so sessions that share a system prompt share its files, the LRU
+drops exactly one block's worth at a time, and a torn file costs one block.
+
+A file is a fixed header (magic, header length), a JSON header (the namespace,
+the block hash, each array's name, dtype, shape and byte range, and a blake2b
+digest of the payload) and the payload. A file whose header, length or digest
+does not match is deleted on reading and served as a miss, never as K/V.
+Files are written to a temporary name and renamed, mode 0600 in 0700 folders.
+
+Reads and writes run on one worker thread; the index (hash -> bytes, least
+recently used first) is rebuilt from the folder at start, oldest modification
+first, and a read touches a file so that the order survives a restart. Any
+OSError on writing (disk full, folder gone or unwritable) is logged once and
+turns the tier off; serving goes on without it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import struct
+import threading
+import time
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+
+import numpy as np
+
+from mlxd.shared.paths import UnsafeDirectoryError, check_private_dir
+
+log = logging.getLogger("mlxd.engine")
+
+MAGIC = b"MLXDKV01"
+_HEAD = struct.Struct("<8sI")  # magic, JSON header length
+# Blocks evicted faster than the disk takes them are dropped past this many bytes waiting (the tier is a
+# cache: a dropped block is recomputed later, memory is not).
+MAX_PENDING_BYTES = 512 * 2**20
+# Temporary files older than this are an interrupted write's leftovers (another engine's write in progress
+# is far younger).
+STALE_TMP_S = 600.0
+
+
+@dataclass
+class DiskTotals:
+    """Since the engine started: what the tier served, wrote and dropped; and what it holds now."""
+
+    hit_blocks: int = 0
+    bytes_read: int = 0
+    bytes_written: int = 0
+    evicted_blocks: int = 0
+    discarded_files: int = 0  # torn, truncated or foreign files found and deleted
+    dropped_writes: int = 0  # blocks not written: too many waiting, or the tier off
+    blocks: int = 0
+    bytes: int = 0
+
+
+def namespace(identity: dict) -> str:
+    """The folder name of everything besides the token chain that a block's content depends on."""
+    text = json.dumps(identity, sort_keys=True, separators=(",", ":")).encode()
+    return hashlib.blake2b(text, digest_size=16, person=b"mlxd-kv-ns").hexdigest()
+
+
+def encode(ns: str, key: bytes, arrays: dict[str, np.ndarray]) -> bytes:
+    """The file's bytes: header, JSON header, payload."""
+    entries, offset, parts = [], 0, []
+    for name, a in arrays.items():
+        raw = np.ascontiguousarray(a).tobytes()
+        entries.append([name, a.dtype.str, list(a.shape), offset, len(raw)])
+        parts.append(raw)
+        offset += len(raw)
+    payload = b"".join(parts)
+    header = json.dumps({"ns": ns, "key": key.hex(), "arrays": entries,
+                         "digest": hashlib.blake2b(payload, digest_size=16).hexdigest()}).encode()
+    return _HEAD.pack(MAGIC, len(header)) + header + payload
+
+
+def decode(ns: str, key: bytes, data: bytes) -> dict[str, np.ndarray] | None:
+    """The arrays of a file's bytes, or None if they are not a whole, intact file of this block."""
+    try:
+        magic, n = _HEAD.unpack_from(data)
+        if magic != MAGIC:
+            return None
+        header = json.loads(data[_HEAD.size:_HEAD.size + n])
+        payload = memoryview(data)[_HEAD.size + n:]
+        if header["ns"] != ns or header["key"] != key.hex():
+            return None
+        if hashlib.blake2b(payload, digest_size=16).hexdigest() != header["digest"]:
+            return None
+        out = {}
+        for name, dtype, shape, offset, size in header["arrays"]:
+            a = np.frombuffer(payload[offset:offset + size], dtype=np.dtype(dtype))
+            out[name] = a.reshape(shape)
+        return out
+    except (ValueError, KeyError, TypeError, struct.error):
+        return None
+
+
+class DiskStore:
+    def __init__(self, root: str, identity: dict, budget: int):
+        """The namespace of ``identity`` under ``root`` (created 0700), holding at most ``budget`` bytes.
+        An unusable folder leaves the store off (``enabled`` False), logged."""
+        self.ns = namespace(identity)
+        self.budget = budget
+        self.totals = DiskTotals()
+        self.index: OrderedDict[bytes, int] = OrderedDict()  # block hash -> file bytes, LRU first
+        self._lock = threading.Lock()
+        self._pending = 0  # bytes handed to the worker, not written yet
+        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-disk")
+        self.enabled = True
+        self.path = os.path.join(root, self.ns)
+        try:
+            check_private_dir(root)
+            check_private_dir(self.path)
+            with open(os.path.join(self.path, "identity.json"), "w", opener=_private) as f:
+                json.dump(identity, f, sort_keys=True)
+            self._scan()
+        except (OSError, UnsafeDirectoryError) as e:
+            self._off(f"cannot use {self.path}: {e}")
+
+    def _scan(self) -> None:
+        """Rebuild the index from the folder, least recently used first, and hold it to the budget."""
+        found, now = [], time.time()
+        for entry in os.scandir(self.path):
+            name = entry.name
+            if name.startswith(".tmp-"):
+                if now - entry.stat().st_mtime > STALE_TMP_S:
+                    _unlink(entry.path)
+                continue
+            if len(name) != 32 or not name.isalnum():
+                continue
+            st = entry.stat()
+            found.append((st.st_mtime, bytes.fromhex(name), st.st_size))
+        for _, key, size in sorted(found):
+            self.index[key] = size
+            self.totals.bytes += size
+        self.totals.blocks = len(self.index)
+        self._fit(0)
+        log.info("KV disk cache: %s, %d blocks (%.1f MiB) found, budget %.1f GiB", self.path, len(self.index),
+                 self.totals.bytes / 2**20, self.budget / 2**30)
+
+    def _off(self, why: str) -> None:
+        if self.enabled:
+            log.warning("KV disk cache off: %s; serving goes on without it", why)
+        self.enabled = False
+
+    def _file(self, key: bytes) -> str:
+        return os.path.join(self.path, key.hex())
+
+    def has(self, key: bytes) -> bool:
+        return self.enabled and key in self.index
+
+    def _fit(self, incoming: int) -> None:
+        """Delete least recently used files until ``incoming`` more bytes fit the budget (lock held)."""
+        while self.index and self.totals.bytes + incoming > self.budget:
+            key, size = self.index.popitem(last=False)
+            self.totals.bytes -= size
+            self.totals.evicted_blocks += 1
+            _unlink(self._file(key))
+        self.totals.blocks = len(self.index)
+
+    # -- writes -----------------------------------------------------------------------------------
+
+    def write(self, key: bytes, arrays: dict[str, np.ndarray]) -> None:
+        """Queue one block's arrays (host copies the caller no longer changes) for writing."""
+        size = sum(a.nbytes for a in arrays.values())
+        with self._lock:
+            if not self.enabled or key in self.index or self._pending + size > MAX_PENDING_BYTES:
+                self.totals.dropped_writes += 1
+                return
+            self._pending += size
+        self._worker.submit(self._write, key, arrays, size)
+
+    def _write(self, key: bytes, arrays: dict[str, np.ndarray], size: int) -> None:
+        try:
+            data = encode(self.ns, key, arrays)
+            with self._lock:
+                if not self.enabled:
+                    return
+                self._fit(len(data))
+            tmp = os.path.join(self.path, f".tmp-{key.hex()}-{threading.get_ident()}")
+            try:
+                with open(tmp, "wb", opener=_private) as f:
+                    f.write(data)
+                os.replace(tmp, self._file(key))
+            except OSError as e:
+                _unlink(tmp)
+                with self._lock:
+                    self._off(f"writing {self.path} failed: {e}")
+                return
+            with self._lock:
+                old = self.index.pop(key, 0)
+                self.index[key] = len(data)
+                self.totals.bytes += len(data) - old
+                self.totals.bytes_written += len(data)
+                self.totals.blocks = len(self.index)
+        finally:
+            with self._lock:
+                self._pending -= size
+
+    # -- reads ------------------------------------------------------------------------------------
+
+    def read(self, keys: list[bytes]) -> Future:
+        """A future of the arrays of the leading ``keys`` read whole: the first missing or damaged
+        file (deleted) ends the list."""
+        return self._worker.submit(self._read, keys)
+
+    def _read(self, keys: list[bytes]) -> list[dict[str, np.ndarray] | None]:
+        out = []
+        for key in keys:
+            path = self._file(key)
+            try:
+                with open(path, "rb") as f:
+                    data = f.read()
+            except OSError:
+                data = None
+            arrays = decode(self.ns, key, data) if data is not None else None
+            with self._lock:
+                if arrays is None:
+                    size = self.index.pop(key, None)
+                    if size is not None:
+                        self.totals.bytes -= size
+                        self.totals.blocks = len(self.index)
+                        self.totals.discarded_files += data is not None
+                        _unlink(path)
+                else:
+                    if key in self.index:
+                        self.index.move_to_end(key)
+                    self.totals.bytes_read += len(data)
+            if arrays is None:
+                break  # the blocks after it would not continue a prefix
+            _touch(path)
+            out.append(arrays)
+        return out
+
+    def flush(self) -> None:
+        """Wait for the writes queued so far (tests, shutdown)."""
+        self._worker.submit(lambda: None).result()
+
+    def close(self) -> None:
+        self._worker.shutdown(wait=True)
+
+
+def _private(path: str, flags: int) -> int:
+    return os.open(path, flags, 0o600)
+
+
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
+
+
+def _touch(path: str) -> None:
+    try:
+        os.utime(path)
+    except OSError:
+        pass

@@ -1,0 +1,143 @@
+"""The prefix cache's disk tier: blocks evicted from a small pool come back from files, giving the
+tokens a recompute gives; damaged files are recomputed; the budget holds; a new engine finds the files."""
+
+import os
+import stat
+
+import numpy as np
+import pytest
+
+from mlxd.engined.engine import Engine
+from mlxd.engined.kv.full_attention import hash_block
+from mlxd.engined.loaders import load_model
+from mlxd.shared.config import EngineConfig
+from mlxd.shared.protocol import SamplingParams
+from tests.tiny_models import fresh_seed, make_tiny_model
+
+GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+BLOCK = 8
+# A pool of 40 blocks holds two of the sessions below (15 blocks each, and their answers), not three.
+POOL = 40
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("models")
+    return {"dense": make_tiny_model(root / "dense", "llama", seed=3),
+            "other": make_tiny_model(root / "other", "qwen3", seed=4)}
+
+
+def engine(model_dir, disk_dir, budget=2**30, **kw):
+    config = EngineConfig(num_kv_blocks=POOL, block_size=BLOCK, max_num_batched_tokens=128, max_num_seqs=4,
+                          kv_disk_cache=True, kv_cache_dir=str(disk_dir), kv_disk_budget=budget, **kw)
+    return Engine(config, loaded=load_model(str(model_dir)))
+
+
+def run(eng, prompt, rid, lora=None):
+    """One request to its end: (tokens, cached prompt tokens)."""
+    eng.add_request(rid, prompt, GREEDY, lora_name=lora)
+    toks, cached = [], None
+    while eng.has_unfinished():
+        for out in eng.step():
+            toks += out.new_token_ids
+            cached = out.num_cached_tokens
+    return toks, cached
+
+
+def sessions(seed, n=3, length=121):
+    rng = np.random.default_rng(seed)
+    return [rng.integers(1, 260, size=length).tolist() for _ in range(n)]
+
+
+def evict_then_return(eng, prompts, lora=None):
+    """Session 0, then the others (which evict its blocks to disk), then session 0 again."""
+    first = run(eng, prompts[0], "a0", lora)
+    for i, p in enumerate(prompts[1:]):
+        run(eng, p, f"b{i}", lora)
+    eng.scheduler.kv.disk.store.flush()
+    return first, run(eng, prompts[0], "a1", lora)
+
+
+def test_a_disk_hit_gives_the_tokens_of_a_recompute(models, tmp_path):
+    seed = fresh_seed("dense")
+    eng = engine(models["dense"], tmp_path / "kv")
+    tier = eng.scheduler.kv.disk
+    assert tier is not None and tier.enabled
+    (first, cached0), (again, cached1) = evict_then_return(eng, sessions(seed))
+    assert cached0 == 0
+    assert tier.store.totals.hit_blocks > 0, "session 0's blocks should have come back from disk"
+    assert cached1 == (len(sessions(seed)[0]) - 1) // BLOCK * BLOCK
+    assert again == first, f"seed {seed}"
+    eng.scheduler.kv.pool.check_whole()
+
+
+def test_files_are_private_and_namespaced_by_the_model(models, tmp_path):
+    a = engine(models["dense"], tmp_path / "kv")
+    b = engine(models["other"], tmp_path / "kv")
+    evict_then_return(a, sessions(1))
+    sa, sb = a.scheduler.kv.disk.store, b.scheduler.kv.disk.store
+    assert sa.path != sb.path and sb.totals.blocks == 0
+    assert stat.S_IMODE(os.stat(tmp_path / "kv").st_mode) == 0o700
+    assert stat.S_IMODE(os.stat(sa.path).st_mode) == 0o700
+    files = [e for e in os.scandir(sa.path) if len(e.name) == 32]
+    assert files and all(stat.S_IMODE(e.stat().st_mode) == 0o600 for e in files)
+
+
+def test_a_corrupt_or_truncated_file_is_recomputed_not_served(models, tmp_path):
+    seed = fresh_seed("corrupt")
+    prompts = sessions(seed)
+    eng = engine(models["dense"], tmp_path / "kv")
+    first = run(eng, prompts[0], "a0")
+    for i, p in enumerate(prompts[1:]):
+        run(eng, p, f"b{i}")
+    store = eng.scheduler.kv.disk.store
+    store.flush()
+    hashes, parent = [], None
+    for i in range(len(prompts[0]) // BLOCK):
+        parent = hash_block(parent, prompts[0][i * BLOCK:(i + 1) * BLOCK])
+        hashes.append(parent)
+    on_disk = [h for h in hashes if store.has(h)]
+    assert len(on_disk) >= 4
+    flipped, cut = on_disk[1], on_disk[3]
+    with open(store._file(flipped), "r+b") as f:  # one payload byte changed
+        f.seek(-5, os.SEEK_END)
+        byte = f.read(1)
+        f.seek(-5, os.SEEK_END)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    with open(store._file(cut), "r+b") as f:  # a torn write
+        f.truncate(os.path.getsize(store._file(cut)) // 2)
+    toks, cached = run(eng, prompts[0], "a1")
+    assert toks == first[0], f"seed {seed}"
+    assert cached < hashes.index(flipped) * BLOCK + BLOCK
+    assert store.totals.discarded_files == 1  # the first bad file ends the run; the torn one is never read
+    assert not store.has(flipped) and not os.path.exists(store._file(flipped))
+
+
+def test_the_budget_holds_least_recently_used_out_first(models, tmp_path):
+    probe = engine(models["dense"], tmp_path / "probe")
+    evict_then_return(probe, sessions(2))
+    store = probe.scheduler.kv.disk.store
+    per_file = max(store.index.values())
+    budget = 10 * per_file
+    eng = engine(models["dense"], tmp_path / "kv", budget=budget)
+    for i, p in enumerate(sessions(2, n=5)):
+        run(eng, p, f"s{i}")
+    store = eng.scheduler.kv.disk.store
+    store.flush()
+    on_disk = sum(e.stat().st_size for e in os.scandir(store.path) if len(e.name) == 32)
+    assert store.totals.evicted_blocks > 0
+    assert on_disk == store.totals.bytes <= budget
+
+
+def test_a_new_engine_finds_the_blocks_of_the_last_sessions(models, tmp_path):
+    seed = fresh_seed("restart")
+    prompt = sessions(seed, n=1)[0]
+    eng = engine(models["dense"], tmp_path / "kv")
+    first, _ = run(eng, prompt, "a0")
+    eng.scheduler.kv.release_idle(0.0)  # the engine's first idle moment writes what a restart should find
+    eng.scheduler.kv.disk.store.flush()
+    del eng
+    again = engine(models["dense"], tmp_path / "kv")
+    toks, cached = run(again, prompt, "a1")
+    assert cached == (len(prompt) - 1) // BLOCK * BLOCK
+    assert toks == first, f"seed {seed}"
