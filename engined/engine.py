@@ -115,7 +115,7 @@ class Engine:
         self.scheduler = Scheduler(kv, config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len,
                                    tuple(loaded.eos_token_ids), self.lora, self.num_lanes)
         self.metrics = EngineMetrics(config.served_model_name or loaded.model_id, config, self.max_model_len,
-                                     self.scheduler.stats)
+                                     self.scheduler.stats, kv.disk.store.totals if kv.disk is not None else None)
         self.speculator = (Speculator(spec, self.sampler, self.metrics, self.max_model_len, self.drafter or self.mtp,
                                       kv.block_ids) if spec is not None else None)
 

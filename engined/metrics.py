@@ -24,6 +24,7 @@ from prometheus_client import (
     CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, generate_latest,
 )
 
+from mlxd.engined.kv.disk_store import DiskTotals
 from mlxd.engined.request import Request
 from mlxd.shared.config import EngineConfig
 from mlxd.shared.protocol import EngineStats
@@ -77,12 +78,13 @@ def _copy(totals: SpecTotals) -> SpecTotals:
 
 class EngineMetrics:
     def __init__(self, model_name: str, config: EngineConfig, max_model_len: int,
-                 held: Callable[[], EngineStats]):
+                 held: Callable[[], EngineStats], disk: DiskTotals | None = None):
         """One engine's series. ``held`` is what the engine holds now (its queues and KV pool): the
         request and KV gauges read it when they are scraped, from the metrics server's thread, so
         that they are current during a step of minutes and not only once it ends (it reads sizes of
         the engine thread's queues, which the GIL keeps whole). cache_config_info is set from the
-        start, and the spec-decode series are declared when the engine speculates, as vLLM does."""
+        start, and the spec-decode series are declared when the engine speculates, as vLLM does.
+        ``disk``: the KV disk tier's running totals (kv/disk_store.py), when it is on."""
         prefix = config.metrics_prefix
         if prefix not in ("mlxd", "vllm"):
             raise ValueError("metrics prefix must be 'mlxd' or 'vllm'")
@@ -184,6 +186,20 @@ class EngineMetrics:
         self.pooled_requests = {t: pooled.labels(*values, t) for t in ("embed", "score")}
         self._prefix_seen = (0, 0)
         self._preemptions_seen = 0
+        self.disk, self._disk_seen = disk, DiskTotals()
+        if disk is not None:
+            self._disk_counters = {
+                "hit_blocks": counter("kv_disk_cache_hit_blocks", "Prefix cache blocks read back from the KV disk "
+                                                                  "cache instead of computed."),
+                "bytes_read": counter("kv_disk_cache_read_bytes", "Bytes read from the KV disk cache."),
+                "bytes_written": counter("kv_disk_cache_written_bytes", "Bytes written to the KV disk cache."),
+                "evicted_blocks": counter("kv_disk_cache_evicted_blocks", "Blocks deleted from the KV disk cache "
+                                                                          "to keep its budget."),
+                "discarded_files": counter("kv_disk_cache_discarded_files", "KV disk cache files found damaged "
+                                                                            "or foreign, deleted, not served."),
+            }
+            gauge("kv_disk_cache_bytes", "Bytes the KV disk cache holds.").set_function(lambda: disk.bytes)
+            gauge("kv_disk_cache_blocks", "Blocks the KV disk cache holds.").set_function(lambda: disk.blocks)
         self._spec = None
         self._lora_info = None
         self._lora_seen: tuple | None = None
@@ -305,6 +321,11 @@ class EngineMetrics:
         self._prefix_seen = (queries, hits)
         self.preemptions.inc(stats.num_preemptions - self._preemptions_seen)
         self._preemptions_seen = stats.num_preemptions
+        if self.disk is not None:
+            for field_name, series in self._disk_counters.items():
+                now = getattr(self.disk, field_name)
+                series.inc(now - getattr(self._disk_seen, field_name))
+                setattr(self._disk_seen, field_name, now)
         if num_tokens:
             self.iteration_tokens.observe(num_tokens)
             self.step_time.observe(duration)
@@ -430,6 +451,10 @@ class StatsLog:
         line = (f"Engine 000: Avg prompt throughput: {prompt_tps:.1f} tokens/s, Avg generation throughput: "
                 f"{gen_tps:.1f} tokens/s, Running: {stats.num_running} reqs, Waiting: {stats.num_waiting} reqs, "
                 f"GPU KV cache usage: {usage * 100:.1f}%, Prefix cache hit rate: {hit_rate * 100:.1f}%")
+        disk = m.disk
+        if disk is not None:
+            line += (f", KV disk cache: {disk.blocks} blocks, {disk.bytes / 2**30:.2f} GiB, "
+                     f"{disk.hit_blocks} blocks read back")
         log.log(level, "%s", line)
         spec = self._spec_line(elapsed)
         if spec:

@@ -2,16 +2,19 @@
 tokens a recompute gives; damaged files are recomputed; the budget holds; a new engine finds the files."""
 
 import os
+import re
 import stat
 
 import numpy as np
 import pytest
+from prometheus_client import generate_latest
 
 from mlxd.engined.engine import Engine
 from mlxd.engined.kv.full_attention import hash_block
 from mlxd.engined.loaders import load_model
 from mlxd.shared.config import EngineConfig
 from mlxd.shared.protocol import SamplingParams
+from tests.engined.test_lora import random_adapter, write_mlx_lm
 from tests.tiny_models import fresh_seed, make_tiny_model
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
@@ -69,6 +72,23 @@ def test_a_disk_hit_gives_the_tokens_of_a_recompute(models, tmp_path):
     assert cached1 == (len(sessions(seed)[0]) - 1) // BLOCK * BLOCK
     assert again == first, f"seed {seed}"
     eng.scheduler.kv.pool.check_whole()
+    scraped = generate_latest(eng.metrics.registry).decode()
+    hits = re.search(r"^mlxd:kv_disk_cache_hit_blocks_total\{[^}]*\} (\S+)$", scraped, re.M)
+    assert float(hits.group(1)) == tier.store.totals.hit_blocks
+
+
+def test_an_adapters_blocks_come_back_for_it_alone(models, tmp_path):
+    seed = fresh_seed("lora")
+    base = load_model(str(models["dense"]))
+    adapter = write_mlx_lm(tmp_path / "adapter", random_adapter(base.model, 4, np.random.default_rng(seed)),
+                           scale=2.0, num_layers=2)
+    eng = engine(models["dense"], tmp_path / "kv", enable_lora=True, max_lora_rank=4,
+                 lora_modules=[f"A={adapter}"])
+    prompts = sessions(seed)
+    (first, _), (again, cached) = evict_then_return(eng, prompts, lora="A")
+    assert cached > 0 and again == first, f"seed {seed}"
+    _, base_cached = run(eng, prompts[0], "base")  # the base model's K/V differ: no hit from the adapter's
+    assert base_cached == 0
 
 
 def test_files_are_private_and_namespaced_by_the_model(models, tmp_path):
