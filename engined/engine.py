@@ -48,9 +48,11 @@ from mlxd.engined.scheduler import Scheduler, SchedulerOutput
 from mlxd.engined.speculation import proposers
 from mlxd.engined.speculation.speculator import Speculator
 from mlxd.engined.structured import GrammarCompiler
+from mlxd.engined.vision.embeds import check_images, image_embeds
 from mlxd.shared.config import EngineConfig, SpeculativeConfig
 from mlxd.shared.errors import ContextLengthError, InvalidRequestError, NotFoundError
-from mlxd.shared.protocol import TASKS, EngineStats, LoraAdapter, ModelInfo, RequestOutput, SamplingParams
+from mlxd.shared.protocol import (TASKS, EngineStats, ImageInput, LoraAdapter, ModelInfo, RequestOutput,
+                                  SamplingParams)
 
 log = logging.getLogger("mlxd.engine")
 
@@ -82,7 +84,7 @@ class Engine:
         specs, kv = _layers_and_kv(loaded.model, config, spec, dtype, self.encoder)
         self.lora = (LoraRegistry(loaded.model, config.max_loras, config.max_lora_rank, dtype, config.max_cpu_loras,
                                   term_kernel=backend == "cuda") if config.enable_lora else None)
-        self.runner = _runner(loaded.model, specs, kv, backend, config, spec, self.lora)
+        self.runner = _runner(loaded.model, specs, kv, backend, config, spec, self.lora, loaded.vision)
         kv = self.runner.kv  # on several ranks, the journal the other ranks replay
 
         # Sampling, and the drafter that proposes for it when speculation is on.
@@ -96,7 +98,8 @@ class Engine:
                     if spec and spec.method == "mtp" else None)
 
         # The memory guard sizes the KV pool from what is left beside everything built so far.
-        stores = [kv] + ([self.drafter] if self.drafter else []) + ([self.lora] if self.lora else [])
+        stores = ([kv] + ([self.drafter] if self.drafter else []) + ([self.lora] if self.lora else [])
+                  + ([self.runner.images] if getattr(self.runner, "images", None) else []))
         self.memory = memory_guard.plan(self.runner, stores, config, self.max_model_len, loaded.vocab_size,
                                         progress, kernels=backend in ("metal", "cuda") and not pipelined)
         if pipelined:
@@ -148,7 +151,7 @@ class Engine:
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
         cache_salt: str | None = None, app: str | None = None, priority: int = 0,
         group: str | None = None, group_size: int = 1, params_n: int = 1, task: str = "generate",
-        lora_name: str | None = None,
+        lora_name: str | None = None, images: list[ImageInput] | None = None,
     ) -> None:
         """Queue a request; raises at once if it is malformed or can never fit.
 
@@ -160,7 +163,8 @@ class Engine:
         once per prompt (0 on its other choices). ``task`` (``shared.protocol.TASKS``)
         must be the model's; embed and score requests are prefill only (their
         sampling parameters are ignored) and finish with their result. ``lora_name`` picks a
-        loaded adapter (NotFoundError for another name).
+        loaded adapter (NotFoundError for another name). ``images`` fill their placeholder tokens
+        (a vision-language model only).
         """
         adapter = self._adapter(lora_name)
         self.places.take(group, group_size, len(self.scheduler.waiting))
@@ -173,6 +177,9 @@ class Engine:
         if request_id in self.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         check_prompt(prompt_token_ids, params, self.max_model_len, self.info.vocab_size, pooled)
+        if images:
+            check_images(images, len(prompt_token_ids), getattr(self.runner, "images", None),
+                         self.info.served_model_name)
         longest = min(len(prompt_token_ids) + params.max_tokens, self.max_model_len)
         if not self.scheduler.can_ever_fit(longest):
             raise ContextLengthError(
@@ -184,7 +191,8 @@ class Engine:
         salt = f"{app or ''}\x00{cache_salt or ''}".encode() if app or cache_salt else b""
         if adapter is not None:  # an adapter's K/V differ from the base's for the same tokens
             salt += f"\x00lora\x00{adapter.uid}".encode()
-        req = Request(request_id, prompt_token_ids, params, seed, salt, app or "", priority, params_n, task, lora_name)
+        req = Request(request_id, prompt_token_ids, params, seed, salt, app or "", priority, params_n, task, lora_name,
+                      images or None)
         if params.structured is not None:
             req.grammar = self.grammars.submit(params.structured, request_id)
             self._compiling.append(req)
@@ -480,14 +488,15 @@ def _layers_and_kv(model, config: EngineConfig, spec: SpeculativeConfig | None, 
 
 
 def _runner(model, specs: list[LayerSpec], kv: KVCacheManager, backend: str, config: EngineConfig,
-            spec: SpeculativeConfig | None, lora: LoraRegistry | None) -> ModelRunner | pipeline.MirroredRunner:
+            spec: SpeculativeConfig | None, lora: LoraRegistry | None, vision=None
+            ) -> ModelRunner | pipeline.MirroredRunner:
     """Rank 0's runner of a group of ranks, or this process's own."""
     if config.num_ranks > 1:
         return pipeline.MirroredRunner(model, specs, kv, backend, config)
     # Not where a drafter reads the target's hidden states as its forward runs (MTP, a Gemma 4
     # assistant): a replayed step runs none of the model's Python, so would hand it none.
     compile_decode = bool(config.compile_decode) and (spec is None or spec.method != "mtp")
-    return ModelRunner(model, specs, kv, backend, lora, compile_decode)
+    return ModelRunner(model, specs, kv, backend, lora, compile_decode, image_embeds(vision, config))
 
 
 def _model_info(loaded: LoadedModel, config: EngineConfig, task: str, max_model_len: int, num_kv_blocks: int,

@@ -30,14 +30,14 @@ class Request:
         "arrival_time", "pending_tokens", "pending_logprobs", "block_hashes", "cache_salt",
         "first_scheduled_time", "first_token_time", "last_token_time", "app", "priority", "grammar",
         "params_n", "task", "embedding", "score", "lora_name", "lora_slot", "num_placeholders",
-        "lane",
+        "lane", "images",
     )
 
     def __init__(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, seed: int,
         cache_salt: bytes = b"", app: str = "", priority: int = 0, params_n: int = 1,
         task: str = "generate",
-        lora_name: str | None = None,
+        lora_name: str | None = None, images: list | None = None,
     ):
         self.request_id = request_id
         self.params = params
@@ -81,6 +81,8 @@ class Request:
         self.lora_slot = 0
         # The scheduler's lane it runs in (pipeline parallelism: ``Scheduler.num_lanes``).
         self.lane = 0
+        # Its prompt's images (``shared.protocol.ImageInput``, in prompt order); None: text only.
+        self.images = images
 
     @property
     def ready(self) -> bool:

@@ -34,6 +34,7 @@ from mlxd.engined.linear_attention import SlottedLinearAttention
 from mlxd.engined.lora.registry import LoraRegistry
 from mlxd.engined.model_layers import LayerSettings, LayerSpec, flat_stream, text_model, transformer_layers
 from mlxd.engined.scheduler import SchedulerOutput
+from mlxd.engined.vision.embeds import ImageEmbeds
 from mlxd.shared.errors import ModelLoadError
 
 
@@ -61,14 +62,16 @@ def forward(model: nn.Module, head: LastTokenNorm, pieces: list[list[int]], cach
 def forward_pooled(model: nn.Module, head: LastTokenNorm, pieces: list[list[int]], caches: list,
                    num_logits: list[int], num_hidden: list[int] | None = None,
                    fills: tuple[list[int], mx.array] | None = None, flat: bool = False,
-                   compiled: CompiledDecode | None = None) -> tuple[mx.array, mx.array | None]:
+                   compiled: CompiledDecode | None = None,
+                   images: tuple[mx.array, mx.array] | None = None) -> tuple[mx.array, mx.array | None]:
     """``forward``, and when ``num_hidden`` asks for any, the final normed hidden states
     ``[sum(num_hidden), hidden]`` of each piece's last ``num_hidden[b]`` rows (else None).
 
     ``fills`` = (packed positions, tokens [len]) puts device-side tokens (a
     step still in flight sampled them) at those positions. ``flat``: the model
     takes the tokens 1-D and runs on a 2-D stream (``model_layers.FLAT_STREAM``).
-    ``compiled``: a step it can replay runs through it.
+    ``compiled``: a step it can replay runs through it. ``images`` = (packed positions, rows
+    [len, hidden]) replaces those positions' token embeddings (``engined.vision``).
     """
     lens = [len(p) for p in pieces]
     tokens = mx.array(np.fromiter((t for piece in pieces for t in piece), dtype=np.int32, count=sum(lens)))
@@ -78,7 +81,7 @@ def forward_pooled(model: nn.Module, head: LastTokenNorm, pieces: list[list[int]
     ends = np.cumsum(lens)
     rows = _row_index(ends, num_logits)
     wants_hidden = bool(num_hidden and any(num_hidden))
-    if compiled is not None and not wants_hidden:
+    if compiled is not None and not wants_hidden and images is None:
         logits = compiled(tokens, rows, caches)
         if logits is not None:
             return logits, None
@@ -86,7 +89,11 @@ def forward_pooled(model: nn.Module, head: LastTokenNorm, pieces: list[list[int]
     if wants_hidden:
         head.hidden_rows = _row_index(ends, num_hidden)
     try:
-        logits, hidden_states = run_model(model, tokens, caches, flat), head.hidden
+        embeds = None
+        if images is not None:  # the image tokens' rows are the vision tower's, the rest the text model's own
+            embeds = text_model(model).model.embed_tokens(tokens)
+            embeds[images[0]] = images[1].astype(embeds.dtype)
+        logits, hidden_states = run_model(model, tokens, caches, flat, embeds), head.hidden
         if hidden_states is not None and not flat:  # the packed stream's batch of one
             hidden_states = hidden_states[0]
         return logits, hidden_states
@@ -94,8 +101,13 @@ def forward_pooled(model: nn.Module, head: LastTokenNorm, pieces: list[list[int]
         head.rows = head.hidden_rows = head.hidden = None
 
 
-def run_model(model: nn.Module, tokens: mx.array, caches: list, flat: bool) -> mx.array:
-    """The model's output over the packed ``tokens``: 1-D on a flat stream, else as a batch of one."""
+def run_model(model: nn.Module, tokens: mx.array, caches: list, flat: bool, embeds: mx.array | None = None
+              ) -> mx.array:
+    """The model's output over the packed ``tokens``: 1-D on a flat stream, else as a batch of one.
+    ``embeds [len, hidden]``: the input rows to use in place of the tokens' embeddings."""
+    if embeds is not None:
+        return (model(tokens, cache=caches, input_embeddings=embeds) if flat
+                else model(tokens[None], cache=caches, input_embeddings=embeds[None])[0])
     return model(tokens, cache=caches) if flat else model(tokens[None], cache=caches)[0]
 
 
@@ -103,9 +115,11 @@ class ModelRunner:
     """The model with its attention swapped for paged attention, run over the KV manager's groups."""
 
     def __init__(self, model: nn.Module, specs: list[LayerSpec], kv: KVCacheManager, attention_backend: str = "auto",
-                 lora: LoraRegistry | None = None, compile_decode: bool = False):
+                 lora: LoraRegistry | None = None, compile_decode: bool = False, images: ImageEmbeds | None = None):
         self.model = model
         self.kv = kv
+        # A vision-language model's image rows (engined/vision/); None: text only.
+        self.images = images
         self.head = install(model, specs, attention_backend)
         # The adapters' slots (their layers are already in the model); None: LoRA is off.
         self.lora = lora
@@ -140,8 +154,9 @@ class ModelRunner:
         if self.lora is not None:
             self.lora.set_step([r.lora_slot for r, _ in batch.scheduled], [n for _, n in batch.scheduled])
         try:
+            images = self.images.step_rows(batch.scheduled) if self.images is not None else None
             return forward_pooled(self.model, self.head, pieces, caches, num_logits, batch.hidden_rows, fills,
-                                  self.flat, self.compiled)
+                                  self.flat, self.compiled, images)
         finally:
             if self.lora is not None:
                 self.lora.set_step([], [])

@@ -29,7 +29,8 @@ from mlxd.shared.errors import InvalidRequestError
 # 5: AddRequest gained task; RequestOutput gained embedding and score; ModelInfo gained tasks,
 #    embedding_dim and matryoshka_dimensions.
 # 6: LoRA: AddRequest.lora_name, ModelInfo.lora_adapters, Pong.lora_adapters, LORA / LORA_DONE.
-PROTOCOL_VERSION = 6
+# 7: AddRequest gained images (ImageInput).
+PROTOCOL_VERSION = 7
 
 # What a request asks of the model: tokens (generate), its pooled vector (embed), or a relevance
 # score from its last position's logits (score). Embed and score are prefill only.
@@ -251,6 +252,21 @@ class AddRequest(msgspec.Struct, array_like=True, gc=False):
     task: str = "generate"  # one of TASKS
     # The LoRA adapter to run under (a name of ModelInfo.lora_adapters); None: the base model.
     lora_name: str | None = None
+    # The prompt's images, in prompt order (a vision-language model only).
+    images: list[ImageInput] | None = None
+
+
+class ImageInput(msgspec.Struct, array_like=True, gc=False):
+    """One image of a prompt, as the model's processor made it: ``pixels`` (float32, C-order, of
+    ``shape``) fill the ``length`` placeholder tokens from prompt position ``offset``. ``mm_hash``
+    is the digest of the image's bytes: it enters the prefix-cache hash of every block holding
+    those tokens, so equal tokens of another image never share K/V."""
+
+    mm_hash: str
+    offset: int
+    length: int
+    shape: list[int]
+    pixels: bytes
 
 
 class Abort(msgspec.Struct, array_like=True, gc=False):

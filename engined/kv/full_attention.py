@@ -332,19 +332,27 @@ class BlockIds:
 # The block pool: free queue with LRU eviction, reference counts, chained hashes.
 
 
-def hash_block(parent: bytes | None, token_ids: list[int], extra: bytes = b"") -> bytes:
+def hash_block(parent: bytes | None, token_ids: list[int], extra: bytes = b"", images: bytes = b"") -> bytes:
     """Hash of a full block, chained on its parent's so equal hashes mean equal prefixes.
 
     A cryptographic digest, not Python's ``hash``: a collision would hand one
     request another's KV. ``extra`` (the cache salt) enters the first block
-    only; the chain carries it to every later block.
+    only; the chain carries it to every later block. ``images`` names the images whose tokens the
+    block holds (``image_keys``): equal placeholder tokens of different images differ in K/V.
     """
     if parent is None:
         h = hashlib.blake2b(len(extra).to_bytes(4, "little") + extra, digest_size=16, person=b"mlxd-first")
     else:
         h = hashlib.blake2b(parent, digest_size=16, person=b"mlxd-chained")
     h.update(np.asarray(token_ids, dtype=np.int64).tobytes())
+    h.update(images)
     return h.digest()
+
+
+def image_keys(req, start: int, end: int) -> bytes:
+    """The content hash and prompt offset of each of ``req``'s images with tokens in ``[start, end)``."""
+    return b"".join(f"{i.mm_hash}@{i.offset};".encode() for i in req.images or ()
+                    if i.offset < end and i.offset + i.length > start)
 
 
 def extend_hashes(req, num_blocks: int, block_size: int) -> None:
@@ -353,7 +361,8 @@ def extend_hashes(req, num_blocks: int, block_size: int) -> None:
     while len(hashes) < num_blocks:
         i = len(hashes)
         parent = hashes[-1] if hashes else None
-        hashes.append(hash_block(parent, req.token_ids[i * bs : (i + 1) * bs], req.cache_salt))
+        hashes.append(hash_block(parent, req.token_ids[i * bs : (i + 1) * bs], req.cache_salt,
+                                 image_keys(req, i * bs, (i + 1) * bs)))
 
 
 class BlockPool:

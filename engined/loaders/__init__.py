@@ -22,7 +22,7 @@ from mlxd.engined.device import weight_dtype
 from mlxd.shared.errors import ModelLoadError
 
 from .gguf import load_gguf
-from .mlx_dir import MTPWeights, dense_weights, is_model_dir, load_dir, resolve_hf_repo
+from .mlx_dir import MTPWeights, dense_weights, is_model_dir, load_dir, load_vision, resolve_hf_repo, vision_checkpoint
 
 __all__ = ["LoadedModel", "default_model_path", "load_model"]
 
@@ -45,6 +45,8 @@ class LoadedModel:
     head_dim: int
     # The checkpoint's multi-token-prediction layer (Qwen3-Next / Qwen3.5 / GLM-4.5), if it has one.
     mtp: MTPWeights | None = None
+    # A vision-language checkpoint's tower and projector (engined.vision.tower.VisionTower), if mlxd runs them.
+    vision: object | None = None
 
 
 def default_model_path() -> str:
@@ -140,6 +142,7 @@ def load_model(spec: str, dtype: str = "auto") -> LoadedModel:
         eos, bos, mtp = loaded.eos_token_ids, loaded.bos_token_id, loaded.mtp
 
     _apply_dtype(model, dtype, stored)
+    vision = load_vision(Path(tok_dir), config, model) if vision_checkpoint(config) else None
     layers, kv_heads, head_dim = _shape_facts(model, config)
     text = config.get("text_config", {})
     return LoadedModel(
@@ -155,4 +158,5 @@ def load_model(spec: str, dtype: str = "auto") -> LoadedModel:
         num_kv_heads=kv_heads,
         head_dim=head_dim,
         mtp=mtp,
+        vision=vision,
     )

@@ -213,6 +213,22 @@ def load_dir(path: Path) -> DirModel:
     return DirModel(model=model, config=config, eos_token_ids=eos, bos_token_id=bos, mtp=mtp[0] if mtp else None)
 
 
+def vision_checkpoint(config: dict) -> bool:
+    """A vision-language checkpoint of a family whose tower mlxd runs (``engined.vision``); other
+    families' vision checkpoints load as their text model."""
+    from mlxd.engined.vision.tower import FAMILIES
+
+    return isinstance(config.get("vision_config"), dict) and config.get("model_type") in FAMILIES
+
+
+def load_vision(path: Path, config: dict, model: nn.Module):
+    """The checkpoint's vision tower and projector, in the text model's float dtype."""
+    from mlxd.engined.model_layers import float_dtype
+    from mlxd.engined.vision.tower import VisionTower
+
+    return VisionTower(path, config, float_dtype(model))
+
+
 def resolve_hf_repo(repo_id: str) -> Path:
     """A repo id's snapshot directory from the local Hugging Face cache; never downloads."""
     from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError

@@ -1,0 +1,95 @@
+"""A checkpoint's vision tower and projector, built from mlx-vlm's classes: pixels in, rows of the
+text model's input embeddings out.
+
+mlx-vlm's family module gives the config classes, the tower and the projector; only those two
+modules are built (the text model is mlx_lm's, which the engine already runs) and only their
+tensors are read from the checkpoint. What a family does between the projector and the text
+model's embeddings (Gemma 3 divides by the square root of the hidden size, which its text model
+multiplies back) is the family's entry in ``FAMILIES``, written from mlx-vlm's own merge so that
+the rows equal the ones mlx-vlm's model feeds its language model.
+"""
+
+from __future__ import annotations
+
+import glob
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from mlxd.shared.errors import ModelLoadError
+
+
+def _gemma3_features(tower: nn.Module, projector: nn.Module, config, pixels: mx.array) -> mx.array:
+    # mlx-vlm's Gemma 3: the tower takes NHWC, its last hidden state is pooled and projected, and the
+    # merge scales the features down by sqrt(hidden) because the text model scales every row up by it.
+    hidden, _, _ = tower(pixels.transpose(0, 2, 3, 1), output_hidden_states=True)
+    return projector(hidden) / (config.hidden_size ** 0.5)
+
+
+@dataclass(frozen=True)
+class Family:
+    features: Callable  # (tower, projector, mlx-vlm config, pixels [N, C, H, W]) -> [N, tokens, hidden]
+    tower: str = "vision_tower"  # the modules' names in mlx-vlm's Model, and the checkpoint's prefixes
+    projector: str = "multi_modal_projector"
+
+
+FAMILIES = {"gemma3": Family(_gemma3_features)}
+
+
+def vlm_config(config: dict, path: Path):
+    """(mlx-vlm's family module, its ModelConfig with the sub-configs built) for ``config``."""
+    from mlx_vlm.utils import get_model_and_args, update_module_configs
+
+    module, _ = get_model_and_args(config=config, model_path=path)
+    model_config = module.ModelConfig.from_dict(config)
+    return module, update_module_configs(model_config, module, config, ["text", "vision", "projector"])
+
+
+class VisionTower:
+    """The tower and projector of one checkpoint; ``encode`` runs a batch of images through both."""
+
+    def __init__(self, path: Path, config: dict, dtype: mx.Dtype):
+        family = FAMILIES.get(config.get("model_type"))
+        if family is None:
+            raise ModelLoadError(f"{path}: images are not supported for model_type {config.get('model_type')!r} "
+                                 f"(vision families: {', '.join(sorted(FAMILIES))})")
+        self.family = family
+        module, self.config = vlm_config(dict(config), path)
+        # mlx-vlm's Model builds the text model too; its tower and projector are taken and the rest dropped.
+        whole = module.Model(self.config)
+        self.tower, self.projector = getattr(whole, family.tower), getattr(whole, family.projector)
+        del whole
+        prefixes = (family.tower + ".", family.projector + ".")
+        weights = {}
+        for file in sorted(glob.glob(str(path / "*.safetensors"))):
+            weights.update({k: v for k, v in mx.load(file).items() if k.startswith(prefixes)})
+        if hasattr(self.tower, "sanitize"):  # PyTorch's conv layout to MLX's
+            weights = self.tower.sanitize(weights)
+        tower_w = [(k[len(prefixes[0]):], v) for k, v in weights.items() if k.startswith(prefixes[0])]
+        proj_w = [(k[len(prefixes[1]):], v) for k, v in weights.items() if k.startswith(prefixes[1])]
+        try:
+            self.tower.load_weights(tower_w)
+            self.projector.load_weights(proj_w)
+        except ValueError as e:
+            raise ModelLoadError(f"{path}: the vision tower's weights do not fit mlx-vlm's "
+                                 f"{config['model_type']} classes ({e})") from e
+        self.tower.set_dtype(dtype)
+        self.projector.set_dtype(dtype)
+        self.tower.eval()
+        self.projector.eval()
+        mx.eval(self.tower.parameters(), self.projector.parameters())
+        self.dtype = dtype
+
+    @property
+    def nbytes(self) -> int:
+        """The tower's and projector's weights, for the memory guard."""
+        from mlx.utils import tree_flatten
+
+        return sum(v.nbytes for m in (self.tower, self.projector) for _, v in tree_flatten(m.parameters()))
+
+    def encode(self, pixels: mx.array) -> mx.array:
+        """``pixels [N, C, H, W]`` (one shape for the batch) to ``[N, tokens, hidden]`` input rows."""
+        return self.family.features(self.tower, self.projector, self.config, pixels.astype(self.dtype))
