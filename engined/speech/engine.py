@@ -1,0 +1,279 @@
+"""The engine for Whisper models: transcriptions, batched across requests at every stage.
+
+Each step (1) admits waiting transcriptions into free decoder slots and computes their log-mel
+features, (2) runs the encoder once for every transcription starting a 30-second window, in one
+batch, and stores its cross-attention K/V in the window's slot, then (3) runs one decoder forward
+for every transcription in flight, each at its own position: a transcription feeding its window's
+prompt consumes one prompt token per step, one that is sampling gets its next token. A window that
+ends is judged (Whisper's temperature fallback and silence test), its segments are sent, and the
+transcription moves on to its next window, or finishes. It speaks ``engined.engine.Engine``'s
+interface (add_request / step / abort / take_errors / stats / info / metrics), so the daemon and
+the wire do not know which engine they run.
+
+The decoder's K/V live in slot arrays of the speech wing (``whisper.DecoderCache``), not in the
+paged pool: a Whisper window's decode is at most 448 positions, and its cross-attention K/V are
+fixed-size, so a slot per transcription costs little and needs no block tables.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+
+from mlxd.engined.device import device_kind
+from mlxd.engined.metrics import EngineMetrics
+from mlxd.engined.request import Request, Status, WaitingPlaces, take_output
+from mlxd.engined.speech.checkpoints import checkpoint_format, load_whisper
+from mlxd.engined.speech.decoding import Vocabulary, filter_logits, log_softmax
+from mlxd.engined.speech.features import log_mel, window
+from mlxd.engined.speech.transcription import Transcription
+from mlxd.shared.config import EngineConfig
+from mlxd.shared.errors import InvalidRequestError, ModelLoadError
+from mlxd.shared.protocol import AudioInput, EngineStats, ModelInfo, RequestOutput, SamplingParams
+
+log = logging.getLogger("mlxd.engine")
+
+# The decoder slots' memory (self- and cross-attention K/V of every slot) is held to this, so
+# that --max-num-seqs sized for a small model does not take a large one's whole memory.
+SLOT_MEMORY = 4 << 30
+# Windows per encoder forward: the encoder's activations grow with it; 8 keep a GPU busy.
+ENCODE_BATCH = 8
+
+
+def speech_dir(model: str) -> Path | None:
+    """The model's folder when it holds a Whisper checkpoint, else None."""
+    path = Path(model) if model else None
+    if path is None or not path.is_dir():
+        return None
+    return path if checkpoint_format(path) is not None else None
+
+
+class SpeechEngine:
+    def __init__(self, config: EngineConfig, path: Path):
+        from mlxd.engined.speech.whisper import DecoderCache
+
+        if config.task != "auto":
+            raise ModelLoadError(f"{path} is a Whisper model: it serves transcriptions (--task auto), "
+                                 f"not {config.task}")
+        config = config.for_device(device_kind())
+        self.config = config
+        dtype = mx.float32 if device_kind() == "cpu" else mx.float16
+        self.model = load_whisper(path, dtype)
+        self.args = self.model.args
+        self.vocab = Vocabulary.load(path, self.model.is_multilingual)
+        a = self.args
+        slot_bytes = a.n_text_layer * 2 * (a.n_text_ctx + a.n_audio_ctx) * a.n_text_state * dtype.size
+        self.num_slots = max(1, min(config.max_num_seqs, SLOT_MEMORY // slot_bytes))
+        self.cache = DecoderCache(a, self.num_slots, dtype)
+        log.info("Whisper %s: %d decoder slots (%.0f MB)", path.name, self.num_slots,
+                 self.num_slots * slot_bytes / 2**20)
+        name = config.served_model_name or path.name
+        self.info = ModelInfo(
+            model_id=path.name, served_model_name=name, tokenizer_dir=str(path), max_model_len=a.n_text_ctx,
+            block_size=config.block_size, num_kv_blocks=0, vocab_size=a.n_vocab,
+            eos_token_ids=[self.vocab.eot], tasks=["transcribe"])
+        self.places = WaitingPlaces(config.max_waiting_requests)
+        self.waiting: deque[Transcription] = deque()
+        self.running: list[Transcription] = []  # running[i] holds decoder slot i
+        self.requests: dict[str, Transcription] = {}
+        self._ended: list[RequestOutput] = []
+        self._failed: list[tuple[str, InvalidRequestError]] = []
+        self.metrics = EngineMetrics(name, config, a.n_text_ctx, self.stats)
+
+    # -- requests -----------------------------------------------------------------------------
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    cache_salt: str | None = None, app: str | None = None, priority: int = 0,
+                    group: str | None = None, group_size: int = 1, params_n: int = 1,
+                    task: str = "generate", lora_name: str | None = None,
+                    audio: AudioInput | None = None) -> None:
+        """Queue a transcription of ``audio``; ``prompt_token_ids`` are the client's prompt (text
+        tokens that condition the first window, maybe none)."""
+        self.places.take(group, group_size, len(self.waiting))
+        if task != "transcribe" or audio is None:
+            raise InvalidRequestError(f"this model serves transcriptions (/v1/audio/transcriptions), not {task}")
+        if lora_name is not None:
+            raise InvalidRequestError(f"this model serves no LoRA adapters (asked for {lora_name!r})",
+                                      param="lora_name")
+        if request_id in self.requests:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use")
+        if not audio.samples or len(audio.samples) % 4:
+            raise InvalidRequestError("the audio is empty", param="file")
+        if not audio.temperatures or any(not 0.0 <= t <= 1.0 for t in audio.temperatures):
+            raise InvalidRequestError("temperature must be in [0, 1]", param="temperature")
+        if any(not 0 <= t < self.vocab.eot for t in prompt_token_ids):
+            raise InvalidRequestError("prompt token ids out of range", param="prompt")
+        req = Request(request_id, prompt_token_ids, SamplingParams(max_tokens=self.args.n_text_ctx // 2),
+                      0, b"", app or "", priority, params_n, "transcribe")
+        t = Transcription(req, audio, self._language_token(audio.language))
+        self.requests[request_id] = t
+        self.waiting.append(t)
+
+    def _language_token(self, code: str | None) -> int | None:
+        languages = self.vocab.languages
+        if not languages:  # English-only: no language token in its prompt
+            if code not in (None, "en"):
+                raise InvalidRequestError(f"this model ({self.info.model_id}) transcribes English only; "
+                                          f"language {code!r} is not supported", param="language")
+            return None
+        if code is None:
+            return None
+        if code not in languages:
+            raise InvalidRequestError(f"language {code!r} is not one this model knows", param="language")
+        return languages[code]
+
+    def abort(self, request_ids) -> None:
+        for rid in request_ids:
+            t = self.requests.get(rid)
+            if t is not None:
+                self._finish(t, "abort")
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running or self._ended or self._failed)
+
+    def take_errors(self) -> list[tuple[str, InvalidRequestError]]:
+        failed, self._failed = self._failed, []
+        return failed
+
+    def stats(self) -> EngineStats:
+        return EngineStats(num_running=len(self.running), num_waiting=len(self.waiting))
+
+    def release_idle_memory(self) -> bool:
+        return False  # the slots are sized at start and reused
+
+    # -- the step -----------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        start = time.monotonic()
+        try:
+            self._admit(start)
+            self._encode()
+            sampled = self._decode() if self.running else 0
+        except Exception as e:  # the batch broke: its transcriptions fail, the engine goes on
+            log.warning("failing %d transcription(s): %s: %s", len(self.running), type(e).__name__, e)
+            for t in list(self.running):
+                self._finish(t, None)
+                self._failed.append((t.req.request_id, InvalidRequestError(
+                    f"the transcription failed: {type(e).__name__}: {e}")))
+            sampled = 0
+        outputs, self._ended = self._ended, []
+        self.metrics.on_step(sampled, time.monotonic() - start, self.stats())
+        return outputs
+
+    def _admit(self, now: float) -> None:
+        order = sorted(self.waiting, key=lambda t: (t.req.priority, t.req.arrival_time))
+        for t in order[: self.num_slots - len(self.running)]:
+            self.waiting.remove(t)
+            t.features = log_mel(t.samples, self.args.n_mels)
+            t.samples = None
+            t.content_frames = t.features.shape[1] - 1
+            t.slot = len(self.running)
+            self.running.append(t)
+            t.req.status, t.req.first_scheduled_time = Status.RUNNING, now
+
+    def _encode(self) -> None:
+        """The encoder for every transcription that starts a window, ``ENCODE_BATCH`` at a time."""
+        for t in [t for t in self.running if t.prompt is None and t.done]:
+            self._finish(t, "stop")
+        starting = [t for t in self.running if t.prompt is None]
+        for i in range(0, len(starting), ENCODE_BATCH):
+            batch = starting[i:i + ENCODE_BATCH]
+            windows = [window(t.features, t.seek) for t in batch]
+            mel = mx.array(np.stack([w.T for w, _ in windows]))
+            audio = self.model.encoder(mel.astype(self.cache.cross_k[0].dtype))
+            self.model.decoder.set_cross(self.cache, [t.slot for t in batch], audio)
+            mx.eval(self.cache.cross_k, self.cache.cross_v)
+            for t, (_, size) in zip(batch, windows):
+                t.begin_window(self.vocab, size, self.args.n_text_ctx)
+
+    def _decode(self) -> int:
+        """One decoder forward for every transcription in flight; returns the tokens sampled."""
+        running = self.running
+        tokens = mx.array([t.next_token() for t in running], dtype=mx.int32)
+        positions = mx.array([t.position for t in running], dtype=mx.int32)
+        logits = self.model.decoder.step(self.cache, tokens, positions)
+        rows = [i for i, t in enumerate(running) if t.position == t.sot_index or t.position >= len(t.prompt) - 1]
+        picked = logits[mx.array(rows)] if rows else None
+        mx.eval(picked, *self.cache.arrays())
+        host = np.array(picked) if rows else None
+        vocab, sample_len = self.vocab, self.args.n_text_ctx // 2
+        ended = []
+        for row, i in enumerate(rows):
+            t = running[i]
+            x = host[row]
+            fed = t.position
+            t.position += 1
+            if fed == t.sot_index:
+                t.no_speech_prob = float(np.exp(log_softmax(x)[vocab.no_speech]))
+                if t.language is None and vocab.languages:
+                    self._detect_language(t, x)
+            if fed < len(t.prompt) - 1:
+                continue
+            x = filter_logits(x, t.sampled, vocab)
+            if t.temperature == 0.0:
+                token = int(np.argmax(x))
+            else:
+                p = np.exp(log_softmax(x / t.temperature))
+                token = int(t.rng.choice(len(p), p=p / p.sum()))
+            t.sum_logprob += float(log_softmax(x)[token])
+            t.sampled.append(token)
+            if token == vocab.eot or len(t.sampled) >= sample_len or t.position >= self.args.n_text_ctx:
+                ended.append(t)
+        fed_only = set(range(len(running))) - set(rows)
+        for i in fed_only:
+            running[i].position += 1
+        for t in ended:
+            if t.end_window(vocab):
+                self._send_segments(t)
+        return len(rows)
+
+    def _detect_language(self, t: Transcription, logits: np.ndarray) -> None:
+        """The likeliest language token after <|startoftranscript|> becomes the transcription's;
+        its prompt goes on with it and the task."""
+        codes = list(self.vocab.languages)
+        ids = np.array([self.vocab.languages[c] for c in codes])
+        t.language = int(ids[np.argmax(logits[ids])])
+        t.prompt += [t.language, self.vocab.translate if t.audio.translate else self.vocab.transcribe]
+
+    def _send_segments(self, t: Transcription) -> None:
+        if not t.segments:
+            return
+        new = [tok for s in t.segments for tok in s.tokens]
+        t.req.pending_tokens = new
+        self.metrics.on_tokens([(t.req, len(new))], time.monotonic())
+        out = take_output(t.req)
+        out.segments, t.segments = t.segments, []
+        self._ended.append(out)
+
+    def _finish(self, t: Transcription, reason: str | None) -> None:
+        """Take ``t`` out (packing the slots); ``reason`` None: failed, no output."""
+        del self.requests[t.req.request_id]
+        if t in self.waiting:
+            self.waiting.remove(t)
+        elif t.slot >= 0:
+            last = self.running.pop()
+            if last is not t:
+                self.cache.move(last.slot, t.slot)
+                last.slot = t.slot
+                self.running[t.slot] = last
+            t.slot = -1
+        t.req.status = Status.FINISHED
+        if reason is None:
+            return
+        t.req.finish_reason = reason
+        self.metrics.on_finish(t.req, time.monotonic())
+        out = take_output(t.req)
+        out.segments, t.segments = t.segments or None, []
+        out.language = self._language_code(t.language)
+        self._ended.append(out)
+
+    def _language_code(self, token: int | None) -> str:
+        for code, i in self.vocab.languages.items():
+            if i == token:
+                return code
+        return "en"
