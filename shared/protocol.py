@@ -30,11 +30,13 @@ from mlxd.shared.errors import InvalidRequestError
 #    embedding_dim and matryoshka_dimensions.
 # 6: LoRA: AddRequest.lora_name, ModelInfo.lora_adapters, Pong.lora_adapters, LORA / LORA_DONE.
 # 7: AddRequest gained images (ImageInput).
-PROTOCOL_VERSION = 7
+# 8: speech: AddRequest.audio (AudioInput), RequestOutput.segments and language, TASKS transcribe.
+PROTOCOL_VERSION = 8
 
-# What a request asks of the model: tokens (generate), its pooled vector (embed), or a relevance
-# score from its last position's logits (score). Embed and score are prefill only.
-TASKS = ("generate", "embed", "score")
+# What a request asks of the model: tokens (generate), its pooled vector (embed), a relevance
+# score from its last position's logits (score), or the text of its audio (transcribe, a speech
+# model's only task). Embed and score are prefill only.
+TASKS = ("generate", "embed", "score", "transcribe")
 
 
 # -- sampling parameters: built by the gateway, carried in AddRequest, applied by the engine --
@@ -166,6 +168,26 @@ class RequestOutput(msgspec.Struct, array_like=True, gc=False):
     # score request's probability, in its last output.
     embedding: bytes | None = None
     score: float | None = None
+    # A transcription's segments completed since its last output, and the language it was
+    # transcribed in (the one asked for, or the one detected).
+    segments: list[Segment] | None = None
+    language: str | None = None
+
+
+class Segment(msgspec.Struct, array_like=True, gc=False):
+    """A timed stretch of a transcription (seconds from the file's start), with Whisper's
+    measures of the window that produced it."""
+
+    id: int
+    seek: int  # the window's first frame (10 ms each)
+    start: float
+    end: float
+    text: str
+    tokens: list[int]
+    temperature: float
+    avg_logprob: float
+    compression_ratio: float
+    no_speech_prob: float
 
 
 class EngineStats(msgspec.Struct, array_like=True, gc=False):
@@ -254,6 +276,22 @@ class AddRequest(msgspec.Struct, array_like=True, gc=False):
     lora_name: str | None = None
     # The prompt's images, in prompt order (a vision-language model only).
     images: list[ImageInput] | None = None
+    # A transcription's audio (task transcribe; a speech model only); prompt_token_ids then hold
+    # the client's prompt text, which conditions the first window.
+    audio: AudioInput | None = None
+
+
+class AudioInput(msgspec.Struct, array_like=True, gc=False):
+    """What to transcribe: ``samples`` are float32 little-endian, 16 kHz mono (the gateway
+    decodes the file). ``language`` is an ISO 639-1 code (None: detected); ``translate`` asks for
+    English text; each window is decoded at ``temperatures[0]`` and again at the next one when
+    its text looks wrong (Whisper's fallback); ``seed`` seeds the sampling above 0."""
+
+    samples: bytes
+    language: str | None = None
+    translate: bool = False
+    temperatures: list[float] = msgspec.field(default_factory=lambda: [0.0])
+    seed: int = 0
 
 
 class ImageInput(msgspec.Struct, array_like=True, gc=False):
