@@ -258,7 +258,9 @@ class Daemon:
             self.engine.add_request(rid, msg.prompt_token_ids, msg.params, cache_salt=msg.cache_salt,
                                     app=msg.app, priority=msg.priority, group=msg.group,
                                     group_size=msg.group_size, params_n=msg.n if msg.choice == 0 else 0,
-                                    task=msg.task, lora_name=msg.lora_name, images=msg.images)
+                                    task=msg.task, lora_name=msg.lora_name, images=msg.images,
+                                    # only the speech engine takes audio (the gateway sends it no other)
+                                    **({"audio": msg.audio} if msg.audio is not None else {}))
         except MlxdError as e:
             self._send_error(identity, rid, e)
             return

@@ -45,6 +45,7 @@ def run_engine(config: EngineConfig, daemon: DaemonConfig, parent_pid: int | Non
     from mlxd.engined.daemon import Daemon
     from mlxd.engined.encoders.engine import EncoderEngine, encoder_dir
     from mlxd.engined.engine import Engine
+    from mlxd.engined.speech.engine import SpeechEngine, speech_dir
     from mlxd.shared.curve import check_endpoint
     from mlxd.shared.paths import check_ipc_endpoint, default_engine_endpoint, refuse_live_ipc
 
@@ -56,8 +57,9 @@ def run_engine(config: EngineConfig, daemon: DaemonConfig, parent_pid: int | Non
     log.info("loading %s", config.model or "the embedded SmolLM2")
     try:
         with _progress("loading the model and warming up"):
-            encoder = encoder_dir(config.model)
-            engine = EncoderEngine(config, encoder) if encoder is not None else Engine(config)
+            encoder, speech = encoder_dir(config.model), speech_dir(config.model)
+            engine = (EncoderEngine(config, encoder) if encoder is not None
+                      else SpeechEngine(config, speech) if speech is not None else Engine(config))
     except KeyboardInterrupt:
         return 130
     finally:

@@ -90,7 +90,7 @@ class SpeechEngine:
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     cache_salt: str | None = None, app: str | None = None, priority: int = 0,
                     group: str | None = None, group_size: int = 1, params_n: int = 1,
-                    task: str = "generate", lora_name: str | None = None,
+                    task: str = "generate", lora_name: str | None = None, images: list | None = None,
                     audio: AudioInput | None = None) -> None:
         """Queue a transcription of ``audio``; ``prompt_token_ids`` are the client's prompt (text
         tokens that condition the first window, maybe none)."""
@@ -100,6 +100,8 @@ class SpeechEngine:
         if lora_name is not None:
             raise InvalidRequestError(f"this model serves no LoRA adapters (asked for {lora_name!r})",
                                       param="lora_name")
+        if images:
+            raise InvalidRequestError("this model takes no images", param="messages")
         if request_id in self.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         if not audio.samples or len(audio.samples) % 4:
