@@ -22,11 +22,11 @@ DEFAULT_MAX_TOKENS = 16
 
 
 async def completions(request: Request) -> Response:
-    gw: GatewayState = request.app.state.gw
-    app = gw.check_auth(request)
+    app = request.app.state.gw.check_auth(request)
     req = await decode_body(request, t.CompletionRequest)
     P.check_stream_options(req)
     P.refuse_unsupported(req)
+    gw: GatewayState = await request.app.state.gw.engine_for(req.model, app)
     info, tok = gw.require_ready()
     model = gw.check_model(req.model, app)
     P.check_task(info, "generate")

@@ -59,7 +59,7 @@ def _encoded(v: np.ndarray, encoding_format: str) -> list:
 
 async def _pooled_vectors(request: Request, app: str | None, req: t.EmbeddingRequest):
     """(info, model name, vectors [n, dim] or None when the client left, prompt tokens)."""
-    gw: GatewayState = request.app.state.gw
+    gw: GatewayState = await request.app.state.gw.engine_for(req.model, app)
     info, tok = gw.require_ready()
     model = gw.check_model(req.model, app)
     P.check_task(info, "embed")

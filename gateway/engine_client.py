@@ -97,10 +97,16 @@ class EngineClient:
 
     # -- requests -------------------------------------------------------------------------
 
+    @property
+    def open_requests(self) -> int:
+        """Requests (and LoRA updates) sent and not yet finished: a busy engine is not idle."""
+        return len(self._streams)
+
     def add(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
             queue: asyncio.Queue, index: int = 0, cache_salt: str | None = None,
             app: str | None = None, priority: int = 0, group: tuple[str, int, int, int] | None = None,
-            task: str = "generate", lora_name: str | None = None) -> None:
+            task: str = "generate", lora_name: str | None = None, images: list | None = None,
+            audio: p.AudioInput | None = None) -> None:
         """Send a request; its outputs (or an MlxdError) arrive on ``queue`` as (index, item).
         EngineUnavailableError (503) once the gateway is stopping, or while the engine is gone.
 
@@ -115,7 +121,8 @@ class EngineClient:
         self._streams[request_id] = (queue, index)
         group_id, group_size, n, choice = group if group is not None else (None, 1, 1, 0)
         if not self._send(Kind.ADD, p.AddRequest(request_id, prompt_ids, params, cache_salt, app, priority,
-                                                 group_id, group_size, n, choice, task, lora_name)):
+                                                 group_id, group_size, n, choice, task, lora_name, images,
+                                                 audio)):
             del self._streams[request_id]
             raise EngineUnavailableError("the engine is not connected")
 

@@ -30,8 +30,11 @@ class UnloadLoraAdapterRequest(msgspec.Struct, kw_only=True):
 
 
 def _allowed(request: Request) -> tuple[GatewayState, str | None]:
-    gw: GatewayState = request.app.state.gw
-    app = gw.check_auth(request)
+    router = request.app.state.gw
+    app = router.check_auth(request)
+    # vLLM's body names no base model: the adapter goes to the first engine serving LoRA.
+    gw: GatewayState = next((e for e in router.engines if e.client.info is not None and e.client.info.enable_lora),
+                            router.default)
     if not gw.config.enable_runtime_lora_updating:
         raise ForbiddenError("loading and unloading LoRA adapters at runtime is off; start the server with "
                              "--enable-runtime-lora-updating")

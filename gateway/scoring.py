@@ -67,10 +67,9 @@ def pair_ids(pairs, tok, info, truncate: int | None, param: str) -> list[list[in
     return prompts
 
 
-async def pair_scores(request: Request, app: str | None, pairs: list[tuple[str, str]], truncate: int | None,
-                      priority: int, param: str) -> tuple[list[float] | None, int]:
+async def pair_scores(gw: GatewayState, request: Request, app: str | None, pairs: list[tuple[str, str]],
+                      truncate: int | None, priority: int, param: str) -> tuple[list[float] | None, int]:
     """(one score per pair, or None when the client left; prompt tokens)."""
-    gw: GatewayState = request.app.state.gw
     info, tok = gw.require_ready()
     if "score" in info.tasks:
         prompts = await while_connected(asyncio.to_thread(pair_ids, pairs, tok, info, truncate, param),
@@ -96,7 +95,8 @@ async def pair_scores(request: Request, app: str | None, pairs: list[tuple[str, 
 async def score(request: Request) -> Response:
     gw, app, req, model = await open_request(request, t.ScoreRequest)
     pairs = score_pairs(req.text_1, req.text_2)
-    scores, tokens = await pair_scores(request, app, pairs, req.truncate_prompt_tokens, req.priority, "text_2")
+    scores, tokens = await pair_scores(gw, request, app, pairs, req.truncate_prompt_tokens, req.priority,
+                                       "text_2")
     if scores is None:
         return Response(status_code=499)  # nobody is listening
     body = t.ScoreResponse(id=f"score-{uuid.uuid4().hex}", created=int(time.time()), model=model,
@@ -125,7 +125,8 @@ async def rerank(request: Request) -> Response:
         raise InvalidRequestError("top_n must not be negative", param="top_n")
     texts = _document_texts(req.documents)
     pairs = score_pairs(req.query, texts)
-    scores, tokens = await pair_scores(request, app, pairs, req.truncate_prompt_tokens, req.priority, "documents")
+    scores, tokens = await pair_scores(gw, request, app, pairs, req.truncate_prompt_tokens, req.priority,
+                                       "documents")
     if scores is None:
         return Response(status_code=499)
     order = sorted(range(len(texts)), key=lambda i: -scores[i])[: req.top_n or None]

@@ -84,9 +84,9 @@ from starlette.routing import Match
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from mlxd.gateway.errors import ANTHROPIC_PREFIX, error_response, handle_exception
+from mlxd.gateway.model_router import Fleet, ModelRouter
 from mlxd.gateway.parsers import check_names
 from mlxd.gateway.routes import ROUTES
-from mlxd.gateway.state import GatewayState
 from mlxd.shared.errors import (ForbiddenError, InvalidRequestError, MlxdError, RequestHeaderTooLargeError,
                            UnsupportedMediaTypeError)
 from mlxd.shared.serve_config import GatewayConfig
@@ -101,18 +101,19 @@ DURATION_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
 UNMATCHED = "none"
 
 
-def build_app(config: GatewayConfig) -> Starlette:
+def build_app(config: GatewayConfig, fleet: Fleet | None = None) -> Starlette:
+    """``fleet``: what starts an engine on demand (`mlxd serve --keep-alive`; see gateway.model_router)."""
     check_names(config.tool_call_parser, config.reasoning_parser)
-    state = GatewayState(config)
+    state = ModelRouter(config, fleet)
     metrics = GatewayMetrics()
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
-        await state.client.start()
+        await state.start()
         try:
             yield
         finally:
-            await state.client.close()
+            await state.close()
 
     # Metrics see every request, a refused one too; then the guard: a refused browser request
     # never reaches CORS or a route.
@@ -354,6 +355,9 @@ def _is_ip(name: str) -> bool:
     return True
 
 
+FORM_PATHS = ("/v1/audio/transcriptions", "/v1/audio/translations")
+
+
 def is_json(content_type: str) -> bool:
     media = content_type.partition(";")[0].strip().lower()
     return media == "application/json" or (media.startswith("application/") and media.endswith("+json"))
@@ -370,7 +374,7 @@ class BrowserGuard:
         self.any_origin = "*" in allowed_origins
         self.origins = {o.rstrip("/").lower() for o in allowed_origins}
 
-    def check(self, method: str, headers: dict[bytes, bytes], routed: bool) -> MlxdError | None:
+    def check(self, method: str, headers: dict[bytes, bytes], routed: bool, path: str = "") -> MlxdError | None:
         """The refusal of a request, if any; ``routed``: a route serves its path and method."""
         host = headers.get(b"host")
         if host is not None and not self.any_host:
@@ -384,7 +388,11 @@ class BrowserGuard:
             if value not in self.origins:
                 return ForbiddenError(f"requests from the web origin {value!r} are refused "
                                       "(start the server with --allowed-origins to allow one)")
-        if method == "POST" and routed and not is_json(headers.get(b"content-type", b"").decode("latin-1")):
+        content_type = headers.get(b"content-type", b"").decode("latin-1")
+        # OpenAI's audio routes take a multipart upload; a foreign page's form is refused by its Origin above.
+        if path in FORM_PATHS and content_type.startswith("multipart/form-data"):
+            return None
+        if method == "POST" and routed and not is_json(content_type):
             return UnsupportedMediaTypeError("the request body must be JSON, sent as Content-Type: application/json",
                                              param="content-type")
         return None
@@ -393,7 +401,7 @@ class BrowserGuard:
         if scope["type"] == "http":
             headers = dict(scope["headers"])
             routed = any(route.matches(scope)[0] is Match.FULL for route in self.routes)
-            err = self.check(scope["method"], headers, routed)
+            err = self.check(scope["method"], headers, routed, scope["path"])
             if err is not None:
                 response = error_response(err, anthropic=scope["path"].startswith(ANTHROPIC_PREFIX))
                 await response(scope, receive, send)
@@ -408,12 +416,14 @@ def run_gateway(config: GatewayConfig, supervisor=None) -> int:
     """Serve until interrupted; returns the exit code.
 
     ``supervisor`` (under `mlxd serve`; see mlxd/serve.py) is polled while the
-    gateway runs: a non-None answer is the exit code serve ends with. When the
-    gateway begins to stop, its ``begin_stop()`` stops the engine too.
+    gateway runs, with each model's idle seconds: a non-None answer is the exit
+    code serve ends with. When the gateway begins to stop, its ``begin_stop()``
+    stops the engines too. One that starts engines on demand (``on_demand``) is
+    also the router's fleet.
     """
     if config.api_key_file is not None:
         config.api_key = _read_key_file(config.api_key_file)
-    app = build_app(config)
+    app = build_app(config, supervisor if supervisor is not None and supervisor.on_demand else None)
     if config.enable_log_requests:
         from mlxd.gateway.access_log import AccessLog
 
@@ -425,34 +435,38 @@ def run_gateway(config: GatewayConfig, supervisor=None) -> int:
                                            log_level="warning", access_log=False,
                                            timeout_graceful_shutdown=config.shutdown_timeout + _FLUSH_GRACE_S,
                                            http=protocol_with_deadline(config.request_timeout)))
-    client = app.state.gw.client
+    router: ModelRouter = app.state.gw
     url = f"http://{config.host}:{config.port}/v1"
     # Nothing is served before the engine is (the model routes answer 503): the line that says a
-    # URL serves waits for the engine's READY.
-    print(f"mlxd gateway: starting on {url}, waiting for the engine at {client.endpoint}", file=sys.stderr,
-          flush=True)
+    # URL serves waits for each engine's READY.
+    endpoints = ", ".join(e.client.endpoint for e in router.engines)
+    print(f"mlxd gateway: starting on {url}, waiting for the engine at {endpoints}", file=sys.stderr, flush=True)
 
     async def main() -> int:
         task = asyncio.create_task(server.serve())
-        rc, deadline, ended, announced = 0, None, False, False
+        rc, deadline, ended, announced = 0, None, False, set()
         while not task.done():
             await asyncio.sleep(_TICK_S)
-            if client.ready and not announced:
-                announced = True
-                print(f"mlxd gateway: serving {client.info.served_model_name} on {url}", file=sys.stderr, flush=True)
+            for e in router.engines:
+                # Once per engine instance: a model loaded again on demand is announced again.
+                if e.client.ready and e.client.info.instance_id not in announced:
+                    announced.add(e.client.info.instance_id)
+                    print(f"mlxd gateway: serving {e.client.info.served_model_name} on {url}", file=sys.stderr,
+                          flush=True)
             if supervisor is not None and not server.should_exit:
-                code = supervisor.poll()
+                code = supervisor.poll(router.idle_seconds())
                 if code is not None:
                     rc, server.should_exit = code, True
             if server.should_exit and deadline is None:
                 deadline = time.monotonic() + config.shutdown_timeout
-                client.stopping = True
+                for e in router.engines:
+                    e.client.stopping = True
                 if supervisor is not None:
                     supervisor.begin_stop()
                 log.info("shutting down: open requests get %.1fs to finish", config.shutdown_timeout)
             if deadline is not None and not ended and time.monotonic() >= deadline:
                 ended = True
-                n = client.end_all("the server is shutting down")
+                n = sum(e.client.end_all("the server is shutting down") for e in router.engines)
                 if n:
                     log.info("ended %d request(s) still open after the shutdown timeout", n)
         await task

@@ -1,7 +1,8 @@
-"""What one gateway process holds (``GatewayState``): its config, the engine client, the current
-model's tokenizer and parsers, and its view of the key file (``KeyChecker``, reloaded whenever the
+"""What the gateway holds for one engine (``GatewayState``): its client, its model's tokenizer and
+parsers, and the process's config and view of the key file (``KeyChecker``, reloaded whenever the
 file changes, so a revoked key stops working at once; ``shared.keys`` is the file itself, which
-`mlxd keys` writes). ``open_request`` is the opening every model route shares, and ``decode_body``
+`mlxd keys` writes); ``gateway.model_router`` holds one per engine and routes a request to its
+model's. ``open_request`` is the opening every model route shares, and ``decode_body``
 the request body's read: size, time and nesting bounded, JSON into a typed Struct, every refusal an
 InvalidRequestError (or a subclass with its own status), so that a hostile body is a 4xx and never an
 exception the route did not expect.
@@ -16,6 +17,7 @@ import hmac
 import ipaddress
 import logging
 import os
+import time
 from typing import TypeVar
 
 import msgspec
@@ -29,8 +31,8 @@ from mlxd.gateway.parsers import choose_parsers
 from mlxd.shared.curve import check_endpoint
 from mlxd.shared.errors import (AuthenticationError, EngineUnavailableError, InvalidRequestError, MlxdError, NotFoundError,
                            RequestTimeoutError, RequestTooLargeError)
-from mlxd.shared.keys import KeyFile, default_keys_file, match_key, read_keys, required_marker
-from mlxd.shared.paths import check_ipc_endpoint, default_engine_endpoint
+from mlxd.shared.keys import KeyFile, match_key, read_keys, required_marker
+from mlxd.shared.paths import check_ipc_endpoint
 from mlxd.shared.protocol import EngineInfo
 from mlxd.shared.serve_config import GatewayConfig
 
@@ -50,24 +52,39 @@ def exposure_warning(host: str, keys_required: bool) -> str | None:
 
 
 class GatewayState:
-    def __init__(self, config: GatewayConfig):
+    """One engine's side of the gateway. ``name``: the model it serves as the config declares it
+    (None: the one engine, known by its READY); ``keys``: the process's, shared by every engine."""
+
+    def __init__(self, config: GatewayConfig, keys: "KeyChecker", endpoint: str, name: str | None = None):
         self.config = config
+        self.name = name
         self.chat_template = load_chat_template(config.chat_template)
         self.tokenizer: Tokenizer | None = None
         # The flags' parsers; "auto" is resolved from the model's chat template once it is known.
         self.parsers = choose_parsers(config.tool_call_parser, config.reasoning_parser, self.chat_template)
         self.sampling_defaults = SamplingDefaults(**config.generation_override)
-        self.keys = KeyChecker(config.keys_file or default_keys_file())
-        endpoint = config.engine_endpoint or default_engine_endpoint()
+        self.keys = keys
+        # Monotonic time of the last request routed here (the keep-alive counts from it).
+        self.last_used = time.monotonic()
         # A socket planted in a directory others can write would receive every prompt.
         check_ipc_endpoint(endpoint, create=False)
         check_endpoint(endpoint, config.curve_keys)
         client_class = AccessLoggedClient if config.enable_log_requests else EngineClient
         self.client = client_class(endpoint, engine_timeout=config.engine_timeout,
                                    on_ready=self._on_engine_ready, curve_keys=config.curve_keys)
-        warning = exposure_warning(config.host, config.api_key is not None or self.keys.active)
-        if warning:
-            log.warning(warning)
+
+    @property
+    def served_name(self) -> str | None:
+        """The model's name as clients use it: the engine's once it was seen, else the declared one."""
+        info = self.client.info
+        return info.served_model_name if info is not None else self.name
+
+    def serves(self, name: str, app: str | None) -> bool:
+        """Whether ``name`` is this engine's model (its served name or id) or an adapter ``app`` may use."""
+        info = self.client.info
+        if name == self.name or (info is not None and name in (info.served_model_name, info.model_id)):
+            return True
+        return any(a.name == name for a in self.adapters_for(app))
 
     async def _on_engine_ready(self, info: EngineInfo) -> None:
         """Load the tokenizer of the engine's model (again only if the model changed)."""
@@ -149,10 +166,12 @@ Body = TypeVar("Body")
 
 async def open_request(request: Request, typ: type[Body]) -> tuple[GatewayState, str, Body, str]:
     """The opening every model route shares, in the order its errors must come: the key (401), the
-    body (400), the engine (503), the model the key may use (404). Returns (state, app, body, model)."""
-    gw: GatewayState = request.app.state.gw
-    app = gw.check_auth(request)
+    body (400), the model's engine (404 for a model none serves), the engine (503), the model the key may
+    use (404). Returns (the engine's state, app, body, model)."""
+    router = request.app.state.gw
+    app = router.check_auth(request)
     req = await decode_body(request, typ)
+    gw = await router.engine_for(req.model, app)
     gw.require_ready()
     return gw, app, req, gw.check_model(req.model, app)
 

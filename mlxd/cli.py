@@ -20,10 +20,12 @@ from mlxd import vllm_compat
 from mlxd.flags import HELP, add_struct_flags
 from mlxd.shared.config import EngineConfig
 from mlxd.shared.errors import MlxdError
-from mlxd.shared.serve_config import DaemonConfig, GatewayConfig
+from mlxd.shared.serve_config import DaemonConfig, GatewayConfig, ModelSetConfig
 
 # What `serve` and `service install` set on the gateway from the engine's flags of the same name.
 SHARED_WITH_ENGINE = ("engine_endpoint", "curve_keys", "shutdown_timeout")
+# What they write for the gateway of several models (mlxd/model_set.py).
+SET_BY_SERVE = ("model_endpoints",)
 
 # command -> "module:function" taking the parsed arguments, imported when the command runs.
 COMMANDS = {
@@ -63,10 +65,11 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     serve = _described(sub, "serve", "run the engine and an OpenAI-compatible gateway", parents=[common])
-    serve.add_argument("model_pos", nargs="?", metavar="MODEL", help=HELP["model"])
+    serve.add_argument("model_pos", nargs="*", metavar="MODEL", help=HELP["model"] + "; several: one engine each")
     add_struct_flags(serve, EngineConfig)
     add_struct_flags(serve, DaemonConfig)
-    add_struct_flags(serve, GatewayConfig, skip=SHARED_WITH_ENGINE)
+    add_struct_flags(serve, GatewayConfig, skip=SHARED_WITH_ENGINE + SET_BY_SERVE)
+    add_struct_flags(serve, ModelSetConfig)
     vllm_compat.add_flags(serve)
 
     engine = _described(sub, "engine", "run the engine daemon alone", parents=[common, env_file])
@@ -92,10 +95,12 @@ def build_parser() -> argparse.ArgumentParser:
                          help="default: launchd on macOS, systemd elsewhere")
     install = _described(verbs, "install", "write and load the services (again: update them in place)",
                          parents=[common, manager])
-    install.add_argument("model_pos", nargs="?", metavar="MODEL", help=HELP["model"])
+    install.add_argument("model_pos", nargs="*", metavar="MODEL", help=HELP["model"] + "; several: one engine each")
     add_struct_flags(install, EngineConfig)
     add_struct_flags(install, DaemonConfig)
-    add_struct_flags(install, GatewayConfig, skip=SHARED_WITH_ENGINE)
+    add_struct_flags(install, GatewayConfig, skip=SHARED_WITH_ENGINE + SET_BY_SERVE + ("model_load_timeout",))
+    # The services keep every engine running: no keep-alive.
+    add_struct_flags(install, ModelSetConfig, skip=("keep_alive",))
     install.add_argument("--env", action="append", default=[], metavar="KEY=VALUE",
                          help="an environment variable of both services (repeatable)")
     vllm_compat.add_flags(install)
@@ -146,8 +151,11 @@ def main(argv: list[str] | None = None) -> int:
         pass  # no real stderr (embedded); the dump is a convenience
     logging.basicConfig(level=getattr(args, "log_level", "INFO"),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    if getattr(args, "model_pos", None):
-        args.model = args.model_pos
+    positional = getattr(args, "model_pos", None)
+    if positional:
+        # serve and service install take several models (mlxd/model_set.py), engine one.
+        args.models = positional if isinstance(positional, list) else [positional]
+        args.model = args.models[0]
     # transformers' advice on import (that PyTorch was not found: mlxd never needs it) speaks of
     # training; its own switch silences its advice alone, in this process and those it starts.
     os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")

@@ -67,6 +67,14 @@ HELP = {
             "from the yes/no logits), auto (embed for an encoder folder, else generate)",
     "score_tokens": "for --task score: the 'no,yes' tokens whose last-position logits give P(yes)",
     "engine_endpoint": "ZeroMQ endpoint of the engine (default: an ipc socket in the runtime dir)",
+    "model_endpoints": "several engines, one model each, as NAME=ENDPOINT; a request goes to its model's "
+                       "(default: the one engine at --engine-endpoint)",
+    "model_load_timeout": "seconds a request waits for its model's engine to start (serve --keep-alive)",
+    "models_file": "TOML or JSON file of models to serve, each with its own engine flags: [[models]] "
+                   "model = ..., max_model_len = ..., kv_cache_memory = ... (default: none)",
+    "keep_alive": "start each model's engine on its first request, and stop it after this many seconds "
+                  "without one, within --gpu-memory-utilization of the machine's memory for the whole set "
+                  "(default: every engine runs from the start)",
     "api_key": "require 'Authorization: Bearer KEY' on /v1/* (default: none, or the keys of `mlxd keys`)",
     "api_key_file": "like --api-key, the key read from this file (kept off command lines)",
     "chat_template": "Jinja chat template, or a file holding one (default: the model's)",
@@ -78,6 +86,13 @@ HELP = {
     "allowed_origins": "browser origins allowed to call the API, or '*' (default: none; requests with Origin refused)",
     "allowed_hosts": "Host names answered beyond loopback names, IP literals and --host, or '*' (DNS rebinding)",
     "trust_request_chat_template": "render chat templates sent in requests (default: refused)",
+    "limit_mm_per_prompt": "most images in one prompt (a vision-language model)",
+    "allowed_media_domains": "hosts image URLs may be fetched from (default: any)",
+    "allowed_local_media_path": "folder whose files may be sent as file: image URLs (default: none)",
+    "media_fetch_timeout": "seconds to fetch an image URL",
+    "media_max_bytes": "largest image a URL may return, in bytes",
+    "media_max_redirects": "most redirects when fetching an image URL",
+    "media_max_pixels": "largest image, in pixels (width x height)",
     "request_timeout": "seconds a client has to send its request head, and may pause within its body",
     "generation_config": "sampling defaults for omitted fields: auto (the model's generation_config.json), "
                          "vllm (none), or a folder holding one",

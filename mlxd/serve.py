@@ -1,4 +1,6 @@
-"""`mlxd serve`: the engine as a supervised child process, and a gateway in this one.
+"""`mlxd serve`: the engine as a supervised child process, and a gateway in this one. Several
+models (``mlxd serve A B``, ``--models-file``, ``--keep-alive``) are an engine each, supervised
+together by mlxd/fleet.py.
 
 The gateway stays up for the whole run. When the engine dies it answers 503
 (its client notices at once) while the engine is restarted with a growing
@@ -29,7 +31,7 @@ from mlxd.flags import build_config, to_flags
 from mlxd.ports import check_free
 from mlxd.shared.config import EngineConfig
 from mlxd.shared.errors import InvalidRequestError
-from mlxd.shared.serve_config import DaemonConfig, GatewayConfig
+from mlxd.shared.serve_config import DaemonConfig, GatewayConfig, ModelSetConfig
 
 # Restart delays grow from the first to the last, doubling.
 FIRST_RESTART_DELAY_S = 0.5
@@ -44,6 +46,9 @@ STEP_GRACE_S = 10.0
 
 class EngineSupervisor:
     """Runs ``argv`` (an `mlxd engine` command line) and restarts it; ``poll()`` from the gateway's loop."""
+
+    # One engine always runs: nothing is started on demand (mlxd/fleet.py does that for a set).
+    on_demand = False
 
     def __init__(self, argv: list[str]):
         self.argv = argv
@@ -81,8 +86,9 @@ class EngineSupervisor:
         except BlockingIOError:
             pass
 
-    def poll(self) -> int | None:
-        """Check on the engine: None while serve goes on, else serve's exit code (and why, printed)."""
+    def poll(self, idle: dict | None = None) -> int | None:
+        """Check on the engine: None while serve goes on, else serve's exit code (and why, printed).
+        ``idle``: the gateway's idle seconds per model, which only a fleet's keep-alive reads."""
         if self.stop_requested:
             return 0
         now = time.monotonic()
@@ -175,6 +181,12 @@ def check_model_path(model: str) -> None:
             raise InvalidRequestError(f"{model}: no such file or directory", param="model")
 
 
+def engine_argv(engine_cfg: EngineConfig, daemon_cfg: DaemonConfig, log_level: str) -> list[str]:
+    """The `mlxd engine` command line of serve's child."""
+    return [sys.executable, "-m", "mlxd", "engine", "--log-level", log_level,
+            *to_flags(engine_cfg), *to_flags(daemon_cfg), "--parent-pid", str(os.getpid())]
+
+
 def main(args) -> int:
     from mlxd.shared.paths import check_ipc_endpoint, default_engine_endpoint, refuse_live_ipc
 
@@ -189,15 +201,24 @@ def main(args) -> int:
 
     # Before anything loads: a missing model file, another serve (or engine) on this endpoint, or on
     # either port, is one line, not a traceback after the load.
-    check_model_path(engine_cfg.model)
     check_free(gateway_cfg.host, gateway_cfg.port, "--port")
-    check_free(daemon_cfg.metrics_host, daemon_cfg.metrics_port, "--metrics-port")
-    check_ipc_endpoint(daemon_cfg.engine_endpoint)
-    lock = hold_endpoint(daemon_cfg.engine_endpoint)
-    refuse_live_ipc(daemon_cfg.engine_endpoint)
-    supervisor = EngineSupervisor(
-        [sys.executable, "-m", "mlxd", "engine", "--log-level", args.log_level,
-         *to_flags(engine_cfg), *to_flags(daemon_cfg), "--parent-pid", str(os.getpid())])
+    models = getattr(args, "models", None) or []
+    model_set = build_config(ModelSetConfig, args)
+    if len(models) > 1 or model_set.models_file or model_set.keep_alive is not None:
+        from mlxd.fleet import build_fleet
+
+        supervisor, daemons = build_fleet(engine_cfg, daemon_cfg, models, model_set, args.log_level)
+        gateway_cfg.model_endpoints = list(supervisor.endpoint_entries)
+    else:
+        check_model_path(engine_cfg.model)
+        daemons = [daemon_cfg]
+        supervisor = EngineSupervisor(engine_argv(engine_cfg, daemon_cfg, args.log_level))
+    locks = []
+    for d in daemons:
+        check_free(d.metrics_host, d.metrics_port, "--metrics-port")
+        check_ipc_endpoint(d.engine_endpoint)
+        locks.append(hold_endpoint(d.engine_endpoint))
+        refuse_live_ipc(d.engine_endpoint)
 
     def on_signal(_signum, _frame):
         supervisor.stop_requested = True
@@ -213,5 +234,6 @@ def main(args) -> int:
         return run_gateway(gateway_cfg, supervisor=supervisor)
     finally:
         supervisor.stop(daemon_cfg.shutdown_timeout)
-        if lock is not None:
-            lock.close()
+        for lock in locks:
+            if lock is not None:
+                lock.close()

@@ -37,6 +37,20 @@ class DaemonConfig(msgspec.Struct, kw_only=True):
             raise InvalidRequestError("metrics_port must be in [0, 65536)", param="metrics_port")
 
 
+class ModelSetConfig(msgspec.Struct, kw_only=True):
+    """`mlxd serve` of several models (mlxd/model_set.py, mlxd/fleet.py)."""
+
+    # A TOML or JSON file naming each model with its own engine settings.
+    models_file: str | None = None
+    # Start each model's engine on its first request, and stop one with no request for this many
+    # seconds; None: every engine runs from the start.
+    keep_alive: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.keep_alive is not None and self.keep_alive <= 0:
+            raise InvalidRequestError("keep_alive must be positive", param="keep_alive")
+
+
 # Hugging Face generation_config keys that set sampling defaults → SamplingParams fields.
 GENERATION_CONFIG_KEYS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
                           "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
@@ -63,6 +77,11 @@ def generation_sampling_keys(config: dict, where: str) -> dict:
 
 class GatewayConfig(msgspec.Struct, kw_only=True):
     engine_endpoint: str | None = None
+    # Several engines, one model each: "NAME=ENDPOINT" (`mlxd serve MODEL MODEL ...` writes them); a
+    # request is routed by its model. Empty: the one engine at engine_endpoint, its name from its READY.
+    model_endpoints: list[str] = []
+    # Under `mlxd serve --keep-alive`: how long a request waits for its model's engine to start.
+    model_load_timeout: float = 300.0
     host: str = "127.0.0.1"
     port: int = 8000
     # Clients must send "Authorization: Bearer <api_key>" to /v1/* when set.
@@ -115,6 +134,17 @@ class GatewayConfig(msgspec.Struct, kw_only=True):
     # POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM: VLLM_ALLOW_RUNTIME_LORA_UPDATING).
     enable_runtime_lora_updating: bool = False
 
+    # Images in a prompt (gateway/media.py): vLLM's --limit-mm-per-prompt (images per prompt),
+    # --allowed-media-domains (empty: any host) and --allowed-local-media-path (None: no file: URLs);
+    # a fetched image's time, size and redirect limits, and a decoded image's pixel limit.
+    limit_mm_per_prompt: int = 4
+    allowed_media_domains: list[str] = []
+    allowed_local_media_path: str | None = None
+    media_fetch_timeout: float = 10.0
+    media_max_bytes: int = 20 * 2**20
+    media_max_redirects: int = 3
+    media_max_pixels: int = 40_000_000
+
     @property
     def generation_override(self) -> dict:
         """``override_generation_config`` as SamplingParams fields; unknown keys are refused, not ignored."""
@@ -151,3 +181,23 @@ class GatewayConfig(msgspec.Struct, kw_only=True):
             raise InvalidRequestError("request_timeout must be positive", param="request_timeout")
         if self.sse_keepalive <= 0:
             raise InvalidRequestError("sse_keepalive must be positive", param="sse_keepalive")
+        if self.model_load_timeout <= 0:
+            raise InvalidRequestError("model_load_timeout must be positive", param="model_load_timeout")
+        self.engines  # a malformed NAME=ENDPOINT fails at start-up
+
+    @property
+    def engines(self) -> list[tuple[str | None, str | None]]:
+        """(model name, endpoint) of each engine; one (None, engine_endpoint) without model_endpoints."""
+        if not self.model_endpoints:
+            return [(None, self.engine_endpoint)]
+        out = []
+        for entry in self.model_endpoints:
+            # Endpoints hold no "=", a model's name might.
+            name, eq, endpoint = entry.rpartition("=")
+            if not eq or not name or not endpoint:
+                raise InvalidRequestError(f"--model-endpoints {entry!r}: expected NAME=ENDPOINT", param="model_endpoints")
+            out.append((name, endpoint))
+        names = [n for n, _ in out]
+        if len(set(names)) != len(names):
+            raise InvalidRequestError(f"--model-endpoints names a model twice: {names}", param="model_endpoints")
+        return out

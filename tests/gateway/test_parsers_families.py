@@ -161,7 +161,7 @@ def test_auto_is_a_parser_name_the_gateway_starts_with():
     from mlxd.shared.serve_config import GatewayConfig
 
     app = build_app(GatewayConfig(enable_auto_tool_choice=True, tool_call_parser="auto", reasoning_parser="auto"))
-    assert app.state.gw.parsers.tool == "hermes"  # until the model's template is known
+    assert app.state.gw.default.parsers.tool == "hermes"  # until the model's template is known
 
 
 def test_formats_spelled_in_special_tokens_keep_them_in_the_decoded_text():
