@@ -351,7 +351,8 @@ def truncate_prompt(ids: list[int], keep: int | None, info: EngineInfo) -> list[
 # What each task is asked for by, in error messages.
 _TASK_ROUTES = {"generate": "text generation (chat, completions, messages, responses)",
                 "embed": "embeddings (/v1/embeddings, /pooling)",
-                "score": "scoring (/v1/score, /rerank)"}
+                "score": "scoring (/v1/score, /rerank)",
+                "transcribe": "transcriptions (/v1/audio/transcriptions, /v1/audio/translations)"}
 
 
 def check_task(info: EngineInfo, task: str) -> None:

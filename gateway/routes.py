@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from starlette.routing import Route
 
-from mlxd.gateway import anthropic, embeddings, info_routes, lora_routes, responses, scoring
+from mlxd.gateway import anthropic, audio, embeddings, info_routes, lora_routes, responses, scoring
 from mlxd.gateway.chat_run import chat_completions
 from mlxd.gateway.completions import completions
 
@@ -27,6 +27,8 @@ ROUTES = [
     Route("/rerank", scoring.rerank, methods=["POST"]),
     Route("/v1/rerank", scoring.rerank, methods=["POST"]),
     Route("/v2/rerank", scoring.rerank, methods=["POST"]),
+    Route("/v1/audio/transcriptions", audio.transcriptions, methods=["POST"]),
+    Route("/v1/audio/translations", audio.translations, methods=["POST"]),
     Route("/tokenize", info_routes.tokenize, methods=["POST"]),
     Route("/detokenize", info_routes.detokenize, methods=["POST"]),
     Route("/v1/load_lora_adapter", lora_routes.load_lora_adapter, methods=["POST"]),
