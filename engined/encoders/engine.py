@@ -77,8 +77,10 @@ class EncoderEngine:
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     cache_salt: str | None = None, app: str | None = None, priority: int = 0,
                     group: str | None = None, group_size: int = 1, params_n: int = 1,
-                    task: str = "generate", lora_name: str | None = None) -> None:
+                    task: str = "generate", lora_name: str | None = None, images: list | None = None) -> None:
         """Queue an embed request (``Engine.add_request``'s contract; ``params`` and ``cache_salt`` are unused)."""
+        if images:
+            raise InvalidRequestError("this model takes no images", param="input")
         self.places.take(group, group_size, len(self.waiting))
         if lora_name is not None:
             raise InvalidRequestError(f"this model serves no LoRA adapters (asked for {lora_name!r})",
