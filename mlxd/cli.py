@@ -95,12 +95,11 @@ def build_parser() -> argparse.ArgumentParser:
                          help="default: launchd on macOS, systemd elsewhere")
     install = _described(verbs, "install", "write and load the services (again: update them in place)",
                          parents=[common, manager])
-    install.add_argument("model_pos", nargs="*", metavar="MODEL", help=HELP["model"] + "; several: one engine each")
+    # One model: a set of models is `mlxd serve`'s alone for now.
+    install.add_argument("model_pos", nargs="?", metavar="MODEL", help=HELP["model"])
     add_struct_flags(install, EngineConfig)
     add_struct_flags(install, DaemonConfig)
     add_struct_flags(install, GatewayConfig, skip=SHARED_WITH_ENGINE + SET_BY_SERVE + ("model_load_timeout",))
-    # The services keep every engine running: no keep-alive.
-    add_struct_flags(install, ModelSetConfig, skip=("keep_alive",))
     install.add_argument("--env", action="append", default=[], metavar="KEY=VALUE",
                          help="an environment variable of both services (repeatable)")
     vllm_compat.add_flags(install)
@@ -136,6 +135,15 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def take_models(args) -> None:
+    """The positional MODEL(s) as ``args.model`` (the first) and ``args.models`` (serve takes several:
+    mlxd/model_set.py; the other commands one)."""
+    positional = getattr(args, "model_pos", None)
+    if positional:
+        args.models = positional if isinstance(positional, list) else [positional]
+        args.model = args.models[0]
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["bench"]:
@@ -151,11 +159,7 @@ def main(argv: list[str] | None = None) -> int:
         pass  # no real stderr (embedded); the dump is a convenience
     logging.basicConfig(level=getattr(args, "log_level", "INFO"),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    positional = getattr(args, "model_pos", None)
-    if positional:
-        # serve and service install take several models (mlxd/model_set.py), engine one.
-        args.models = positional if isinstance(positional, list) else [positional]
-        args.model = args.models[0]
+    take_models(args)
     # transformers' advice on import (that PyTorch was not found: mlxd never needs it) speaks of
     # training; its own switch silences its advice alone, in this process and those it starts.
     os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")

@@ -99,8 +99,7 @@ def _parse_back(argv):
     assert argv[0] == mlxd_command() and os.path.dirname(argv[0]) == os.path.dirname(sys.executable)
     assert "-m" not in argv
     args = cli.build_parser().parse_args(argv[1:])
-    if getattr(args, "model_pos", None):
-        args.model = args.model_pos
+    cli.take_models(args)
     return args
 
 
