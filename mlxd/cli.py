@@ -95,11 +95,12 @@ def build_parser() -> argparse.ArgumentParser:
                          help="default: launchd on macOS, systemd elsewhere")
     install = _described(verbs, "install", "write and load the services (again: update them in place)",
                          parents=[common, manager])
-    # One model: a set of models is `mlxd serve`'s alone for now.
-    install.add_argument("model_pos", nargs="?", metavar="MODEL", help=HELP["model"])
+    install.add_argument("model_pos", nargs="*", metavar="MODEL", help=HELP["model"] + "; several: one engine each")
     add_struct_flags(install, EngineConfig)
     add_struct_flags(install, DaemonConfig)
     add_struct_flags(install, GatewayConfig, skip=SHARED_WITH_ENGINE + SET_BY_SERVE + ("model_load_timeout",))
+    # The services keep every engine running: nothing is started on demand.
+    add_struct_flags(install, ModelSetConfig, skip=("keep_alive",))
     install.add_argument("--env", action="append", default=[], metavar="KEY=VALUE",
                          help="an environment variable of both services (repeatable)")
     vllm_compat.add_flags(install)
@@ -136,7 +137,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def take_models(args) -> None:
-    """The positional MODEL(s) as ``args.model`` (the first) and ``args.models`` (serve takes several:
+    """The positional MODEL(s) as ``args.model`` (the first) and ``args.models`` (serve and service install take several:
     mlxd/model_set.py; the other commands one)."""
     positional = getattr(args, "model_pos", None)
     if positional:

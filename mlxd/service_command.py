@@ -14,7 +14,7 @@ from pathlib import Path
 
 from mlxd.flags import build_config, to_flags
 from mlxd.shared.config import EngineConfig
-from mlxd.shared.serve_config import DaemonConfig, GatewayConfig
+from mlxd.shared.serve_config import DaemonConfig, GatewayConfig, ModelSetConfig
 
 
 def api_key_path() -> Path:
@@ -62,7 +62,8 @@ def main(args) -> int:
 
 
 def _jobs(args) -> list:
-    """The engine's and the gateway's command lines and environment, from the install's flags."""
+    """The engines' and the gateway's command lines and environment, from the install's flags: an
+    engine job per model of a set (mlxd/model_set.py), "engine-0", "engine-1", ...; else one, "engine"."""
     from mlxd.service.jobs import Job, env_items, format_env_file, mlxd_command, service_env
     from mlxd.shared.paths import default_engine_endpoint
 
@@ -82,7 +83,16 @@ def _jobs(args) -> list:
     env_file = _keep_private(env_file_path(), format_env_file(secrets) if secrets else None)
     tail = ["--env-file", env_file] if env_file else []
     env = service_env()
-    return [Job("engine", [*head, "engine", "--log-level", args.log_level,
-                           *to_flags(engine_cfg), *to_flags(daemon_cfg), *tail], env),
-            Job("gateway", [*head, "gateway", "--log-level", args.log_level,
-                            *to_flags(gateway_cfg), *tail], env)]
+    models = getattr(args, "models", None) or []
+    model_set = build_config(ModelSetConfig, args)
+    if len(models) > 1 or model_set.models_file:
+        from mlxd.model_set import plan_models
+
+        plans = plan_models(engine_cfg, daemon_cfg, models, model_set.models_file)
+        gateway_cfg.model_endpoints = [p.endpoint_entry for p in plans]
+        engines = [(f"engine-{n}", p.engine, p.daemon) for n, p in enumerate(plans)]
+    else:
+        engines = [("engine", engine_cfg, daemon_cfg)]
+    return [*(Job(name, [*head, "engine", "--log-level", args.log_level, *to_flags(e), *to_flags(d), *tail], env)
+              for name, e, d in engines),
+            Job("gateway", [*head, "gateway", "--log-level", args.log_level, *to_flags(gateway_cfg), *tail], env)]

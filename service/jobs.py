@@ -16,6 +16,7 @@ processes read (``--env-file``), never into a unit, a plist or a command line.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -31,9 +32,23 @@ PASSED_ENV = ("HF_HOME", "HF_HUB_CACHE", "HF_HUB_OFFLINE", "XDG_CONFIG_HOME", "X
               "MLX_METAL_DEBUG")
 
 
+# One model: an engine and a gateway. Several (mlxd/model_set.py): "engine-0", "engine-1", ... and a gateway.
+DEFAULT_JOB_NAMES = ("engine", "gateway")
+_JOB_NAME = re.compile(r"engine(-\d+)?|gateway")
+
+
+def installed_job_names(stems) -> list[str]:
+    """The job names among ``stems`` (the installed files' names), engines first in order, the gateway
+    last (start order; stopped in reverse); DEFAULT_JOB_NAMES when none is installed."""
+    found = [s for s in stems if _JOB_NAME.fullmatch(s)]
+    if not found:
+        return list(DEFAULT_JOB_NAMES)
+    return sorted(found, key=lambda n: (n == "gateway", len(n), n))
+
+
 @dataclass
 class Job:
-    """One background process: ``name`` is "engine" or "gateway"."""
+    """One background process: ``name`` is "engine" (or "engine-N" of a set of models) or "gateway"."""
 
     name: str
     argv: list[str]

@@ -15,10 +15,9 @@ import subprocess
 from collections import deque
 from pathlib import Path
 
-from mlxd.service.jobs import TEMPLATES, Job, call, call_captured, write_atomic
+from mlxd.service.jobs import TEMPLATES, Job, call, call_captured, installed_job_names, write_atomic
 
 LABEL_PREFIX = "local.mlxd."
-JOB_NAMES = ("engine", "gateway")  # start order; stopped in reverse
 
 
 class NotInstalledError(RuntimeError):
@@ -40,6 +39,12 @@ class LaunchdManager:
     def domain(self) -> str:
         return f"gui/{self.uid}"
 
+    @property
+    def job_names(self) -> list[str]:
+        """The installed jobs in start order (stopped in reverse)."""
+        return installed_job_names(p.name[len(LABEL_PREFIX):-len(".plist")]
+                                   for p in self.agents_dir.glob(LABEL_PREFIX + "*.plist"))
+
     def label(self, name: str) -> str:
         return LABEL_PREFIX + name
 
@@ -50,7 +55,7 @@ class LaunchdManager:
         return self.logs_dir / f"{name}.log", self.logs_dir / f"{name}.err.log"
 
     def describe(self) -> str:
-        return f"launchd agents {', '.join(map(self.label, JOB_NAMES))} in {self.agents_dir}"
+        return f"launchd agents {', '.join(map(self.label, self.job_names))} in {self.agents_dir}"
 
     def render(self, job: Job) -> bytes:
         with open(TEMPLATES / "agent.plist", "rb") as f:
@@ -87,7 +92,12 @@ class LaunchdManager:
 
     def install(self, jobs: list[Job]) -> None:
         self.logs_dir.mkdir(parents=True, exist_ok=True)
-        for job in sorted(jobs, key=lambda j: JOB_NAMES.index(j.name)):
+        # A set of another size installed before: its agents go first.
+        for name in self.job_names:
+            if name not in {j.name for j in jobs} and self.plist_path(name).exists():
+                self._bootout(name)
+                self.plist_path(name).unlink()
+        for job in sorted(jobs, key=lambda j: j.name == "gateway"):
             write_atomic(self.plist_path(job.name), self.render(job))
             self._bootout(job.name)
             if self._bootstrap(job.name) != 0:
@@ -96,7 +106,7 @@ class LaunchdManager:
     def uninstall(self, keep_logs: bool = False) -> list[str]:
         """Boot out and remove the agents (and logs); returns what went wrong (the files go all the same)."""
         problems = []
-        for name in reversed(JOB_NAMES):
+        for name in reversed(self.job_names):
             if self._bootout(name) != 0:
                 problems.append(f"`launchctl bootout {self.domain}/{self.label(name)}` failed (its message is "
                                 f"above): the job may run until the next logout")
@@ -106,14 +116,14 @@ class LaunchdManager:
         return problems
 
     def _require_installed(self) -> None:
-        missing = [str(self.plist_path(n)) for n in JOB_NAMES if not self.plist_path(n).exists()]
+        missing = [str(self.plist_path(n)) for n in self.job_names if not self.plist_path(n).exists()]
         if missing:
             raise NotInstalledError(f"not installed ({', '.join(missing)} missing); run `mlxd service install`")
 
     def start(self) -> int:
         self._require_installed()
         rc = 0
-        for name in JOB_NAMES:
+        for name in self.job_names:
             if self._loaded(name):
                 rc |= call(["launchctl", "kickstart", f"{self.domain}/{self.label(name)}"])
             else:
@@ -123,14 +133,14 @@ class LaunchdManager:
     def stop(self) -> int:
         # Booted out, not killed: KeepAlive would start a killed job again. The
         # plists stay, so the jobs come back at the next login or `start`.
-        for name in reversed(JOB_NAMES):
+        for name in reversed(self.job_names):
             self._bootout(name)
         return 0
 
     def restart(self) -> int:
         self._require_installed()
         rc = 0
-        for name in JOB_NAMES:
+        for name in self.job_names:
             if self._loaded(name):
                 rc |= call(["launchctl", "kickstart", "-k", f"{self.domain}/{self.label(name)}"])
             else:
@@ -139,12 +149,12 @@ class LaunchdManager:
 
     def status(self) -> int:
         rc = 0
-        for name in JOB_NAMES:
+        for name in self.job_names:
             rc |= call(["launchctl", "print", f"{self.domain}/{self.label(name)}"])
         return rc
 
     def logs(self, lines: int = 50, follow: bool = False) -> int:
-        files = [p for name in JOB_NAMES for p in self.log_paths(name) if p.exists()]
+        files = [p for name in self.job_names for p in self.log_paths(name) if p.exists()]
         if not files:
             print(f"no logs in {self.logs_dir}")
             return 1

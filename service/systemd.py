@@ -13,10 +13,9 @@ import re
 import string
 from pathlib import Path
 
-from mlxd.service.jobs import TEMPLATES, Job, call, call_captured, write_atomic
+from mlxd.service.jobs import TEMPLATES, Job, call, call_captured, installed_job_names, write_atomic
 from mlxd.shared.paths import xdg_home
 
-JOB_NAMES = ("engine", "gateway")
 _BARE = re.compile(r"[A-Za-z0-9_@%+=:,./-]+")
 
 
@@ -56,8 +55,13 @@ class SystemdManager:
         return self.unit_dir / self.unit(name)
 
     @property
+    def job_names(self) -> list[str]:
+        return installed_job_names(p.name[len("mlxd-"):-len(".service")]
+                                   for p in self.unit_dir.glob("mlxd-*.service"))
+
+    @property
     def units(self) -> list[str]:
-        return [self.unit(n) for n in JOB_NAMES]
+        return [self.unit(n) for n in self.job_names]
 
     def describe(self) -> str:
         return f"systemd user units {', '.join(self.units)} in {self.unit_dir}"
@@ -68,7 +72,8 @@ class SystemdManager:
         return template.substitute(
             description=f"mlxd {job.name}",
             # The gateway after the engine only to start in that order; it waits and reconnects by itself.
-            after="network.target" if job.name == "engine" else f"network.target {self.unit('engine')}",
+            after=("network.target" if job.name != "gateway" else
+                   " ".join(["network.target", *(self.unit(n) for n in self.job_names if n != "gateway")])),
             exec_start=" ".join(map(_quote, job.argv)),
             environment=env,
         ).encode()
@@ -87,7 +92,14 @@ class SystemdManager:
                 f"and log in again, or run `mlxd serve` under another supervisor")
 
     def install(self, jobs: list[Job]) -> None:
-        for job in jobs:
+        # A set of another size installed before: its units go first.
+        stale = [n for n in self.job_names if n not in {j.name for j in jobs} and self.unit_path(n).exists()]
+        if stale:
+            self._systemctl("disable", "--now", *map(self.unit, stale))
+            for name in stale:
+                self.unit_path(name).unlink()
+        # Engines first: the gateway's unit names them (render's After=).
+        for job in sorted(jobs, key=lambda j: j.name == "gateway"):
             write_atomic(self.unit_path(job.name), self.render(job))
         for verb in ("daemon-reload", "enable"):
             if self._systemctl(verb, *(self.units if verb == "enable" else ())) != 0:
@@ -100,13 +112,14 @@ class SystemdManager:
         """Stop, disable and remove the units; returns what went wrong (the files go all the same)."""
         # The journal is the system's, not ours: keep_logs changes nothing here.
         problems = []
-        if any(self.unit_path(n).exists() for n in JOB_NAMES):
+        names = self.job_names
+        if any(self.unit_path(n).exists() for n in names):
             rc, err = call_captured(["systemctl", "--user", "disable", "--now", *self.units])
             if rc != 0:
                 problems.append(f"`systemctl --user disable --now` failed ({err or f'exit {rc}'}): the unit "
                                 f"files are removed, but a unit still running keeps running until its user "
                                 f"manager stops it")
-        for name in JOB_NAMES:
+        for name in names:
             self.unit_path(name).unlink(missing_ok=True)
         if not problems:
             self._systemctl("daemon-reload")

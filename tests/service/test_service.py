@@ -279,6 +279,31 @@ def test_systemd_user_units_install_idempotently_and_uninstall_leaves_nothing(ho
     assert _files(home) == []
 
 
+def test_systemd_set_of_models_installs_an_engine_unit_each_and_a_reinstall_of_one_removes_the_rest(home):
+    home, calls, _ = home
+    unit_dir = home / ".config" / "systemd" / "user"
+    assert cli.main(["service", "install", "/models/a.gguf", "/models/b.gguf", "--port", "9123",
+                     "--manager", "systemd"]) == 0
+    units = ["mlxd-engine-0.service", "mlxd-engine-1.service", "mlxd-gateway.service"]
+    assert sorted(p.name for p in unit_dir.iterdir()) == units
+    assert calls()[-1] == ["systemctl", "--user", "restart", *units]
+    gateway = (unit_dir / units[2]).read_text()
+    assert "After=network.target mlxd-engine-0.service mlxd-engine-1.service" in gateway
+    argv = shlex.split(next(line for line in gateway.splitlines() if line.startswith("ExecStart="))[10:])
+    endpoints = build_config(GatewayConfig, _parse_back(argv)).engines
+    assert [n for n, _ in endpoints] == ["a", "b"] and endpoints[0][1] != endpoints[1][1]
+    for n, (name, endpoint) in enumerate(endpoints):
+        engine = shlex.split(next(line for line in (unit_dir / units[n]).read_text().splitlines()
+                                  if line.startswith("ExecStart="))[10:])
+        assert f"/models/{name}.gguf" in engine and endpoint in engine and name in engine
+
+    assert cli.main([*INSTALL, "--manager", "systemd"]) == 0
+    assert sorted(p.name for p in unit_dir.iterdir()) == ["mlxd-engine.service", "mlxd-gateway.service"]
+    assert ["systemctl", "--user", "disable", "--now", *units[:2]] in calls()
+    assert cli.main(["service", "uninstall", "--manager", "systemd"]) == 0
+    assert not unit_dir.exists() or list(unit_dir.iterdir()) == []
+
+
 def test_systemd_quoting_survives_specifiers_and_quotes():
     from mlxd.service.systemd import _quote
 
