@@ -196,7 +196,9 @@ class EngineClient:
             if self.stopping:
                 log.info("the engine is gone, as the gateway stops: %s", reason)
             else:
-                log.warning("engine lost: %s", reason)
+                # The model's name: a gateway of several engines logs for each.
+                log.warning("engine lost (%s): %s", self.info.served_model_name if self.info else self.endpoint,
+                            reason)
             self.ready = False
             self.unavailable_reason = reason
         self._fail_all(EngineUnavailableError(self.unavailable_reason))

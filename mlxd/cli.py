@@ -137,8 +137,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def take_models(args) -> None:
-    """The positional MODEL(s) as ``args.model`` (the first) and ``args.models`` (serve and service install take several:
-    mlxd/model_set.py; the other commands one)."""
+    """The positional MODEL(s) as ``args.model`` (the first) and ``args.models`` (serve and service
+    install take several: mlxd/model_set.py; the other commands one)."""
     positional = getattr(args, "model_pos", None)
     if positional:
         args.models = positional if isinstance(positional, list) else [positional]
@@ -158,9 +158,13 @@ def main(argv: list[str] | None = None) -> int:
         faulthandler.register(signal.SIGUSR1, file=sys.__stderr__, all_threads=True)
     except (AttributeError, ValueError, OSError):
         pass  # no real stderr (embedded); the dump is a convenience
-    logging.basicConfig(level=getattr(args, "log_level", "INFO"),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     take_models(args)
+    # An engine of a set (mlxd/model_set.py names each) tags its lines with its model: the engines
+    # of one `mlxd serve` write to the same log.
+    served = getattr(args, "served_model_name", None) if args.command == "engine" else None
+    tag = f" [{served.replace('%', '%%')}]" if served else ""
+    logging.basicConfig(level=getattr(args, "log_level", "INFO"),
+                        format=f"%(asctime)s %(levelname)s %(name)s{tag}: %(message)s")
     # transformers' advice on import (that PyTorch was not found: mlxd never needs it) speaks of
     # training; its own switch silences its advice alone, in this process and those it starts.
     os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")

@@ -110,8 +110,8 @@ class Fleet:
         m = self.members[name]
         if m.failed is not None:
             return m.failed
-        if m.state == "running":
-            return None
+        if m.state == "running" or m.pending:
+            return None  # loading, or waiting for the models stopped for it to exit
         m.pending = True
         if m.state == "stopping":
             return None
