@@ -21,6 +21,7 @@ from starlette.responses import Response
 from mlxd.gateway.chat_run import ChatInput, ChatRun, render
 from mlxd.gateway.errors import anthropic_sse_error_event
 from mlxd.gateway.generation import KEEPALIVE, SSEResponse, named_event
+from mlxd.gateway.media import anthropic_image_url
 from mlxd.gateway.state import open_request
 from mlxd.shared.errors import InvalidRequestError, MlxdError
 
@@ -94,12 +95,15 @@ def _messages(req: _Conversation) -> list[dict]:
         if isinstance(m.content, str):
             out.append({"role": m.role, "content": m.content})
             continue
-        texts, calls, thinking = [], [], []
+        texts, calls, thinking, parts = [], [], [], []
         for j, b in enumerate(m.content):
             kind = b.get("type") if isinstance(b, dict) else None
             at = f"{where}[{j}]"
             if kind == "text" and isinstance(b.get("text"), str):
                 texts.append(b["text"])
+                parts.append({"type": "text", "text": b["text"]})
+            elif kind == "image" and m.role == "user":
+                parts.append({"type": "image", "url": anthropic_image_url(b.get("source"), at)})
             elif kind == "tool_use" and m.role == "assistant":
                 if not isinstance(b.get("id"), str) or not isinstance(b.get("name"), str):
                     raise InvalidRequestError("a tool_use block needs an id and a name", param=at)
@@ -120,7 +124,9 @@ def _messages(req: _Conversation) -> list[dict]:
             else:
                 raise InvalidRequestError(f"unsupported content block type {kind!r} in a {m.role} message",
                                           param=at)
-        if texts or calls or thinking or m.role == "assistant":
+        if len(parts) > len(texts):  # images among the text: the parts in order, for the template
+            out.append({"role": m.role, "content": parts})
+        elif texts or calls or thinking or m.role == "assistant":
             d: dict[str, Any] = {"role": m.role, "content": "\n".join(texts)}
             if calls:
                 d["tool_calls"] = calls

@@ -40,13 +40,15 @@ from mlxd.gateway import openai_types as t
 from mlxd.gateway import params as P
 from mlxd.gateway.errors import sse_error_event
 from mlxd.gateway.generation import DONE, KEEPALIVE, Generation, SSEResponse, event, while_connected
+from mlxd.gateway.media import read_image, take_images
+from mlxd.gateway.media_processor import expand, image_processor
 from mlxd.gateway.parsers import (REASONING_PARSERS, ReasoningStream, ToolParser, ToolStream, keeps_special_tokens,
                              parse_complete)
 from mlxd.gateway.state import GatewayState, open_request
 from mlxd.gateway.structured import (NO_TOOLS, ToolPlan, marker_literal, one_spec, reasoning_aware, response_format_spec,
                                 structured_outputs_spec, tool_plan)
 from mlxd.shared.errors import MlxdError
-from mlxd.shared.protocol import Logprob
+from mlxd.shared.protocol import ImageInput, Logprob
 
 
 @dataclass
@@ -112,6 +114,8 @@ class Prompt:
     ids: list[int]
     max_tokens: int
     tools: ToolPlan
+    # Its images, placed among ``ids`` by the model's processor (gateway.media_processor).
+    images: list[ImageInput] | None = None
 
 
 async def render(gw: GatewayState, inp: ChatInput, receive, check_length: bool = True) -> Prompt:
@@ -134,7 +138,17 @@ async def render(gw: GatewayState, inp: ChatInput, receive, check_length: bool =
         plan = tool_plan(inp.tools, inp.tool_choice, inp.parallel_tool_calls, gw.parsers.tool,
                          cfg.enable_auto_tool_choice, marker_literal(tok), gw.parsers.tool_format)
 
+    urls = take_images(inp.messages, cfg.limit_mm_per_prompt)
+    images = None
+    if urls:
+        def read_images():
+            image_processor(info.tokenizer_dir, info.served_model_name)  # a text-only model's 400 comes first
+            return [read_image(u, k, cfg) for k, u in enumerate(urls)]
+
+        pictures = await while_connected(asyncio.to_thread(read_images), receive)
+
     def template_and_tokenize() -> tuple[str, list[int]]:
+        nonlocal images
         # None rather than []: templates test ``if tools``.
         text = tok.render_chat(
             inp.messages, tools=inp.tools or None, chat_template=inp.chat_template,
@@ -142,16 +156,19 @@ async def render(gw: GatewayState, inp: ChatInput, receive, check_length: bool =
             chat_template_kwargs=inp.chat_template_kwargs,
             max_steps=P.TEMPLATE_MAX_STEPS if inp.chat_template is not None else None)
         P.check_prompt_bytes(text, info, tok.max_token_bytes, inp.param, slack=1 if check_length else 4)
+        if urls:
+            ids, images = expand(info.tokenizer_dir, info.served_model_name, text, pictures)
+            return text, ids
         return text, tok.encode(text, add_special_tokens=False)
 
     text, ids = await while_connected(asyncio.to_thread(template_and_tokenize), receive)
     ids = P.truncate_prompt(ids, inp.truncate_prompt_tokens, info)
     if not check_length:
-        return Prompt(text, ids, 0, plan)
+        return Prompt(text, ids, 0, plan, images)
     room = info.max_model_len - len(ids)
     if inp.clamp_max_tokens and max_tokens is not None and room >= 1:
         max_tokens = min(max_tokens, room)
-    return Prompt(text, ids, P.check_prompt(ids, info, max_tokens, inp.param, inp.max_tokens_param), plan)
+    return Prompt(text, ids, P.check_prompt(ids, info, max_tokens, inp.param, inp.max_tokens_param), plan, images)
 
 
 class ChatOutput:
@@ -286,7 +303,7 @@ class ChatRun:
         skip_special = inp.skip_special_tokens and not (parsed and keeps_special_tokens(parser, reasoning_parser))
         self.gen = Generation(gw.client, tok, [prompt.ids], params, n, stops, inp.include_stop_str_in_output,
                               skip_special, inp.logprobs is not None, inp.cache_salt, inp.app, inp.priority,
-                              inp.lora_name)
+                              inp.lora_name, prompt.images)
         self.outputs = [ChatOutput(reasoning_parser, prompt.text, parser) for _ in self.gen.choices]
         self.gen.start()
         try:

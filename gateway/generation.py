@@ -108,9 +108,10 @@ class Generation:
     def __init__(self, client, tokenizer, prompts: list[list[int]], params: SamplingParams, n: int,
                  stop: list[str], include_stop: bool, skip_special_tokens: bool, want_logprobs: bool,
                  cache_salt: str | None = None, app: str | None = None, priority: int = 0,
-                 lora_name: str | None = None):
+                 lora_name: str | None = None, images: list | None = None):
         self.client = client
         self.lora_name = lora_name
+        self.images = images  # the prompt's (one prompt only: chat)
         self.cache_salt = cache_salt
         self.app = app
         self.priority = priority
@@ -137,7 +138,7 @@ class Generation:
                                 self.cache_salt, self.app, self.priority,
                                 (self.id_base, len(self.choices), self.n, c.index % self.n)
                                 if len(self.choices) > 1 else None,
-                                lora_name=self.lora_name)
+                                lora_name=self.lora_name, images=self.images)
         except BaseException:
             self.abort_unfinished()
             raise

@@ -556,14 +556,20 @@ def message_dicts(messages) -> list[dict]:
         d: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role}
         content = m.content
         if isinstance(content, list):
-            texts = []
+            texts, parts = [], []
             for part in content:
+                if part.get("type") == "image_url":  # read by gateway.media; the template writes its placeholder
+                    url = part.get("image_url")
+                    parts.append({"type": "image", "url": url.get("url") if isinstance(url, dict) else url})
+                    continue
                 if part.get("type") != "text" or not isinstance(part.get("text"), str):
                     raise InvalidRequestError(
-                        f"only text content parts are supported (got {part.get('type')!r})",
+                        f"only text and image_url content parts are supported (got {part.get('type')!r})",
                         param=f"messages[{i}].content")
                 texts.append(part["text"])
-            content = "\n".join(texts)
+                parts.append(part)
+            # Text alone is joined, as templates that know no parts expect; with images the parts stay.
+            content = "\n".join(texts) if len(parts) == len(texts) else parts
         d["content"] = content if content is not None else ""
         for name in ("name", "tool_calls", "tool_call_id", "reasoning_content"):
             v = getattr(m, name)

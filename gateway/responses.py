@@ -53,22 +53,28 @@ class ResponsesRequest(msgspec.Struct, kw_only=True):
 _TEXT_PARTS = ("input_text", "output_text", "text")
 
 
-def _text(content, where: str) -> str:
+def _text(content, where: str) -> str | list[dict]:
+    """Text parts joined; with an ``input_image`` among them, the parts in order for the template
+    (``{"type": "image", "url": ...}``, which gateway.media reads)."""
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
         raise InvalidRequestError("content must be a string or a list of text parts", param=where)
-    texts = []
+    texts, parts = [], []
     for j, part in enumerate(content):
         kind = part.get("type") if isinstance(part, dict) else None
         if kind in _TEXT_PARTS and isinstance(part.get("text"), str):
             texts.append(part["text"])
+            parts.append({"type": "text", "text": part["text"]})
         elif kind == "refusal" and isinstance(part.get("refusal"), str):
             texts.append(part["refusal"])
+            parts.append({"type": "text", "text": part["refusal"]})
+        elif kind == "input_image" and isinstance(part.get("image_url"), str):
+            parts.append({"type": "image", "url": part["image_url"]})
         else:
-            raise InvalidRequestError(f"only text content parts are supported (got {kind!r})",
+            raise InvalidRequestError(f"only text and input_image content parts are supported (got {kind!r})",
                                       param=f"{where}[{j}]")
-    return "\n".join(texts)
+    return parts if len(parts) > len(texts) else "\n".join(texts)
 
 
 def _arguments(text: str, where: str) -> dict:

@@ -73,9 +73,7 @@ class ImageEmbeds:
                                         for i in group.values()]))
             out = self.tower.encode(pixels)
             mx.eval(out)
-            for k, (h, image) in enumerate(group.items()):
-                if out.shape[1] != image.length:
-                    raise ValueError(f"an image of {image.length} placeholder tokens encoded to {out.shape[1]} rows")
+            for k, h in enumerate(group):
                 found[h] = out[k]
         for h, rows in found.items():
             if h not in self._cache:
@@ -108,6 +106,9 @@ def check_images(images: list[ImageInput], num_prompt_tokens: int, embeds: Image
     for image in images:
         if image.offset < end or image.length <= 0 or image.offset + image.length > num_prompt_tokens:
             raise InvalidRequestError("an image's placeholder tokens lie outside the prompt or overlap another's")
-        if int(np.prod(image.shape)) * 4 != len(image.pixels):
+        if len(image.shape) != 3 or int(np.prod(image.shape)) * 4 != len(image.pixels):
             raise InvalidRequestError("an image's pixels do not fill its shape")
+        if embeds.tower.num_tokens(image.shape) != image.length:
+            raise InvalidRequestError(f"an image of this model fills {embeds.tower.num_tokens(image.shape)} "
+                                      f"placeholder tokens, not {image.length}")
         end = image.offset + image.length

@@ -29,14 +29,19 @@ def _gemma3_features(tower: nn.Module, projector: nn.Module, config, pixels: mx.
     return projector(hidden) / (config.hidden_size ** 0.5)
 
 
+def _gemma3_tokens(config, shape: list[int]) -> int:
+    return config.text_config.mm_tokens_per_image
+
+
 @dataclass(frozen=True)
 class Family:
     features: Callable  # (tower, projector, mlx-vlm config, pixels [N, C, H, W]) -> [N, tokens, hidden]
+    num_tokens: Callable  # (mlx-vlm config, one image's pixel shape) -> its rows
     tower: str = "vision_tower"  # the modules' names in mlx-vlm's Model, and the checkpoint's prefixes
     projector: str = "multi_modal_projector"
 
 
-FAMILIES = {"gemma3": Family(_gemma3_features)}
+FAMILIES = {"gemma3": Family(_gemma3_features, _gemma3_tokens)}
 
 
 def vlm_config(config: dict, path: Path):
@@ -89,6 +94,10 @@ class VisionTower:
         from mlx.utils import tree_flatten
 
         return sum(v.nbytes for m in (self.tower, self.projector) for _, v in tree_flatten(m.parameters()))
+
+    def num_tokens(self, shape: list[int]) -> int:
+        """The rows an image of pixel ``shape`` [C, H, W] encodes to (its placeholder tokens)."""
+        return self.family.num_tokens(self.config, shape)
 
     def encode(self, pixels: mx.array) -> mx.array:
         """``pixels [N, C, H, W]`` (one shape for the batch) to ``[N, tokens, hidden]`` input rows."""

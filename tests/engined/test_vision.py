@@ -124,3 +124,13 @@ def test_an_image_for_a_text_only_model_is_refused_naming_it(tmp_path, vlm):
     _, images, _ = prompt(vlm[1], ["x"], [random_image(1)])
     with pytest.raises(InvalidRequestError, match="llama.*does not take images"):
         text_only.add_request("t", list(range(40)), GREEDY, images=images)
+
+
+def test_an_image_whose_placeholder_run_is_not_the_towers_is_refused_and_the_engine_goes_on(vlm):
+    path, processor, model = vlm
+    ids, images, pixels = prompt(processor, ["the cat"], [random_image(1)])
+    short = ImageInput(images[0].mm_hash, images[0].offset, images[0].length - 1, images[0].shape, images[0].pixels)
+    eng = engine(path)
+    with pytest.raises(InvalidRequestError, match="fills 16 placeholder tokens, not 15"):
+        eng.add_request("bad", ids, GREEDY, images=[short])
+    assert run(eng, [(ids, images)])[0][0] == reference(model, ids, pixels)

@@ -48,9 +48,14 @@ def test_template_errors_are_invalid_requests(tokenizer):
         tokenizer.render_chat(CONVO, chat_template="{% for %}")
 
 
-def test_text_parts_are_joined_and_other_parts_refused():
+def test_text_parts_are_joined_image_parts_kept_and_other_parts_refused():
     msgs = [ChatMessage(role="user", content=[{"type": "text", "text": "a"}, {"type": "text", "text": "b"}])]
     assert message_dicts(msgs) == [{"role": "user", "content": "a\nb"}]
+    # An image keeps the parts in order, for the template to place its placeholder (gateway.media reads the URL).
+    msgs = [ChatMessage(role="user", content=[{"type": "image_url", "image_url": {"url": "x"}},
+                                              {"type": "text", "text": "a"}])]
+    assert message_dicts(msgs) == [{"role": "user", "content": [{"type": "image", "url": "x"},
+                                                                {"type": "text", "text": "a"}]}]
     with pytest.raises(InvalidRequestError) as e:
-        message_dicts([ChatMessage(role="user", content=[{"type": "image_url", "image_url": {"url": "x"}}])])
+        message_dicts([ChatMessage(role="user", content=[{"type": "input_audio", "input_audio": {"data": "x"}}])])
     assert e.value.param == "messages[0].content"

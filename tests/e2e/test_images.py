@@ -1,0 +1,184 @@
+"""Images through the whole stack: `mlxd serve` on a tiny Gemma 3 vision checkpoint (mlx-vlm's classes),
+driven by the real openai and anthropic SDKs, with image URLs served from a loopback HTTP server.
+
+The answer to an image equals mlx-vlm's own greedy tokens on the same pixels (the gateway's
+processor, the wire and the engine's tower together); bad images and URLs are 400s that leave the
+server answering.
+"""
+
+import base64
+import http.server
+import io
+import threading
+import time
+from pathlib import Path
+
+import anthropic
+import httpx
+import openai
+import pytest
+
+from tests.e2e.serve_harness import Serve
+from tests.e2e.servers import assert_error
+from tests.vision_models import make_tiny_gemma3_vlm, random_image
+
+MAX_TOKENS = 8
+LIMIT_BYTES = 50_000
+
+
+def png(image) -> bytes:
+    buf = io.BytesIO()
+    image.save(buf, "PNG")
+    return buf.getvalue()
+
+
+CAT, DOG = png(random_image(1)), png(random_image(2, (80, 30)))
+
+
+class Media(http.server.BaseHTTPRequestHandler):
+    """Loopback images: /cat.png, /dog.png, one that takes too long, one too large, a redirect loop."""
+
+    def do_GET(self):
+        if self.path == "/slow.png":
+            time.sleep(3)
+        if self.path == "/loop":
+            self.send_response(302)
+            self.send_header("Location", "/loop")
+            self.end_headers()
+            return
+        body = {"/cat.png": CAT, "/dog.png": DOG, "/slow.png": CAT, "/big.png": b"\x89PNG" + bytes(2 * LIMIT_BYTES)
+                }.get(self.path)
+        if body is None:
+            self.send_response(404)
+            self.end_headers()
+            return
+        self.send_response(200)
+        self.send_header("Content-Type", "image/png")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        try:
+            self.wfile.write(body)
+        except BrokenPipeError:  # the gateway stops reading past its size limit
+            pass
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture(scope="module")
+def media():
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Media)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_port}"
+    server.shutdown()
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    path = make_tiny_gemma3_vlm(tmp_path_factory.mktemp("model") / "gemma3_vlm", seed=3)
+    serve = Serve(tmp_path_factory.mktemp("serve"), "--num-kv-blocks", "64", "--max-num-batched-tokens", "32",
+                  "--enable-prefix-caching", "--limit-mm-per-prompt", "2", "--media-fetch-timeout", "1",
+                  "--media-max-bytes", str(LIMIT_BYTES), "--media-max-redirects", "2",
+                  "--allowed-media-domains", "127.0.0.1", model=str(path)).start()
+    serve.wait_healthy()
+    yield path, serve
+    serve.stop()
+
+
+@pytest.fixture(scope="module")
+def vlm_client(served):
+    return openai.OpenAI(base_url=served[1].url + "/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+def data_url(data: bytes) -> str:
+    return "data:image/png;base64," + base64.b64encode(data).decode()
+
+
+def ask(client, url: str, text: str = "the cat"):
+    return client.chat.completions.create(
+        model="gemma3_vlm", max_tokens=MAX_TOKENS, temperature=0,
+        messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
+                                               {"type": "text", "text": text}]}])
+
+
+def expected_text(path: Path, data: bytes, text: str = "the cat") -> str:
+    """mlx-vlm's greedy answer to the image and text, decoded as the server decodes."""
+    import mlx.core as mx
+    import numpy as np
+    from mlx_vlm.generate.ar import generate_step
+    from mlx_vlm.utils import load_model
+    from PIL import Image
+    from transformers import Gemma3Processor
+
+    processor = Gemma3Processor.from_pretrained(path)
+    rendered = processor.tokenizer.apply_chat_template(
+        [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": text}]}],
+        add_generation_prompt=True, tokenize=False)
+    out = processor(text=rendered, images=[Image.open(io.BytesIO(data)).convert("RGB")], add_special_tokens=False,
+                    return_tensors="np")
+    ids = out["input_ids"][0].tolist()
+    steps = generate_step(mx.array([ids]), load_model(Path(path)), mx.array(out["pixel_values"].astype(np.float32)),
+                          mx.ones((1, len(ids)), dtype=mx.int32), max_tokens=MAX_TOKENS, temperature=0.0)
+    return processor.tokenizer.decode([int(t) for t, _ in steps], skip_special_tokens=True)
+
+
+def test_openai_data_url_and_loopback_url_answer_as_mlx_vlm_and_reuse_the_image(served, vlm_client, media):
+    path, _ = served
+    by_data = ask(vlm_client, data_url(CAT))
+    assert by_data.choices[0].message.content == expected_text(path, CAT)
+    by_url = ask(vlm_client, media + "/cat.png")
+    assert by_url.choices[0].message.content == by_data.choices[0].message.content
+    # The same image again: its blocks come from the prefix cache.
+    assert by_url.usage.prompt_tokens_details.cached_tokens > 0
+    other = ask(vlm_client, media + "/dog.png")
+    assert other.choices[0].message.content == expected_text(path, DOG)
+    assert other.choices[0].message.content != by_data.choices[0].message.content
+
+
+def test_anthropic_base64_image_gets_the_same_answer(served, vlm_client):
+    a = anthropic.Anthropic(base_url=served[1].url, api_key="unused", max_retries=0, timeout=60)
+    msg = a.messages.create(model="gemma3_vlm", max_tokens=MAX_TOKENS, extra_body={"temperature": 0.0}, messages=[{
+        "role": "user", "content": [
+            {"type": "image", "source": {"type": "base64", "media_type": "image/png",
+                                         "data": base64.b64encode(CAT).decode()}},
+            {"type": "text", "text": "the cat"}]}])
+    assert msg.content[0].text == ask(vlm_client, data_url(CAT)).choices[0].message.content
+
+
+def test_responses_input_image_gets_the_same_answer(vlm_client):
+    r = vlm_client.responses.create(model="gemma3_vlm", max_output_tokens=MAX_TOKENS, temperature=0, input=[{
+        "role": "user", "content": [{"type": "input_image", "image_url": data_url(CAT)},
+                                    {"type": "input_text", "text": "the cat"}]}])
+    assert r.output_text == ask(vlm_client, data_url(CAT)).choices[0].message.content
+
+
+@pytest.mark.parametrize("url, says", [
+    (data_url(CAT[: len(CAT) // 2]), "cannot be decoded"),
+    ("data:image/png;base64,@@@", "not valid base64"),
+    ("{media}/slow.png", "could not be fetched"),
+    ("{media}/loop", "redirects"),
+    ("{media}/big.png", "larger than"),
+    ("http://localhost:1/cat.png", "allowed-media-domains"),
+    ("file:///etc/passwd", "allowed-local-media-path"),
+])
+def test_bad_images_and_urls_are_400s_and_the_server_goes_on(served, vlm_client, media, url, says):
+    r = httpx.post(served[1].url + "/v1/chat/completions", timeout=30, json={
+        "model": "gemma3_vlm", "max_tokens": 2,
+        "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url.format(media=media)}},
+                                                  {"type": "text", "text": "x"}]}]})
+    assert says in assert_error(r, anthropic=False)["message"]
+    assert ask(vlm_client, data_url(CAT)).choices[0].message.content
+
+
+def test_more_images_than_the_limit_is_a_400(served):
+    part = {"type": "image_url", "image_url": {"url": data_url(CAT)}}
+    r = httpx.post(served[1].url + "/v1/chat/completions", timeout=30, json={
+        "model": "gemma3_vlm", "max_tokens": 2, "messages": [{"role": "user", "content": [part, part, part]}]})
+    assert "at most 2" in assert_error(r, anthropic=False)["message"]
+
+
+def test_an_image_to_a_text_only_model_is_a_400_naming_it(gateway, model):
+    r = httpx.post(gateway.url + "/v1/chat/completions", timeout=30, json={
+        "model": model, "max_tokens": 2,
+        "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": data_url(CAT)}}]}]})
+    assert f"`{model}` does not take images" in assert_error(r, anthropic=False)["message"]
