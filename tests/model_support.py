@@ -63,7 +63,8 @@ FAMILIES: tuple[Family, ...] = (
     Family("gpt_oss", "gpt-oss-20b, gpt-oss-120b", "sliding window + global layers, attention sinks", "MoE"),
     Family("gemma2", "Gemma 2", "full (as mlx_lm runs it), attention logit soft cap, final soft cap", "dense"),
     Family("gemma3_text", "Gemma 3 (text)", "sliding window + global layers, per-layer RoPE, q/k norms", "dense"),
-    Family("gemma3", "Gemma 3 4B-27B (vision checkpoint)", "as gemma3_text", "dense", text_model_type="gemma3_text"),
+    Family("gemma3", "Gemma 3 4B-27B (vision checkpoint: images in, tests/engined/test_vision.py)", "as gemma3_text",
+           "dense", text_model_type="gemma3_text"),
     Family("gemma4_text", "Gemma 4 26B-A4B, 31B (text)",
            "sliding + global layers, later layers read earlier layers' K/V, K = V on global layers, "
            "final soft cap", "dense + MoE beside it"),
