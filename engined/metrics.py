@@ -84,7 +84,8 @@ class EngineMetrics:
         that they are current during a step of minutes and not only once it ends (it reads sizes of
         the engine thread's queues, which the GIL keeps whole). cache_config_info is set from the
         start, and the spec-decode series are declared when the engine speculates, as vLLM does.
-        ``disk``: the KV disk tier's running totals (kv/disk_store.py), when it is on."""
+        ``disk``: the KV disk tier's running totals (kv/disk_store.py), when it is on (its series are
+        served either way, at zero without it, so that dashboards find them)."""
         prefix = config.metrics_prefix
         if prefix not in ("mlxd", "vllm"):
             raise ValueError("metrics prefix must be 'mlxd' or 'vllm'")
@@ -187,19 +188,19 @@ class EngineMetrics:
         self._prefix_seen = (0, 0)
         self._preemptions_seen = 0
         self.disk, self._disk_seen = disk, DiskTotals()
-        if disk is not None:
-            self._disk_counters = {
-                "hit_blocks": counter("kv_disk_cache_hit_blocks", "Prefix cache blocks read back from the KV disk "
-                                                                  "cache instead of computed."),
-                "bytes_read": counter("kv_disk_cache_read_bytes", "Bytes read from the KV disk cache."),
-                "bytes_written": counter("kv_disk_cache_written_bytes", "Bytes written to the KV disk cache."),
-                "evicted_blocks": counter("kv_disk_cache_evicted_blocks", "Blocks deleted from the KV disk cache "
-                                                                          "to keep its budget."),
-                "discarded_files": counter("kv_disk_cache_discarded_files", "KV disk cache files found damaged "
-                                                                            "or foreign, deleted, not served."),
-            }
-            gauge("kv_disk_cache_bytes", "Bytes the KV disk cache holds.").set_function(lambda: disk.bytes)
-            gauge("kv_disk_cache_blocks", "Blocks the KV disk cache holds.").set_function(lambda: disk.blocks)
+        disk = disk or DiskTotals()
+        self._disk_counters = {
+            "hit_blocks": counter("kv_disk_cache_hit_blocks", "Prefix cache blocks read back from the KV disk "
+                                                              "cache instead of computed."),
+            "bytes_read": counter("kv_disk_cache_read_bytes", "Bytes read from the KV disk cache."),
+            "bytes_written": counter("kv_disk_cache_written_bytes", "Bytes written to the KV disk cache."),
+            "evicted_blocks": counter("kv_disk_cache_evicted_blocks", "Blocks deleted from the KV disk cache "
+                                                                      "to keep its budget."),
+            "discarded_files": counter("kv_disk_cache_discarded_files", "KV disk cache files found damaged "
+                                                                        "or foreign, deleted, not served."),
+        }
+        gauge("kv_disk_cache_bytes", "Bytes the KV disk cache holds.").set_function(lambda: disk.bytes)
+        gauge("kv_disk_cache_blocks", "Blocks the KV disk cache holds.").set_function(lambda: disk.blocks)
         self._spec = None
         self._lora_info = None
         self._lora_seen: tuple | None = None
