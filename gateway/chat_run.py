@@ -47,7 +47,7 @@ from mlxd.gateway.parsers import (REASONING_PARSERS, ReasoningStream, ToolParser
 from mlxd.gateway.state import GatewayState, open_request
 from mlxd.gateway.structured import (NO_TOOLS, ToolPlan, marker_literal, one_spec, reasoning_aware, response_format_spec,
                                 structured_outputs_spec, tool_plan)
-from mlxd.shared.errors import MlxdError
+from mlxd.shared.errors import InvalidRequestError, MlxdError
 from mlxd.shared.protocol import ImageInput, Logprob
 
 
@@ -162,7 +162,11 @@ async def render(gw: GatewayState, inp: ChatInput, receive, check_length: bool =
         return text, tok.encode(text, add_special_tokens=False)
 
     text, ids = await while_connected(asyncio.to_thread(template_and_tokenize), receive)
-    ids = P.truncate_prompt(ids, inp.truncate_prompt_tokens, info)
+    cut = P.truncate_prompt(ids, inp.truncate_prompt_tokens, info)
+    if images and len(cut) < len(ids):  # the images' places would move, or fall off the front
+        raise InvalidRequestError("truncate_prompt_tokens cannot cut a prompt with images",
+                                  param="truncate_prompt_tokens")
+    ids = cut
     if not check_length:
         return Prompt(text, ids, 0, plan, images)
     room = info.max_model_len - len(ids)

@@ -182,3 +182,10 @@ def test_an_image_to_a_text_only_model_is_a_400_naming_it(gateway, model):
         "model": model, "max_tokens": 2,
         "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": data_url(CAT)}}]}]})
     assert f"`{model}` does not take images" in assert_error(r, anthropic=False)["message"]
+
+
+def test_truncating_a_prompt_with_images_is_a_400(served):
+    r = httpx.post(served[1].url + "/v1/chat/completions", timeout=30, json={
+        "model": "gemma3_vlm", "max_tokens": 2, "truncate_prompt_tokens": 8,
+        "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": data_url(CAT)}}]}]})
+    assert "cannot cut a prompt with images" in assert_error(r, anthropic=False)["message"]
