@@ -12,8 +12,7 @@ from starlette.responses import JSONResponse, Response
 
 from mlxd.gateway import openai_types as t
 from mlxd.gateway import params as P
-from mlxd.gateway.model_router import ModelRouter
-from mlxd.gateway.state import GatewayState, decode_body
+from mlxd.gateway.state import GatewayState, ModelRouter, decode_body
 from mlxd.shared.errors import InvalidRequestError
 from mlxd.shared.protocol import PROTOCOL_VERSION
 

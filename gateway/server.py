@@ -84,9 +84,9 @@ from starlette.routing import Match
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from mlxd.gateway.errors import ANTHROPIC_PREFIX, error_response, handle_exception
-from mlxd.gateway.model_router import Fleet, ModelRouter
 from mlxd.gateway.parsers import check_names
 from mlxd.gateway.routes import ROUTES
+from mlxd.gateway.state import Fleet, ModelRouter
 from mlxd.shared.errors import (ForbiddenError, InvalidRequestError, MlxdError, RequestHeaderTooLargeError,
                            UnsupportedMediaTypeError)
 from mlxd.shared.serve_config import GatewayConfig
@@ -102,7 +102,7 @@ UNMATCHED = "none"
 
 
 def build_app(config: GatewayConfig, fleet: Fleet | None = None) -> Starlette:
-    """``fleet``: what starts an engine on demand (`mlxd serve --keep-alive`; see gateway.model_router)."""
+    """``fleet``: what starts an engine on demand (`mlxd serve --keep-alive`; see gateway.state.ModelRouter)."""
     check_names(config.tool_call_parser, config.reasoning_parser)
     state = ModelRouter(config, fleet)
     metrics = GatewayMetrics()

@@ -5,7 +5,7 @@ The fleet lives in the serve process beside the gateway and is polled from the g
 as the one-engine supervisor is: the decisions need both what the gateway alone knows (which
 model a request names, how long each has been idle) and what serve alone owns (the engine
 processes), and a call within one process needs no channel, no protocol and no second failure
-mode. The gateway sees it through ``gateway.model_router.Fleet`` (``want``, ``stopped``) and
+mode. The gateway sees it through ``gateway.state.Fleet`` (``want``, ``stopped``) and
 never imports it.
 
 Each model's engine is an ``EngineSupervisor`` (mlxd/serve.py): restarted with a growing delay
@@ -104,7 +104,7 @@ class Fleet:
     def _held(self) -> int:
         return sum(m.cost for m in self.members.values() if m.state != "stopped")
 
-    # -- asked by the gateway (gateway.model_router.Fleet) -------------------------------------
+    # -- asked by the gateway (gateway.state.Fleet) -------------------------------------
 
     def want(self, name: str) -> str | None:
         m = self.members[name]

@@ -35,16 +35,6 @@ def models_file(tmp_path, tiny_dir, with_others: bool = True) -> str:
     return str(path)
 
 
-def start(serve: Serve, timeout: float = 240.0) -> Serve:
-    serve.start()
-    try:
-        serve.wait_healthy(timeout)
-    except BaseException:
-        serve.stop()
-        raise
-    return serve
-
-
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory):
     return make_tiny_model(tmp_path_factory.mktemp("tiny") / "llama", seed=fresh_seed("tiny chat model"))
@@ -53,9 +43,12 @@ def tiny_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory, tiny_dir):
     tmp = tmp_path_factory.mktemp("fleet")
-    serve = start(Serve(tmp, *POOL, "--models-file", models_file(tmp, tiny_dir)))
-    yield serve
-    serve.stop()
+    serve = Serve(tmp, *POOL, "--models-file", models_file(tmp, tiny_dir)).start()
+    try:
+        serve.wait_healthy(240)
+        yield serve
+    finally:
+        serve.stop()
 
 
 def engine_of(serve: Serve, model_dir) -> int:
@@ -128,9 +121,10 @@ def test_kill_9_of_one_engine_leaves_the_others_serving(fleet, tiny_dir):
 
 
 def test_an_idle_model_stops_after_keep_alive_and_comes_back_with_the_same_answer(tmp_path, tiny_dir):
-    serve = start(Serve(tmp_path, *POOL, "--keep-alive", "2", "--models-file",
-                        models_file(tmp_path, tiny_dir, with_others=False)))
+    serve = Serve(tmp_path, *POOL, "--keep-alive", "2", "--models-file",
+                  models_file(tmp_path, tiny_dir, with_others=False)).start()
     try:
+        serve.wait_healthy(120)
         # Nothing is loaded yet, and the model is listed all the same.
         assert serve.engine_pids() == []
         assert httpx.get(serve.url + "/health", timeout=10).json()["models"][TINY]["status"] == "stopped"
