@@ -40,10 +40,10 @@ def checkpoint_format(path: Path) -> str | None:
         return None
     if (path / "model.bin").is_file() and _ct2_spec(path / "model.bin") == "WhisperSpec":
         return "ct2"
+    if "n_audio_state" in config and "n_text_state" in config:  # mlx-community's may say model_type whisper too
+        return "mlx"
     if config.get("model_type") == "whisper":
         return "hf"
-    if "n_audio_state" in config and "n_text_state" in config:
-        return "mlx"
     return None
 
 
