@@ -138,7 +138,9 @@ async def render(gw: GatewayState, inp: ChatInput, receive, check_length: bool =
         plan = tool_plan(inp.tools, inp.tool_choice, inp.parallel_tool_calls, gw.parsers.tool,
                          cfg.enable_auto_tool_choice, marker_literal(tok), gw.parsers.tool_format)
 
-    urls = take_images(inp.messages, cfg.limit_mm_per_prompt)
+    # A message's content stays a list of parts only when it holds an image (params.message_dicts).
+    has_parts = any(isinstance(m.get("content"), list) for m in inp.messages)
+    urls = take_images(inp.messages, cfg.limit_mm_per_prompt) if has_parts else []
     images = None
     if urls:
         def read_images():
