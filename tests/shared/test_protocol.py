@@ -60,7 +60,8 @@ def test_a_shorter_array_from_an_older_peer_still_decodes_with_defaults():
 
 def test_add_request_carries_app_and_priority_after_the_salt():
     add = p.AddRequest("r", [1], SamplingParams(), "salt", "app-a", -3)
-    assert msgspec.msgpack.decode(msgspec.msgpack.encode(add))[3:] == ["salt", "app-a", -3, None, 1, 1, 0, "generate", None]
+    assert msgspec.msgpack.decode(msgspec.msgpack.encode(add))[3:12] == ["salt", "app-a", -3, None, 1, 1, 0, "generate",
+                                                                         None]
     kind, msg = p.decode(p.encode(Kind.ADD, add))
     assert (msg.app, msg.priority) == ("app-a", -3)
     # An AddRequest of protocol 1 (no app, no priority) decodes with the defaults.
@@ -70,9 +71,16 @@ def test_add_request_carries_app_and_priority_after_the_salt():
     assert msg.lora_name is None
 
 
+def test_images_travel_after_the_older_fields_and_decode_whole():
+    image = p.ImageInput("ab" * 32, 5, 16, [3, 2, 2], bytes(48))
+    add = p.AddRequest("r", [1] * 30, SamplingParams(), images=[image])
+    assert msgspec.msgpack.decode(msgspec.msgpack.encode(add))[12] == [["ab" * 32, 5, 16, [3, 2, 2], bytes(48)]]
+    assert p.decode(p.encode(Kind.ADD, add))[1].images == [image]
+
+
 def test_pooled_requests_carry_their_task_and_results_after_the_older_fields():
     add = p.AddRequest("r", [1], SamplingParams(), task="embed")
-    assert msgspec.msgpack.decode(msgspec.msgpack.encode(add))[-2] == "embed"  # lora_name came after it
+    assert msgspec.msgpack.decode(msgspec.msgpack.encode(add))[10] == "embed"  # lora_name and later came after it
     assert p.decode(p.encode(Kind.ADD, add))[1].task == "embed"
     out = p.RequestOutput("r", [], "stop", embedding=b"\x00\x00\x80?", score=0.25)
     assert msgspec.msgpack.decode(msgspec.msgpack.encode(out))[-2:] == [b"\x00\x00\x80?", 0.25]
