@@ -152,7 +152,7 @@ def test_responses_input_image_gets_the_same_answer(vlm_client):
     assert r.output_text == ask(vlm_client, data_url(CAT)).choices[0].message.content
 
 
-@pytest.mark.parametrize("url, says", [
+BAD = [  # (image URL, what the 400 says)
     (data_url(CAT[: len(CAT) // 2]), "cannot be decoded"),
     ("data:image/png;base64,@@@", "not valid base64"),
     ("{media}/slow.png", "could not be fetched"),
@@ -160,21 +160,24 @@ def test_responses_input_image_gets_the_same_answer(vlm_client):
     ("{media}/big.png", "larger than"),
     ("http://localhost:1/cat.png", "allowed-media-domains"),
     ("file:///etc/passwd", "allowed-local-media-path"),
-])
-def test_bad_images_and_urls_are_400s_and_the_server_goes_on(served, vlm_client, media, url, says):
-    r = httpx.post(served[1].url + "/v1/chat/completions", timeout=30, json={
-        "model": "gemma3_vlm", "max_tokens": 2,
-        "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url.format(media=media)}},
-                                                  {"type": "text", "text": "x"}]}]})
-    assert says in assert_error(r, anthropic=False)["message"]
-    assert ask(vlm_client, data_url(CAT)).choices[0].message.content
+]
 
 
-def test_more_images_than_the_limit_is_a_400(served):
+def test_bad_images_and_urls_are_400s_and_the_server_goes_on(served, vlm_client, media):
+    def post(body):
+        return httpx.post(served[1].url + "/v1/chat/completions", timeout=30,
+                          json={"model": "gemma3_vlm", "max_tokens": 2, **body})
+
+    for url, says in BAD:
+        r = post({"messages": [{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": url.format(media=media)}}, {"type": "text", "text": "x"}]}]})
+        assert says in assert_error(r, anthropic=False)["message"], url
     part = {"type": "image_url", "image_url": {"url": data_url(CAT)}}
-    r = httpx.post(served[1].url + "/v1/chat/completions", timeout=30, json={
-        "model": "gemma3_vlm", "max_tokens": 2, "messages": [{"role": "user", "content": [part, part, part]}]})
+    r = post({"messages": [{"role": "user", "content": [part, part, part]}]})
     assert "at most 2" in assert_error(r, anthropic=False)["message"]
+    r = post({"truncate_prompt_tokens": 8, "messages": [{"role": "user", "content": [part]}]})
+    assert "cannot cut a prompt with images" in assert_error(r, anthropic=False)["message"]
+    assert ask(vlm_client, data_url(CAT)).choices[0].message.content == expected_text(served[0], CAT)
 
 
 def test_an_image_to_a_text_only_model_is_a_400_naming_it(gateway, model):
@@ -183,9 +186,3 @@ def test_an_image_to_a_text_only_model_is_a_400_naming_it(gateway, model):
         "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": data_url(CAT)}}]}]})
     assert f"`{model}` does not take images" in assert_error(r, anthropic=False)["message"]
 
-
-def test_truncating_a_prompt_with_images_is_a_400(served):
-    r = httpx.post(served[1].url + "/v1/chat/completions", timeout=30, json={
-        "model": "gemma3_vlm", "max_tokens": 2, "truncate_prompt_tokens": 8,
-        "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": data_url(CAT)}}]}]})
-    assert "cannot cut a prompt with images" in assert_error(r, anthropic=False)["message"]
