@@ -2,9 +2,10 @@
 
 A block's file is named by its chained hash (``full_attention.hash_block``,
 which already covers the tokens before it, the cache salt and so the LoRA
-adapter) inside a namespace folder named by a digest of everything else that
-changes a block's content: the weights' fingerprint, the KV dtype, the block
-size and the layout of the paged layers. Engines of different models can share
+adapter), with a suffix for the groups beside the main pool (``disk_parts``),
+inside a namespace folder named by a digest of everything else that changes a
+block's content: the weights' fingerprint, the KV dtype, the block size and the
+layout of every group. Engines of different models can share
 the root; each keeps to its own namespace and budget.
 
 One file per block, not per run of blocks: the key of a block is already its
@@ -30,6 +31,7 @@ import hashlib
 import json
 import logging
 import os
+import string
 import struct
 import threading
 import time
@@ -139,7 +141,7 @@ class DiskStore:
                 if now - entry.stat().st_mtime > STALE_TMP_S:
                     _unlink(entry.path)
                 continue
-            if len(name) != 32 or not name.isalnum():
+            if len(name) not in (32, 34) or name.strip(string.hexdigits):  # a block hash, and a part's suffix
                 continue
             st = entry.stat()
             found.append((st.st_mtime, bytes.fromhex(name), st.st_size))
@@ -172,6 +174,10 @@ class DiskStore:
         self.totals.blocks = len(self.index)
 
     # -- writes -----------------------------------------------------------------------------------
+
+    def has_room(self) -> bool:
+        """Whether writes queued now would be taken (the tier is on, the queue below its bound)."""
+        return self.enabled and self._pending < MAX_PENDING_BYTES
 
     def write(self, key: bytes, arrays: dict[str, np.ndarray]) -> None:
         """Queue one block's arrays (host copies the caller no longer changes) for writing."""

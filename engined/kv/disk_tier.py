@@ -16,28 +16,31 @@ their hashes, and the request's lookup finds them like any cached prefix: its
 ``num_cached_tokens`` counts them. A block missing or not intact on disk ends
 the run there: the rest is computed.
 
-Only the main pool's K/V go to disk, so the tier serves models whose KV is the
-main pool alone (full attention, or windowed layers kept in it): a window pool,
-a recurrent state or arrays following the pool (a draft model's) have no disk
-copy, and the manager builds no tier for them.
+Each KV group is a part of the tier (``disk_parts``): the main pool's blocks, a
+window pool's, a hybrid model's state snapshots, each written when it leaves
+its own group. A prefix read back is the longest one every group can resume
+from, with what it holds and what is on disk. Arrays following the pool (a
+draft model's, an MTP layer's) have no disk copy: the engine builds no tier
+beside them.
 """
 
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable
 from concurrent.futures import Future
 
 import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_flatten
 
+from mlxd.engined.kv.disk_parts import UINT, Part
 from mlxd.engined.kv.disk_store import DiskStore
-from mlxd.engined.kv.full_attention import FullAttentionGroup, extend_hashes
+from mlxd.engined.kv.full_attention import extend_hashes
 from mlxd.engined.request import Request
 
-# Host arrays hold K/V as unsigned integers of the same width (numpy has no bfloat16); the
-# namespace records the dtype they are viewed back as.
-_UINT = {1: mx.uint8, 2: mx.uint16, 4: mx.uint32}
+# Bytes of K/V copied to the host at once.
+CHUNK_BYTES = 64 * 2**20
 
 
 def weights_fingerprint(model) -> str:
@@ -50,7 +53,7 @@ def weights_fingerprint(model) -> str:
     samples = []
     for _, a in params:
         flat = a.reshape(-1)
-        samples.append(flat[:: max(1, flat.size // 256)][:256].view(_UINT[a.dtype.size]))
+        samples.append(flat[:: max(1, flat.size // 256)][:256].view(UINT[a.dtype.size]))
     mx.eval(samples)
     h = hashlib.blake2b(digest_size=16, person=b"mlxd-weights")
     for (name, a), sample in zip(params, samples):
@@ -60,13 +63,16 @@ def weights_fingerprint(model) -> str:
 
 
 class DiskTier:
-    def __init__(self, store: DiskStore, group: FullAttentionGroup):
+    def __init__(self, store: DiskStore, parts: list[Part], block_size: int, settle: Callable[[], None]):
+        """``parts``: the main pool's first; ``settle``: waits for a step another thread is encoding
+        (the arrays copied out may be its outputs)."""
         self.store = store
-        self.group = group
-        # Per waiting request looked up: None (nothing to read, or read and put in the pool), or the
-        # run of blocks being read: (blocks of its prefix the pool held then, future of the arrays).
-        self._reads: dict[str, tuple[int, Future] | None] = {}
-        self._names = [f"k{i}" for i in range(len(group.kv.shapes))] + [f"v{i}" for i in range(len(group.kv.shapes))]
+        self.parts = parts
+        self.block_size = block_size
+        self.settle = settle
+        # Per waiting request looked up: None (nothing to read, or read and put in place), or what is
+        # being read: (prefix blocks, [(part, block hash)], future of their arrays).
+        self._reads: dict[str, tuple[int, list[tuple[Part, bytes]], Future] | None] = {}
 
     @property
     def enabled(self) -> bool:
@@ -75,102 +81,101 @@ class DiskTier:
     # -- out --------------------------------------------------------------------------------------
 
     def spill(self) -> None:
-        """Queue the blocks the pool evicted since the last call (their K/V still intact) for writing."""
-        pool = self.group.pool
-        evicted, pool.evicted = pool.evicted, []
-        evicted = [(h, b) for h, b in evicted if not self.store.has(h)]
-        if evicted and self.store.enabled:
-            self._write(evicted)
+        """Queue what left each group since the last call (contents intact) for writing."""
+        for part in self.parts:
+            evicted = part.take_evicted()
+            if evicted and self.store.enabled:
+                self._write(part, [(h, w) for h, w in evicted if not self.store.has(part.key(h))])
 
     def persist(self) -> None:
-        """Queue every cached block of the pool that the store lacks (while no request holds one)."""
-        if not self.store.enabled:
-            return
-        todo = [(h, b.block_id) for h, b in self.group.pool.cached.items() if not self.store.has(h)]
-        if todo:
-            self._write(todo)
+        """Queue everything the groups have cached that the store lacks (while no request holds a block)."""
+        self.spill()  # and let go of what was evicted, whose copies may hold whole arrays
+        for part in self.parts:
+            if self.store.enabled:
+                self._write(part, [(h, w) for h, w in part.cached() if not self.store.has(part.key(h))])
 
-    def _write(self, blocks: list[tuple[bytes, int]]) -> None:
-        kv = self.group.kv
-        self.group.settle()  # the arrays may be the outputs of a step another thread is encoding
-        ids = mx.array([b for _, b in blocks])
-        taken = [mx.take(a, ids, axis=0) for a in kv.k + kv.v]
-        mx.eval(taken)
-        host = [np.array(a.view(_UINT[a.dtype.size])) for a in taken]
-        for j, (h, _) in enumerate(blocks):
-            self.store.write(h, {name: a[j] for name, a in zip(self._names, host)})
+    def _write(self, part: Part, entries: list) -> None:
+        """Copy entries to the host and queue them, a bounded chunk at a time, while the store has room
+        (a whole pool at once would need its size again in host memory)."""
+        if not entries:
+            return
+        self.settle()
+        size = sum(int(np.prod(shape)) * width for shape, width in part.layout)
+        step = max(1, CHUNK_BYTES // max(1, size))
+        for start in range(0, len(entries), step):
+            if not self.store.has_room():
+                self.store.totals.dropped_writes += len(entries) - start
+                return
+            chunk = entries[start:start + step]
+            for (h, _), arrays in zip(chunk, part.host(chunk)):
+                self.store.write(part.key(h), arrays)
 
     # -- in ---------------------------------------------------------------------------------------
 
-    def reading(self, req: Request) -> bool:
-        """Whether ``req`` (waiting, nothing computed) waits for blocks of its prefix being read."""
+    def reading(self, req: Request, held: Callable[[], int]) -> bool:
+        """Whether ``req`` (waiting, nothing computed) waits for entries of a prefix longer than the
+        ``held()`` blocks cached in memory being read."""
         rid = req.request_id
         if rid in self._reads:
             entry = self._reads[rid]
             if entry is None:
                 return False
-            held, future = entry
+            n, wanted, future = entry
             if not future.done():
                 return True
             self._reads[rid] = None
-            self._install(req, held, future.result())
+            self._install(req, n, wanted, future.result())
             return False
         self._reads[rid] = None
         if not self.store.enabled:
             return False
-        bs = self.group.block_size
+        held = held()
+        n = self._longest(req, held)
+        hashes = req.block_hashes
+        wanted = [(part, hashes[i]) for part in self.parts for i in part.span(n, self.block_size)
+                  if not part.in_memory(hashes[i])]
+        if n <= held or not wanted:
+            return False
+        self._reads[rid] = (n, wanted, self.store.read([part.key(h) for part, h in wanted]))
+        return True
+
+    def _longest(self, req: Request, held: int) -> int:
+        """The longest prefix (blocks) every part can give from memory or disk; ``held`` if none is longer."""
+        bs = self.block_size
         n = (req.num_tokens - 1) // bs  # the last token is always computed (``cached_prefix``)
         extend_hashes(req, n, bs)
-        held = self.group.prefix_blocks(req, n)
-        keys = []
-        for h in req.block_hashes[held:n]:
-            if not self.store.has(h):
-                break
-            keys.append(h)
-        if not keys:
-            return False
-        self._reads[rid] = (held, self.store.read(keys))
-        return True
+        hashes = req.block_hashes
+
+        def has(part: Part, i: int) -> bool:
+            return part.in_memory(hashes[i]) or self.store.has(part.key(hashes[i]))
+
+        for part in self.parts:
+            if part.prefix:  # needs every block: the first one missing bounds the prefix
+                n = next((i for i in range(n) if not has(part, i)), n)
+        others = [p for p in self.parts if not p.prefix]
+        while n > held and not all(has(p, i) for p in others for i in p.span(n, bs)):
+            n -= 1
+        return n
 
     def futures(self) -> list[Future]:
         """The reads in progress (an idle engine waits on them)."""
-        return [e[1] for e in self._reads.values() if e is not None and not e[1].done()]
+        return [e[2] for e in self._reads.values() if e is not None and not e[2].done()]
 
     def forget(self, req: Request) -> None:
         """The request left the queues (finished, aborted or preempted): a read for it is not used."""
         self._reads.pop(req.request_id, None)
 
-    def _fits(self, arrays: dict[str, np.ndarray]) -> bool:
-        """Whether a file's arrays are one block of this pool's layout (the namespace should ensure it)."""
-        kv = self.group.kv
-        width = kv.dtype.size
-        return (list(arrays) == self._names
-                and all(a.shape == shape and a.dtype.itemsize == width
-                        for a, shape in zip(arrays.values(), kv.shapes + kv.shapes)))
-
-    def _install(self, req: Request, held: int, results: list) -> None:
-        """Put the blocks read for ``req`` into the pool, cached, after the ``held`` blocks it found there."""
-        group, pool, bs = self.group, self.group.pool, self.group.block_size
-        if group.prefix_blocks(req, held) < held:
-            return  # its prefix left the pool meanwhile: the blocks read would not continue it
-        ram = group.prefix(req, held)
-        pool.touch(ram)  # taking free blocks below must not evict the prefix they continue
-        todo = []
-        for h, arrays in zip(req.block_hashes[held:], results):
-            if len(todo) == pool.num_free or not self._fits(arrays):
+    def _install(self, req: Request, n: int, wanted: list[tuple[Part, bytes]], results: list) -> None:
+        """Put what was read for ``req`` in place, part by part (the main pool's first); whatever is
+        missing cuts the prefix its lookup then finds."""
+        read: dict[int, dict[bytes, dict]] = {id(p): {} for p in self.parts}
+        for (part, h), arrays in zip(wanted, results):
+            if not part.fits(arrays):
                 break
-            todo.append((h, arrays))
-        blocks = group.take_blocks(len(todo))
-        self.spill()  # the blocks just taken were someone's cached K/V: out before it is overwritten
-        if blocks:
-            ids = mx.array([b.block_id for b in blocks])
-            kv = group.kv
-            for i, name in enumerate(self._names):
-                pools = kv.k if name[0] == "k" else kv.v
-                layer = i % len(kv.k)
-                data = mx.array(np.stack([a[name] for _, a in todo])).view(kv.dtype)
-                pools[layer][ids] = data
-            for b, (h, _) in zip(blocks, todo):
-                pool.cache(b, h)
-            self.store.totals.hit_blocks += len(blocks)
-        pool.free(list(reversed(ram + blocks)))
+            read[id(part)][h] = arrays
+        for i, part in enumerate(self.parts):
+            hashes = [req.block_hashes[j] for j in part.span(n, self.block_size)]
+            done = part.install(hashes, read[id(part)], self.spill)
+            if i == 0:
+                self.store.totals.hit_blocks += done
+        self.spill()

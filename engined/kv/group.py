@@ -52,8 +52,10 @@ class KVGroup:
         """Bytes of pools sized by configuration, not by the budget (set aside before the main pool)."""
         return 0
 
-    def create(self, num_blocks: int) -> None:
-        """(Re)create the arrays for a main pool of ``num_blocks`` blocks, all free; 0 drops them."""
+    def create(self, num_blocks: int, record_evictions: bool = False) -> None:
+        """(Re)create the arrays for a main pool of ``num_blocks`` blocks, all free; 0 drops them.
+        ``record_evictions``: list what leaves the group's prefix cache in ``evicted``, for the disk
+        tier (``disk_tier``) to take."""
 
     def arrays(self) -> list[mx.array]:
         """The arrays a forward writes, to evaluate with its outputs."""

@@ -27,6 +27,7 @@ from collections.abc import Callable
 import mlx.core as mx
 import numpy as np
 
+from mlxd.engined.kv.disk_parts import PagedPart, StatePart
 from mlxd.engined.kv.disk_store import DiskStore
 from mlxd.engined.kv.disk_tier import DiskTier
 from mlxd.engined.kv.full_attention import BlockPool, FullAttentionGroup, PagedArrays, extend_hashes
@@ -113,7 +114,7 @@ class KVCacheManager:
         them (default: all) with arrays now; 0 drops them."""
         self.main.create(num_blocks, resident, record_evictions=self.disk is not None)
         for g in self.groups[1:]:
-            g.create(num_blocks)
+            g.create(num_blocks, record_evictions=self.disk is not None)
 
     def add(self, group: KVGroup) -> None:
         """A group that claims none of the model's layers but keeps K/V per block of the main pool
@@ -192,7 +193,8 @@ class KVCacheManager:
     def reading(self, req: Request) -> bool:
         """Whether ``req``, waiting, waits for blocks of its prefix being read from disk (the scheduler
         steps over it meanwhile, as over a request whose blocks are being computed)."""
-        return self.disk is not None and req.num_computed_tokens == 0 and self.disk.reading(req)
+        return (self.disk is not None and req.num_computed_tokens == 0
+                and self.disk.reading(req, lambda: len(self.cached_prefix(req))))
 
     def reads(self) -> list:
         """Futures of the disk reads in progress (an idle engine waits on them)."""
@@ -241,15 +243,22 @@ class KVCacheManager:
 
 def _disk_tier(main: FullAttentionGroup, others: list[KVGroup], config: EngineConfig, dtype: mx.Dtype,
                weights: str | None) -> DiskTier | None:
-    """The disk tier under the main pool, where it is on and can hold every group's state (``disk_tier``)."""
+    """The disk tier under the groups (``disk_tier``), where it is on; one part per group."""
     if not (config.kv_disk_cache and config.enable_prefix_caching and weights is not None and main.layers):
         return None
-    if others:
-        log.info("KV disk cache off: %s keep state beside the main pool that is not written to disk",
-                 ", ".join(type(g).__name__ for g in others))
-        return None
+    parts = [PagedPart(main, main.take_blocks)]
+    for g in others:
+        if isinstance(g, SlidingWindowGroup):
+            parts.append(PagedPart(g))
+        elif isinstance(g, RecurrentStateGroup):
+            parts.append(StatePart(g))
+        else:
+            log.info("KV disk cache off: %s is not written to disk", type(g).__name__)
+            return None
+    # Everything besides the token chain that an entry's content depends on: its namespace.
     identity = {"format": 1, "weights": weights, "dtype": str(dtype), "block_size": config.block_size,
-                "layout": [[layer, *shape] for layer, shape in zip(main.kv.layers, main.kv.shapes)],
-                "aliases": main.kv.aliases}
+                "parts": [[p.suffix.decode(), p.names, [[list(shape), width] for shape, width in p.layout]]
+                          for p in parts],
+                "layers": [g.layers for g in (main, *others)], "aliases": main.kv.aliases}
     root = config.kv_cache_dir or os.path.join(cache_dir(), "kv")
-    return DiskTier(DiskStore(root, identity, config.kv_disk_budget), main)
+    return DiskTier(DiskStore(root, identity, config.kv_disk_budget), parts, config.block_size, main.settle)

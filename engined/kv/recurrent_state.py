@@ -75,6 +75,7 @@ class RecurrentStateGroup(KVGroup):
         # Without window slots a rejected draft could not be taken back out of the state.
         self.can_rewind = self.window > 0
         self.states: list[list[mx.array]] = [[] for _ in specs]
+        self.evicted: list[tuple[bytes, list[mx.array]]] | None = None
         self._reset(0)
 
     @classmethod
@@ -86,8 +87,11 @@ class RecurrentStateGroup(KVGroup):
     def fixed_bytes(self) -> int:
         return self.nbytes
 
-    def create(self, num_blocks: int) -> None:
-        """(Re)create the pool, every slot free and zeroed; ``num_blocks == 0`` drops it."""
+    def create(self, num_blocks: int, record_evictions: bool = False) -> None:
+        """(Re)create the pool, every slot free and zeroed; ``num_blocks == 0`` drops it. With
+        ``record_evictions``, each snapshot evicted is listed in ``evicted`` as (hash, its arrays taken
+        before the slot is reused: lazy, evaluated by whoever takes them)."""
+        self.evicted = [] if record_evictions else None
         total = self.num_live * (1 + self.window) + self.num_snapshots if num_blocks else 0
         self.states = [[mx.zeros((total, *shape), dtype=dtype) for shape, dtype in layer]
                        for layer in self.layer_shapes]
@@ -169,9 +173,24 @@ class RecurrentStateGroup(KVGroup):
         if self.free_snapshots:
             return self.free_snapshots.pop()
         if self.snapshots:
-            _, slot = self.snapshots.popitem(last=False)
+            key, slot = self.snapshots.popitem(last=False)
+            if self.evicted is not None:
+                self.evicted.append((key, [a[slot] for layer in self.states for a in layer]))
             return slot
         return None
+
+    def restore(self, key: bytes, arrays: list[mx.array]) -> bool:
+        """Keep ``arrays`` (a slot's worth, one per state array in ``arrays()`` order) as the snapshot
+        at block ``key`` (read back by the disk tier); False if there is no snapshot slot."""
+        slot = self._snapshot_slot()
+        if slot is None:
+            return False
+        values = iter(arrays)
+        for layer in self.states:
+            for a in layer:
+                a[slot] = next(values)
+        self.snapshots[key] = slot
+        return True
 
     def _boundaries(self, req: Request, start: int, end: int) -> list[int]:
         """Block boundaries in ``(start, end]`` whose state is worth keeping (see the module doc)."""

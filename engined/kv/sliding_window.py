@@ -63,9 +63,9 @@ class SlidingWindowGroup(KVGroup):
     def fixed_bytes(self) -> int:
         return self.num_blocks * self.kv.bytes_per_block
 
-    def create(self, num_blocks: int) -> None:
+    def create(self, num_blocks: int, record_evictions: bool = False) -> None:
         size = self.num_blocks if num_blocks else 0
-        self.pool = BlockPool(size)
+        self.pool = BlockPool(size, record_evictions=record_evictions)
         self.tables = {}
         self.kv.create(size)
 

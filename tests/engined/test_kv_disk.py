@@ -27,7 +27,10 @@ POOL = 40
 def models(tmp_path_factory):
     root = tmp_path_factory.mktemp("models")
     return {"dense": make_tiny_model(root / "dense", "llama", seed=3),
-            "other": make_tiny_model(root / "other", "qwen3", seed=4)}
+            # Sliding-window layers in a pool of their own beside full attention.
+            "window": make_tiny_model(root / "window", "gemma3_text", seed=4),
+            # Gated delta nets (recurrent-state snapshots) beside full attention.
+            "hybrid": make_tiny_model(root / "hybrid", "qwen3_next", seed=5)}
 
 
 def engine(model_dir, disk_dir, budget=2**30, **kw):
@@ -61,14 +64,17 @@ def evict_then_return(eng, prompts, lora=None):
     return first, run(eng, prompts[0], "a1", lora)
 
 
-def test_a_disk_hit_gives_the_tokens_of_a_recompute(models, tmp_path):
-    seed = fresh_seed("dense")
-    eng = engine(models["dense"], tmp_path / "kv")
+@pytest.mark.parametrize("kind", ["dense", "window", "hybrid"])
+def test_a_disk_hit_gives_the_tokens_of_a_recompute(models, tmp_path, kind):
+    seed = fresh_seed(kind)
+    eng = engine(models[kind], tmp_path / "kv")
     tier = eng.scheduler.kv.disk
-    assert tier is not None and tier.enabled
-    (first, cached0), (again, cached1) = evict_then_return(eng, sessions(seed))
+    assert tier is not None and len(tier.parts) == len(eng.scheduler.kv.groups)
+    # Four sessions: the others also cycle the window pool and the snapshot slots.
+    (first, cached0), (again, cached1) = evict_then_return(eng, sessions(seed, n=4))
     assert cached0 == 0
     assert tier.store.totals.hit_blocks > 0, "session 0's blocks should have come back from disk"
+    # The whole prefix: every group resumed from it (a window's blocks, the state at its end).
     assert cached1 == (len(sessions(seed)[0]) - 1) // BLOCK * BLOCK
     assert again == first, f"seed {seed}"
     eng.scheduler.kv.pool.check_whole()
@@ -93,7 +99,7 @@ def test_an_adapters_blocks_come_back_for_it_alone(models, tmp_path):
 
 def test_files_are_private_and_namespaced_by_the_model(models, tmp_path):
     a = engine(models["dense"], tmp_path / "kv")
-    b = engine(models["other"], tmp_path / "kv")
+    b = engine(models["window"], tmp_path / "kv")
     evict_then_return(a, sessions(1))
     sa, sb = a.scheduler.kv.disk.store, b.scheduler.kv.disk.store
     assert sa.path != sb.path and sb.totals.blocks == 0
