@@ -1,8 +1,10 @@
 """The prefix cache's disk tier: blocks evicted from a small pool come back from files, giving the
 tokens a recompute gives; damaged files are recomputed; the budget holds; a new engine finds the files."""
 
+import logging
 import os
 import re
+import shutil
 import stat
 
 import numpy as np
@@ -167,3 +169,19 @@ def test_a_new_engine_finds_the_blocks_of_the_last_sessions(models, tmp_path):
     toks, cached = run(again, prompt, "a1")
     assert cached == (len(prompt) - 1) // BLOCK * BLOCK
     assert toks == first, f"seed {seed}"
+
+
+def test_an_unusable_folder_turns_the_tier_off_once_and_serving_goes_on(models, tmp_path, caplog):
+    (tmp_path / "file").write_text("")
+    eng = engine(models["dense"], tmp_path / "file" / "kv")  # a folder that cannot be made
+    assert not eng.scheduler.kv.disk.enabled
+    assert len(run(eng, sessions(5, n=1)[0], "r0")[0]) == GREEDY.max_tokens
+
+    eng = engine(models["dense"], tmp_path / "kv")
+    caplog.clear()
+    shutil.rmtree(eng.scheduler.kv.disk.store.path)  # the folder gone while serving (a cleaner, a disk pulled)
+    with caplog.at_level(logging.WARNING, logger="mlxd.engine"):
+        (first, _), (again, cached) = evict_then_return(eng, sessions(5, n=4))
+    assert not eng.scheduler.kv.disk.enabled
+    assert len([r for r in caplog.records if "KV disk cache off" in r.getMessage()]) == 1
+    assert again == first and cached == 0
