@@ -24,19 +24,6 @@ LANGUAGES = dict(pair.split(":") for pair in (
     "ba:bashkir jw:javanese su:sundanese yue:cantonese").split())
 
 
-class VerboseSegment(msgspec.Struct):
-    id: int
-    seek: int
-    start: float
-    end: float
-    text: str
-    tokens: list[int]
-    temperature: float
-    avg_logprob: float
-    compression_ratio: float
-    no_speech_prob: float
-
-
 class Usage(msgspec.Struct):
     seconds: float
     type: str = "duration"
@@ -52,7 +39,7 @@ class VerboseTranscript(msgspec.Struct):
     language: str
     duration: float
     text: str
-    segments: list[VerboseSegment]
+    segments: list[dict]  # each a Segment's fields by name (the wire sends them as an array)
     usage: Usage
 
 
@@ -84,8 +71,7 @@ def render(fmt: str, segments: list[Segment], task: str, language: str, duration
     if fmt == "verbose_json":
         body = VerboseTranscript(
             task=task, language=LANGUAGES.get(language, language), duration=round(duration, 3), text=text,
-            segments=[VerboseSegment(s.id, s.seek, s.start, s.end, s.text, s.tokens, s.temperature,
-                                     s.avg_logprob, s.compression_ratio, s.no_speech_prob) for s in segments],
+            segments=[msgspec.structs.asdict(s) for s in segments],
             usage=usage)
     else:
         body = Transcript(text=text, usage=usage)

@@ -160,37 +160,33 @@ def _from_ct2(path: Path):
         for i, name in enumerate(("query", "key", "value")):
             linear(f"{dst}.{name}", src, slice(i * d, (i + 1) * d), bias=name != "key")
 
-    for i in range(2):
-        conv = f"encoder/conv{i + 1}"
-        w[f"encoder.conv{i + 1}.weight"] = _ct2_weight(t, conv).transpose(0, 2, 1)
-        w[f"encoder.conv{i + 1}.bias"] = t[f"{conv}/bias"]
-    w["encoder.positional_embedding"] = enc_pos
-    d = args.n_audio_state
-    for n in range(n_enc):
-        src, dst = f"encoder/layer_{n}", f"encoder.blocks.{n}"
+    def self_attention_and_mlp(dst: str, src: str, d: int):  # what encoder and decoder blocks share
         fused_qkv(f"{dst}.attn", f"{src}/self_attention/linear_0", d)
         linear(f"{dst}.attn.out", f"{src}/self_attention/linear_1")
         norm(f"{dst}.attn_ln", f"{src}/self_attention/layer_norm")
         linear(f"{dst}.mlp1", f"{src}/ffn/linear_0")
         linear(f"{dst}.mlp2", f"{src}/ffn/linear_1")
         norm(f"{dst}.mlp_ln", f"{src}/ffn/layer_norm")
+
+    for i in range(2):
+        conv = f"encoder/conv{i + 1}"
+        w[f"encoder.conv{i + 1}.weight"] = _ct2_weight(t, conv).transpose(0, 2, 1)
+        w[f"encoder.conv{i + 1}.bias"] = t[f"{conv}/bias"]
+    w["encoder.positional_embedding"] = enc_pos
+    for n in range(n_enc):
+        self_attention_and_mlp(f"encoder.blocks.{n}", f"encoder/layer_{n}", args.n_audio_state)
     norm("encoder.ln_post", "encoder/layer_norm")
     d = args.n_text_state
     w["decoder.token_embedding.weight"] = emb
     w["decoder.positional_embedding"] = dec_pos
     for n in range(n_dec):
         src, dst = f"decoder/layer_{n}", f"decoder.blocks.{n}"
-        fused_qkv(f"{dst}.attn", f"{src}/self_attention/linear_0", d)
-        linear(f"{dst}.attn.out", f"{src}/self_attention/linear_1")
-        norm(f"{dst}.attn_ln", f"{src}/self_attention/layer_norm")
+        self_attention_and_mlp(dst, src, d)
         linear(f"{dst}.cross_attn.query", f"{src}/attention/linear_0")
         linear(f"{dst}.cross_attn.key", f"{src}/attention/linear_1", slice(0, d), bias=False)
         linear(f"{dst}.cross_attn.value", f"{src}/attention/linear_1", slice(d, 2 * d))
         linear(f"{dst}.cross_attn.out", f"{src}/attention/linear_2")
         norm(f"{dst}.cross_attn_ln", f"{src}/attention/layer_norm")
-        linear(f"{dst}.mlp1", f"{src}/ffn/linear_0")
-        linear(f"{dst}.mlp2", f"{src}/ffn/linear_1")
-        norm(f"{dst}.mlp_ln", f"{src}/ffn/layer_norm")
     norm("decoder.ln", "decoder/layer_norm")
     return args, {k: mx.array(np.ascontiguousarray(v, dtype=np.float32)) for k, v in w.items()}
 
