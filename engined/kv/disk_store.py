@@ -120,6 +120,7 @@ class DiskStore:
         self.index: OrderedDict[bytes, int] = OrderedDict()  # block hash -> file bytes, LRU first
         self._lock = threading.Lock()
         self._pending = 0  # bytes handed to the worker, not written yet
+        self._queued: set[bytes] = set()  # their keys
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-disk")
         self.enabled = True
         self.path = os.path.join(root, self.ns)
@@ -183,10 +184,13 @@ class DiskStore:
         """Queue one block's arrays (host copies the caller no longer changes) for writing."""
         size = sum(a.nbytes for a in arrays.values())
         with self._lock:
-            if not self.enabled or key in self.index or self._pending + size > MAX_PENDING_BYTES:
+            if key in self.index or key in self._queued:
+                return
+            if not self.enabled or self._pending + size > MAX_PENDING_BYTES:
                 self.totals.dropped_writes += 1
                 return
             self._pending += size
+            self._queued.add(key)
         self._worker.submit(self._write, key, arrays, size)
 
     def _write(self, key: bytes, arrays: dict[str, np.ndarray], size: int) -> None:
@@ -215,6 +219,7 @@ class DiskStore:
         finally:
             with self._lock:
                 self._pending -= size
+                self._queued.discard(key)
 
     # -- reads ------------------------------------------------------------------------------------
 
