@@ -135,7 +135,7 @@ def test_openai_data_url_and_loopback_url_answer_as_mlx_vlm_and_reuse_the_image(
     assert other.choices[0].message.content != by_data.choices[0].message.content
 
 
-def test_anthropic_base64_image_gets_the_same_answer(served, vlm_client):
+def test_anthropic_base64_and_url_images_get_the_same_answer(served, vlm_client, media):
     a = anthropic.Anthropic(base_url=served[1].url, api_key="unused", max_retries=0, timeout=60)
     msg = a.messages.create(model="gemma3_vlm", max_tokens=MAX_TOKENS, extra_body={"temperature": 0.0}, messages=[{
         "role": "user", "content": [
@@ -143,6 +143,10 @@ def test_anthropic_base64_image_gets_the_same_answer(served, vlm_client):
                                          "data": base64.b64encode(CAT).decode()}},
             {"type": "text", "text": "the cat"}]}])
     assert msg.content[0].text == ask(vlm_client, data_url(CAT)).choices[0].message.content
+    by_url = a.messages.create(model="gemma3_vlm", max_tokens=MAX_TOKENS, extra_body={"temperature": 0.0}, messages=[{
+        "role": "user", "content": [{"type": "image", "source": {"type": "url", "url": media + "/cat.png"}},
+                                    {"type": "text", "text": "the cat"}]}])
+    assert by_url.content[0].text == msg.content[0].text
 
 
 def test_responses_input_image_gets_the_same_answer(vlm_client):

@@ -67,9 +67,9 @@ def reference(model, ids: list[int], pixels) -> list[int]:
     return [int(t) for t, _ in steps]
 
 
-def engine(path) -> Engine:
+def engine(path, **kw) -> Engine:
     return Engine(EngineConfig(num_kv_blocks=96, block_size=16, max_num_batched_tokens=16, max_num_seqs=8,
-                               enable_prefix_caching=True), loaded=load_model(str(path)))
+                               enable_prefix_caching=True, **kw), loaded=load_model(str(path)))
 
 
 def run(eng: Engine, requests: list[tuple[list[int], list[ImageInput]]]) -> tuple[list[list[int]], list[int]]:
@@ -89,14 +89,16 @@ def run(eng: Engine, requests: list[tuple[list[int], list[ImageInput]]]) -> tupl
 run.counter = 0
 
 
-def test_greedy_tokens_equal_mlx_vlm_with_one_and_two_images_batched_with_text(vlm):
+# A GPU's defaults too: the next step built while the last one's tokens are on the device, decode replayed.
+@pytest.mark.parametrize("steps", [{}, {"async_scheduling": True, "compile_decode": True}], ids=["sync", "async"])
+def test_greedy_tokens_equal_mlx_vlm_with_one_and_two_images_batched_with_text(vlm, steps):
     path, processor, model = vlm
     cat, dog = random_image(1), random_image(2, (80, 30))
     cases = [prompt(processor, ["the cat"], [cat]), prompt(processor, ["the cat"], [dog]),
              prompt(processor, ["a", "and then"], [cat, dog]), prompt(processor, ["only text here"], [])]
     expected = [reference(model, ids, pixels) for ids, _, pixels in cases]
     assert expected[0] != expected[1], "the image must decide the answer, or this test proves nothing"
-    got, _ = run(engine(path), [(ids, images) for ids, images, _ in cases])
+    got, _ = run(engine(path, **steps), [(ids, images) for ids, images, _ in cases])
     assert got == expected
 
 
