@@ -11,9 +11,11 @@ import numpy as np
 import pytest
 from prometheus_client import generate_latest
 
+from mlxd import cli
 from mlxd.engined.engine import Engine
 from mlxd.engined.kv.full_attention import hash_block
 from mlxd.engined.loaders import load_model
+from mlxd.flags import build_config
 from mlxd.shared.config import EngineConfig
 from mlxd.shared.protocol import SamplingParams
 from tests.engined.test_lora import random_adapter, write_mlx_lm
@@ -185,3 +187,11 @@ def test_an_unusable_folder_turns_the_tier_off_once_and_serving_goes_on(models, 
     assert not eng.scheduler.kv.disk.enabled
     assert len([r for r in caplog.records if "KV disk cache off" in r.getMessage()]) == 1
     assert again == first and cached == 0
+
+
+def test_the_flags_take_vllm_sizes_and_the_tier_is_off_by_default():
+    parse = cli.build_parser().parse_args
+    on = build_config(EngineConfig, parse(["serve", "--kv-disk-cache", "--kv-disk-budget", "20GiB"]))
+    assert on.kv_disk_cache and on.kv_disk_budget == 20 * 2**30
+    assert build_config(EngineConfig, parse(["serve", "--kv-disk-budget", "1.5g"])).kv_disk_budget == 1_500_000_000
+    assert not build_config(EngineConfig, parse(["serve"])).kv_disk_cache
