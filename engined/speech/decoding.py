@@ -15,6 +15,7 @@ import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
+import mlx.core as mx
 import numpy as np
 from tokenizers import Tokenizer
 
@@ -45,8 +46,7 @@ class Vocabulary:
     no_speech: int
     no_timestamps: int
     languages: dict[str, int]  # code -> token; {} for an English-only model
-    suppress: np.ndarray  # suppressed at every step
-    suppress_begin: np.ndarray  # suppressed at a window's first sampled step
+    suppress: np.ndarray  # suppressed at every step (with <|notimestamps|>)
 
     @property
     def timestamp_begin(self) -> int:
@@ -75,12 +75,11 @@ class Vocabulary:
                     languages[code] = i
         specials = [tid("<|translate|>"), tid("<|transcribe|>"), tid("<|startoftranscript|>"),
                     tid("<|startofprev|>"), tid("<|startoflm|>"), tid("<|nospeech|>", "<|nocaptions|>")]
-        suppress, begin = _suppress_lists(path, tok.encode(" ", add_special_tokens=False).ids)
+        suppress = _suppress_list(path)
         return cls(tokenizer=tok, eot=tid("<|endoftext|>"), sot=tid("<|startoftranscript|>"),
                    sot_prev=tid("<|startofprev|>"), translate=specials[0], transcribe=specials[1],
                    no_speech=specials[5], no_timestamps=tid("<|notimestamps|>"), languages=languages,
-                   suppress=np.unique(np.array(suppress + specials, np.int64)),
-                   suppress_begin=np.array(begin + [tid("<|endoftext|>")], np.int64))
+                   suppress=np.unique(np.array(suppress + specials + [tid("<|notimestamps|>")], np.int64)))
 
     def window_prompt(self, initial: list[int], previous: list[int], language: int | None,
                       translate: bool, n_text_ctx: int) -> list[int]:
@@ -95,52 +94,52 @@ class Vocabulary:
         return prompt
 
 
-def _suppress_lists(path: Path, blank: list[int]) -> tuple[list[int], list[int]]:
+def _suppress_list(path: Path) -> list[int]:
     """The model's suppressed tokens: a CTranslate2 ``config.json`` (suppress_ids) or a Hugging
-    Face ``generation_config.json`` (suppress_tokens, begin_suppress_tokens)."""
-    for name, every, begin in (("config.json", "suppress_ids", "suppress_ids_begin"),
-                               ("generation_config.json", "suppress_tokens", "begin_suppress_tokens")):
+    Face ``generation_config.json`` (suppress_tokens). (Those barred at a window's first step, a
+    blank and the end, are text: the first step takes a timestamp only.)"""
+    for name, key in (("config.json", "suppress_ids"), ("generation_config.json", "suppress_tokens")):
         try:
             config = json.loads((path / name).read_text())
         except (OSError, ValueError):
             continue
-        if isinstance(config, dict) and every in config:
-            return list(config[every]), list(config.get(begin) or blank)
-    return [], list(blank)
+        if isinstance(config, dict) and key in config:
+            return list(config[key])
+    return []
 
 
-def filter_logits(logits: np.ndarray, sampled: list[int], vocab: Vocabulary) -> np.ndarray:
-    """Whisper's filters on one row's logits (a copy), given the tokens sampled so far this window."""
-    x = logits.copy()
+def token_limits(sampled: list[int], vocab: Vocabulary) -> tuple[int, int, int]:
+    """Whisper's timestamp grammar for a row's next token, given the tokens sampled so far this
+    window, as three bounds: tokens below ``text_end`` are barred, and timestamps outside
+    [``stamp_lo``, ``stamp_hi``) (end of vocabulary: ``n_vocab``, passed as -1)."""
     tb = vocab.timestamp_begin
-    x[vocab.suppress] = -np.inf
-    x[vocab.no_timestamps] = -np.inf
-    if not sampled:
-        x[vocab.suppress_begin] = -np.inf
-        x[:tb] = -np.inf
-        x[tb + MAX_INITIAL_TIMESTAMP + 1:] = -np.inf
-    else:
-        last = sampled[-1] >= tb
-        penultimate = len(sampled) < 2 or sampled[-2] >= tb
-        if last:
-            if penultimate:
-                x[tb:] = -np.inf
-            else:
-                x[:vocab.eot] = -np.inf
-        stamps = [t for t in sampled if t >= tb]
-        if stamps:
-            floor = stamps[-1] if last and not penultimate else stamps[-1] + 1
-            x[tb:floor] = -np.inf
-    logprobs = log_softmax(x)
-    stamp_mass = np.logaddexp.reduce(logprobs[tb:])
-    if stamp_mass > logprobs[:tb].max():
-        x[:tb] = -np.inf
-    return x
+    if not sampled:  # the window opens with a timestamp within its first second
+        return tb, tb, tb + MAX_INITIAL_TIMESTAMP + 1
+    last = sampled[-1] >= tb
+    penultimate = len(sampled) < 2 or sampled[-2] >= tb
+    if last and penultimate:  # a pair just closed: text (or the end) follows
+        return 0, -1, -1
+    stamps = [t for t in sampled if t >= tb]
+    floor = tb if not stamps else stamps[-1] if last else stamps[-1] + 1
+    # after text's opening timestamp: more text; after text: a closing timestamp or more text;
+    # after a lone closing timestamp: its pair's second timestamp or the end, no text
+    return (vocab.eot if last else 0), floor, -1
 
 
-def log_softmax(x: np.ndarray) -> np.ndarray:
-    top = x.max()
-    return x - (top + np.log(np.exp(x - top).sum()))
+def filter_logits(logits: mx.array, limits: np.ndarray, suppress: mx.array, tb: int) -> mx.array:
+    """Whisper's filters on a batch: ``logits`` [R, V], ``limits`` [R, 3] (``token_limits``),
+    ``suppress`` [V] bool (the model's suppressed tokens). The filtered logits, -inf where barred;
+    where all timestamps together outweigh the likeliest text token, text is barred too."""
+    v = logits.shape[-1]
+    ids = mx.arange(v)[None, :]
+    lim = np.where(limits < 0, v, limits)
+    text_end, lo, hi = (mx.array(lim[:, k:k + 1]) for k in range(3))
+    barred = suppress[None, :] | (ids < text_end) | ((ids >= tb) & ((ids < lo) | (ids >= hi)))
+    x = mx.where(barred, -mx.inf, logits)
+    lp = x - mx.logsumexp(x, axis=-1, keepdims=True)
+    stamps = mx.logsumexp(lp[:, tb:], axis=-1, keepdims=True)
+    text = mx.max(lp[:, :tb], axis=-1, keepdims=True)
+    return mx.where((stamps > text) & (ids < tb), -mx.inf, x)
 
 
 def compression_ratio(text: str) -> float:

@@ -29,7 +29,7 @@ from mlxd.engined.device import device_kind
 from mlxd.engined.metrics import EngineMetrics
 from mlxd.engined.request import Request, Status, WaitingPlaces, take_output
 from mlxd.engined.speech.checkpoints import checkpoint_format, load_whisper
-from mlxd.engined.speech.decoding import Vocabulary, filter_logits, log_softmax
+from mlxd.engined.speech.decoding import Vocabulary, filter_logits, token_limits
 from mlxd.engined.speech.features import log_mel, window
 from mlxd.engined.speech.transcription import Transcription
 from mlxd.shared.config import EngineConfig
@@ -66,6 +66,8 @@ class SpeechEngine:
         self.model = load_whisper(path, dtype)
         self.args = self.model.args
         self.vocab = Vocabulary.load(path, self.model.is_multilingual)
+        self.suppress = mx.zeros(self.args.n_vocab, dtype=mx.bool_)
+        self.suppress[mx.array(self.vocab.suppress)] = True
         a = self.args
         slot_bytes = a.n_text_layer * 2 * (a.n_text_ctx + a.n_audio_ctx) * a.n_text_state * dtype.size
         self.num_slots = max(1, min(config.max_num_seqs, SLOT_MEMORY // slot_bytes))
@@ -194,52 +196,66 @@ class SpeechEngine:
                 t.begin_window(self.vocab, size, self.args.n_text_ctx)
 
     def _decode(self) -> int:
-        """One decoder forward for every transcription in flight; returns the tokens sampled."""
-        running = self.running
+        """One decoder forward for every transcription in flight; returns the tokens sampled.
+
+        Whisper's filters, the choice of each token and its log-probability run on the device
+        for the whole batch; the host reads back a token, a log-probability and, at
+        <|startoftranscript|>, the no-speech probability per row."""
+        running, vocab = self.running, self.vocab
         tokens = mx.array([t.next_token() for t in running], dtype=mx.int32)
         positions = mx.array([t.position for t in running], dtype=mx.int32)
         logits = self.model.decoder.step(self.cache, tokens, positions)
-        rows = [i for i, t in enumerate(running) if t.position == t.sot_index or t.position >= len(t.prompt) - 1]
-        picked = logits[mx.array(rows)] if rows else None
-        mx.eval(picked, *self.cache.arrays())
-        host = np.array(picked) if rows else None
-        vocab, sample_len = self.vocab, self.args.n_text_ctx // 2
-        ended = []
-        for row, i in enumerate(rows):
-            t = running[i]
-            x = host[row]
-            fed = t.position
+        at_sot = [i for i, t in enumerate(running) if t.position == t.sot_index]
+        sampling = [i for i, t in enumerate(running) if t.position >= len(t.prompt) - 1]
+        reads = []
+        if at_sot:
+            raw = logits[mx.array(at_sot)]
+            reads.append(mx.softmax(raw, axis=-1)[:, vocab.no_speech])
+            if vocab.languages:
+                reads.append(raw[:, mx.array(list(vocab.languages.values()))])
+        if sampling:
+            limits = np.array([token_limits(running[i].sampled, vocab) for i in sampling])
+            x = filter_logits(logits[mx.array(sampling)], limits, self.suppress, vocab.timestamp_begin)
+            lp = x - mx.logsumexp(x, axis=-1, keepdims=True)
+            temps = np.array([running[i].temperature for i in sampling], np.float32)
+            chosen = mx.argmax(x, axis=-1)
+            if temps.any():  # fallback rows sample, each from its own seeded stream
+                hot = [r for r, temp in enumerate(temps) if temp > 0]
+                picks = [mx.random.categorical(x[r] / float(temps[r]), key=mx.random.key(
+                    int(running[sampling[r]].rng.integers(1 << 31)))) for r in hot]
+                chosen = chosen.at[mx.array(hot)].add(mx.stack(picks) - chosen[mx.array(hot)])
+            reads += [chosen, mx.take_along_axis(lp, chosen[:, None], axis=-1)[:, 0]]
+        mx.eval(*reads, *self.cache.arrays())
+        host = [np.array(r) for r in reads]
+        for t in running:
             t.position += 1
-            if fed == t.sot_index:
-                t.no_speech_prob = float(np.exp(log_softmax(x)[vocab.no_speech]))
-                if t.language is None and vocab.languages:
-                    self._detect_language(t, x)
-            if fed < len(t.prompt) - 1:
-                continue
-            x = filter_logits(x, t.sampled, vocab)
-            if t.temperature == 0.0:
-                token = int(np.argmax(x))
-            else:
-                p = np.exp(log_softmax(x / t.temperature))
-                token = int(t.rng.choice(len(p), p=p / p.sum()))
-            t.sum_logprob += float(log_softmax(x)[token])
-            t.sampled.append(token)
-            if token == vocab.eot or len(t.sampled) >= sample_len or t.position >= self.args.n_text_ctx:
-                ended.append(t)
-        fed_only = set(range(len(running))) - set(rows)
-        for i in fed_only:
-            running[i].position += 1
+        if at_sot:
+            for k, i in enumerate(at_sot):
+                running[i].no_speech_prob = float(host[0][k])
+                if vocab.languages and running[i].language is None:
+                    self._detect_language(running[i], host[1][k])
+        ended = []
+        if sampling:
+            chosen_host, lp_host = host[-2], host[-1]
+            for k, i in enumerate(sampling):
+                t = running[i]
+                if t.position < len(t.prompt):  # its prompt grew (the language was just detected)
+                    continue
+                token = int(chosen_host[k])
+                t.sum_logprob += float(lp_host[k])
+                t.sampled.append(token)
+                if token == vocab.eot or len(t.sampled) >= self.args.n_text_ctx // 2 \
+                        or t.position >= self.args.n_text_ctx:
+                    ended.append(t)
         for t in ended:
             if t.end_window(vocab):
                 self._send_segments(t)
-        return len(rows)
+        return len(sampling)
 
-    def _detect_language(self, t: Transcription, logits: np.ndarray) -> None:
-        """The likeliest language token after <|startoftranscript|> becomes the transcription's;
-        its prompt goes on with it and the task."""
-        codes = list(self.vocab.languages)
-        ids = np.array([self.vocab.languages[c] for c in codes])
-        t.language = int(ids[np.argmax(logits[ids])])
+    def _detect_language(self, t: Transcription, scores: np.ndarray) -> None:
+        """The likeliest language after <|startoftranscript|> (``scores``: the logits of the
+        language tokens) becomes the transcription's; its prompt goes on with it and the task."""
+        t.language = list(self.vocab.languages.values())[int(np.argmax(scores))]
         t.prompt += [t.language, self.vocab.translate if t.audio.translate else self.vocab.transcribe]
 
     def _send_segments(self, t: Transcription) -> None:
