@@ -7,7 +7,9 @@ for every image a step needs that the cache does not hold, batched by pixel shap
 kept, keyed by the image's content hash, so that the image's later chunks, a preempted request's
 recomputation and another request with the same image read them again instead of re-encoding.
 The cache is bounded in bytes (its budget is a fixed pool of the memory guard's) and evicts least
-recently used images first, never one the step at hand needs.
+recently used images first, never one the step at hand needs. The tower runs on at most
+``ENCODE_BATCH`` images at a time, so that its activations stay within the room the memory guard
+sets aside for them.
 """
 
 from __future__ import annotations
@@ -20,6 +22,9 @@ import numpy as np
 from mlxd.engined.vision.tower import VisionTower
 from mlxd.shared.errors import InvalidRequestError
 from mlxd.shared.protocol import ImageInput
+
+# Images per tower call: a step's images are encoded together, this many at a time.
+ENCODE_BATCH = 8
 
 
 class ImageEmbeds:
@@ -35,7 +40,8 @@ class ImageEmbeds:
 
     @property
     def fixed_bytes(self) -> int:
-        return self.budget
+        """The cache's budget, and the activations of a full batch of the largest images."""
+        return self.budget + ENCODE_BATCH * self.tower.activation_bytes
 
     def step_rows(self, scheduled: list) -> tuple[mx.array, mx.array] | None:
         """(packed positions [k], rows [k, hidden]) of the image tokens among the step's pieces;
@@ -69,12 +75,16 @@ class ImageEmbeds:
             elif image.mm_hash not in found:
                 missing.setdefault(tuple(image.shape), {})[image.mm_hash] = image
         for shape, group in missing.items():
-            pixels = mx.array(np.stack([np.frombuffer(i.pixels, dtype=np.float32).reshape(shape)
-                                        for i in group.values()]))
-            out = self.tower.encode(pixels)
-            mx.eval(out)
-            for k, h in enumerate(group):
-                found[h] = out[k]
+            hashes = list(group)
+            for at in range(0, len(hashes), ENCODE_BATCH):
+                batch = hashes[at : at + ENCODE_BATCH]
+                pixels = mx.array(np.stack([np.frombuffer(group[h].pixels, dtype=np.float32).reshape(shape)
+                                            for h in batch]))
+                out = self.tower.encode(pixels)
+                # Each image's rows in an array of its own, so that evicting one frees its memory.
+                rows = [mx.contiguous(out[k]) for k in range(len(batch))]
+                mx.eval(rows)
+                found.update(zip(batch, rows))
         for h, rows in found.items():
             if h not in self._cache:
                 self._cache[h] = rows

@@ -33,15 +33,21 @@ def _gemma3_tokens(config, shape: list[int]) -> int:
     return config.text_config.mm_tokens_per_image
 
 
+def _square_image(config) -> list[int]:
+    v = config.vision_config
+    return [v.num_channels, v.image_size, v.image_size]
+
+
 @dataclass(frozen=True)
 class Family:
     features: Callable  # (tower, projector, mlx-vlm config, pixels [N, C, H, W]) -> [N, tokens, hidden]
     num_tokens: Callable  # (mlx-vlm config, one image's pixel shape) -> its rows
+    largest_image: Callable  # (mlx-vlm config) -> the pixel shape of the largest image the processor makes
     tower: str = "vision_tower"  # the modules' names in mlx-vlm's Model, and the checkpoint's prefixes
     projector: str = "multi_modal_projector"
 
 
-FAMILIES = {"gemma3": Family(_gemma3_features, _gemma3_tokens)}
+FAMILIES = {"gemma3": Family(_gemma3_features, _gemma3_tokens, _square_image)}
 
 
 def vlm_config(config: dict, path: Path):
@@ -87,6 +93,17 @@ class VisionTower:
         self.projector.eval()
         mx.eval(self.tower.parameters(), self.projector.parameters())
         self.dtype = dtype
+        self.activation_bytes = self._measure()
+
+    def _measure(self) -> int:
+        """Bytes that encoding one of the largest images allocates beyond what is already held, measured
+        once here: the memory guard sets aside room for the tower's batches beside the KV pool."""
+        held = mx.get_active_memory()
+        mx.reset_peak_memory()
+        mx.eval(self.encode(mx.zeros([1, *self.family.largest_image(self.config)])))
+        used = max(mx.get_peak_memory() - held, 0)
+        mx.clear_cache()
+        return used
 
     @property
     def nbytes(self) -> int:
