@@ -14,9 +14,11 @@ import httpx
 import openai
 import pytest
 
+from mlxd import cli
 from mlxd.engined.loaders import default_model_path
+from mlxd.model_set import nth_endpoint
 from tests.e2e.serve_harness import Serve, gone
-from tests.e2e.servers import assert_error
+from tests.e2e.servers import Gateway, assert_error
 from tests.e2e.test_embeddings import minilm_dir
 from tests.tiny_models import fresh_seed, make_tiny_model
 
@@ -98,6 +100,27 @@ def test_an_unknown_model_is_a_404_naming_the_models_served(fleet):
     r = httpx.post(fleet.url + "/v1/messages", timeout=30,
                    json={"model": "nope", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]})
     assert f"`{SMOL}`" in assert_error(r, anthropic=True, status=404)["message"]
+
+
+def test_an_app_key_holds_for_every_model_of_a_second_gateway_on_the_same_engines(fleet, tmp_path, capsys):
+    keys_file = str(tmp_path / "keys.json")
+    assert cli.main(["keys", "add", "notes", "--keys-file", keys_file]) == 0
+    key = capsys.readouterr().out.strip()
+    # `mlxd gateway` given the set's endpoints, as serve gives its own gateway.
+    endpoints = [f"{name}={nth_endpoint(fleet.endpoint, n)}" for n, name in enumerate((TINY, SMOL, MINILM))]
+    gateway = Gateway(fleet.endpoint, str(tmp_path / "gateway.log"),
+                      ["--keys-file", keys_file, "--model-endpoints", *endpoints]).start()
+    try:
+        gateway.wait_healthy(120)
+        for model in (TINY, MINILM):
+            r = httpx.post(gateway.url + "/v1/embeddings", json={"model": model, "input": "a cat"}, timeout=30)
+            assert_error(r, anthropic=False, status=401)
+        client = openai.OpenAI(base_url=gateway.url + "/v1", api_key=key, max_retries=0, timeout=120)
+        assert client.embeddings.create(model=MINILM, input=["a cat"]).model == MINILM
+        assert greedy(client, TINY) == greedy(openai.OpenAI(base_url=fleet.url + "/v1", api_key="x",
+                                                            max_retries=0, timeout=120), TINY)
+    finally:
+        gateway.stop()
 
 
 def test_kill_9_of_one_engine_leaves_the_others_serving(fleet, tiny_dir):
