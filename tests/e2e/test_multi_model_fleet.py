@@ -1,20 +1,46 @@
-"""The fleet's memory budget (mlxd/fleet.py) over real child processes that stand for engines (each
-says it serves on its ready pipe, as `mlxd engine` does, and runs until stopped): a model that fits
-starts; one that does not stops idle models, least recently used first, and starts once they have
-exited; one that only busy models keep out is refused, naming them."""
+"""A set of models as serve plans it (mlxd/model_set.py: each model's flags, name, endpoint and
+metrics port) and the fleet's memory budget (mlxd/fleet.py) over real child processes that stand for
+engines (each says it serves on its ready pipe, as `mlxd engine` does, and runs until stopped): a
+model that fits starts; one that does not stops idle models, least recently used first, and starts
+once they have exited; one that only busy models keep out is refused, naming them."""
 
 from __future__ import annotations
 
+import json
 import sys
 import time
 
+import pytest
+
 from mlxd.fleet import Fleet, Member
-from mlxd.model_set import ModelPlan
+from mlxd.model_set import ModelPlan, plan_models
+from mlxd.shared.errors import InvalidRequestError
 from mlxd.shared.config import EngineConfig
 from mlxd.shared.serve_config import DaemonConfig
 
 # `--ready-fd N` comes last on the command line (EngineSupervisor.start).
 SERVES = "import os, sys, time; os.write(int(sys.argv[-1]), b'1'); time.sleep(600)"
+
+
+def test_each_model_gets_its_flags_over_the_command_lines_a_name_an_endpoint_and_a_metrics_port(tmp_path):
+    path = tmp_path / "models.json"
+    path.write_text(json.dumps({"models": [{"model": "/m/a.gguf", "kv-cache-memory": "1G"},
+                                           {"model": "org/b", "max_model_len": 512, "served_model_name": "bee"}]}))
+    base = EngineConfig(max_model_len=256, num_kv_blocks=64)
+    daemon = DaemonConfig(engine_endpoint="ipc:///run/engine.sock", metrics_port=9400)
+    plans = plan_models(base, daemon, ["/m/c.gguf"], str(path))
+    assert [p.name for p in plans] == ["c", "a", "bee"]
+    assert [p.engine.served_model_name for p in plans] == ["c", "a", "bee"]
+    assert [(p.engine.max_model_len, p.engine.num_kv_blocks) for p in plans] == [(256, 64), (256, 64), (512, 64)]
+    assert plans[1].engine.kv_cache_memory == 2**30 and plans[0].engine.kv_cache_memory is None
+    assert [p.daemon.engine_endpoint for p in plans] == [f"ipc:///run/engine-{n}.sock" for n in range(3)]
+    assert [p.daemon.metrics_port for p in plans] == [9400, 9401, 9402]
+    assert plans[2].endpoint_entry == "bee=ipc:///run/engine-2.sock"
+    path.write_text(json.dumps([{"model": "/m/a.gguf", "max_tokens": 3}]))
+    with pytest.raises(InvalidRequestError, match="unknown setting 'max_tokens'"):
+        plan_models(base, daemon, [], str(path))
+    with pytest.raises(InvalidRequestError, match="one name"):
+        plan_models(base, daemon, ["/m/a.gguf", "/n/a.gguf"], None)
 
 
 def member(name: str, cost: int) -> Member:
