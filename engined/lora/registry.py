@@ -19,8 +19,8 @@ loaded: its KV blocks in the prefix cache belong to the old weights.
 
 from __future__ import annotations
 
+import hashlib
 import os
-import uuid
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -40,10 +40,22 @@ class Adapter:
     path: str
     rank: int
     num_modules: int
-    # Enters the prefix-cache salt: a reloaded adapter of the same name never meets the old one's blocks.
+    # Enters the prefix-cache salt: a digest of what the adapter computes, so a changed adapter never
+    # meets the old one's blocks and the same one finds its blocks again (on disk, after a restart).
     uid: str
     # The files' (name, size, mtime) when read: a re-read from disk must find the same.
     stamp: tuple
+
+
+def _digest(weights: AdapterWeights) -> str:
+    """Of an adapter's modules and their weights (the scale folded in): all that changes its K/V."""
+    h = hashlib.blake2b(digest_size=16, person=b"mlxd-lora")
+    for module in sorted(weights.modules):
+        h.update(module.encode() + b"\x00")
+        for array in weights.modules[module]:
+            h.update(str(array.shape).encode())
+            h.update(np.ascontiguousarray(array).tobytes())
+    return h.hexdigest()
 
 
 def _stamp(path: str) -> tuple:
@@ -115,7 +127,7 @@ class LoraRegistry:
                                       "a LoRA adapter needs a name", param="lora_name")
         weights = read_adapter(path)
         self._check(weights)
-        adapter = Adapter(name, weights.path, weights.rank, len(weights.modules), uuid.uuid4().hex,
+        adapter = Adapter(name, weights.path, weights.rank, len(weights.modules), _digest(weights),
                           _stamp(weights.path))
         self.adapters[name] = adapter
         self._keep(name, weights)

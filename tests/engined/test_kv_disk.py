@@ -99,6 +99,13 @@ def test_an_adapters_blocks_come_back_for_it_alone(models, tmp_path):
     assert cached > 0 and again == first, f"seed {seed}"
     _, base_cached = run(eng, prompts[0], "base")  # the base model's K/V differ: no hit from the adapter's
     assert base_cached == 0
+    # Restarted with the same adapter: its blocks are found again (the adapter's key is its content).
+    eng.scheduler.kv.release_idle(0.0)
+    eng.scheduler.kv.disk.store.flush()
+    restarted = engine(models["dense"], tmp_path / "kv", enable_lora=True, max_lora_rank=4,
+                       lora_modules=[f"A={adapter}"])
+    toks, cached = run(restarted, prompts[0], "c", lora="A")
+    assert cached > 0 and toks == first, f"seed {seed}"
 
 
 def test_files_are_private_and_namespaced_by_the_model(models, tmp_path):
