@@ -12,7 +12,9 @@ EngineConfig's fields by name (``model``, ``served_model_name``, ``max_model_len
     max_model_len = 32768
     kv_cache_memory = "4G"
 
-Each engine gets the served name the gateway routes by (``served_model_name``, else the name
+The engines share the machine: one whose table sets no ``gpu_memory_utilization`` gets the command
+line's divided by the number of models, so that their memory guards and KV pools, each sized from
+its own fraction, add up to the set's. Each engine gets the served name the gateway routes by (``served_model_name``, else the name
 the loader would give: a GGUF file's stem, a directory's name, a repo id), and an endpoint and
 metrics port of its own: the n-th model (from 0) the base endpoint with ``-n`` before its
 extension (ipc) or its port plus n (tcp), and ``--metrics-port`` plus n.
@@ -108,10 +110,11 @@ def plan_models(base: EngineConfig, daemon: DaemonConfig, models: list[str],
         entries += [(m, f"--models-file {models_file}, model {i + 1}")
                     for i, m in enumerate(read_models_file(models_file))]
     plans = []
+    share = msgspec.structs.replace(base, gpu_memory_utilization=base.gpu_memory_utilization / len(entries))
     for n, (fields, where) in enumerate(entries):
         if not fields.get("model"):
             raise InvalidRequestError(f"{where}: each model of a set is named (model = ...)", param="model")
-        engine = _engine_config(base, fields, where)
+        engine = _engine_config(share, fields, where)
         engine.served_model_name = engine.served_model_name or derived_name(engine.model)
         port = daemon.metrics_port
         d = msgspec.structs.replace(daemon, engine_endpoint=nth_endpoint(daemon.engine_endpoint, n),

@@ -25,7 +25,8 @@ SERVES = "import os, sys, time; os.write(int(sys.argv[-1]), b'1'); time.sleep(60
 def test_each_model_gets_its_flags_over_the_command_lines_a_name_an_endpoint_and_a_metrics_port(tmp_path):
     path = tmp_path / "models.json"
     path.write_text(json.dumps({"models": [{"model": "/m/a.gguf", "kv-cache-memory": "1G"},
-                                           {"model": "org/b", "max_model_len": 512, "served_model_name": "bee"}]}))
+                                           {"model": "org/b", "max_model_len": 512, "served_model_name": "bee",
+                                            "gpu_memory_utilization": 0.5}]}))
     base = EngineConfig(max_model_len=256, num_kv_blocks=64)
     daemon = DaemonConfig(engine_endpoint="ipc:///run/engine.sock", metrics_port=9400)
     plans = plan_models(base, daemon, ["/m/c.gguf"], str(path))
@@ -33,6 +34,8 @@ def test_each_model_gets_its_flags_over_the_command_lines_a_name_an_endpoint_and
     assert [p.engine.served_model_name for p in plans] == ["c", "a", "bee"]
     assert [(p.engine.max_model_len, p.engine.num_kv_blocks) for p in plans] == [(256, 64), (256, 64), (512, 64)]
     assert plans[1].engine.kv_cache_memory == 2**30 and plans[0].engine.kv_cache_memory is None
+    # The machine's memory shared among the engines, unless a model sets its own fraction.
+    assert [p.engine.gpu_memory_utilization for p in plans] == [0.3, 0.3, 0.5]
     assert [p.daemon.engine_endpoint for p in plans] == [f"ipc:///run/engine-{n}.sock" for n in range(3)]
     assert [p.daemon.metrics_port for p in plans] == [9400, 9401, 9402]
     assert plans[2].endpoint_entry == "bee=ipc:///run/engine-2.sock"
