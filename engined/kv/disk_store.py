@@ -49,7 +49,7 @@ MAGIC = b"MLXDKV01"
 _HEAD = struct.Struct("<8sI")  # magic, JSON header length
 # Blocks evicted faster than the disk takes them are dropped past this many bytes waiting (the tier is a
 # cache: a dropped block is recomputed later, memory is not).
-MAX_PENDING_BYTES = 512 * 2**20
+MAX_PENDING_BYTES = 256 * 2**20
 # Temporary files older than this are an interrupted write's leftovers (another engine's write in progress
 # is far younger).
 STALE_TMP_S = 600.0

@@ -27,6 +27,7 @@ beside them.
 from __future__ import annotations
 
 import hashlib
+import logging
 from collections.abc import Callable
 from concurrent.futures import Future
 
@@ -39,8 +40,10 @@ from mlxd.engined.kv.disk_store import DiskStore
 from mlxd.engined.kv.full_attention import extend_hashes
 from mlxd.engined.request import Request
 
+log = logging.getLogger("mlxd.engine")
+
 # Bytes of K/V copied to the host at once.
-CHUNK_BYTES = 64 * 2**20
+CHUNK_BYTES = 32 * 2**20
 
 
 def weights_fingerprint(model) -> str:
@@ -124,7 +127,10 @@ class DiskTier:
             if not future.done():
                 return True
             self._reads[rid] = None
-            self._install(req, n, wanted, future.result())
+            if future.exception() is not None:  # a failure reading is a miss: the prefix is computed
+                log.warning("KV disk cache: reading blocks failed: %r", future.exception())
+            else:
+                self._install(req, n, wanted, future.result())
             return False
         self._reads[rid] = None
         if not self.store.enabled:
@@ -168,14 +174,14 @@ class DiskTier:
     def _install(self, req: Request, n: int, wanted: list[tuple[Part, bytes]], results: list) -> None:
         """Put what was read for ``req`` in place, part by part (the main pool's first); whatever is
         missing cuts the prefix its lookup then finds."""
-        read: dict[int, dict[bytes, dict]] = {id(p): {} for p in self.parts}
+        read: dict[Part, dict[bytes, dict]] = {p: {} for p in self.parts}
         for (part, h), arrays in zip(wanted, results):
             if not part.fits(arrays):
                 break
-            read[id(part)][h] = arrays
+            read[part][h] = arrays
         for i, part in enumerate(self.parts):
             hashes = [req.block_hashes[j] for j in part.span(n, self.block_size)]
-            done = part.install(hashes, read[id(part)], self.spill)
+            done = part.install(hashes, read[part], self.spill)
             if i == 0:
                 self.store.totals.hit_blocks += done
         self.spill()
