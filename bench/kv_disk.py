@@ -18,9 +18,13 @@ model and prompts:
 
 Returning sessions' TTFT is the time from ``add_request`` to the first token,
 one session at a time (the prefill alone); the table gives p50 and p90 and the
-mean ``cached_tokens`` of the returning turns.
+mean ``cached_tokens`` of the returning turns, and whether their greedy tokens
+are the same with the tier as without.
 
-    python -m bench.kv_disk [--model PATH] [--sessions 16] [--context 8192] [--pool-sessions 4]
+``--shape`` (``bench/gpu_serving.py``'s shapes, random weights, no model
+download) runs where no checkpoint is at hand, e.g. on a GPU machine.
+
+    python -m bench.kv_disk [--model PATH | --shape qwen3-8b] [--sessions 16] [--context 8192] [--pool-sessions 4]
 """
 
 from __future__ import annotations
@@ -40,24 +44,25 @@ from mlxd.shared.protocol import SamplingParams
 
 
 def make_engine(args, tier: bool, disk_dir: str) -> Engine:
-    """An engine over a fresh load of the model (an engine adapts the model's layers it is given)."""
+    """An engine over a model object of its own (an engine adapts the model's layers it is given)."""
     session = args.context + args.turn_tokens + 2 * args.max_tokens
     blocks = -(-session // args.block_size)
     return Engine(EngineConfig(
         num_kv_blocks=max(args.pool_sessions, args.concurrency) * blocks, block_size=args.block_size,
         max_model_len=session + args.block_size, max_num_seqs=max(args.concurrency, 1),
-        kv_disk_cache=tier, kv_cache_dir=disk_dir, kv_disk_budget=args.disk_budget), loaded=load_model(args.model))
+        kv_disk_cache=tier, kv_cache_dir=disk_dir, kv_disk_budget=args.disk_budget), loaded=args.make_loaded())
 
 
-def ttft(engine: Engine, rid: str, prompt: list[int], params: SamplingParams) -> tuple[float, int]:
-    """(seconds to the first token, cached prompt tokens) of one request run alone to its end."""
-    start, first, cached = time.perf_counter(), None, 0
+def ttft(engine: Engine, rid: str, prompt: list[int], params: SamplingParams) -> tuple[float, int, list[int]]:
+    """(seconds to the first token, cached prompt tokens, tokens) of one request run alone to its end."""
+    start, first, cached, tokens = time.perf_counter(), None, 0, []
     engine.add_request(rid, prompt, params)
     while engine.has_unfinished():
         for out in engine.step():
             if first is None and out.new_token_ids:
                 first, cached = time.perf_counter() - start, out.num_cached_tokens
-    return first, cached
+            tokens += out.new_token_ids
+    return first, cached, tokens
 
 
 def run_all(engine: Engine, prompts: list[list[int]], params: SamplingParams, tag: str) -> tuple[float, int]:
@@ -70,7 +75,7 @@ def run_all(engine: Engine, prompts: list[list[int]], params: SamplingParams, ta
     return time.perf_counter() - start, sum(map(len, prompts)) + len(prompts) * params.max_tokens
 
 
-def returning(vocab: int, args, tier: bool, restart: bool) -> tuple[list[float], list[int]]:
+def returning(vocab: int, args, tier: bool, restart: bool) -> tuple[list[float], list[int], list[list[int]]]:
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
     rng = np.random.default_rng(args.seed)
     contexts = [rng.integers(100, vocab - 100, size=args.context).tolist() for _ in range(args.sessions)]
@@ -89,12 +94,13 @@ def returning(vocab: int, args, tier: bool, restart: bool) -> tuple[list[float],
             engine = make_engine(args, tier, disk_dir)
         elif engine.scheduler.kv.disk is not None:
             engine.scheduler.kv.disk.store.flush()  # the evictions' writes are done before sessions return
-        times, cached = [], []
+        times, cached, tokens = [], [], []
         for i, (c, t) in enumerate(zip(contexts, turns)):
-            s, n = ttft(engine, f"again{i}", c + t, params)
+            s, n, out = ttft(engine, f"again{i}", c + t, params)
             times.append(s)
             cached.append(n)
-        return times, cached
+            tokens.append(out)
+        return times, cached, tokens
 
 
 def one_shot(vocab: int, args, tier: bool) -> float:
@@ -113,6 +119,8 @@ def one_shot(vocab: int, args, tier: bool) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="")
+    ap.add_argument("--shape", default=None, help="random weights of this shape (bench/gpu_serving.py) instead")
+    ap.add_argument("--dtype", default="bf16", choices=["bf16", "q4"], help="with --shape")
     ap.add_argument("--sessions", type=int, default=16)
     ap.add_argument("--context", type=int, default=8192)
     ap.add_argument("--pool-sessions", type=int, default=4, help="sessions the RAM pool holds")
@@ -127,15 +135,26 @@ def main() -> None:
     args = ap.parse_args()
     print(f"seed {args.seed}", flush=True)
 
-    vocab = load_model(args.model).vocab_size
+    if args.shape:
+        from mlxd.bench.gpu_serving import SHAPES, build_models
+
+        _, args.make_loaded, _ = build_models(args.shape, args.dtype, args.seed)
+        vocab = SHAPES[args.shape]["vocab_size"]
+    else:
+        args.make_loaded = lambda: load_model(args.model)
+        vocab = load_model(args.model).vocab_size
     rows = []
     for workload in ("evicting", "restart"):
+        outputs = {}
         for tier in (False, True):
-            times, cached = returning(vocab, args, tier, restart=workload == "restart")
+            times, cached, outputs[tier] = returning(vocab, args, tier, restart=workload == "restart")
             p50, p90 = np.percentile(times, [50, 90])
             rows.append((workload, tier, p50, p90, float(np.mean(cached))))
             print(f"{workload:>8} tier {'on ' if tier else 'off'}: returning TTFT p50 {p50:.3f} s p90 {p90:.3f} s, "
                   f"cached_tokens {np.mean(cached):.0f}", flush=True)
+        same = sum(a == b for a, b in zip(outputs[False], outputs[True]))
+        print(f"{workload:>8}: {same} of {args.sessions} returning sessions gave the same greedy tokens with the "
+              "tier as without", flush=True)
     throughput = {tier: one_shot(vocab, args, tier) for tier in (False, True)}
     for tier, tps in throughput.items():
         print(f"one-shot tier {'on ' if tier else 'off'}: {tps:.1f} tokens/s", flush=True)
