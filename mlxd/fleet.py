@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import os
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from mlxd.model_set import ModelPlan, plan_models
@@ -64,7 +64,8 @@ class Member:
     failed: str | None = None
     # A request waits for it to start once the models being stopped for it have exited.
     pending: bool = False
-    idle: float = field(default=0.0)
+    # Seconds since its last request, as the gateway said at the last poll (0 while one is open).
+    idle: float = 0.0
 
 
 def build_fleet(engine_cfg: EngineConfig, daemon_cfg: DaemonConfig, models: list[str], model_set: ModelSetConfig,
@@ -107,6 +108,8 @@ class Fleet:
     # -- asked by the gateway (gateway.state.Fleet) -------------------------------------
 
     def want(self, name: str) -> str | None:
+        """None: the request waits (the engine runs, or starts now, or once the idle models stopped for
+        it have exited); else why it cannot start (it was given up, or busy models hold the budget)."""
         m = self.members[name]
         if m.failed is not None:
             return m.failed
