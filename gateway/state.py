@@ -1,7 +1,8 @@
 """What the gateway holds for one engine (``GatewayState``): its client, its model's tokenizer and
 parsers, and the process's config and view of the key file (``KeyChecker``, reloaded whenever the
 file changes, so a revoked key stops working at once; ``shared.keys`` is the file itself, which
-`mlxd keys` writes); ``ModelRouter`` holds one per engine and routes a request to its model's. ``open_request`` is the opening every model route shares, and ``decode_body``
+`mlxd keys` writes); ``ModelRouter`` holds one per engine and routes a request to its model's.
+``open_request`` is the opening every model route shares, and ``decode_body``
 the request body's read: size, time and nesting bounded, JSON into a typed Struct, every refusal an
 InvalidRequestError (or a subclass with its own status), so that a hostile body is a 4xx and never an
 exception the route did not expect.

@@ -14,9 +14,9 @@ EngineConfig's fields by name (``model``, ``served_model_name``, ``max_model_len
 
 The engines share the machine: one whose table sets no ``gpu_memory_utilization`` gets the command
 line's divided by the number of models, so that their memory guards and KV pools, each sized from
-its own fraction, add up to the set's. Each engine gets the served name the gateway routes by (``served_model_name``, else the name
-the loader would give: a GGUF file's stem, a directory's name, a repo id), and an endpoint and
-metrics port of its own: the n-th model (from 0) the base endpoint with ``-n`` before its
+its own fraction, add up to the set's. Each engine gets the served name the gateway routes by
+(``served_model_name``, else the name the loader would give: a GGUF file's stem, a directory's
+name, a repo id), and an endpoint and metrics port of its own: the n-th model (from 0) the base endpoint with ``-n`` before its
 extension (ipc) or its port plus n (tcp), and ``--metrics-port`` plus n.
 """
 

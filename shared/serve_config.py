@@ -195,7 +195,8 @@ class GatewayConfig(msgspec.Struct, kw_only=True):
             # Endpoints hold no "=", a model's name might.
             name, eq, endpoint = entry.rpartition("=")
             if not eq or not name or not endpoint:
-                raise InvalidRequestError(f"--model-endpoints {entry!r}: expected NAME=ENDPOINT", param="model_endpoints")
+                raise InvalidRequestError(f"--model-endpoints {entry!r}: expected NAME=ENDPOINT",
+                                          param="model_endpoints")
             out.append((name, endpoint))
         names = [n for n, _ in out]
         if len(set(names)) != len(names):
