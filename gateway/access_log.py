@@ -73,14 +73,15 @@ class _Tap:
 class AccessLoggedClient(EngineClient):
     """The engine client, noting each request's outputs in the access record of its HTTP request."""
 
-    def add(self, request_id, prompt_ids, params, queue, index=0, cache_salt=None, app=None, priority=0,
-            group=None, task="generate", lora_name=None):
+    def add(self, request_id, prompt_ids, params, queue, index=0, cache_salt=None, app=None, *more, **named):
+        # The rest (priority, group, task, images, audio, ...) passes through as given: this tap must not need
+        # an edit each time a request gains an input.
         record = _current.get()
         if record is not None:
             record.ids.append(request_id)
             record.app = app or "default"
             queue = _Tap(queue, record)
-        super().add(request_id, prompt_ids, params, queue, index, cache_salt, app, priority, group, task, lora_name)
+        super().add(request_id, prompt_ids, params, queue, index, cache_salt, app, *more, **named)
 
 
 class AccessLog:
