@@ -26,6 +26,7 @@ import mlx.core as mx
 import numpy as np
 
 from mlxd.engined.device import device_kind
+from mlxd.engined.loaders.mlx_dir import resolve_hf_repo
 from mlxd.engined.metrics import EngineMetrics
 from mlxd.engined.request import Request, Status, WaitingPlaces, take_output
 from mlxd.engined.speech.checkpoints import checkpoint_format, load_whisper
@@ -46,10 +47,18 @@ ENCODE_BATCH = 8
 
 
 def speech_dir(model: str) -> Path | None:
-    """The model's folder when it holds a Whisper checkpoint, else None."""
-    path = Path(model) if model else None
-    if path is None or not path.is_dir():
+    """The model's folder (a path, or a repo id in the local Hugging Face cache) when it holds a
+    Whisper checkpoint, else None."""
+    if not model or model.endswith(".gguf"):
         return None
+    path = Path(model)
+    if not path.is_dir():
+        if model.count("/") != 1 or model.startswith((".", "/", "~")):
+            return None
+        try:
+            path = resolve_hf_repo(model)
+        except ModelLoadError:
+            return None  # not cached: the decoder engine's loader says so
     return path if checkpoint_format(path) is not None else None
 
 
