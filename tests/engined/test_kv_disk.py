@@ -68,10 +68,15 @@ def evict_then_return(eng, prompts, lora=None):
     return first, run(eng, prompts[0], "a1", lora)
 
 
-@pytest.mark.parametrize("kind", ["dense", "window", "hybrid"])
-def test_a_disk_hit_gives_the_tokens_of_a_recompute(models, tmp_path, kind):
+# Asynchronous scheduling too (as on a GPU): the next step is built while one is in flight, and a
+# hybrid's snapshots are evicted while a step is being built.
+@pytest.mark.parametrize("kind,asynchronous", [("dense", False), ("window", False), ("hybrid", False),
+                                               ("hybrid", True)])
+def test_a_disk_hit_gives_the_tokens_of_a_recompute(models, tmp_path, kind, asynchronous):
     seed = fresh_seed(kind)
-    eng = engine(models[kind], tmp_path / "kv")
+    eng = engine(models[kind], tmp_path / "kv", async_scheduling=asynchronous,
+                 attention_backend="reference" if asynchronous else "auto")
+    assert eng.async_scheduling == asynchronous
     tier = eng.scheduler.kv.disk
     assert tier is not None and len(tier.parts) == len(eng.scheduler.kv.groups)
     # Four sessions: the others also cycle the window pool and the snapshot slots.
