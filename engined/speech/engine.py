@@ -272,6 +272,7 @@ class SpeechEngine:
             return
         new = [tok for s in t.segments for tok in s.tokens]
         t.req.pending_tokens = new
+        t.req.token_ids += new  # the generation-token metrics count them
         self.metrics.on_tokens([(t.req, len(new))], time.monotonic())
         out = take_output(t.req)
         out.segments, t.segments = t.segments, []
