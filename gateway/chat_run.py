@@ -140,7 +140,7 @@ async def render(gw: GatewayState, inp: ChatInput, receive, check_length: bool =
 
     # A message's content stays a list of parts only when it holds an image (params.message_dicts).
     has_parts = any(isinstance(m.get("content"), list) for m in inp.messages)
-    urls = take_images(inp.messages, cfg.limit_mm_per_prompt) if has_parts else []
+    urls = take_images(inp.messages, cfg.images_per_prompt) if has_parts else []
     images = None
     if urls:
         def read_images():

@@ -44,7 +44,7 @@ def anthropic_image_url(source, where: str) -> str:
 
 def take_images(messages: list[dict], limit: int) -> list[str]:
     """The URLs of ``messages``' image parts in order, each part replaced by ``{"type": "image"}``
-    in place; more than ``limit`` (``--limit-mm-per-prompt``) is a 400."""
+    in place; more than ``limit`` (``--limit-mm-per-prompt``'s image count) is a 400."""
     urls = []
     for i, m in enumerate(messages):
         content = m.get("content")

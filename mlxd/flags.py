@@ -86,7 +86,7 @@ HELP = {
     "allowed_origins": "browser origins allowed to call the API, or '*' (default: none; requests with Origin refused)",
     "allowed_hosts": "Host names answered beyond loopback names, IP literals and --host, or '*' (DNS rebinding)",
     "trust_request_chat_template": "render chat templates sent in requests (default: refused)",
-    "limit_mm_per_prompt": "most images in one prompt (a vision-language model)",
+    "limit_mm_per_prompt": "most images in one prompt, as vLLM: '{\"image\": 2}' (default: 4)",
     "allowed_media_domains": "hosts image URLs may be fetched from (default: any)",
     "allowed_local_media_path": "folder whose files may be sent as file: image URLs (default: none)",
     "media_fetch_timeout": "seconds to fetch an image URL",

@@ -134,10 +134,11 @@ class GatewayConfig(msgspec.Struct, kw_only=True):
     # POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM: VLLM_ALLOW_RUNTIME_LORA_UPDATING).
     enable_runtime_lora_updating: bool = False
 
-    # Images in a prompt (gateway/media.py): vLLM's --limit-mm-per-prompt (images per prompt),
-    # --allowed-media-domains (empty: any host) and --allowed-local-media-path (None: no file: URLs);
-    # a fetched image's time, size and redirect limits, and a decoded image's pixel limit.
-    limit_mm_per_prompt: int = 4
+    # Images in a prompt (gateway/media.py): vLLM's --limit-mm-per-prompt (a JSON object such as
+    # '{"image": 2}'; None: 4 images), --allowed-media-domains (empty: any host) and
+    # --allowed-local-media-path (None: no file: URLs); a fetched image's time, size and redirect
+    # limits, and a decoded image's pixel limit.
+    limit_mm_per_prompt: str | None = None
     allowed_media_domains: list[str] = []
     allowed_local_media_path: str | None = None
     media_fetch_timeout: float = 10.0
@@ -165,10 +166,26 @@ class GatewayConfig(msgspec.Struct, kw_only=True):
                                       f"{', '.join(GENERATION_CONFIG_KEYS)}", param="override_generation_config")
         return generation_sampling_keys(value, "--override-generation-config")
 
+    @property
+    def images_per_prompt(self) -> int:
+        """``limit_mm_per_prompt``'s image count (vLLM's JSON object; other modalities are not taken)."""
+        if self.limit_mm_per_prompt is None:
+            return 4
+        try:
+            value = json.loads(self.limit_mm_per_prompt)
+        except ValueError:
+            value = None
+        if not (isinstance(value, dict) and set(value) <= {"image"} and isinstance(value.get("image", 0), int)
+                and value.get("image", 0) >= 0):
+            raise InvalidRequestError("--limit-mm-per-prompt must be a JSON object such as '{\"image\": 2}'",
+                                      param="limit_mm_per_prompt")
+        return value.get("image", 0)
+
     def __post_init__(self) -> None:
         if self.enable_auto_tool_choice and self.tool_call_parser is None:
             raise InvalidRequestError("enable_auto_tool_choice needs a tool_call_parser", param="tool_call_parser")
         self.generation_override  # parse now so a bad JSON object fails at start-up
+        self.images_per_prompt  # likewise
         if not 0 <= self.port < 65536:
             raise InvalidRequestError("port must be in [0, 65536)", param="port")
         if self.engine_timeout <= 0:

@@ -77,7 +77,7 @@ def media():
 def served(tmp_path_factory):
     path = make_tiny_gemma3_vlm(tmp_path_factory.mktemp("model") / "gemma3_vlm", seed=3)
     serve = Serve(tmp_path_factory.mktemp("serve"), "--num-kv-blocks", "64", "--max-num-batched-tokens", "32",
-                  "--enable-prefix-caching", "--limit-mm-per-prompt", "2", "--media-fetch-timeout", "1",
+                  "--enable-prefix-caching", "--limit-mm-per-prompt", '{"image": 2}', "--media-fetch-timeout", "1",
                   "--media-max-bytes", str(LIMIT_BYTES), "--media-max-redirects", "2",
                   "--allowed-media-domains", "127.0.0.1", model=str(path)).start()
     serve.wait_healthy()
