@@ -15,6 +15,7 @@ from mlxd import cli
 from mlxd.engined.engine import Engine
 from mlxd.engined.kv.full_attention import hash_block
 from mlxd.engined.loaders import load_model
+from mlxd.engined.metrics import StatsLog
 from mlxd.flags import build_config
 from mlxd.shared.config import EngineConfig
 from mlxd.shared.protocol import SamplingParams
@@ -90,6 +91,9 @@ def test_a_disk_hit_gives_the_tokens_of_a_recompute(models, tmp_path, kind, asyn
     scraped = generate_latest(eng.metrics.registry).decode()
     hits = re.search(r"^mlxd:kv_disk_cache_hit_blocks_total\{[^}]*\} (\S+)$", scraped, re.M)
     assert float(hits.group(1)) == tier.store.totals.hit_blocks
+    stats_log = StatsLog(eng.metrics)
+    stats_log.maybe_log(0.0, eng.stats(), 1.0)
+    assert f"{tier.store.totals.hit_blocks} blocks read back" in stats_log.maybe_log(1.0, eng.stats(), 1.0)
 
 
 def test_an_adapters_blocks_come_back_for_it_alone(models, tmp_path):
