@@ -129,8 +129,9 @@ def test_files_are_private_and_namespaced_by_the_model(models, tmp_path):
     assert files and all(stat.S_IMODE(e.stat().st_mode) == 0o600 for e in files)
 
 
-def test_a_corrupt_or_truncated_file_is_recomputed_not_served(models, tmp_path):
-    seed = fresh_seed("corrupt")
+@pytest.mark.parametrize("damage", ["flipped", "truncated", "foreign"])
+def test_a_damaged_file_is_recomputed_not_served(models, tmp_path, damage):
+    seed = fresh_seed(damage)
     prompts = sessions(seed)
     eng = engine(models["dense"], tmp_path / "kv")
     first = run(eng, prompts[0], "a0")
@@ -143,20 +144,24 @@ def test_a_corrupt_or_truncated_file_is_recomputed_not_served(models, tmp_path):
         parent = hash_block(parent, prompts[0][i * BLOCK:(i + 1) * BLOCK])
         hashes.append(parent)
     on_disk = [h for h in hashes if store.has(h)]
-    assert len(on_disk) >= 4
-    flipped, cut = on_disk[1], on_disk[3]
-    with open(store._file(flipped), "r+b") as f:  # one payload byte changed
-        f.seek(-5, os.SEEK_END)
-        byte = f.read(1)
-        f.seek(-5, os.SEEK_END)
-        f.write(bytes([byte[0] ^ 0xFF]))
-    with open(store._file(cut), "r+b") as f:  # a torn write
-        f.truncate(os.path.getsize(store._file(cut)) // 2)
+    assert len(on_disk) >= 2
+    bad = store._file(on_disk[1])
+    if damage == "flipped":  # one payload byte changed
+        with open(bad, "r+b") as f:
+            f.seek(-5, os.SEEK_END)
+            byte = f.read(1)
+            f.seek(-5, os.SEEK_END)
+            f.write(bytes([byte[0] ^ 0xFF]))
+    elif damage == "truncated":  # a torn write
+        with open(bad, "r+b") as f:
+            f.truncate(os.path.getsize(bad) // 2)
+    else:  # another block's whole, intact file under this block's name
+        shutil.copyfile(store._file(on_disk[0]), bad)
     toks, cached = run(eng, prompts[0], "a1")
     assert toks == first[0], f"seed {seed}"
-    assert cached < hashes.index(flipped) * BLOCK + BLOCK
-    assert store.totals.discarded_files == 1  # the first bad file ends the run; the torn one is never read
-    assert not store.has(flipped) and not os.path.exists(store._file(flipped))
+    assert cached <= hashes.index(on_disk[1]) * BLOCK
+    assert store.totals.discarded_files == 1
+    assert not store.has(on_disk[1]) and not os.path.exists(bad)
 
 
 def test_the_budget_holds_least_recently_used_out_first(models, tmp_path):
