@@ -14,8 +14,8 @@ bounds admission and context, and the memory guard sizes it. The others
 - bytes per block and fixed bytes are the groups' sums.
 
 The chained block hashes live on the request and are computed here once for
-every group. Under the main pool, an optional disk tier (``disk_tier``) keeps
-evicted cached blocks and reads them back before a request is admitted.
+every group. Under the groups, an optional disk tier (``disk_tier``) keeps what
+leaves their prefix caches and reads it back before a request is admitted.
 """
 
 from __future__ import annotations
