@@ -107,6 +107,7 @@ def test_serve_without_enable_log_requests_writes_no_access_lines(tmp_path):
 class _Totals:
     total_prompt_tokens = total_cached_tokens = total_generation_tokens = 0
     spec = None  # not speculating
+    disk = None  # no KV disk tier
 
 
 class _Stats:
