@@ -28,8 +28,6 @@ import pytest
 
 from tests.e2e.serve_process import Serve
 
-pytestmark = pytest.mark.skipif(shutil.which("espeak-ng") is None, reason="espeak-ng is not installed")
-
 # Sentences espeak-ng speaks clearly enough for tiny.en (numbers spelled out are left out: the
 # model writes digits).
 SENTENCES = [
@@ -50,6 +48,7 @@ def whisper_dir() -> Path:
 
 
 def speak(text: str, path: Path) -> Path:
+    assert shutil.which("espeak-ng"), "espeak-ng is not installed (Debian package `espeak-ng`; .ci/run installs it)"
     subprocess.run(["espeak-ng", "-v", "en-us", "-s", "150", "-w", str(path), text], check=True)
     return path
 
