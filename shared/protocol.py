@@ -31,7 +31,8 @@ from mlxd.shared.errors import InvalidRequestError
 # 6: LoRA: AddRequest.lora_name, ModelInfo.lora_adapters, Pong.lora_adapters, LORA / LORA_DONE.
 # 7: AddRequest gained images (ImageInput).
 # 8: speech: AddRequest.audio (AudioInput), RequestOutput.segments and language, TASKS transcribe.
-PROTOCOL_VERSION = 8
+# 9: ImageInput gained runs (the span's positions that take rows) and tiled shapes [N, C, H, W].
+PROTOCOL_VERSION = 9
 
 # What a request asks of the model: tokens (generate), its pooled vector (embed), a relevance
 # score from its last position's logits (score), or the text of its audio (transcribe, a speech
@@ -296,15 +297,20 @@ class AudioInput(msgspec.Struct, array_like=True, gc=False):
 
 class ImageInput(msgspec.Struct, array_like=True, gc=False):
     """One image of a prompt, as the model's processor made it: ``pixels`` (float32, C-order, of
-    ``shape``) fill the ``length`` placeholder tokens from prompt position ``offset``. ``mm_hash``
-    is the digest of the image's bytes: it enters the prefix-cache hash of every block holding
-    those tokens, so equal tokens of another image never share K/V."""
+    ``shape``: [C, H, W], or [N, C, H, W] for an image the processor cut into N tiles, whose rows
+    follow one another) fill the span of ``length`` prompt positions from ``offset``. ``runs``
+    are [start, length] pairs, relative to ``offset`` and in order, of the span's positions that
+    take the rows; the others (a family's row breaks and tile markers) keep their own tokens'
+    embeddings. None: every position takes a row. ``mm_hash`` is the digest of the image's
+    bytes: it enters the prefix-cache hash of every block holding its span, so equal tokens of
+    another image never share K/V."""
 
     mm_hash: str
     offset: int
     length: int
     shape: list[int]
     pixels: bytes
+    runs: list[list[int]] | None = None
 
 
 class Abort(msgspec.Struct, array_like=True, gc=False):

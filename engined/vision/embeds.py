@@ -1,15 +1,17 @@
 """The image rows of a packed step, and the encoder output cache that keeps them across its chunks.
 
-A prompt's image fills ``length`` consecutive prompt positions; a step computes some run of a
-request's positions, which may start or end inside an image (chunked prefill cuts where the
-token budget ends, and a prefix-cache hit may end inside one). The tower runs once per image,
-for every image a step needs that the cache does not hold, batched by pixel shape; the rows are
+A prompt's image spans ``length`` consecutive prompt positions, of which its ``runs`` take the
+tower's rows (all of them, or the runs between a family's row breaks and tile markers); a step
+computes some run of a request's positions, which may start or end inside an image (chunked
+prefill cuts where the token budget ends, and a prefix-cache hit may end inside one). The tower
+runs once per image, for every image a step needs that the cache does not hold, over the pixel
+arrays of all those images (one per image, or one per tile) batched by shape; the rows are
 kept, keyed by the image's content hash, so that the image's later chunks, a preempted request's
 recomputation and another request with the same image read them again instead of re-encoding.
 The cache is bounded in bytes (its budget is a fixed pool of the memory guard's) and evicts least
 recently used images first, never one the step at hand needs. The tower runs on at most
-``ENCODE_BATCH`` images at a time, so that its activations stay within the room the memory guard
-sets aside for them.
+``ENCODE_BATCH`` pixel arrays at a time, so that its activations stay within the room the memory
+guard sets aside for them.
 """
 
 from __future__ import annotations
@@ -23,8 +25,19 @@ from mlxd.engined.vision.tower import VisionTower
 from mlxd.shared.errors import InvalidRequestError
 from mlxd.shared.protocol import ImageInput
 
-# Images per tower call: a step's images are encoded together, this many at a time.
+# Pixel arrays (images or tiles) per tower call: a step's images are encoded together, this many at a time.
 ENCODE_BATCH = 8
+
+
+def row_runs(image: ImageInput) -> list[tuple[int, int]]:
+    """(prompt position, length) of each run of ``image``'s positions that takes rows, in row order."""
+    return [(image.offset + s, n) for s, n in image.runs] if image.runs else [(image.offset, image.length)]
+
+
+def pixel_arrays(image: ImageInput) -> np.ndarray:
+    """``image``'s pixels as [N, C, H, W]: one array, or its tiles."""
+    pixels = np.frombuffer(image.pixels, dtype=np.float32).reshape(image.shape)
+    return pixels[None] if pixels.ndim == 3 else pixels
 
 
 class ImageEmbeds:
@@ -52,9 +65,14 @@ class ImageEmbeds:
         for r, n in scheduled:
             start = r.num_computed_tokens
             for image in r.images or ():
-                lo, hi = max(start, image.offset), min(start + n, image.offset + image.length)
-                if lo < hi:
-                    spans.append((image, lo - image.offset, hi - image.offset, offset + lo - start))
+                if image.offset >= start + n or image.offset + image.length <= start:
+                    continue
+                row = 0
+                for at, length in row_runs(image):
+                    lo, hi = max(start, at), min(start + n, at + length)
+                    if lo < hi:
+                        spans.append((image, row + lo - at, row + hi - at, offset + lo - start))
+                    row += length
             offset += n
         if not spans:
             return None
@@ -64,27 +82,31 @@ class ImageEmbeds:
         return mx.array(positions), rows
 
     def _features(self, images: list[ImageInput]) -> dict[str, mx.array]:
-        """Each image's ``[length, hidden]`` rows, from the cache or encoded now (the missing ones in
-        one tower call per pixel shape)."""
+        """Each image's ``[rows, hidden]`` rows, from the cache or encoded now (the missing images'
+        pixel arrays in one tower call per array shape)."""
         found = {}
-        missing: dict[tuple, dict[str, ImageInput]] = {}
+        arrays: dict[str, np.ndarray] = {}
         for image in images:
             if image.mm_hash in self._cache:
                 self._cache.move_to_end(image.mm_hash)
                 found[image.mm_hash] = self._cache[image.mm_hash]
             elif image.mm_hash not in found:
-                missing.setdefault(tuple(image.shape), {})[image.mm_hash] = image
-        for shape, group in missing.items():
-            hashes = list(group)
-            for at in range(0, len(hashes), ENCODE_BATCH):
-                batch = hashes[at : at + ENCODE_BATCH]
-                pixels = mx.array(np.stack([np.frombuffer(group[h].pixels, dtype=np.float32).reshape(shape)
-                                            for h in batch]))
-                out = self.tower.encode(pixels)
-                # Each image's rows in an array of its own, so that evicting one frees its memory.
-                rows = [mx.contiguous(out[k]) for k in range(len(batch))]
-                mx.eval(rows)
-                found.update(zip(batch, rows))
+                arrays[image.mm_hash] = pixel_arrays(image)
+        by_shape: dict[tuple, list[tuple[str, int]]] = {}  # array shape -> (image, its array's index)
+        for h, pixels in arrays.items():
+            by_shape.setdefault(pixels.shape[1:], []).extend((h, k) for k in range(len(pixels)))
+        parts = {h: [None] * len(pixels) for h, pixels in arrays.items()}
+        for group in by_shape.values():
+            for at in range(0, len(group), ENCODE_BATCH):
+                batch = group[at : at + ENCODE_BATCH]
+                out = self.tower.encode(mx.array(np.stack([arrays[h][k] for h, k in batch])))
+                mx.eval(out)  # before the next batch: only one batch's activations at a time
+                for j, (h, k) in enumerate(batch):
+                    parts[h][k] = out[j]
+        # Each image's rows in an array of its own, so that evicting one frees its memory.
+        encoded = {h: mx.contiguous(mx.concatenate(p) if len(p) > 1 else p[0]) for h, p in parts.items()}
+        mx.eval(list(encoded.values()))
+        found.update(encoded)
         for h, rows in found.items():
             if h not in self._cache:
                 self._cache[h] = rows
@@ -109,16 +131,25 @@ def image_embeds(tower: VisionTower | None, config) -> ImageEmbeds | None:
 
 
 def check_images(images: list[ImageInput], num_prompt_tokens: int, embeds: ImageEmbeds | None, model: str) -> None:
-    """Raise InvalidRequestError unless every image lies inside the prompt, in order, on a model with a tower."""
+    """Raise InvalidRequestError unless every image lies inside the prompt, in order, on a model with a
+    tower, and its runs take as many rows as its pixels make."""
     if embeds is None:
         raise InvalidRequestError(f"the model `{model}` does not take images")
     end = 0
     for image in images:
         if image.offset < end or image.length <= 0 or image.offset + image.length > num_prompt_tokens:
             raise InvalidRequestError("an image's placeholder tokens lie outside the prompt or overlap another's")
-        if len(image.shape) != 3 or int(np.prod(image.shape)) * 4 != len(image.pixels):
+        if len(image.shape) not in (3, 4) or int(np.prod(image.shape)) * 4 != len(image.pixels):
             raise InvalidRequestError("an image's pixels do not fill its shape")
-        if embeds.tower.num_tokens(image.shape) != image.length:
+        at = 0
+        for run in image.runs or [[0, image.length]]:
+            if len(run) != 2 or run[0] < at or run[1] <= 0:
+                raise InvalidRequestError("an image's runs are not ordered, non-empty [start, length] pairs")
+            at = run[0] + run[1]
+        if at > image.length:
+            raise InvalidRequestError("an image's runs end past its span")
+        rows = sum(n for _, n in image.runs) if image.runs else image.length
+        if embeds.tower.num_tokens(image.shape) != rows:
             raise InvalidRequestError(f"an image of this model fills {embeds.tower.num_tokens(image.shape)} "
-                                      f"placeholder tokens, not {image.length}")
+                                      f"placeholder tokens, not {rows}")
         end = image.offset + image.length

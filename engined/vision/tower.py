@@ -41,8 +41,8 @@ def _square_image(config) -> list[int]:
 @dataclass(frozen=True)
 class Family:
     features: Callable  # (tower, projector, mlx-vlm config, pixels [N, C, H, W]) -> [N, tokens, hidden]
-    num_tokens: Callable  # (mlx-vlm config, one image's pixel shape) -> its rows
-    largest_image: Callable  # (mlx-vlm config) -> the pixel shape of the largest image the processor makes
+    num_tokens: Callable  # (mlx-vlm config, one pixel array's shape [C, H, W]) -> its rows
+    largest_image: Callable  # (mlx-vlm config) -> the shape of the largest pixel array the processor makes
     tower: str = "vision_tower"  # the modules' names in mlx-vlm's Model, and the checkpoint's prefixes
     projector: str = "multi_modal_projector"
 
@@ -113,8 +113,9 @@ class VisionTower:
         return sum(v.nbytes for m in (self.tower, self.projector) for _, v in tree_flatten(m.parameters()))
 
     def num_tokens(self, shape: list[int]) -> int:
-        """The rows an image of pixel ``shape`` [C, H, W] encodes to (its placeholder tokens)."""
-        return self.family.num_tokens(self.config, shape)
+        """The rows an image of pixel ``shape`` [C, H, W], or of N tiles [N, C, H, W], encodes to."""
+        tiles = shape[0] if len(shape) == 4 else 1
+        return tiles * self.family.num_tokens(self.config, list(shape[-3:]))
 
     def encode(self, pixels: mx.array) -> mx.array:
         """``pixels [N, C, H, W]`` (one shape for the batch) to ``[N, tokens, hidden]`` input rows."""
