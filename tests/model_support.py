@@ -60,6 +60,8 @@ FAMILIES: tuple[Family, ...] = (
     Family("mistral3_ministral3", "Ministral 3 3B/8B/14B (vision checkpoint)",
            "sliding window + global layers, YaRN, position-scaled queries", "dense",
            model_type="mistral3", text_model_type="ministral3"),
+    Family("idefics3", "SmolVLM 256M / 500M / 2.2B, Idefics3 (vision checkpoint: images in, "
+           "tests/engined/test_vision.py)", "full, GQA (Llama inside)", "dense", text_model_type="llama"),
     Family("gpt_oss", "gpt-oss-20b, gpt-oss-120b", "sliding window + global layers, attention sinks", "MoE"),
     Family("gemma2", "Gemma 2", "full (as mlx_lm runs it), attention logit soft cap, final soft cap", "dense"),
     Family("gemma3_text", "Gemma 3 (text)", "sliding window + global layers, per-layer RoPE, q/k norms", "dense"),

@@ -164,6 +164,8 @@ _ARCH = {
                                 "mscale": 1.0, "mscale_all_dim": 1.0, "llama_4_scaling_beta": 0.1},
         },
     },
+    "idefics3": {"model_type": "idefics3", "architectures": ["Idefics3ForConditionalGeneration"],
+                 "text_config": {"model_type": "llama", "rope_theta": 100000.0}},
     "mixtral": {"model_type": "mixtral", "architectures": ["MixtralForCausalLM"], "rope_theta": 1000000.0,
                 "num_local_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 32},
     # Phi-3.5 / Phi-4-mini: fused qkv and gate_up projections, partial RoPE with LongRoPE scaling.
@@ -318,9 +320,9 @@ def _random_weights(config: dict, seed: int) -> dict[str, np.ndarray]:
     """HF-named float32 weights for the shapes mlx_lm's model of ``config`` has."""
     import mlx.core as mx
     from mlx.utils import tree_flatten
-    from mlx_lm.utils import _get_classes
+    from mlxd.engined.loaders.mlx_dir import model_classes
 
-    model_class, args_class = _get_classes(config)
+    model_class, args_class = model_classes(config)
     shapes = {k: v.shape for k, v in tree_flatten(model_class(args_class.from_dict(config)).parameters())}
     del mx  # only the shapes are needed; values come from numpy for reproducibility
     rng = np.random.default_rng(seed)

@@ -49,6 +49,16 @@ def _mtp_name(key: str, config: dict) -> str | None:
     return None
 
 
+def model_classes(config: dict):
+    """(model class, args class) of ``config``: mlx_lm's, or mlxd's for a vision checkpoint whose text
+    model mlx_lm runs under another family's name (Idefics3: a Llama in Mistral 3's wrapper)."""
+    if config.get("model_type") == "idefics3":
+        from mlxd.engined.loaders import idefics3_text
+
+        return idefics3_text.Model, idefics3_text.ModelArgs
+    return _get_classes(config)
+
+
 def _keeping_mtp(found: list[MTPWeights]):
     """mlx_lm's class lookup, with each family's ``sanitize`` first setting the MTP layer's tensors
     aside into ``found`` (the engine's MTP speculation builds its layer from them; the families
@@ -56,7 +66,7 @@ def _keeping_mtp(found: list[MTPWeights]):
     the strict load would refuse)."""
 
     def classes(config: dict):
-        model_class, args_class = _get_classes(config)
+        model_class, args_class = model_classes(config)
         if not hasattr(model_class, "sanitize"):
             return model_class, args_class
 
