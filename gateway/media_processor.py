@@ -32,33 +32,62 @@ def image_processor(tokenizer_dir: str, model: str):
     """(the folder's processor, the token id its images' rows go to); a 400 naming ``model`` when
     it takes no images."""
     processor = processor_for(tokenizer_dir)
+    image_id = image_token_id(processor)
+    if image_id is None:
+        raise InvalidRequestError(f"the model `{model}` does not take images", param="messages")
+    return processor, image_id
+
+
+def image_token_id(processor) -> int | None:
+    """The token id the processor's images' rows go to; None without one."""
     # The tokenizer's image token (Gemma 3's processor names its begin-of-image marker, which the
     # template writes, as the processor's own image token).
     image_id = getattr(getattr(processor, "tokenizer", None), "image_token_id", None)
-    image_id = image_id if image_id is not None else getattr(processor, "image_token_id", None)
-    if processor is None or image_id is None:
-        raise InvalidRequestError(f"the model `{model}` does not take images", param="messages")
-    return processor, image_id
+    return image_id if image_id is not None else getattr(processor, "image_token_id", None)
 
 
 def expand(tokenizer_dir: str, model: str, text: str, images: list[Image]) -> tuple[list[int], list[ImageInput]]:
     """``text`` (the rendered template, one placeholder per image) as token ids with the images'
     tokens in place, and each image's pixels and place among them; blocking."""
-    processor, image_id = image_processor(tokenizer_dir, model)
+    return expand_with(*image_processor(tokenizer_dir, model), text, images)
+
+
+def expand_with(processor, image_id: int, text: str, images: list[Image]) -> tuple[list[int], list[ImageInput]]:
+    """``expand`` with the processor at hand.
+
+    The processor says where each image's expansion lies in the expanded text; the token ids are
+    mapped back to characters, so each image's span is the runs of the image token inside its own
+    expansion (one run; or one per tile, or per row of patches, with the family's markers between).
+    Its pixel arrays: one, or, when the processor made more arrays than images, one per run (a
+    tiling processor writes each tile's tokens as a run of their own).
+    """
     try:
-        out = processor(text=text, images=[i.pil for i in images], add_special_tokens=False, return_tensors="np")
+        out = processor(text=text, images=[i.pil for i in images], add_special_tokens=False, return_tensors="np",
+                        return_offsets_mapping=True, return_text_replacement_offsets=True)
     except ValueError as e:  # the template wrote a different number of placeholders than there are images
         raise InvalidRequestError(f"the images do not fit the prompt: {e}", param="messages") from None
     ids = np.asarray(out["input_ids"][0])
+    chars = np.asarray(out["offset_mapping"][0])[:, 0]
     pixels = np.asarray(out["pixel_values"], dtype=np.float32)
-    # Each image's tokens are one run of the image token.
-    marks = np.flatnonzero(ids == image_id)
-    starts = marks[np.r_[True, np.diff(marks) > 1]] if marks.size else marks
-    if len(starts) != len(images) or len(pixels) != len(images):
-        raise InvalidRequestError(f"the chat template placed {len(starts)} image placeholders for "
+    arrays = pixels[0] if pixels.ndim == 5 else pixels  # a tiling processor's [sample, array, C, H, W]
+    expansions = out["text_replacement_offsets"][0]
+    runs = []  # each image's runs of the image token: [start, end) token positions
+    for expansion in expansions:
+        first, end = expansion["new_span"]
+        inside = (chars >= first) & (chars < end) & (ids == image_id)
+        marks = np.flatnonzero(inside)
+        breaks = np.flatnonzero(np.diff(marks) > 1)
+        runs.append(list(zip(marks[np.r_[0, breaks + 1]], marks[np.r_[breaks, -1]] + 1)) if marks.size else [])
+    per_image = [1] * len(images) if len(arrays) == len(images) else [len(r) for r in runs]
+    if len(expansions) != len(images) or not all(runs) or sum(per_image) != len(arrays):
+        raise InvalidRequestError(f"the chat template placed {len(expansions)} image placeholders for "
                                   f"{len(images)} images", param="messages")
-    ends = np.r_[marks[np.flatnonzero(np.diff(marks) > 1)], marks[-1]] + 1
-    inputs = [ImageInput(mm_hash=image.digest, offset=int(s), length=int(e - s), shape=list(px.shape),
-                         pixels=np.ascontiguousarray(px).tobytes())
-              for image, s, e, px in zip(images, starts, ends, pixels)]
+    inputs, at = [], 0
+    for image, image_runs, n in zip(images, runs, per_image):
+        start, end = int(image_runs[0][0]), int(image_runs[-1][1])
+        px = arrays[at] if n == 1 and len(arrays) == len(images) else arrays[at : at + n]
+        at += n
+        inputs.append(ImageInput(mm_hash=image.digest, offset=start, length=end - start, shape=list(px.shape),
+                                 pixels=np.ascontiguousarray(px).tobytes(),
+                                 runs=[[int(a) - start, int(b - a)] for a, b in image_runs] if len(image_runs) > 1 else None))
     return ids.tolist(), inputs

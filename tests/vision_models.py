@@ -5,6 +5,13 @@
 shapes mlx-vlm's ``gemma3`` classes take (random weights, numpy-seeded), the processor's files
 (transformers' ``Gemma3Processor``: a 64x64 image in 8x8 patches pooled to 16 soft tokens) and a
 chat template that writes ``<start_of_image>`` for an image part.
+
+``make_tiny_idefics3_vlm(dir)`` writes an Idefics3 (SmolVLM) checkpoint the same way: a Llama
+under ``model.text_model``, an Idefics3 tower and connector, and transformers'
+``Idefics3Processor``, which cuts an image into up to 2x2 tiles of 32x32 and a global tile, each
+4 tokens (8x8 patches, pixel-shuffled by 2) between its row/column markers.
+
+``VLMS`` maps each family to its maker and its image token.
 """
 
 from __future__ import annotations
@@ -27,9 +34,10 @@ GEMMA3_TEMPLATE = (
 )
 
 
-def _vision_weights(config: dict, seed: int) -> dict[str, np.ndarray]:
-    """Weights of mlx-vlm's gemma3 vision tower and projector, under Hugging Face's names (the
-    patch convolution as PyTorch stores it, [out, in, kh, kw])."""
+def _vision_weights(config: dict, seed: int, prefixes=("vision_tower", "multi_modal_projector"),
+                    stored_under: str = "") -> dict[str, np.ndarray]:
+    """Weights of mlx-vlm's vision tower and projector of ``config``'s family, under Hugging Face's
+    names (the patch convolution as PyTorch stores it, [out, in, kh, kw])."""
     from mlx.utils import tree_flatten
 
     from mlxd.engined.vision.tower import vlm_config
@@ -38,7 +46,7 @@ def _vision_weights(config: dict, seed: int) -> dict[str, np.ndarray]:
     model = module.Model(model_config)
     rng = np.random.default_rng(seed + 7)
     weights = {}
-    for prefix in ("vision_tower", "multi_modal_projector"):
+    for prefix in prefixes:
         for name, p in tree_flatten(getattr(model, prefix).parameters()):
             shape = p.shape
             if "patch_embedding.weight" in name:  # MLX's [out, kh, kw, in] stored as PyTorch's
@@ -51,7 +59,7 @@ def _vision_weights(config: dict, seed: int) -> dict[str, np.ndarray]:
                 w = rng.standard_normal(shape)
             else:
                 w = rng.standard_normal(shape) / np.sqrt(shape[-1])
-            weights[f"{prefix}.{name}"] = w.astype(np.float32)
+            weights[f"{stored_under}{prefix}.{name}"] = w.astype(np.float32)
     return weights
 
 
@@ -94,6 +102,71 @@ def make_tiny_gemma3_vlm(directory, seed: int = 0) -> Path:
     (out / "processor_config.json").write_text(json.dumps({"processor_class": "Gemma3Processor",
                                                             "image_seq_length": IMAGE_TOKENS}, indent=2))
     return out
+
+
+IDEFICS3_IMAGE, IDEFICS3_TILE = "<image>", 32
+IDEFICS3_MARKERS = ["<fake_token_around_image>", "<global-img>", "<end_of_utterance>"] + [
+    f"<row_{i}_col_{j}>" for i in range(1, 7) for j in range(1, 7)]
+IDEFICS3_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}{{ message['role'] | capitalize }}:"
+    "{% if message['content'] is string %}{{ message['content'] }}{% else %}{% for part in message['content'] %}"
+    "{% if part['type'] == 'image' %}<image>{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}"
+    "{% endfor %}{% endif %}<end_of_utterance>\n{% endfor %}{% if add_generation_prompt %}Assistant:{% endif %}"
+)
+
+
+def make_tiny_idefics3_vlm(directory, seed: int = 0) -> Path:
+    """A tiny Idefics3 (SmolVLM) vision-language checkpoint in ``directory``; its path."""
+    import mlx.core as mx
+
+    vocab_size = 320
+    out = make_tiny_model(directory, "idefics3", seed=seed, vocab_size=vocab_size)
+    config = json.loads((out / "config.json").read_text())
+    tokens, merges, special = tiny_vocab(vocab_size)
+    first_free = tokens.index("<|reserved_0|>")
+    added = [IDEFICS3_IMAGE] + IDEFICS3_MARKERS
+    tokens[first_free : first_free + len(added)] = added
+    config.update({
+        "image_token_id": first_free, "scale_factor": 2,
+        "vision_config": {"model_type": "idefics3_vision", "hidden_size": 32, "intermediate_size": 64,
+                          "num_hidden_layers": 2, "num_attention_heads": 2, "patch_size": 8,
+                          "image_size": IDEFICS3_TILE, "layer_norm_eps": 1e-6},
+    })
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    # Idefics3's names: the Llama under model.text_model, its head at the top.
+    weights = {k.replace("language_model.model.", "model.text_model.").replace("language_model.lm_head", "lm_head"): v
+               for k, v in mx.load(str(out / "model.safetensors")).items()}
+    weights.update({k: mx.array(v) for k, v in _vision_weights(config, seed, ("vision_model", "connector"),
+                                                               "model.").items()})
+    mx.save_safetensors(str(out / "model.safetensors"), weights, metadata={"format": "mlx"})
+
+    write_tokenizer(out, tokens, merges, special, tokens[config["bos_token_id"]], "<end_of_utterance>",
+                    config["max_position_embeddings"])
+    tok_config = json.loads((out / "tokenizer_config.json").read_text())
+    tok_config.update({"chat_template": IDEFICS3_TEMPLATE, "processor_class": "Idefics3Processor"})
+    (out / "tokenizer_config.json").write_text(json.dumps(tok_config, indent=2))
+    (out / "preprocessor_config.json").write_text(json.dumps({
+        "image_processor_type": "Idefics3ImageProcessor", "processor_class": "Idefics3Processor",
+        "do_image_splitting": True, "max_image_size": {"longest_edge": IDEFICS3_TILE},
+        "size": {"longest_edge": 2 * IDEFICS3_TILE}, "do_resize": True, "do_rescale": True, "rescale_factor": 1 / 255,
+        "do_normalize": True, "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5], "do_convert_rgb": True,
+        "do_pad": True, "resample": 1,
+    }, indent=2))
+    (out / "processor_config.json").write_text(json.dumps({"processor_class": "Idefics3Processor",
+                                                            "image_seq_len": 4}, indent=2))
+    return out
+
+
+VLMS = {"gemma3": (make_tiny_gemma3_vlm, IMAGE), "idefics3": (make_tiny_idefics3_vlm, IDEFICS3_IMAGE)}
+
+
+def processor_of(path: Path):
+    """transformers' own processor of the model at ``path``, as the gateway loads it (named, because
+    mlx-vlm, once its family module is imported, answers AutoProcessor with a processor of its own)."""
+    import transformers
+
+    name = json.loads((Path(path) / "processor_config.json").read_text())["processor_class"]
+    return getattr(transformers, name).from_pretrained(path)
 
 
 def random_image(seed: int, size: tuple[int, int] = (48, 40)):

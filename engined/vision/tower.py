@@ -33,6 +33,18 @@ def _gemma3_tokens(config, shape: list[int]) -> int:
     return config.text_config.mm_tokens_per_image
 
 
+def _idefics3_features(tower: nn.Module, projector: nn.Module, config, pixels: mx.array) -> mx.array:
+    # mlx-vlm's Idefics3: each tile through the tower (every patch real: the processor's tiles are
+    # full squares), then the connector's pixel shuffle and projection; no scaling at the merge.
+    hidden, _, _ = tower(pixels.transpose(0, 2, 3, 1), output_hidden_states=True)
+    return projector(hidden.astype(pixels.dtype))
+
+
+def _idefics3_tokens(config, shape: list[int]) -> int:
+    patch = config.vision_config.patch_size
+    return (shape[1] // patch) * (shape[2] // patch) // config.scale_factor ** 2
+
+
 def _square_image(config) -> list[int]:
     v = config.vision_config
     return [v.num_channels, v.image_size, v.image_size]
@@ -45,9 +57,14 @@ class Family:
     largest_image: Callable  # (mlx-vlm config) -> the shape of the largest pixel array the processor makes
     tower: str = "vision_tower"  # the modules' names in mlx-vlm's Model, and the checkpoint's prefixes
     projector: str = "multi_modal_projector"
+    stored_under: str = ""  # what the checkpoint's names carry before those prefixes
 
 
-FAMILIES = {"gemma3": Family(_gemma3_features, _gemma3_tokens, _square_image)}
+FAMILIES = {
+    "gemma3": Family(_gemma3_features, _gemma3_tokens, _square_image),
+    "idefics3": Family(_idefics3_features, _idefics3_tokens, _square_image, tower="vision_model",
+                       projector="connector", stored_under="model."),
+}
 
 
 def vlm_config(config: dict, path: Path):
@@ -74,9 +91,10 @@ class VisionTower:
         self.tower, self.projector = getattr(whole, family.tower), getattr(whole, family.projector)
         del whole
         prefixes = (family.tower + ".", family.projector + ".")
+        stored = tuple(family.stored_under + p for p in prefixes)
         weights = {}
         for file in sorted(glob.glob(str(path / "*.safetensors"))):
-            weights.update({k: v for k, v in mx.load(file).items() if k.startswith(prefixes)})
+            weights.update({k[len(family.stored_under):]: v for k, v in mx.load(file).items() if k.startswith(stored)})
         if hasattr(self.tower, "sanitize"):  # PyTorch's conv layout to MLX's
             weights = self.tower.sanitize(weights)
         tower_w = [(k[len(prefixes[0]):], v) for k, v in weights.items() if k.startswith(prefixes[0])]

@@ -1,12 +1,15 @@
-"""Images through the packed step: a tiny Gemma 3 built from mlx-vlm's classes, mlxd's greedy tokens
-against mlx-vlm's own ``generate_step`` on the same weights and pixels.
+"""Images through the packed step: per vision family, a tiny model built from mlx-vlm's classes,
+mlxd's greedy tokens against mlx-vlm's own ``generate_step`` on the same weights and pixels.
 
-Steps of 16 tokens cut through every image's 16 tokens (chunked prefill), text-only requests share
-the steps, and prefix caching is on: a later turn with the same image reuses its blocks, one with
-another image at the same place does not.
+The prompts go through the gateway's own expansion (``gateway.media_processor.expand``: the
+model's processor, each image's span, runs and tiles). Steps of 16 tokens cut through every
+image's tokens (chunked prefill; Gemma 3's one run of 16, Idefics3's tiles of 4 between their
+markers), text-only requests share the steps, and prefix caching is on: a later turn with the
+same image reuses its blocks, one with another image at the same place does not.
 """
 
 import hashlib
+import io
 from pathlib import Path
 
 import numpy as np
@@ -14,28 +17,29 @@ import pytest
 
 from mlxd.engined.engine import Engine
 from mlxd.engined.loaders import load_model
+from mlxd.gateway.media import Image
+from mlxd.gateway.media_processor import expand_with, image_token_id
 from mlxd.shared.config import EngineConfig
 from mlxd.shared.errors import InvalidRequestError
 from mlxd.shared.protocol import ImageInput, SamplingParams
 from tests.tiny_models import make_tiny_model
-from tests.vision_models import IMAGE, make_tiny_gemma3_vlm, random_image
+from tests.vision_models import VLMS, processor_of, random_image
 
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
 
 
-@pytest.fixture(scope="module")
-def vlm(tmp_path_factory):
-    """(model dir, processor, mlx-vlm's model)."""
+@pytest.fixture(scope="module", params=sorted(VLMS))
+def vlm(request, tmp_path_factory):
+    """(model dir, processor, mlx-vlm's model) of one vision family."""
     from mlx_vlm.utils import load_model as vlm_load
-    from transformers import Gemma3Processor
 
-    path = make_tiny_gemma3_vlm(tmp_path_factory.mktemp("gemma3_vlm"), seed=3)
-    return path, Gemma3Processor.from_pretrained(path), vlm_load(Path(path))
+    path = VLMS[request.param][0](tmp_path_factory.mktemp(f"{request.param}_vlm"), seed=3)
+    return path, processor_of(path), vlm_load(Path(path))
 
 
-def prompt(processor, texts: list[str], images: list) -> tuple[list[int], list[ImageInput], np.ndarray | None]:
+def prompt(processor, texts: list[str], images: list) -> tuple[list[int], list[ImageInput], dict]:
     """A user turn of ``texts`` with an image before each of the first ``len(images)``: token ids,
-    the ImageInputs the gateway would send, and the processor's pixels."""
+    the ImageInputs the gateway sends, and the processor's own inputs for mlx-vlm."""
     content = []
     for i, text in enumerate(texts):
         if i < len(images):
@@ -44,26 +48,28 @@ def prompt(processor, texts: list[str], images: list) -> tuple[list[int], list[I
     rendered = processor.tokenizer.apply_chat_template([{"role": "user", "content": content}],
                                                        add_generation_prompt=True, tokenize=False)
     out = processor(text=rendered, images=images or None, add_special_tokens=False, return_tensors="np")
-    ids = out["input_ids"][0].tolist()
     if not images:
-        return ids, [], None
-    pixels = out["pixel_values"].astype(np.float32)
-    image_id = processor.tokenizer.convert_tokens_to_ids(IMAGE)
-    starts = [i for i, t in enumerate(ids) if t == image_id and ids[i - 1] != image_id]
-    length = ids.count(image_id) // len(images)
-    inputs = [ImageInput(mm_hash=hashlib.sha256(px.tobytes()).hexdigest(), offset=s, length=length,
-                         shape=list(px.shape), pixels=px.tobytes()) for s, px in zip(starts, pixels)]
-    return ids, inputs, pixels
+        return out["input_ids"][0].tolist(), [], {}
+    decoded = []
+    for image in images:
+        buf = io.BytesIO()
+        image.save(buf, "PNG")
+        decoded.append(Image(image, hashlib.sha256(buf.getvalue()).hexdigest()))
+    ids, inputs = expand_with(processor, image_token_id(processor), rendered, decoded)
+    assert ids == out["input_ids"][0].tolist()
+    return ids, inputs, {k: v for k, v in out.items() if k.startswith("pixel_")}
 
 
-def reference(model, ids: list[int], pixels) -> list[int]:
+def reference(model, ids: list[int], pixels: dict) -> list[int]:
     """mlx-vlm's own greedy tokens."""
     import mlx.core as mx
     from mlx_vlm.generate.ar import generate_step
 
-    mask = mx.ones((1, len(ids)), dtype=mx.int32)
-    steps = generate_step(mx.array([ids]), model, None if pixels is None else mx.array(pixels), mask,
-                          max_tokens=GREEDY.max_tokens, temperature=0.0)
+    extra = {k: mx.array(v) for k, v in pixels.items() if k != "pixel_values"}
+    values = pixels.get("pixel_values")
+    steps = generate_step(mx.array([ids]), model, None if values is None else mx.array(values.astype(np.float32)),
+                          mx.ones((1, len(ids)), dtype=mx.int32), max_tokens=GREEDY.max_tokens, temperature=0.0,
+                          **extra)
     return [int(t) for t, _ in steps]
 
 
@@ -104,7 +110,7 @@ def test_greedy_tokens_equal_mlx_vlm_with_one_and_two_images_batched_with_text(v
 
 def test_second_turn_reuses_the_image_blocks_and_another_image_does_not(vlm):
     path, processor, model = vlm
-    cat, dog = random_image(1), random_image(2, (80, 30))
+    cat, dog = random_image(1), random_image(2)  # one size: a tiling processor gives both the same tokens
     eng = engine(path)
     first = prompt(processor, ["the cat", "sat"], [cat])
     run(eng, [first[:2]])
@@ -131,8 +137,13 @@ def test_an_image_for_a_text_only_model_is_refused_naming_it(tmp_path, vlm):
 def test_an_image_whose_placeholder_run_is_not_the_towers_is_refused_and_the_engine_goes_on(vlm):
     path, processor, model = vlm
     ids, images, pixels = prompt(processor, ["the cat"], [random_image(1)])
-    short = ImageInput(images[0].mm_hash, images[0].offset, images[0].length - 1, images[0].shape, images[0].pixels)
+    image = images[0]
+    runs = [list(r) for r in image.runs] if image.runs else None
+    if runs:
+        runs[-1][1] -= 1
+    rows = sum(n for _, n in runs) if runs else image.length - 1
+    short = ImageInput(image.mm_hash, image.offset, image.length - 1, image.shape, image.pixels, runs)
     eng = engine(path)
-    with pytest.raises(InvalidRequestError, match="fills 16 placeholder tokens, not 15"):
+    with pytest.raises(InvalidRequestError, match=f"fills {rows + 1} placeholder tokens, not {rows}"):
         eng.add_request("bad", ids, GREEDY, images=[short])
     assert run(eng, [(ids, images)])[0][0] == reference(model, ids, pixels)
