@@ -1,5 +1,6 @@
 """Images through the whole stack: `mlxd serve` on a tiny Gemma 3 vision checkpoint (mlx-vlm's classes),
-driven by the real openai and anthropic SDKs, with image URLs served from a loopback HTTP server.
+driven by the real openai and anthropic SDKs, with image URLs served from a loopback HTTP server; the
+first test also on a tiny Idefics3 (SmolVLM: tiles).
 
 The answer to an image equals mlx-vlm's own greedy tokens on the same pixels (the gateway's
 processor, the wire and the engine's tower together); bad images and URLs are 400s that leave the
@@ -20,7 +21,7 @@ import pytest
 
 from tests.e2e.serve_harness import Serve
 from tests.e2e.servers import assert_error
-from tests.vision_models import make_tiny_gemma3_vlm, random_image
+from tests.vision_models import make_tiny_gemma3_vlm, make_tiny_idefics3_vlm, processor_of, random_image
 
 MAX_TOKENS = 8
 LIMIT_BYTES = 50_000
@@ -90,13 +91,30 @@ def vlm_client(served):
     return openai.OpenAI(base_url=served[1].url + "/v1", api_key="unused", max_retries=0, timeout=60)
 
 
+@pytest.fixture(scope="module", params=["gemma3", "idefics3"])
+def family(request, tmp_path_factory):
+    """(model name, its dir, an openai client) of each vision family: Gemma 3's server above, a
+    plain one for Idefics3."""
+    if request.param == "gemma3":
+        served = request.getfixturevalue("served")
+        yield "gemma3_vlm", served[0], request.getfixturevalue("vlm_client")
+        return
+    path = make_tiny_idefics3_vlm(tmp_path_factory.mktemp("model") / "idefics3_vlm", seed=3)
+    serve = Serve(tmp_path_factory.mktemp("serve"), "--num-kv-blocks", "64", "--max-num-batched-tokens", "32",
+                  "--enable-prefix-caching", "--allowed-media-domains", "127.0.0.1", model=str(path)).start()
+    serve.wait_healthy()
+    yield "idefics3_vlm", path, openai.OpenAI(base_url=serve.url + "/v1", api_key="unused", max_retries=0,
+                                              timeout=60)
+    serve.stop()
+
+
 def data_url(data: bytes) -> str:
     return "data:image/png;base64," + base64.b64encode(data).decode()
 
 
-def ask(client, url: str, text: str = "the cat"):
+def ask(client, url: str, text: str = "the cat", model: str = "gemma3_vlm"):
     return client.chat.completions.create(
-        model="gemma3_vlm", max_tokens=MAX_TOKENS, temperature=0,
+        model=model, max_tokens=MAX_TOKENS, temperature=0,
         messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
                                                {"type": "text", "text": text}]}])
 
@@ -108,29 +126,29 @@ def expected_text(path: Path, data: bytes, text: str = "the cat") -> str:
     from mlx_vlm.generate.ar import generate_step
     from mlx_vlm.utils import load_model
     from PIL import Image
-    from transformers import Gemma3Processor
 
-    processor = Gemma3Processor.from_pretrained(path)
+    processor = processor_of(path)
     rendered = processor.tokenizer.apply_chat_template(
         [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": text}]}],
         add_generation_prompt=True, tokenize=False)
     out = processor(text=rendered, images=[Image.open(io.BytesIO(data)).convert("RGB")], add_special_tokens=False,
                     return_tensors="np")
     ids = out["input_ids"][0].tolist()
+    extra = {k: mx.array(v) for k, v in out.items() if k.startswith("pixel_") and k != "pixel_values"}
     steps = generate_step(mx.array([ids]), load_model(Path(path)), mx.array(out["pixel_values"].astype(np.float32)),
-                          mx.ones((1, len(ids)), dtype=mx.int32), max_tokens=MAX_TOKENS, temperature=0.0)
+                          mx.ones((1, len(ids)), dtype=mx.int32), max_tokens=MAX_TOKENS, temperature=0.0, **extra)
     return processor.tokenizer.decode([int(t) for t, _ in steps], skip_special_tokens=True)
 
 
-def test_openai_data_url_and_loopback_url_answer_as_mlx_vlm_and_reuse_the_image(served, vlm_client, media):
-    path, _ = served
-    by_data = ask(vlm_client, data_url(CAT))
+def test_openai_data_url_and_loopback_url_answer_as_mlx_vlm_and_reuse_the_image(family, media):
+    model, path, client = family
+    by_data = ask(client, data_url(CAT), model=model)
     assert by_data.choices[0].message.content == expected_text(path, CAT)
-    by_url = ask(vlm_client, media + "/cat.png")
+    by_url = ask(client, media + "/cat.png", model=model)
     assert by_url.choices[0].message.content == by_data.choices[0].message.content
     # The same image again: its blocks come from the prefix cache.
     assert by_url.usage.prompt_tokens_details.cached_tokens > 0
-    other = ask(vlm_client, media + "/dog.png")
+    other = ask(client, media + "/dog.png", model=model)
     assert other.choices[0].message.content == expected_text(path, DOG)
     assert other.choices[0].message.content != by_data.choices[0].message.content
 
