@@ -77,6 +77,10 @@ def test_images_travel_after_the_older_fields_and_decode_whole():
     add = p.AddRequest("r", [1] * 30, SamplingParams(), images=[image])
     assert msgspec.msgpack.decode(msgspec.msgpack.encode(add))[12] == [["ab" * 32, 5, 16, [3, 2, 2], bytes(48)]]
     assert p.decode(p.encode(Kind.ADD, add))[1].images == [image]
+    # An image with markers between its rows (runs) and tiles carries them after the older fields.
+    tiled = p.ImageInput("cd" * 32, 5, 9, [2, 3, 2, 2], bytes(96), [[0, 4], [5, 4]])
+    assert msgspec.msgpack.decode(msgspec.msgpack.encode(tiled))[5] == [[0, 4], [5, 4]]
+    assert p.decode(p.encode(Kind.ADD, p.AddRequest("r", [1] * 30, SamplingParams(), images=[tiled])))[1].images == [tiled]
 
 
 def test_pooled_requests_carry_their_task_and_results_after_the_older_fields():
