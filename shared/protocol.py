@@ -295,7 +295,7 @@ class AudioInput(msgspec.Struct, array_like=True, gc=False):
     seed: int = 0
 
 
-class ImageInput(msgspec.Struct, array_like=True, gc=False, omit_defaults=True):
+class ImageInput(msgspec.Struct, array_like=True, gc=False):
     """One image of a prompt, as the model's processor made it: ``pixels`` (float32, C-order, of
     ``shape``: [C, H, W], or [N, C, H, W] for an image the processor cut into N tiles, whose rows
     follow one another) fill the span of ``length`` prompt positions from ``offset``. ``runs``

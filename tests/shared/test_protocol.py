@@ -75,9 +75,9 @@ def test_add_request_carries_app_and_priority_after_the_salt():
 def test_images_travel_after_the_older_fields_and_decode_whole():
     image = p.ImageInput("ab" * 32, 5, 16, [3, 2, 2], bytes(48))
     add = p.AddRequest("r", [1] * 30, SamplingParams(), images=[image])
-    assert msgspec.msgpack.decode(msgspec.msgpack.encode(add))[12] == [["ab" * 32, 5, 16, [3, 2, 2], bytes(48)]]
+    assert msgspec.msgpack.decode(msgspec.msgpack.encode(add))[12] == [["ab" * 32, 5, 16, [3, 2, 2], bytes(48), None]]
     assert p.decode(p.encode(Kind.ADD, add))[1].images == [image]
-    # An image with markers between its rows (runs) and tiles carries them after the older fields.
+    # An image with markers between its runs of rows, and tiles: the runs after the older fields.
     tiled = p.ImageInput("cd" * 32, 5, 9, [2, 3, 2, 2], bytes(96), [[0, 4], [5, 4]])
     assert msgspec.msgpack.decode(msgspec.msgpack.encode(tiled))[5] == [[0, 4], [5, 4]]
     assert p.decode(p.encode(Kind.ADD, p.AddRequest("r", [1] * 30, SamplingParams(), images=[tiled])))[1].images == [tiled]
