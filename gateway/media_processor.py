@@ -78,16 +78,17 @@ def expand_with(processor, image_id: int, text: str, images: list[Image]) -> tup
         marks = np.flatnonzero(inside)
         breaks = np.flatnonzero(np.diff(marks) > 1)
         runs.append(list(zip(marks[np.r_[0, breaks + 1]], marks[np.r_[breaks, -1]] + 1)) if marks.size else [])
-    per_image = [1] * len(images) if len(arrays) == len(images) else [len(r) for r in runs]
+    one_each = len(arrays) == len(images)
+    per_image = [1] * len(images) if one_each else [len(r) for r in runs]
     if len(expansions) != len(images) or not all(runs) or sum(per_image) != len(arrays):
         raise InvalidRequestError(f"the chat template placed {len(expansions)} image placeholders for "
                                   f"{len(images)} images", param="messages")
     inputs, at = [], 0
     for image, image_runs, n in zip(images, runs, per_image):
         start, end = int(image_runs[0][0]), int(image_runs[-1][1])
-        px = arrays[at] if n == 1 and len(arrays) == len(images) else arrays[at : at + n]
+        px = arrays[at] if one_each else arrays[at : at + n]
         at += n
+        inner = [[int(a) - start, int(b - a)] for a, b in image_runs] if len(image_runs) > 1 else None
         inputs.append(ImageInput(mm_hash=image.digest, offset=start, length=end - start, shape=list(px.shape),
-                                 pixels=np.ascontiguousarray(px).tobytes(),
-                                 runs=[[int(a) - start, int(b - a)] for a, b in image_runs] if len(image_runs) > 1 else None))
+                                 pixels=np.ascontiguousarray(px).tobytes(), runs=inner))
     return ids.tolist(), inputs
