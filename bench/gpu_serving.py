@@ -50,6 +50,11 @@ SHAPES = {
                        num_attention_heads=4, num_key_value_heads=2, head_dim=32, vocab_size=1024,
                        rms_norm_eps=1e-6, rope_theta=1e6, max_position_embeddings=8192,
                        tie_word_embeddings=False),
+    # SmolLM2-135M's shape in float32: the CPU's figures (its BLAS has no fast bfloat16 or 4-bit matmul).
+    "smollm2-135m": dict(model_type="llama", hidden_size=576, num_hidden_layers=30, intermediate_size=1536,
+                         num_attention_heads=9, num_key_value_heads=3, head_dim=64, vocab_size=49152,
+                         rms_norm_eps=1e-5, rope_theta=1e5, max_position_embeddings=8192,
+                         tie_word_embeddings=True),
     "qwen3-8b": dict(model_type="qwen3", hidden_size=4096, num_hidden_layers=36, intermediate_size=12288,
                      num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=151936,
                      rms_norm_eps=1e-6, rope_theta=1e6, max_position_embeddings=40960,
@@ -82,7 +87,7 @@ def build_models(name: str, dtype: str, seed: int):
 
     def fresh():
         m = model_cls(args_cls.from_dict(shape))
-        m.set_dtype(mx.bfloat16)
+        m.set_dtype(mx.float32 if dtype == "f32" else mx.bfloat16)
         if dtype == "q4":
             nn.quantize(m, group_size=64, bits=4)
         return m
@@ -327,7 +332,7 @@ def roofline(rows: list) -> None:
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="qwen3-8b", choices=sorted(SHAPES))
-    ap.add_argument("--dtype", default="bf16", choices=("bf16", "q4"))
+    ap.add_argument("--dtype", default="bf16", choices=("bf16", "q4", "f32"))
     ap.add_argument("--workloads", default="mixed,shared")
     ap.add_argument("--concurrency", default="1,16,64,128")
     ap.add_argument("--modes", default="async", help="mlxd modes to run: async, sync or both (async,sync)")
