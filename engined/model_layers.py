@@ -36,7 +36,7 @@ SUPPORTED: dict[str, tuple[str, ...]] = {
     "gemma2": (), "gemma3_text": (), "gemma3": ("gemma3_text",), "gemma4_text": (), "gemma4": ("gemma4_text",),
     "ministral3": (), "mistral3": ("mistral", "ministral3"), "mixtral": (), "phi3": (), "glm4": (),
     "glm4_moe": (), "olmo2": (), "qwen3_next": (), "qwen3_5": ("qwen3_5_text",),
-    "qwen3_5_moe": ("qwen3_5_moe_text",), "idefics3": ("llama",),
+    "qwen3_5_moe": ("qwen3_5_moe_text",), "idefics3": ("llama",), "qwen2_5_vl": (),
 }
 
 

@@ -35,6 +35,7 @@ from mlxd.engined.lora.registry import LoraRegistry
 from mlxd.engined.model_layers import LayerSettings, LayerSpec, flat_stream, text_model, transformer_layers
 from mlxd.engined.scheduler import SchedulerOutput
 from mlxd.engined.vision.embeds import ImageEmbeds
+from mlxd.engined.vision.mrope import install_mrope
 from mlxd.shared.errors import ModelLoadError
 
 
@@ -120,6 +121,8 @@ class ModelRunner:
         self.kv = kv
         # A vision-language model's image rows (engined/vision/); None: text only.
         self.images = images
+        # Qwen-VL's per-token multi-axis positions (engined/vision/mrope.py); None: one position per token.
+        self.mrope = install_mrope(model, images.tower.config) if images is not None else None
         self.head = install(model, specs, attention_backend)
         # The adapters' slots (their layers are already in the model); None: LoRA is off.
         self.lora = lora
@@ -153,11 +156,15 @@ class ModelRunner:
         caches = self.kv.step_caches(batch.scheduled)
         if self.lora is not None:
             self.lora.set_step([r.lora_slot for r, _ in batch.scheduled], [n for _, n in batch.scheduled])
+        # A step with M-RoPE positions runs uncompiled: the replayed decode rotates by one position per token.
+        mrope = self.mrope is not None and self.mrope.set_step(batch.scheduled)
         try:
             images = self.images.step_rows(batch.scheduled) if self.images is not None else None
             return forward_pooled(self.model, self.head, pieces, caches, num_logits, batch.hidden_rows, fills,
-                                  self.flat, self.compiled, images)
+                                  self.flat, None if mrope else self.compiled, images)
         finally:
+            if mrope:
+                self.mrope.clear()
             if self.lora is not None:
                 self.lora.set_step([], [])
 

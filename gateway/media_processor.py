@@ -9,11 +9,13 @@ image processor: its model takes no images, and a prompt with one is a 400 namin
 from __future__ import annotations
 
 import functools
+import json
 from pathlib import Path
 
 import numpy as np
 
 from mlxd.gateway.media import Image
+from mlxd.gateway.placeholders import EXPANSIONS, PlaceholderExpansion, grid_arrays
 from mlxd.shared.errors import InvalidRequestError
 from mlxd.shared.protocol import ImageInput
 
@@ -21,10 +23,14 @@ from mlxd.shared.protocol import ImageInput
 @functools.lru_cache(maxsize=4)
 def processor_for(tokenizer_dir: str):
     """The folder's processor, loaded once per folder; None when it has no image processor."""
-    if not (Path(tokenizer_dir) / "preprocessor_config.json").is_file():
+    config = Path(tokenizer_dir) / "preprocessor_config.json"
+    if not config.is_file():
         return None
     from transformers import AutoProcessor
 
+    expansion = EXPANSIONS.get(json.loads(config.read_text()).get("processor_class"))
+    if expansion is not None:  # a family whose placeholders mlxd writes (gateway/placeholders.py)
+        return PlaceholderExpansion.load(tokenizer_dir, expansion)
     return AutoProcessor.from_pretrained(tokenizer_dir)
 
 
@@ -70,6 +76,8 @@ def expand_with(processor, image_id: int, text: str, images: list[Image]) -> tup
     chars = np.asarray(out["offset_mapping"][0])[:, 0]
     pixels = np.asarray(out["pixel_values"], dtype=np.float32)
     arrays = pixels[0] if pixels.ndim == 5 else pixels  # a tiling processor's [sample, array, C, H, W]
+    if "image_grid_thw" in out:  # every image's patches in one [patches, values]: each its [grid h, grid w, values]
+        arrays = grid_arrays(pixels, np.asarray(out["image_grid_thw"]))
     expansions = out["text_replacement_offsets"][0]
     runs = []  # each image's runs of the image token: [start, end) token positions
     for expansion in expansions:

@@ -62,6 +62,8 @@ FAMILIES: tuple[Family, ...] = (
            model_type="mistral3", text_model_type="ministral3"),
     Family("idefics3", "SmolVLM 256M / 500M / 2.2B, Idefics3 (vision checkpoint: images in, "
            "tests/engined/test_vision.py)", "full, GQA (Llama inside)", "dense", text_model_type="llama"),
+    Family("qwen2_5_vl", "Qwen2.5-VL 3B / 7B / 32B / 72B (vision checkpoint: images in, M-RoPE, "
+           "tests/engined/test_vision.py)", "full, GQA (Qwen2 inside), multi-axis RoPE for image tokens", "dense"),
     Family("gpt_oss", "gpt-oss-20b, gpt-oss-120b", "sliding window + global layers, attention sinks", "MoE"),
     Family("gemma2", "Gemma 2", "full (as mlx_lm runs it), attention logit soft cap, final soft cap", "dense"),
     Family("gemma3_text", "Gemma 3 (text)", "sliding window + global layers, per-layer RoPE, q/k norms", "dense"),

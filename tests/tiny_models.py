@@ -166,6 +166,10 @@ _ARCH = {
     },
     "idefics3": {"model_type": "idefics3", "architectures": ["Idefics3ForConditionalGeneration"],
                  "text_config": {"model_type": "llama", "rope_theta": 100000.0}},
+    # Qwen2.5-VL: a Qwen2 whose RoPE frequencies are cut into time, height and width sections (M-RoPE).
+    "qwen2_5_vl": {"model_type": "qwen2_5_vl", "architectures": ["Qwen2_5_VLForConditionalGeneration"],
+                   "rope_theta": 1000000.0, "tie_word_embeddings": True,
+                   "rope_scaling": {"type": "mrope", "mrope_section": [2, 3, 3]}},
     "mixtral": {"model_type": "mixtral", "architectures": ["MixtralForCausalLM"], "rope_theta": 1000000.0,
                 "num_local_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 32},
     # Phi-3.5 / Phi-4-mini: fused qkv and gate_up projections, partial RoPE with LongRoPE scaling.

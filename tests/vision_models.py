@@ -157,15 +157,74 @@ def make_tiny_idefics3_vlm(directory, seed: int = 0) -> Path:
     return out
 
 
-VLMS = {"gemma3": (make_tiny_gemma3_vlm, IMAGE), "idefics3": (make_tiny_idefics3_vlm, IDEFICS3_IMAGE)}
+QWEN_IMAGE, QWEN_PATCH, QWEN_MERGE = "<|image_pad|>", 8, 2
+QWEN_MARKERS = ["<|vision_start|>", "<|vision_end|>", "<|video_pad|>"]
+QWEN_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
+    "{% if message['content'] is string %}{{ message['content'] }}{% else %}{% for part in message['content'] %}"
+    "{% if part['type'] == 'image' %}<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}"
+    "{% endfor %}{% endif %}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def make_tiny_qwen2_5_vl(directory, seed: int = 0) -> Path:
+    """A tiny Qwen2.5-VL checkpoint in ``directory``; its path: the tiny ``qwen2_5_vl`` text model
+    (head dim 16: M-RoPE sections of 2, 3 and 3 frequencies for time, height and width),
+    mlx-vlm's Qwen2.5-VL tower and merger (8x8 patches, merged 2x2) stored as mlx-vlm converts it
+    (``vision_tower.``), and Qwen2-VL's image processor resizing an image to at most 32x48."""
+    import mlx.core as mx
+
+    out = make_tiny_model(directory, "qwen2_5_vl", seed=seed)
+    config = json.loads((out / "config.json").read_text())
+    tokens, merges, special = tiny_vocab(config["vocab_size"])
+    first_free = tokens.index("<|reserved_0|>")
+    tokens[first_free : first_free + 4] = [QWEN_IMAGE] + QWEN_MARKERS
+    config.update({
+        "image_token_id": first_free, "vision_start_token_id": first_free + 1,
+        "vision_end_token_id": first_free + 2, "video_token_id": first_free + 3,
+        "vision_config": {"model_type": "qwen2_5_vl", "depth": 2, "hidden_size": 32, "intermediate_size": 64,
+                          "out_hidden_size": config["hidden_size"], "num_heads": 2, "patch_size": QWEN_PATCH,
+                          "spatial_patch_size": QWEN_PATCH, "spatial_merge_size": QWEN_MERGE,
+                          "temporal_patch_size": 2, "window_size": 32, "fullatt_block_indexes": [1],
+                          "in_channels": 3, "image_size": 48},
+    })
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    weights = dict(mx.load(str(out / "model.safetensors")))
+    weights.update({k: mx.array(v) for k, v in _vision_weights(config, seed, ("vision_tower",)).items()})
+    mx.save_safetensors(str(out / "model.safetensors"), weights, metadata={"format": "mlx"})
+
+    write_tokenizer(out, tokens, merges, special, tokens[config["bos_token_id"]], tokens[config["eos_token_id"]],
+                    config["max_position_embeddings"])
+    tok_config = json.loads((out / "tokenizer_config.json").read_text())
+    tok_config.update({"chat_template": QWEN_TEMPLATE, "processor_class": "Qwen2_5_VLProcessor"})
+    (out / "tokenizer_config.json").write_text(json.dumps(tok_config, indent=2))
+    (out / "preprocessor_config.json").write_text(json.dumps({
+        "image_processor_type": "Qwen2VLImageProcessor", "processor_class": "Qwen2_5_VLProcessor",
+        "patch_size": QWEN_PATCH, "merge_size": QWEN_MERGE, "temporal_patch_size": 2,
+        "min_pixels": 16 * 16, "max_pixels": 32 * 48, "do_resize": True, "do_rescale": True,
+        "rescale_factor": 1 / 255, "do_normalize": True, "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5],
+        "do_convert_rgb": True, "resample": 3,
+    }, indent=2))
+    (out / "processor_config.json").write_text(json.dumps({"processor_class": "Qwen2_5_VLProcessor"}))
+    return out
+
+
+VLMS = {"gemma3": (make_tiny_gemma3_vlm, IMAGE), "idefics3": (make_tiny_idefics3_vlm, IDEFICS3_IMAGE),
+        "qwen2_5_vl": (make_tiny_qwen2_5_vl, QWEN_IMAGE)}
 
 
 def processor_of(path: Path):
     """transformers' own processor of the model at ``path``, as the gateway loads it (named, because
-    mlx-vlm, once its family module is imported, answers AutoProcessor with a processor of its own)."""
+    mlx-vlm, once its family module is imported, answers AutoProcessor with a processor of its own),
+    or the gateway's own expansion where it writes the family's placeholders."""
     import transformers
 
+    from mlxd.gateway.placeholders import EXPANSIONS, PlaceholderExpansion
+
     name = json.loads((Path(path) / "processor_config.json").read_text())["processor_class"]
+    if name in EXPANSIONS:
+        return PlaceholderExpansion.load(str(path), EXPANSIONS[name])
     return getattr(transformers, name).from_pretrained(path)
 
 

@@ -45,6 +45,24 @@ def _idefics3_tokens(config, shape: list[int]) -> int:
     return (shape[1] // patch) * (shape[2] // patch) // config.scale_factor ** 2
 
 
+def _qwen_vl_features(tower: nn.Module, projector: nn.Module, config, pixels: mx.array) -> mx.array:
+    # mlx-vlm's Qwen2.5-VL: the tower (its merger inside) takes every image's patches in one sequence
+    # with each image's grid; an image is one temporal patch, its pixels [h, w, patch values].
+    n, h, w, values = pixels.shape
+    rows = tower(pixels.reshape(-1, values), mx.array([[1, h, w]] * n), output_hidden_states=False)
+    return rows.reshape(n, -1, rows.shape[-1])
+
+
+def _qwen_vl_tokens(config, shape: list[int]) -> int:
+    return shape[0] * shape[1] // config.vision_config.spatial_merge_size ** 2
+
+
+def _qwen_vl_image(config) -> list[int]:
+    v = config.vision_config
+    side = -(-v.image_size // (v.patch_size * v.spatial_merge_size)) * v.spatial_merge_size
+    return [side, side, v.in_channels * v.temporal_patch_size * v.patch_size ** 2]
+
+
 def _square_image(config) -> list[int]:
     v = config.vision_config
     return [v.num_channels, v.image_size, v.image_size]
@@ -56,7 +74,7 @@ class Family:
     num_tokens: Callable  # (mlx-vlm config, one pixel array's shape [C, H, W]) -> its rows
     largest_image: Callable  # (mlx-vlm config) -> the shape of the largest pixel array the processor makes
     tower: str = "vision_tower"  # the modules' names in mlx-vlm's Model, and the checkpoint's prefixes
-    projector: str = "multi_modal_projector"
+    projector: str = "multi_modal_projector"  # "": the tower projects its own rows
     stored_under: str = ""  # what the checkpoint's names carry before those prefixes
 
 
@@ -64,6 +82,7 @@ FAMILIES = {
     "gemma3": Family(_gemma3_features, _gemma3_tokens, _square_image),
     "idefics3": Family(_idefics3_features, _idefics3_tokens, _square_image, tower="vision_model",
                        projector="connector", stored_under="model."),
+    "qwen2_5_vl": Family(_qwen_vl_features, _qwen_vl_tokens, _qwen_vl_image, projector=""),
 }
 
 
@@ -88,7 +107,8 @@ class VisionTower:
         module, self.config = vlm_config(dict(config), path)
         # mlx-vlm's Model builds the text model too; its tower and projector are taken and the rest dropped.
         whole = module.Model(self.config)
-        self.tower, self.projector = getattr(whole, family.tower), getattr(whole, family.projector)
+        self.tower = getattr(whole, family.tower)
+        self.projector = getattr(whole, family.projector) if family.projector else nn.Module()
         del whole
         prefixes = (family.tower + ".", family.projector + ".")
         stored = tuple(family.stored_under + p for p in prefixes)

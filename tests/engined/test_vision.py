@@ -57,7 +57,7 @@ def prompt(processor, texts: list[str], images: list) -> tuple[list[int], list[I
         decoded.append(Image(image, hashlib.sha256(buf.getvalue()).hexdigest()))
     ids, inputs = expand_with(processor, image_token_id(processor), rendered, decoded)
     assert ids == out["input_ids"][0].tolist()
-    return ids, inputs, {k: v for k, v in out.items() if k.startswith("pixel_")}
+    return ids, inputs, {k: v for k, v in out.items() if k.startswith(("pixel_", "image_"))}
 
 
 def reference(model, ids: list[int], pixels: dict) -> list[int]:

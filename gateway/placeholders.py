@@ -1,0 +1,82 @@
+"""The image placeholders of families whose transformers processor cannot be built here, expanded
+by mlxd: the folder's image processor and tokenizer, and each family's count of tokens per image.
+
+transformers' Qwen2-VL and Qwen2.5-VL processors build a video processor that needs torchvision,
+which mlxd does not install; their image processor and tokenizer need neither. The template
+writes one image token per image (inside the family's own begin and end markers); the expansion
+repeats it once per row the tower makes, and returns what ``media_processor.expand_with`` reads
+from a transformers processor: token ids, their character offsets, where each image's expansion
+lies in the expanded text, and the image processor's own outputs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+
+def _merged_patches(out: dict, image_processor) -> list[str]:
+    # Qwen-VL: an image is t x h x w patches, merged merge x merge into one row.
+    return ["<|image_pad|>" * (int(np.prod(grid)) // image_processor.merge_size ** 2)
+            for grid in np.asarray(out["image_grid_thw"])]
+
+
+@dataclass(frozen=True)
+class Expansion:
+    image_token: str
+    write: Callable  # (image processor's outputs, image processor) -> each image's expansion, as text
+    loaded_with: Callable = lambda folder: {}  # (folder) -> what the image processor is loaded with
+
+
+# Keyed by the processor class the folder's preprocessor_config.json names.
+EXPANSIONS = {
+    "Qwen2VLProcessor": Expansion("<|image_pad|>", _merged_patches),
+    "Qwen2_5_VLProcessor": Expansion("<|image_pad|>", _merged_patches),
+}
+
+
+def grid_arrays(pixels: np.ndarray, grids: np.ndarray) -> list[np.ndarray]:
+    """Every image's patches of ``pixels [patches, values]`` (images in order, ``grids [n, 3]`` of
+    t, h, w patches each), as ``[t * h, w, values]``: its shape carries the grid to the engine."""
+    ends = np.cumsum(np.prod(grids, axis=1))
+    return [p.reshape(int(g[0] * g[1]), int(g[2]), -1) for p, g in zip(np.split(pixels, ends[:-1]), grids)]
+
+
+class PlaceholderExpansion:
+    """A processor for one of ``EXPANSIONS``: called as transformers' processors are by
+    ``media_processor.expand_with``."""
+
+    def __init__(self, image_processor, tokenizer, expansion: Expansion):
+        self.image_processor = image_processor
+        self.tokenizer = tokenizer
+        self.expansion = expansion
+        self.image_token_id = tokenizer.convert_tokens_to_ids(expansion.image_token)
+
+    @classmethod
+    def load(cls, folder: str, expansion: Expansion) -> "PlaceholderExpansion":
+        from transformers import AutoImageProcessor, AutoTokenizer
+
+        image_processor = AutoImageProcessor.from_pretrained(folder, **expansion.loaded_with(Path(folder)))
+        return cls(image_processor, AutoTokenizer.from_pretrained(folder), expansion)
+
+    def __call__(self, text: str, images: list | None = None, return_offsets_mapping: bool = False,
+                 return_text_replacement_offsets: bool = False, **_) -> dict:
+        token = self.expansion.image_token
+        pieces = text.split(token)
+        images = images or []
+        if len(pieces) != len(images) + 1:
+            raise ValueError(f"the text holds {len(pieces) - 1} image tokens for {len(images)} images")
+        out = dict(self.image_processor(images=images, return_tensors="np")) if images else {}
+        expanded, spans = pieces[0], []
+        for written, piece in zip(self.expansion.write(out, self.image_processor) if images else [], pieces[1:]):
+            spans.append({"new_span": (len(expanded), len(expanded) + len(written))})
+            expanded += written + piece
+        encoded = self.tokenizer(expanded, add_special_tokens=False, return_offsets_mapping=return_offsets_mapping,
+                                 return_tensors="np")
+        out.update(encoded)
+        if return_text_replacement_offsets:
+            out["text_replacement_offsets"] = [spans]
+        return out

@@ -1,0 +1,63 @@
+"""Qwen-VL's multi-axis RoPE positions (engined/vision/mrope.py) against mlx-vlm's own rope index,
+on the gateway's expansion (checked against mlx-vlm's processor) of a prompt with two images of
+different grids (one wider than tall, one taller than wide): the whole prompt, the same prompt
+computed in chunks that cut through the images, and the positions after it (decode), which mlx-vlm
+gives as the sequence index plus its rope delta."""
+
+import hashlib
+
+import numpy as np
+import pytest
+
+from mlxd.engined.vision.mrope import request_positions
+from mlxd.gateway.media import Image
+from mlxd.gateway.media_processor import expand_with, image_token_id
+from tests.vision_models import QWEN_MERGE, make_tiny_qwen2_5_vl, processor_of, random_image
+
+
+@pytest.fixture(scope="module")
+def qwen(tmp_path_factory):
+    from mlx_vlm.utils import load_model as vlm_load
+
+    path = make_tiny_qwen2_5_vl(tmp_path_factory.mktemp("qwen2_5_vl"), seed=5)
+    return processor_of(path), vlm_load(path)
+
+
+def test_positions_equal_mlx_vlm_rope_index_whole_in_chunks_and_after(qwen):
+    import mlx.core as mx
+
+    processor, model = qwen
+    seed = 11
+    print(f"seed={seed}")
+    images = [random_image(seed, (48, 32)), random_image(seed + 1, (30, 44))]
+    content = [{"type": "image"}, {"type": "text", "text": "left"}, {"type": "image"}, {"type": "text", "text": "x"}]
+    text = processor.tokenizer.apply_chat_template([{"role": "user", "content": content}],
+                                                   add_generation_prompt=True, tokenize=False)
+    decoded = [Image(im, hashlib.sha256(im.tobytes()).hexdigest()) for im in images]
+    ids, inputs = expand_with(processor, image_token_id(processor), text, decoded)
+    grids = [[1, i.shape[0], i.shape[1]] for i in inputs]
+    assert grids[0][1] < grids[0][2] and grids[1][1] > grids[1][2]  # both orientations
+
+    # The gateway's expansion (transformers' processor needs torchvision) equals mlx-vlm's processor's.
+    from mlx_vlm.models.qwen2_5_vl.processing_qwen2_5_vl import Qwen2_5_VLProcessor
+
+    reference = Qwen2_5_VLProcessor(image_processor=processor.image_processor, tokenizer=processor.tokenizer,
+                                    video_processor=None)(text=text, images=images, return_tensors="np")
+    assert ids == reference["input_ids"][0].tolist()
+    assert grids == reference["image_grid_thw"].tolist()
+    pixels = np.concatenate([np.frombuffer(i.pixels, np.float32).reshape(-1, i.shape[2]) for i in inputs])
+    assert np.array_equal(pixels, reference["pixel_values"])
+
+    expected, delta = model.language_model.get_rope_index(mx.array([ids]), mx.array(grids), None, None)
+    expected, delta = np.array(expected)[:, 0], int(np.array(delta).reshape(-1)[0])
+    assert delta != 0  # the images moved the later text's positions, or this proves nothing
+    assert (request_positions(inputs, QWEN_MERGE, 0, len(ids)) == expected).all()
+
+    rng = np.random.default_rng(seed)
+    cuts = sorted(set(rng.integers(1, len(ids), 5).tolist()) | {inputs[0].offset + 1, inputs[1].offset + 3})
+    bounds = [0, *cuts, len(ids)]
+    chunks = [request_positions(inputs, QWEN_MERGE, a, b - a) for a, b in zip(bounds, bounds[1:])]
+    assert (np.concatenate(chunks, axis=1) == expected).all()
+
+    after = request_positions(inputs, QWEN_MERGE, len(ids), 4)
+    assert (after == np.arange(len(ids), len(ids) + 4) + delta).all()
