@@ -54,7 +54,12 @@ def _qwen_vl_features(tower: nn.Module, projector: nn.Module, config, pixels: mx
 
 
 def _qwen_vl_tokens(config, shape: list[int]) -> int:
-    return shape[0] * shape[1] // config.vision_config.spatial_merge_size ** 2
+    # 0 (refused at admission) for a grid the merger cannot fold or patches of another size.
+    v = config.vision_config
+    merge = v.spatial_merge_size
+    if shape[0] % merge or shape[1] % merge or shape[2] != v.in_channels * v.temporal_patch_size * v.patch_size ** 2:
+        return 0
+    return shape[0] * shape[1] // merge ** 2
 
 
 def _qwen_vl_image(config) -> list[int]:

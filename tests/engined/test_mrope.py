@@ -9,9 +9,14 @@ import hashlib
 import numpy as np
 import pytest
 
+from mlxd.engined.engine import Engine
+from mlxd.engined.loaders import load_model
 from mlxd.engined.vision.mrope import request_positions
 from mlxd.gateway.media import Image
 from mlxd.gateway.media_processor import expand_with, image_token_id
+from mlxd.shared.config import EngineConfig
+from mlxd.shared.errors import InvalidRequestError
+from mlxd.shared.protocol import ImageInput, SamplingParams
 from tests.vision_models import QWEN_MERGE, make_tiny_qwen2_5_vl, processor_of, random_image
 
 
@@ -20,13 +25,13 @@ def qwen(tmp_path_factory):
     from mlx_vlm.utils import load_model as vlm_load
 
     path = make_tiny_qwen2_5_vl(tmp_path_factory.mktemp("qwen2_5_vl"), seed=5)
-    return processor_of(path), vlm_load(path)
+    return processor_of(path), vlm_load(path), path
 
 
 def test_positions_equal_mlx_vlm_rope_index_whole_in_chunks_and_after(qwen):
     import mlx.core as mx
 
-    processor, model = qwen
+    processor, model, _ = qwen
     seed = 11
     print(f"seed={seed}")
     images = [random_image(seed, (48, 32)), random_image(seed + 1, (30, 44))]
@@ -61,3 +66,24 @@ def test_positions_equal_mlx_vlm_rope_index_whole_in_chunks_and_after(qwen):
 
     after = request_positions(inputs, QWEN_MERGE, len(ids), 4)
     assert (after == np.arange(len(ids), len(ids) + 4) + delta).all()
+
+
+def test_an_image_whose_grid_the_merger_cannot_fold_is_refused_and_the_engine_goes_on(qwen):
+    processor, _, path = qwen
+    text = processor.tokenizer.apply_chat_template(
+        [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "x"}]}],
+        add_generation_prompt=True, tokenize=False)
+    image = random_image(3, (48, 32))
+    ids, (good,) = expand_with(processor, image_token_id(processor), text, [Image(image, "a")])
+    h, w, values = good.shape  # 4 x 6 patches: 2 x 3 rows
+    odd = ImageInput(good.mm_hash, good.offset, good.length, [h - 1, w * h // (h - 1), values], good.pixels)
+    eng = Engine(EngineConfig(num_kv_blocks=16, block_size=16, max_num_batched_tokens=64),
+                 loaded=load_model(str(path)))
+    params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+    with pytest.raises(InvalidRequestError, match=f"fills 0 placeholder tokens, not {good.length}"):
+        eng.add_request("odd", ids, params, images=[odd])
+    eng.add_request("good", ids, params, images=[good])
+    out = []
+    while eng.has_unfinished():
+        out += [t for o in eng.step() for t in o.new_token_ids]
+    assert len(out) == 2
