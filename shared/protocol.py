@@ -298,12 +298,12 @@ class AudioInput(msgspec.Struct, array_like=True, gc=False):
 class ImageInput(msgspec.Struct, array_like=True, gc=False):
     """One image of a prompt, as the model's processor made it: ``pixels`` (float32, C-order, of
     ``shape``: [C, H, W], or [N, C, H, W] for an image the processor cut into N tiles, whose rows
-    follow one another, or Qwen-VL's patches as [grid h, grid w, patch values]) fill the span of ``length`` prompt positions from ``offset``. ``runs``
-    are [start, length] pairs, relative to ``offset`` and in order, of the span's positions that
-    take the rows; the others (a family's row breaks and tile markers) keep their own tokens'
-    embeddings. None: every position takes a row. ``mm_hash`` is the digest of the image's
-    bytes: it enters the prefix-cache hash of every block holding its span, so equal tokens of
-    another image never share K/V."""
+    follow one another, or Qwen-VL's patches as [grid h, grid w, patch values]) fill the span of
+    ``length`` prompt positions from ``offset``. ``runs`` are [start, length] pairs, relative to
+    ``offset`` and in order, of the span's positions that take the rows; the others (a family's
+    row breaks and tile markers) keep their own tokens' embeddings. None: every position takes a
+    row. ``mm_hash`` is the digest of the image's bytes: it enters the prefix-cache hash of every
+    block holding its span, so equal tokens of another image never share K/V."""
 
     mm_hash: str
     offset: int
