@@ -63,6 +63,29 @@ def _vision_weights(config: dict, seed: int, prefixes=("vision_tower", "multi_mo
     return weights
 
 
+# What every tiny model's image processor does besides its own settings: resize, rescale to [0, 1],
+# normalize to [-1, 1], convert to RGB.
+_IMAGE_DEFAULTS = {"do_resize": True, "do_rescale": True, "rescale_factor": 1 / 255, "do_normalize": True,
+                   "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5], "do_convert_rgb": True}
+
+
+def _write_processor(out: Path, config: dict, vocab: tuple, eos: str, template: str, processor: str,
+                     preprocessor: dict, processor_config: dict | None = None, tokenizer_config: dict | None = None):
+    """The tokenizer of ``vocab`` (tokens, merges, is_special) with the chat ``template``, and the files
+    that name transformers' ``processor``: its image processor's ``preprocessor`` settings beside
+    ``_IMAGE_DEFAULTS``, ``processor_config`` and ``tokenizer_config`` entries."""
+    tokens, merges, special = vocab
+    write_tokenizer(out, tokens, merges, special, tokens[config["bos_token_id"]], eos,
+                    config["max_position_embeddings"])
+    tok_config = json.loads((out / "tokenizer_config.json").read_text())
+    tok_config.update({"chat_template": template, "processor_class": processor, **(tokenizer_config or {})})
+    (out / "tokenizer_config.json").write_text(json.dumps(tok_config, indent=2))
+    (out / "preprocessor_config.json").write_text(json.dumps(
+        {"processor_class": processor, **_IMAGE_DEFAULTS, **preprocessor}, indent=2))
+    (out / "processor_config.json").write_text(json.dumps({"processor_class": processor, **(processor_config or {})},
+                                                          indent=2))
+
+
 def make_tiny_gemma3_vlm(directory, seed: int = 0) -> Path:
     """A tiny Gemma 3 vision-language checkpoint in ``directory``; its path."""
     import mlx.core as mx
@@ -87,20 +110,12 @@ def make_tiny_gemma3_vlm(directory, seed: int = 0) -> Path:
     weights.update({k: mx.array(v) for k, v in _vision_weights(config, seed).items()})
     mx.save_safetensors(str(out / "model.safetensors"), weights, metadata={"format": "mlx"})
 
-    write_tokenizer(out, tokens, merges, special, tokens[config["bos_token_id"]], tokens[config["eos_token_id"]],
-                    config["max_position_embeddings"])
-    tok_config = json.loads((out / "tokenizer_config.json").read_text())
-    tok_config.update({"chat_template": GEMMA3_TEMPLATE, "processor_class": "Gemma3Processor",
-                       "extra_special_tokens": {"boi_token": BOI, "image_token": IMAGE, "eoi_token": EOI}})
-    (out / "tokenizer_config.json").write_text(json.dumps(tok_config, indent=2))
-    (out / "preprocessor_config.json").write_text(json.dumps({
-        "image_processor_type": "Gemma3ImageProcessor", "processor_class": "Gemma3Processor",
-        "size": {"height": IMAGE_SIZE, "width": IMAGE_SIZE}, "do_resize": True, "do_rescale": True,
-        "rescale_factor": 1 / 255, "do_normalize": True, "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5],
-        "do_convert_rgb": True, "do_pan_and_scan": False, "resample": 2,
-    }, indent=2))
-    (out / "processor_config.json").write_text(json.dumps({"processor_class": "Gemma3Processor",
-                                                            "image_seq_length": IMAGE_TOKENS}, indent=2))
+    _write_processor(out, config, (tokens, merges, special), tokens[config["eos_token_id"]], GEMMA3_TEMPLATE,
+                     "Gemma3Processor", {"image_processor_type": "Gemma3ImageProcessor",
+                                         "size": {"height": IMAGE_SIZE, "width": IMAGE_SIZE},
+                                         "do_pan_and_scan": False, "resample": 2},
+                     {"image_seq_length": IMAGE_TOKENS},
+                     {"extra_special_tokens": {"boi_token": BOI, "image_token": IMAGE, "eoi_token": EOI}})
     return out
 
 
@@ -140,20 +155,11 @@ def make_tiny_idefics3_vlm(directory, seed: int = 0) -> Path:
                                                                "model.").items()})
     mx.save_safetensors(str(out / "model.safetensors"), weights, metadata={"format": "mlx"})
 
-    write_tokenizer(out, tokens, merges, special, tokens[config["bos_token_id"]], "<end_of_utterance>",
-                    config["max_position_embeddings"])
-    tok_config = json.loads((out / "tokenizer_config.json").read_text())
-    tok_config.update({"chat_template": IDEFICS3_TEMPLATE, "processor_class": "Idefics3Processor"})
-    (out / "tokenizer_config.json").write_text(json.dumps(tok_config, indent=2))
-    (out / "preprocessor_config.json").write_text(json.dumps({
-        "image_processor_type": "Idefics3ImageProcessor", "processor_class": "Idefics3Processor",
-        "do_image_splitting": True, "max_image_size": {"longest_edge": IDEFICS3_TILE},
-        "size": {"longest_edge": 2 * IDEFICS3_TILE}, "do_resize": True, "do_rescale": True, "rescale_factor": 1 / 255,
-        "do_normalize": True, "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5], "do_convert_rgb": True,
-        "do_pad": True, "resample": 1,
-    }, indent=2))
-    (out / "processor_config.json").write_text(json.dumps({"processor_class": "Idefics3Processor",
-                                                            "image_seq_len": 4}, indent=2))
+    _write_processor(out, config, (tokens, merges, special), "<end_of_utterance>", IDEFICS3_TEMPLATE,
+                     "Idefics3Processor", {"image_processor_type": "Idefics3ImageProcessor", "do_image_splitting": True,
+                                           "max_image_size": {"longest_edge": IDEFICS3_TILE},
+                                           "size": {"longest_edge": 2 * IDEFICS3_TILE}, "do_pad": True, "resample": 1},
+                     {"image_seq_len": 4})
     return out
 
 
@@ -194,19 +200,10 @@ def make_tiny_qwen2_5_vl(directory, seed: int = 0) -> Path:
     weights.update({k: mx.array(v) for k, v in _vision_weights(config, seed, ("vision_tower",)).items()})
     mx.save_safetensors(str(out / "model.safetensors"), weights, metadata={"format": "mlx"})
 
-    write_tokenizer(out, tokens, merges, special, tokens[config["bos_token_id"]], tokens[config["eos_token_id"]],
-                    config["max_position_embeddings"])
-    tok_config = json.loads((out / "tokenizer_config.json").read_text())
-    tok_config.update({"chat_template": QWEN_TEMPLATE, "processor_class": "Qwen2_5_VLProcessor"})
-    (out / "tokenizer_config.json").write_text(json.dumps(tok_config, indent=2))
-    (out / "preprocessor_config.json").write_text(json.dumps({
-        "image_processor_type": "Qwen2VLImageProcessor", "processor_class": "Qwen2_5_VLProcessor",
-        "patch_size": QWEN_PATCH, "merge_size": QWEN_MERGE, "temporal_patch_size": 2,
-        "min_pixels": 16 * 16, "max_pixels": 32 * 48, "do_resize": True, "do_rescale": True,
-        "rescale_factor": 1 / 255, "do_normalize": True, "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5],
-        "do_convert_rgb": True, "resample": 3,
-    }, indent=2))
-    (out / "processor_config.json").write_text(json.dumps({"processor_class": "Qwen2_5_VLProcessor"}))
+    _write_processor(out, config, (tokens, merges, special), tokens[config["eos_token_id"]], QWEN_TEMPLATE,
+                     "Qwen2_5_VLProcessor", {"image_processor_type": "Qwen2VLImageProcessor", "patch_size": QWEN_PATCH,
+                                             "merge_size": QWEN_MERGE, "temporal_patch_size": 2,
+                                             "min_pixels": 16 * 16, "max_pixels": 32 * 48, "resample": 3})
     return out
 
 
