@@ -76,6 +76,8 @@ def expand_with(processor, image_id: int, text: str, images: list[Image]) -> tup
     chars = np.asarray(out["offset_mapping"][0])[:, 0]
     pixels = np.asarray(out["pixel_values"], dtype=np.float32)
     arrays = pixels[0] if pixels.ndim == 5 else pixels  # a tiling processor's [sample, array, C, H, W]
+    if "image_sizes" in out:  # images of any size, padded to the batch's largest: each cut back to its own
+        arrays = [a[:, :h, :w] for a, (h, w) in zip(arrays, np.asarray(out["image_sizes"]).tolist())]
     if "image_grid_thw" in out:  # every image's patches in one [patches, values]: each its [grid h, grid w, values]
         arrays = grid_arrays(pixels, np.asarray(out["image_grid_thw"]))
     expansions = out["text_replacement_offsets"][0]

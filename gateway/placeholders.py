@@ -2,15 +2,17 @@
 by mlxd: the folder's image processor and tokenizer, and each family's count of tokens per image.
 
 transformers' Qwen2-VL and Qwen2.5-VL processors build a video processor that needs torchvision,
-which mlxd does not install; their image processor and tokenizer need neither. The template
-writes one image token per image (inside the family's own begin and end markers); the expansion
-repeats it once per row the tower makes, and returns what ``media_processor.expand_with`` reads
-from a transformers processor: token ids, their character offsets, where each image's expansion
-lies in the expanded text, and the image processor's own outputs.
+which mlxd does not install, and Pixtral's (Mistral 3) needs it too; their image processor and
+tokenizer need neither. The template writes one image token per image (inside the family's own
+begin and end markers); the expansion repeats it once per row the tower makes (Pixtral's with its
+row breaks and end marker), and returns what ``media_processor.expand_with`` reads from a
+transformers processor: token ids, their character offsets, where each image's expansion lies in
+the expanded text, and the image processor's own outputs.
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -24,6 +26,25 @@ def _merged_patches(out: dict, image_processor) -> list[str]:
             for grid in np.asarray(out["image_grid_thw"])]
 
 
+def _pixtral_rows(out: dict, image_processor) -> list[str]:
+    # Pixtral: a row of image tokens per row of merged patches, a break after each row, the last
+    # break an end marker.
+    side = image_processor.patch_size["height"]
+    rows = [("[IMG]" * (w // side) + "[IMG_BREAK]") * (h // side) for h, w in np.asarray(out["image_sizes"]).tolist()]
+    return [r[: -len("[IMG_BREAK]")] + "[IMG_END]" for r in rows]
+
+
+def _pixtral_patch(folder: Path) -> dict:
+    # The image processor resizes to whole merged patches: its patch times the projector's merge,
+    # which processor_config.json (or the model's config.json) holds.
+    def read(name: str) -> dict:
+        return json.loads((folder / name).read_text()) if (folder / name).is_file() else {}
+
+    settings = {"spatial_merge_size": read("config.json").get("spatial_merge_size", 1), **read("processor_config.json")}
+    side = settings.get("patch_size", 16) * settings["spatial_merge_size"]
+    return {"patch_size": {"height": side, "width": side}}
+
+
 @dataclass(frozen=True)
 class Expansion:
     image_token: str
@@ -35,6 +56,8 @@ class Expansion:
 EXPANSIONS = {
     "Qwen2VLProcessor": Expansion("<|image_pad|>", _merged_patches),
     "Qwen2_5_VLProcessor": Expansion("<|image_pad|>", _merged_patches),
+    # Mistral 3's: torchvision for the processor, though its image processor runs on PIL alone.
+    "PixtralProcessor": Expansion("[IMG]", _pixtral_rows, _pixtral_patch),
 }
 
 

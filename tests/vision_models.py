@@ -49,9 +49,9 @@ def _vision_weights(config: dict, seed: int, prefixes=("vision_tower", "multi_mo
     for prefix in prefixes:
         for name, p in tree_flatten(getattr(model, prefix).parameters()):
             shape = p.shape
-            if "patch_embedding.weight" in name:  # MLX's [out, kh, kw, in] stored as PyTorch's
+            if name.endswith(("patch_embedding.weight", "patch_conv.weight")):  # MLX's [out, kh, kw, in] as PyTorch's
                 w = rng.standard_normal((shape[0], shape[3], shape[1], shape[2])) / np.sqrt(shape[1] * shape[2] * 3)
-            elif "norm" in name and name.endswith("weight"):
+            elif ("norm" in name or "ln_pre" in name) and name.endswith("weight"):
                 w = 1.0 + 0.2 * rng.standard_normal(shape)
             elif name.endswith("bias"):
                 w = 0.1 * rng.standard_normal(shape)
@@ -163,6 +163,59 @@ def make_tiny_idefics3_vlm(directory, seed: int = 0) -> Path:
     return out
 
 
+PIXTRAL_IMAGE, PIXTRAL_MARKERS = "[IMG]", ["[IMG_BREAK]", "[IMG_END]"]
+MISTRAL3_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}{% if message['role'] == 'user' %}[INST]{% endif %}"
+    "{% if message['content'] is string %}{{ message['content'] }}{% else %}{% for part in message['content'] %}"
+    "{% if part['type'] == 'image' %}[IMG]{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}"
+    "{% endfor %}{% endif %}{% if message['role'] == 'user' %}[/INST]{% else %}{{ eos_token }}{% endif %}{% endfor %}"
+)
+
+
+def make_tiny_mistral3_vlm(directory, seed: int = 0) -> Path:
+    """A tiny Mistral 3 vision-language checkpoint in ``directory``; its path: a Pixtral tower of 8x8
+    patches, merged 2x2 by the projector (one token per 16x16 pixels, images up to 64 on the longest
+    edge, any aspect), and the folder's Pixtral image processor (transformers' PixtralProcessor
+    is named but needs torchvision)."""
+    import mlx.core as mx
+
+    out = make_tiny_model(directory, "mistral3", seed=seed)
+    config = json.loads((out / "config.json").read_text())
+    tokens, merges, special = tiny_vocab(config["vocab_size"])
+    first_free = tokens.index("<|reserved_0|>")
+    added = [PIXTRAL_IMAGE, *PIXTRAL_MARKERS, "[INST]", "[/INST]"]
+    tokens[first_free : first_free + len(added)] = added
+    config.update({
+        "image_token_index": first_free, "spatial_merge_size": 2, "vision_feature_layer": -1,
+        "multimodal_projector_bias": False, "projector_hidden_act": "gelu",
+        "vision_config": {"model_type": "pixtral", "hidden_size": 32, "intermediate_size": 64,
+                          "num_hidden_layers": 2, "num_attention_heads": 2, "head_dim": 16, "patch_size": 8,
+                          "image_size": IMAGE_SIZE, "rope_theta": 10000.0, "num_channels": 3},
+    })
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    weights = dict(mx.load(str(out / "model.safetensors")))
+    # Hugging Face's names: the tower without mlx-vlm's wrapper module.
+    weights.update({k.replace("vision_tower.vision_model.", "vision_tower."): mx.array(v)
+                    for k, v in _vision_weights(config, seed).items()})
+    mx.save_safetensors(str(out / "model.safetensors"), weights, metadata={"format": "mlx"})
+
+    write_tokenizer(out, tokens, merges, special, tokens[config["bos_token_id"]], tokens[config["eos_token_id"]],
+                    config["max_position_embeddings"])
+    tok_config = json.loads((out / "tokenizer_config.json").read_text())
+    tok_config.update({"chat_template": MISTRAL3_TEMPLATE, "processor_class": "PixtralProcessor"})
+    (out / "tokenizer_config.json").write_text(json.dumps(tok_config, indent=2))
+    (out / "preprocessor_config.json").write_text(json.dumps({
+        "image_processor_type": "PixtralImageProcessor", "processor_class": "PixtralProcessor",
+        "size": {"longest_edge": IMAGE_SIZE}, "patch_size": 8, "do_resize": True, "do_rescale": True,
+        "rescale_factor": 1 / 255, "do_normalize": True, "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5],
+        "do_convert_rgb": True, "resample": 3,
+    }, indent=2))
+    (out / "processor_config.json").write_text(json.dumps({
+        "processor_class": "PixtralProcessor", "patch_size": 8, "spatial_merge_size": 2, "image_token": PIXTRAL_IMAGE,
+        "image_break_token": PIXTRAL_MARKERS[0], "image_end_token": PIXTRAL_MARKERS[1]}, indent=2))
+    return out
+
+
 QWEN_IMAGE, QWEN_PATCH, QWEN_MERGE = "<|image_pad|>", 8, 2
 QWEN_MARKERS = ["<|vision_start|>", "<|vision_end|>", "<|video_pad|>"]
 QWEN_TEMPLATE = (
@@ -208,7 +261,7 @@ def make_tiny_qwen2_5_vl(directory, seed: int = 0) -> Path:
 
 
 VLMS = {"gemma3": (make_tiny_gemma3_vlm, IMAGE), "idefics3": (make_tiny_idefics3_vlm, IDEFICS3_IMAGE),
-        "qwen2_5_vl": (make_tiny_qwen2_5_vl, QWEN_IMAGE)}
+        "mistral3": (make_tiny_mistral3_vlm, PIXTRAL_IMAGE), "qwen2_5_vl": (make_tiny_qwen2_5_vl, QWEN_IMAGE)}
 
 
 def processor_of(path: Path):
@@ -223,6 +276,19 @@ def processor_of(path: Path):
     if name in EXPANSIONS:
         return PlaceholderExpansion.load(str(path), EXPANSIONS[name])
     return getattr(transformers, name).from_pretrained(path)
+
+
+def reference_processor(processor):
+    """The processor whose token ids and pixels mlx-vlm's generation takes: ``processor``, or for
+    Pixtral's placeholders, which the gateway writes, mlx-vlm's own processor of the same folder (so
+    that the gateway's expansion is checked against another's)."""
+    from mlx_vlm.utils import load_processor
+
+    from mlxd.gateway.placeholders import EXPANSIONS, PlaceholderExpansion
+
+    if isinstance(processor, PlaceholderExpansion) and processor.expansion is EXPANSIONS["PixtralProcessor"]:
+        return load_processor(Path(processor.tokenizer.name_or_path))
+    return processor
 
 
 def random_image(seed: int, size: tuple[int, int] = (48, 40)):

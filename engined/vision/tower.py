@@ -68,6 +68,33 @@ def _qwen_vl_image(config) -> list[int]:
     return [side, side, v.in_channels * v.temporal_patch_size * v.patch_size ** 2]
 
 
+def _pixtral_features(tower: nn.Module, projector: nn.Module, config, pixels: mx.array) -> mx.array:
+    # mlx-vlm's Mistral 3: the images as one sequence of patches (the tower's block mask keeps each
+    # to itself), the chosen layer's states through the projector, whose merger folds 2x2 patches
+    # into one row; no scaling at the merge.
+    n, _, height, width = pixels.shape
+    sizes = [(height, width)] * n
+    _, states = tower(pixels.transpose(0, 2, 3, 1), output_hidden_states=True, image_sizes=sizes)
+    rows = projector(states[config.vision_feature_layer][0], sizes)
+    return rows.reshape(n, -1, rows.shape[-1])
+
+
+def _pixtral_tokens(config, shape: list[int]) -> int:
+    # 0 (refused at admission) for sides the merger cannot fold or past the largest the processor makes.
+    v = config.vision_config
+    side = v.patch_size * config.spatial_merge_size
+    if shape[0] != v.num_channels or shape[1] % side or shape[2] % side or max(shape[1:]) > v.image_size:
+        return 0
+    return (shape[1] // side) * (shape[2] // side)
+
+
+def _pixtral_names(name: str) -> str:
+    # Hugging Face stores Pixtral's tower without the wrapper module mlx-vlm puts around it.
+    if name.startswith("vision_tower.") and not name.startswith("vision_tower.vision_model."):
+        return "vision_tower.vision_model." + name[len("vision_tower."):]
+    return name
+
+
 def _square_image(config) -> list[int]:
     v = config.vision_config
     return [v.num_channels, v.image_size, v.image_size]
@@ -81,12 +108,14 @@ class Family:
     tower: str = "vision_tower"  # the modules' names in mlx-vlm's Model, and the checkpoint's prefixes
     projector: str = "multi_modal_projector"  # "": the tower projects its own rows
     stored_under: str = ""  # what the checkpoint's names carry before those prefixes
+    renamed: Callable | None = None  # a checkpoint's name -> mlx-vlm's, where they differ
 
 
 FAMILIES = {
     "gemma3": Family(_gemma3_features, _gemma3_tokens, _square_image),
     "idefics3": Family(_idefics3_features, _idefics3_tokens, _square_image, tower="vision_model",
                        projector="connector", stored_under="model."),
+    "mistral3": Family(_pixtral_features, _pixtral_tokens, _square_image, renamed=_pixtral_names),
     "qwen2_5_vl": Family(_qwen_vl_features, _qwen_vl_tokens, _qwen_vl_image, projector=""),
 }
 
@@ -120,6 +149,8 @@ class VisionTower:
         weights = {}
         for file in sorted(glob.glob(str(path / "*.safetensors"))):
             weights.update({k[len(family.stored_under):]: v for k, v in mx.load(file).items() if k.startswith(stored)})
+        if family.renamed:
+            weights = {family.renamed(k): v for k, v in weights.items()}
         if hasattr(self.tower, "sanitize"):  # PyTorch's conv layout to MLX's
             weights = self.tower.sanitize(weights)
         tower_w = [(k[len(prefixes[0]):], v) for k, v in weights.items() if k.startswith(prefixes[0])]

@@ -1,6 +1,7 @@
 """Images through the whole stack: `mlxd serve` on a tiny Gemma 3 vision checkpoint (mlx-vlm's classes),
 driven by the real openai and anthropic SDKs, with image URLs served from a loopback HTTP server; the
-first test also on a tiny Idefics3 (SmolVLM: tiles).
+first test also on a tiny Idefics3 (SmolVLM: tiles) and a tiny Mistral 3 (Pixtral: placeholders the
+gateway writes, images of their own aspect).
 
 The answer to an image equals mlx-vlm's own greedy tokens on the same pixels (the gateway's
 processor, the wire and the engine's tower together); bad images and URLs are 400s that leave the
@@ -21,7 +22,7 @@ import pytest
 
 from tests.e2e.serve_harness import Serve
 from tests.e2e.servers import assert_error
-from tests.vision_models import make_tiny_gemma3_vlm, make_tiny_idefics3_vlm, processor_of, random_image
+from tests.vision_models import VLMS, make_tiny_gemma3_vlm, processor_of, random_image, reference_processor
 
 MAX_TOKENS = 8
 LIMIT_BYTES = 50_000
@@ -91,19 +92,19 @@ def vlm_client(served):
     return openai.OpenAI(base_url=served[1].url + "/v1", api_key="unused", max_retries=0, timeout=60)
 
 
-@pytest.fixture(scope="module", params=["gemma3", "idefics3"])
+@pytest.fixture(scope="module", params=["gemma3", "idefics3", "mistral3"])
 def family(request, tmp_path_factory):
     """(model name, its dir, an openai client) of each vision family: Gemma 3's server above, a
-    plain one for Idefics3."""
+    plain one for the others."""
     if request.param == "gemma3":
         served = request.getfixturevalue("served")
         yield "gemma3_vlm", served[0], request.getfixturevalue("vlm_client")
         return
-    path = make_tiny_idefics3_vlm(tmp_path_factory.mktemp("model") / "idefics3_vlm", seed=3)
+    path = VLMS[request.param][0](tmp_path_factory.mktemp("model") / f"{request.param}_vlm", seed=3)
     serve = Serve(tmp_path_factory.mktemp("serve"), "--num-kv-blocks", "64", "--max-num-batched-tokens", "32",
                   "--enable-prefix-caching", "--allowed-media-domains", "127.0.0.1", model=str(path)).start()
     serve.wait_healthy()
-    yield "idefics3_vlm", path, openai.OpenAI(base_url=serve.url + "/v1", api_key="unused", max_retries=0,
+    yield f"{request.param}_vlm", path, openai.OpenAI(base_url=serve.url + "/v1", api_key="unused", max_retries=0,
                                               timeout=60)
     serve.stop()
 
@@ -127,14 +128,15 @@ def expected_text(path: Path, data: bytes, text: str = "the cat") -> str:
     from mlx_vlm.utils import load_model
     from PIL import Image
 
-    processor = processor_of(path)
+    processor = reference_processor(processor_of(path))
     rendered = processor.tokenizer.apply_chat_template(
         [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": text}]}],
         add_generation_prompt=True, tokenize=False)
     out = processor(text=rendered, images=[Image.open(io.BytesIO(data)).convert("RGB")], add_special_tokens=False,
                     return_tensors="np")
+    out = {k: np.asarray(v) for k, v in out.items()}
     ids = out["input_ids"][0].tolist()
-    extra = {k: mx.array(v) for k, v in out.items() if k.startswith("pixel_") and k != "pixel_values"}
+    extra = {k: mx.array(v) for k, v in out.items() if k.startswith(("pixel_", "image_")) and k != "pixel_values"}
     steps = generate_step(mx.array([ids]), load_model(Path(path)), mx.array(out["pixel_values"].astype(np.float32)),
                           mx.ones((1, len(ids)), dtype=mx.int32), max_tokens=MAX_TOKENS, temperature=0.0, **extra)
     return processor.tokenizer.decode([int(t) for t, _ in steps], skip_special_tokens=True)

@@ -23,7 +23,7 @@ from mlxd.shared.config import EngineConfig
 from mlxd.shared.errors import InvalidRequestError
 from mlxd.shared.protocol import ImageInput, SamplingParams
 from tests.tiny_models import make_tiny_model
-from tests.vision_models import VLMS, processor_of, random_image
+from tests.vision_models import VLMS, processor_of, random_image, reference_processor
 
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
 
@@ -39,7 +39,7 @@ def vlm(request, tmp_path_factory):
 
 def prompt(processor, texts: list[str], images: list) -> tuple[list[int], list[ImageInput], dict]:
     """A user turn of ``texts`` with an image before each of the first ``len(images)``: token ids,
-    the ImageInputs the gateway sends, and the processor's own inputs for mlx-vlm."""
+    the ImageInputs the gateway sends, and the inputs mlx-vlm takes from its reference processor."""
     content = []
     for i, text in enumerate(texts):
         if i < len(images):
@@ -47,7 +47,9 @@ def prompt(processor, texts: list[str], images: list) -> tuple[list[int], list[I
         content.append({"type": "text", "text": text})
     rendered = processor.tokenizer.apply_chat_template([{"role": "user", "content": content}],
                                                        add_generation_prompt=True, tokenize=False)
-    out = processor(text=rendered, images=images or None, add_special_tokens=False, return_tensors="np")
+    out = reference_processor(processor)(text=rendered, images=images or None, add_special_tokens=False,
+                                         return_tensors="np")
+    out = {k: np.asarray(v) for k, v in out.items()}
     if not images:
         return out["input_ids"][0].tolist(), [], {}
     decoded = []
