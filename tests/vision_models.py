@@ -199,20 +199,11 @@ def make_tiny_mistral3_vlm(directory, seed: int = 0) -> Path:
                     for k, v in _vision_weights(config, seed).items()})
     mx.save_safetensors(str(out / "model.safetensors"), weights, metadata={"format": "mlx"})
 
-    write_tokenizer(out, tokens, merges, special, tokens[config["bos_token_id"]], tokens[config["eos_token_id"]],
-                    config["max_position_embeddings"])
-    tok_config = json.loads((out / "tokenizer_config.json").read_text())
-    tok_config.update({"chat_template": MISTRAL3_TEMPLATE, "processor_class": "PixtralProcessor"})
-    (out / "tokenizer_config.json").write_text(json.dumps(tok_config, indent=2))
-    (out / "preprocessor_config.json").write_text(json.dumps({
-        "image_processor_type": "PixtralImageProcessor", "processor_class": "PixtralProcessor",
-        "size": {"longest_edge": IMAGE_SIZE}, "patch_size": 8, "do_resize": True, "do_rescale": True,
-        "rescale_factor": 1 / 255, "do_normalize": True, "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5],
-        "do_convert_rgb": True, "resample": 3,
-    }, indent=2))
-    (out / "processor_config.json").write_text(json.dumps({
-        "processor_class": "PixtralProcessor", "patch_size": 8, "spatial_merge_size": 2, "image_token": PIXTRAL_IMAGE,
-        "image_break_token": PIXTRAL_MARKERS[0], "image_end_token": PIXTRAL_MARKERS[1]}, indent=2))
+    _write_processor(out, config, (tokens, merges, special), tokens[config["eos_token_id"]], MISTRAL3_TEMPLATE,
+                     "PixtralProcessor", {"image_processor_type": "PixtralImageProcessor",
+                                          "size": {"longest_edge": IMAGE_SIZE}, "patch_size": 8, "resample": 3},
+                     {"patch_size": 8, "spatial_merge_size": 2, "image_token": PIXTRAL_IMAGE,
+                      "image_break_token": PIXTRAL_MARKERS[0], "image_end_token": PIXTRAL_MARKERS[1]})
     return out
 
 
