@@ -22,6 +22,7 @@ import mlx.nn as nn
 import numpy as np
 
 from mlxd.engined.model_layers import transformer_layers
+from mlxd.shared.errors import ModelLoadError
 from mlxd.shared.protocol import ImageInput
 
 
@@ -104,6 +105,9 @@ def install_mrope(model: nn.Module, vision_config) -> StepPositions | None:
         return None
     attentions = [layer.self_attn for layer in transformer_layers(model)]
     rope = attentions[0].rope
+    if type(rope) is not nn.RoPE or rope.traditional or 2 * sum(sections) != rope.dims:
+        raise ModelLoadError(f"M-RoPE sections {list(sections)} need the text model's RoPE over "
+                             f"{2 * sum(sections)} dimensions, rotating halves; it has {rope}")
     step = StepPositions(list(sections), rope.dims, rope.base, vision_config.vision_config.spatial_merge_size)
     for attention in attentions:
         attention.rope = MRope(attention.rope, step)

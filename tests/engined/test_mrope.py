@@ -2,9 +2,12 @@
 on the gateway's expansion (checked against mlx-vlm's processor) of a prompt with two images of
 different grids (one wider than tall, one taller than wide): the whole prompt, the same prompt
 computed in chunks that cut through the images, and the positions after it (decode), which mlx-vlm
-gives as the sequence index plus its rope delta."""
+gives as the sequence index plus its rope delta. And what is refused: an image whose grid the merger
+cannot fold (at admission, the engine going on) and rotary sections that miss the RoPE's dimensions
+(at load)."""
 
 import hashlib
+import json
 
 import numpy as np
 import pytest
@@ -15,7 +18,7 @@ from mlxd.engined.vision.mrope import request_positions
 from mlxd.gateway.media import Image
 from mlxd.gateway.media_processor import expand_with, image_token_id
 from mlxd.shared.config import EngineConfig
-from mlxd.shared.errors import InvalidRequestError
+from mlxd.shared.errors import InvalidRequestError, ModelLoadError
 from mlxd.shared.protocol import ImageInput, SamplingParams
 from tests.vision_models import QWEN_MERGE, make_tiny_qwen2_5_vl, processor_of, random_image
 
@@ -87,3 +90,12 @@ def test_an_image_whose_grid_the_merger_cannot_fold_is_refused_and_the_engine_go
     while eng.has_unfinished():
         out += [t for o in eng.step() for t in o.new_token_ids]
     assert len(out) == 2
+
+
+def test_sections_that_do_not_cover_the_rotary_dimensions_are_refused_at_load(tmp_path):
+    path = make_tiny_qwen2_5_vl(tmp_path / "odd_sections", seed=5)
+    config = json.loads((path / "config.json").read_text())
+    config["rope_scaling"]["mrope_section"] = [2, 3, 2]  # 7 of the head's 8 frequencies
+    (path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ModelLoadError, match=r"M-RoPE sections \[2, 3, 2\] need the text model's RoPE over 14"):
+        Engine(EngineConfig(num_kv_blocks=16, block_size=16, max_num_batched_tokens=64), loaded=load_model(str(path)))
