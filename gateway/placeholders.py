@@ -1,7 +1,7 @@
 """The image placeholders of families whose transformers processor cannot be built here, expanded
 by mlxd: the folder's image processor and tokenizer, and each family's count of tokens per image.
 
-transformers' Qwen2-VL and Qwen2.5-VL processors build a video processor that needs torchvision,
+transformers' Qwen2.5-VL processor builds a video processor that needs torchvision,
 which mlxd does not install, and Pixtral's (Mistral 3) needs it too; their image processor and
 tokenizer need neither. The template writes one image token per image (inside the family's own
 begin and end markers); the expansion repeats it once per row the tower makes (Pixtral's with its
@@ -54,7 +54,6 @@ class Expansion:
 
 # Keyed by the processor class the folder's preprocessor_config.json names.
 EXPANSIONS = {
-    "Qwen2VLProcessor": Expansion("<|image_pad|>", _merged_patches),
     "Qwen2_5_VLProcessor": Expansion("<|image_pad|>", _merged_patches),
     # Mistral 3's: torchvision for the processor, though its image processor runs on PIL alone.
     "PixtralProcessor": Expansion("[IMG]", _pixtral_rows, _pixtral_patch),
