@@ -221,8 +221,8 @@ QWEN_TEMPLATE = (
 def make_tiny_qwen2_5_vl(directory, seed: int = 0) -> Path:
     """A tiny Qwen2.5-VL checkpoint in ``directory``; its path: the tiny ``qwen2_5_vl`` text model
     (head dim 16: M-RoPE sections of 2, 3 and 3 frequencies for time, height and width),
-    mlx-vlm's Qwen2.5-VL tower and merger (8x8 patches, merged 2x2) stored as mlx-vlm converts it
-    (``vision_tower.``), and Qwen2-VL's image processor resizing an image to at most 32x48."""
+    mlx-vlm's Qwen2.5-VL tower and merger (8x8 patches, merged 2x2) stored as Hugging Face stores it
+    (``visual.``), and Qwen2-VL's image processor resizing an image to at most 32x48."""
     import mlx.core as mx
 
     out = make_tiny_model(directory, "qwen2_5_vl", seed=seed)
@@ -241,7 +241,9 @@ def make_tiny_qwen2_5_vl(directory, seed: int = 0) -> Path:
     })
     (out / "config.json").write_text(json.dumps(config, indent=2))
     weights = dict(mx.load(str(out / "model.safetensors")))
-    weights.update({k: mx.array(v) for k, v in _vision_weights(config, seed, ("vision_tower",)).items()})
+    # Hugging Face's names: the tower as ``visual``.
+    weights.update({k.replace("vision_tower.", "visual.", 1): mx.array(v)
+                    for k, v in _vision_weights(config, seed, ("vision_tower",)).items()})
     mx.save_safetensors(str(out / "model.safetensors"), weights, metadata={"format": "mlx"})
 
     _write_processor(out, config, (tokens, merges, special), tokens[config["eos_token_id"]], QWEN_TEMPLATE,

@@ -62,6 +62,15 @@ def _qwen_vl_tokens(config, shape: list[int]) -> int:
     return shape[0] * shape[1] // merge ** 2
 
 
+def _qwen_vl_names(name: str) -> str:
+    # Hugging Face stores Qwen2.5-VL's tower as ``visual`` (``model.visual`` from transformers 5 on);
+    # mlx-vlm's conversions, as its module, ``vision_tower``.
+    for stored in ("model.visual.", "visual."):
+        if name.startswith(stored):
+            return "vision_tower." + name[len(stored):]
+    return name
+
+
 def _qwen_vl_image(config) -> list[int]:
     v = config.vision_config
     side = -(-v.image_size // (v.patch_size * v.spatial_merge_size)) * v.spatial_merge_size
@@ -116,7 +125,7 @@ FAMILIES = {
     "idefics3": Family(_idefics3_features, _idefics3_tokens, _square_image, tower="vision_model",
                        projector="connector", stored_under="model."),
     "mistral3": Family(_pixtral_features, _pixtral_tokens, _square_image, renamed=_pixtral_names),
-    "qwen2_5_vl": Family(_qwen_vl_features, _qwen_vl_tokens, _qwen_vl_image, projector=""),
+    "qwen2_5_vl": Family(_qwen_vl_features, _qwen_vl_tokens, _qwen_vl_image, projector="", renamed=_qwen_vl_names),
 }
 
 
@@ -147,10 +156,10 @@ class VisionTower:
         prefixes = (family.tower + ".", family.projector + ".")
         stored = tuple(family.stored_under + p for p in prefixes)
         weights = {}
+        renamed = family.renamed or (lambda name: name)
         for file in sorted(glob.glob(str(path / "*.safetensors"))):
-            weights.update({k[len(family.stored_under):]: v for k, v in mx.load(file).items() if k.startswith(stored)})
-        if family.renamed:
-            weights = {family.renamed(k): v for k, v in weights.items()}
+            named = ((renamed(k), v) for k, v in mx.load(file).items())
+            weights.update({k[len(family.stored_under):]: v for k, v in named if k.startswith(stored)})
         if hasattr(self.tower, "sanitize"):  # PyTorch's conv layout to MLX's
             weights = self.tower.sanitize(weights)
         tower_w = [(k[len(prefixes[0]):], v) for k, v in weights.items() if k.startswith(prefixes[0])]
