@@ -94,6 +94,9 @@ def forward_pooled(model: nn.Module, head: LastTokenNorm, pieces: list[list[int]
         if images is not None:  # the image tokens' rows are the vision tower's, the rest the text model's own
             embeds = text_model(model).model.embed_tokens(tokens)
             embeds[images[0]] = images[1].astype(embeds.dtype)
+            # Image positions read as token 0 where a model looks a token up beside its row (Gemma 4's
+            # per-layer inputs), as mlx-vlm feeds them.
+            tokens = tokens.at[images[0]].multiply(0)
         logits, hidden_states = run_model(model, tokens, caches, flat, embeds), head.hidden
         if hidden_states is not None and not flat:  # the packed stream's batch of one
             hidden_states = hidden_states[0]

@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 
 from mlxd.gateway.media import Image
-from mlxd.gateway.placeholders import EXPANSIONS, PlaceholderExpansion, grid_arrays
+from mlxd.gateway.placeholders import EXPANSIONS, PlaceholderExpansion, grid_arrays, patch_grids
 from mlxd.shared.errors import InvalidRequestError
 from mlxd.shared.protocol import ImageInput
 
@@ -80,6 +80,8 @@ def expand_with(processor, image_id: int, text: str, images: list[Image]) -> tup
         arrays = [a[:, :h, :w] for a, (h, w) in zip(arrays, np.asarray(out["image_sizes"]).tolist())]
     if "image_grid_thw" in out:  # every image's patches in one [patches, values]: each its [grid h, grid w, values]
         arrays = grid_arrays(pixels, np.asarray(out["image_grid_thw"]))
+    if "image_position_ids" in out:  # each image's patches, padded to the most of the batch: each its [h, w, values]
+        arrays = patch_grids(pixels, np.asarray(out["image_position_ids"]))
     expansions = out["text_replacement_offsets"][0]
     runs = []  # each image's runs of the image token: [start, end) token positions
     for expansion in expansions:

@@ -45,6 +45,11 @@ def _pixtral_patch(folder: Path) -> dict:
     return {"patch_size": {"height": side, "width": side}}
 
 
+def _gemma4_soft_tokens(out: dict, image_processor) -> list[str]:
+    # Gemma 4: the image's pooled rows between its begin and end markers (Gemma 4's tokenizer's).
+    return [f"<|image>{'<|image|>' * int(n)}<image|>" for n in out["num_soft_tokens_per_image"]]
+
+
 @dataclass(frozen=True)
 class Expansion:
     image_token: str
@@ -57,6 +62,8 @@ EXPANSIONS = {
     "Qwen2_5_VLProcessor": Expansion("<|image_pad|>", _merged_patches),
     # Mistral 3's: torchvision for the processor, though its image processor runs on PIL alone.
     "PixtralProcessor": Expansion("[IMG]", _pixtral_rows, _pixtral_patch),
+    # Gemma 4's: torchvision for its video processor; its image processor runs on PIL alone.
+    "Gemma4Processor": Expansion("<|image|>", _gemma4_soft_tokens),
 }
 
 
@@ -65,6 +72,16 @@ def grid_arrays(pixels: np.ndarray, grids: np.ndarray) -> list[np.ndarray]:
     t, h, w patches each), as ``[t * h, w, values]``: its shape carries the grid to the engine."""
     ends = np.cumsum(np.prod(grids, axis=1))
     return [p.reshape(int(g[0] * g[1]), int(g[2]), -1) for p, g in zip(np.split(pixels, ends[:-1]), grids)]
+
+
+def patch_grids(pixels: np.ndarray, positions: np.ndarray) -> list[np.ndarray]:
+    """Each image's patches of ``pixels [images, patches, values]`` (padded to the batch's most,
+    ``positions [images, patches, 2]`` their x, y and -1 past an image's own), as ``[h, w, values]``."""
+    grids = []
+    for p, xy in zip(pixels, positions):
+        real = xy[:, 0] >= 0
+        grids.append(p[real].reshape(int(xy[real, 1].max()) + 1, int(xy[real, 0].max()) + 1, -1))
+    return grids
 
 
 class PlaceholderExpansion:

@@ -72,7 +72,8 @@ FAMILIES: tuple[Family, ...] = (
     Family("gemma4_text", "Gemma 4 26B-A4B, 31B (text)",
            "sliding + global layers, later layers read earlier layers' K/V, K = V on global layers, "
            "final soft cap", "dense + MoE beside it"),
-    Family("gemma4", "Gemma 4 E2B, E4B", "sliding + global layers, shared K/V, per-layer inputs, "
+    Family("gemma4", "Gemma 4 E2B, E4B (vision checkpoint: images in, tests/engined/test_vision.py)",
+           "sliding + global layers, shared K/V, per-layer inputs, "
            "proportional partial RoPE, final soft cap", "dense (double-wide in shared layers)",
            text_model_type="gemma4_text"),
     # Hybrids speculate with a verification window run position by position through the delta nets

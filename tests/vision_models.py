@@ -253,8 +253,54 @@ def make_tiny_qwen2_5_vl(directory, seed: int = 0) -> Path:
     return out
 
 
+GEMMA4_BOI, GEMMA4_IMAGE, GEMMA4_EOI = "<|image>", "<|image|>", "<image|>"
+GEMMA4_TEMPLATE = GEMMA3_TEMPLATE.replace("<start_of_image>", GEMMA4_IMAGE)
+
+
+def make_tiny_gemma4_vlm(directory, seed: int = 0) -> Path:
+    """A tiny Gemma 4 vision-language checkpoint in ``directory``; its path: the tiny ``gemma4`` text
+    model (per-layer inputs), Gemma 4's tower of 4x4 patches pooled 3x3 (at most 70 rows an image,
+    of its own aspect) and embedder under Hugging Face's names (``model.``), and transformers' Gemma 4
+    image processor (its processor is named but needs torchvision)."""
+    import mlx.core as mx
+
+    out = make_tiny_model(directory, "gemma4", seed=seed)
+    config = json.loads((out / "config.json").read_text())
+    tokens, merges, special = tiny_vocab(config["vocab_size"])
+    first_free = tokens.index("<|reserved_0|>")
+    tokens[first_free : first_free + 4] = [GEMMA4_BOI, GEMMA4_IMAGE, GEMMA4_EOI, "<|audio|>"]
+    config.update({
+        "boi_token_id": first_free, "image_token_id": first_free + 1, "eoi_token_id": first_free + 2,
+        "audio_token_id": first_free + 3, "vision_soft_tokens_per_image": 70,
+        # RoPE stated as Gemma 4's config.json states it (mlx_lm and mlx-vlm default the global layers'
+        # rotated share differently).
+        "text_config": {**config["text_config"], "rope_parameters": {
+            "full_attention": {"partial_rotary_factor": 0.25, "rope_theta": 1000000.0, "rope_type": "proportional"},
+            "sliding_attention": {"partial_rotary_factor": 1.0, "rope_theta": 10000.0, "rope_type": "default"}}},
+        "vision_config": {"model_type": "gemma4_vision", "hidden_size": 32, "intermediate_size": 64,
+                          "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 2,
+                          "head_dim": 16, "global_head_dim": 16, "patch_size": 4, "pooling_kernel_size": 3,
+                          "default_output_length": 70, "position_embedding_size": 64},
+    })
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    weights = dict(mx.load(str(out / "model.safetensors")))
+    weights.update({k: mx.array(v) for k, v in _vision_weights(config, seed, ("vision_tower", "embed_vision"),
+                                                               "model.").items()})
+    mx.save_safetensors(str(out / "model.safetensors"), weights, metadata={"format": "mlx"})
+    # Gemma 4's image processor: pixels in [0, 1] (the tower rescales them), also as processor_config.json
+    # nests it, where mlx-vlm's own processor reads it.
+    image = {"patch_size": 4, "max_soft_tokens": 70, "pooling_kernel_size": 3, "resample": 3, "do_normalize": False}
+    _write_processor(out, config, (tokens, merges, special), tokens[config["eos_token_id"]], GEMMA4_TEMPLATE,
+                     "Gemma4Processor", {"image_processor_type": "Gemma4ImageProcessor", **image},
+                     {"image_seq_length": 70, "image_processor": {**_IMAGE_DEFAULTS, **image}},
+                     {"extra_special_tokens": {"boi_token": GEMMA4_BOI, "image_token": GEMMA4_IMAGE,
+                                               "eoi_token": GEMMA4_EOI}})
+    return out
+
+
 VLMS = {"gemma3": (make_tiny_gemma3_vlm, IMAGE), "idefics3": (make_tiny_idefics3_vlm, IDEFICS3_IMAGE),
-        "mistral3": (make_tiny_mistral3_vlm, PIXTRAL_IMAGE), "qwen2_5_vl": (make_tiny_qwen2_5_vl, QWEN_IMAGE)}
+        "mistral3": (make_tiny_mistral3_vlm, PIXTRAL_IMAGE), "qwen2_5_vl": (make_tiny_qwen2_5_vl, QWEN_IMAGE),
+        "gemma4": (make_tiny_gemma4_vlm, GEMMA4_IMAGE)}
 
 
 def processor_of(path: Path):
@@ -279,7 +325,8 @@ def reference_processor(processor):
 
     from mlxd.gateway.placeholders import EXPANSIONS, PlaceholderExpansion
 
-    if isinstance(processor, PlaceholderExpansion) and processor.expansion is EXPANSIONS["PixtralProcessor"]:
+    if isinstance(processor, PlaceholderExpansion) and processor.expansion in (EXPANSIONS["PixtralProcessor"],
+                                                                             EXPANSIONS["Gemma4Processor"]):
         return load_processor(Path(processor.tokenizer.name_or_path))
     return processor
 

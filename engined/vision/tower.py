@@ -18,6 +18,7 @@ from typing import Callable
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 
 from mlxd.shared.errors import ModelLoadError
 
@@ -97,11 +98,44 @@ def _pixtral_tokens(config, shape: list[int]) -> int:
     return (shape[1] // side) * (shape[2] // side)
 
 
+def _model_prefix_dropped(name: str) -> str:
+    # transformers 5 stores a vision checkpoint's towers under ``model.``; mlx-vlm's conversions do not.
+    return name[len("model."):] if name.startswith("model.") else name
+
+
 def _pixtral_names(name: str) -> str:
     # Hugging Face stores Pixtral's tower without the wrapper module mlx-vlm puts around it.
+    name = _model_prefix_dropped(name)
     if name.startswith("vision_tower.") and not name.startswith("vision_tower.vision_model."):
         return "vision_tower.vision_model." + name[len("vision_tower."):]
     return name
+
+
+def _gemma4_features(tower: nn.Module, projector: nn.Module, config, pixels: mx.array) -> mx.array:
+    # mlx-vlm's Gemma 4: each image's patches [h, w, values] with their x, y positions through the
+    # tower, which pools k x k patches into a row, then the embedder; scaled down by sqrt(hidden) as
+    # Gemma 3's, since the text model scales every row up by it.
+    n, h, w, values = pixels.shape
+    x, y = np.meshgrid(np.arange(w), np.arange(h), indexing="xy")
+    positions = mx.array(np.broadcast_to(np.stack([x, y], -1).reshape(1, h * w, 2), (n, h * w, 2)))
+    rows = projector(tower(pixels.reshape(n, h * w, values), positions))
+    return rows.reshape(n, -1, rows.shape[-1]) / (config.text_config.hidden_size ** 0.5)
+
+
+def _gemma4_tokens(config, shape: list[int]) -> int:
+    # 0 (refused at admission) for a grid the pooling cannot fold, patches of another size, or more
+    # patches than the processor makes.
+    v = config.vision_config
+    k = v.pooling_kernel_size
+    if shape[0] % k or shape[1] % k or shape[2] != 3 * v.patch_size ** 2 or \
+            shape[0] * shape[1] > v.default_output_length * k * k:
+        return 0
+    return shape[0] * shape[1] // (k * k)
+
+
+def _gemma4_image(config) -> list[int]:
+    v = config.vision_config  # the most patches an image makes, as one row of pooling windows
+    return [v.pooling_kernel_size, v.pooling_kernel_size * v.default_output_length, 3 * v.patch_size ** 2]
 
 
 def _square_image(config) -> list[int]:
@@ -126,6 +160,8 @@ FAMILIES = {
                        projector="connector", stored_under="model."),
     "mistral3": Family(_pixtral_features, _pixtral_tokens, _square_image, renamed=_pixtral_names),
     "qwen2_5_vl": Family(_qwen_vl_features, _qwen_vl_tokens, _qwen_vl_image, projector="", renamed=_qwen_vl_names),
+    "gemma4": Family(_gemma4_features, _gemma4_tokens, _gemma4_image, projector="embed_vision",
+                     renamed=_model_prefix_dropped),
 }
 
 

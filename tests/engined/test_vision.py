@@ -49,7 +49,7 @@ def prompt(processor, texts: list[str], images: list) -> tuple[list[int], list[I
                                                        add_generation_prompt=True, tokenize=False)
     out = reference_processor(processor)(text=rendered, images=images or None, add_special_tokens=False,
                                          return_tensors="np")
-    out = {k: np.asarray(v) for k, v in out.items()}
+    out = {k: [np.asarray(a) for a in v] if isinstance(v, list) else np.asarray(v) for k, v in out.items()}
     if not images:
         return out["input_ids"][0].tolist(), [], {}
     decoded = []
@@ -69,7 +69,11 @@ def reference(model, ids: list[int], pixels: dict) -> list[int]:
 
     extra = {k: mx.array(v) for k, v in pixels.items() if k != "pixel_values"}
     values = pixels.get("pixel_values")
-    steps = generate_step(mx.array([ids]), model, None if values is None else mx.array(values.astype(np.float32)),
+    if isinstance(values, list):  # images of their own sizes (mlx-vlm's Gemma 4 processor)
+        values = [mx.array(v.astype(np.float32)) for v in values]
+    elif values is not None:
+        values = mx.array(values.astype(np.float32))
+    steps = generate_step(mx.array([ids]), model, values,
                           mx.ones((1, len(ids)), dtype=mx.int32), max_tokens=GREEDY.max_tokens, temperature=0.0,
                           **extra)
     return [int(t) for t, _ in steps]
