@@ -226,9 +226,9 @@ def load_dir(path: Path) -> DirModel:
 def vision_checkpoint(config: dict) -> bool:
     """A vision-language checkpoint of a family whose tower mlxd runs (``engined.vision``); other
     families' vision checkpoints load as their text model."""
-    from mlxd.engined.vision.tower import FAMILIES
+    from mlxd.engined.vision.tower import takes_images
 
-    return isinstance(config.get("vision_config"), dict) and config.get("model_type") in FAMILIES
+    return takes_images(config)
 
 
 def load_vision(path: Path, config: dict, model: nn.Module):

@@ -165,6 +165,14 @@ FAMILIES = {
 }
 
 
+def takes_images(config: dict) -> bool:
+    """A vision-language checkpoint of a family whose tower mlxd runs, whose image tokens attend
+    causally as mlxd's attention does (Gemma 4's larger checkpoints let an image's tokens see each
+    other both ways: ``use_bidirectional_attention``)."""
+    causal = (config.get("text_config") or {}).get("use_bidirectional_attention") is None
+    return isinstance(config.get("vision_config"), dict) and config.get("model_type") in FAMILIES and causal
+
+
 def vlm_config(config: dict, path: Path):
     """(mlx-vlm's family module, its ModelConfig with the sub-configs built) for ``config``."""
     from mlx_vlm.utils import get_model_and_args, update_module_configs

@@ -10,6 +10,7 @@ same image reuses its blocks, one with another image at the same place does not.
 
 import hashlib
 import io
+import json
 from pathlib import Path
 
 import numpy as np
@@ -23,7 +24,7 @@ from mlxd.shared.config import EngineConfig
 from mlxd.shared.errors import InvalidRequestError
 from mlxd.shared.protocol import ImageInput, SamplingParams
 from tests.tiny_models import make_tiny_model
-from tests.vision_models import VLMS, processor_of, random_image, reference_processor
+from tests.vision_models import VLMS, make_tiny_gemma4_vlm, processor_of, random_image, reference_processor
 
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
 
@@ -138,6 +139,18 @@ def test_an_image_for_a_text_only_model_is_refused_naming_it(tmp_path, vlm):
     _, images, _ = prompt(vlm[1], ["x"], [random_image(1)])
     with pytest.raises(InvalidRequestError, match="llama.*does not take images"):
         text_only.add_request("t", list(range(40)), GREEDY, images=images)
+
+
+def test_a_gemma4_whose_image_tokens_attend_both_ways_loads_as_text_and_refuses_images(tmp_path):
+    # mlxd's attention is causal; Gemma 4's larger checkpoints let an image's tokens see each other.
+    path = make_tiny_gemma4_vlm(tmp_path / "gemma4", seed=3)
+    config = json.loads((path / "config.json").read_text())
+    config["text_config"]["use_bidirectional_attention"] = "vision"
+    (path / "config.json").write_text(json.dumps(config))
+    ids, images, _ = prompt(processor_of(path), ["x"], [random_image(1)])
+    eng = Engine(EngineConfig(num_kv_blocks=16, block_size=16, max_num_batched_tokens=64), loaded=load_model(str(path)))
+    with pytest.raises(InvalidRequestError, match="does not take images"):
+        eng.add_request("both_ways", ids, GREEDY, images=images)
 
 
 def test_an_image_whose_placeholder_run_is_not_the_towers_is_refused_and_the_engine_goes_on(vlm):
