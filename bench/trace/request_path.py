@@ -45,7 +45,7 @@ def trace() -> tuple[dict[str, list[str]], str]:
     os.chmod(tmp, 0o700)
     rec = [sys.executable, "-m", "mlxd.bench.trace.recorder"]
     engine = subprocess.Popen(rec + [str(tmp / "engine.json"), "--", "engine", "--engine-endpoint", endpoint,
-                                     "--kv-cache-memory", "200000000", "--max-model-len", "2048"], cwd=ROOT)
+                                     "--num-kv-blocks", "256", "--max-model-len", "2048"], cwd=ROOT)
     gateway = subprocess.Popen(rec + [str(tmp / "gateway.json"), "--", "gateway", "--engine-endpoint", endpoint,
                                       "--port", str(port), "--keys-file", str(tmp / "keys.json")], cwd=ROOT)
     try:

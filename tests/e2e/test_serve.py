@@ -120,6 +120,20 @@ def _start_streams(url: str, n: int, body: dict = LONG):
     return threads, [r for r, _ in records]
 
 
+def _wait_engine_took(url: str, n: int, done: list) -> None:
+    """Until the engine has taken ``n`` requests (running or waiting now, or in ``done``): a fixed
+    sleep let a loaded machine signal serve before a request had reached the engine, which then
+    refuses it as shutting down."""
+    deadline = time.monotonic() + 60
+    while True:
+        stats = httpx.get(url + "/health", params={"fresh": 1}, timeout=10).json()["engine"]
+        took = stats["num_running"] + stats["num_waiting"] + len(done)
+        if took >= n:
+            return
+        assert time.monotonic() < deadline, f"the engine took {took} of {n} requests"
+        time.sleep(0.05)
+
+
 def test_serve_restarts_a_killed_engine_while_the_gateway_answers_503(tmp_path):
     serve = Serve(tmp_path, "--max-num-seqs", "16").start()
     try:
@@ -178,7 +192,7 @@ def test_sigterm_drains_then_ends_open_requests_with_errors(tmp_path):
         t_short = [threading.Thread(target=post_short, daemon=True) for _ in range(2)]
         for t in t_short:
             t.start()
-        time.sleep(0.3)  # the requests reach the gateway before the signal
+        _wait_engine_took(serve.url, 5, short)  # the requests reach the engine before the signal
         os.kill(serve.proc.pid, signal.SIGTERM)
         for t in [*threads, t_long, *t_short]:
             t.join(60)
