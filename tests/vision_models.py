@@ -286,6 +286,9 @@ def make_tiny_gemma4_vlm(directory, seed: int = 0) -> Path:
     weights = dict(mx.load(str(out / "model.safetensors")))
     weights.update({k: mx.array(v) for k, v in _vision_weights(config, seed, ("vision_tower", "embed_vision"),
                                                                "model.").items()})
+    # Clipping bounds a checkpoint may carry while its config leaves them unused (use_clipped_linears).
+    for bound in ("input_min", "input_max", "output_min", "output_max"):
+        weights[f"model.vision_tower.encoder.layers.0.self_attn.q_proj.{bound}"] = mx.array(1.0)
     mx.save_safetensors(str(out / "model.safetensors"), weights, metadata={"format": "mlx"})
     # Gemma 4's image processor: pixels in [0, 1] (the tower rescales them), also as processor_config.json
     # nests it, where mlx-vlm's own processor reads it.

@@ -152,6 +152,7 @@ class Family:
     projector: str = "multi_modal_projector"  # "": the tower projects its own rows
     stored_under: str = ""  # what the checkpoint's names carry before those prefixes
     renamed: Callable | None = None  # a checkpoint's name -> mlx-vlm's, where they differ
+    model_sanitize: bool = False  # the tower's weights also through mlx-vlm's Model.sanitize (its renames and drops)
 
 
 FAMILIES = {
@@ -160,8 +161,9 @@ FAMILIES = {
                        projector="connector", stored_under="model."),
     "mistral3": Family(_pixtral_features, _pixtral_tokens, _square_image, renamed=_pixtral_names),
     "qwen2_5_vl": Family(_qwen_vl_features, _qwen_vl_tokens, _qwen_vl_image, projector="", renamed=_qwen_vl_names),
+    # Gemma 4's checkpoints may carry clipping bounds its config leaves unused; mlx-vlm's sanitize drops them.
     "gemma4": Family(_gemma4_features, _gemma4_tokens, _gemma4_image, projector="embed_vision",
-                     renamed=_model_prefix_dropped),
+                     renamed=_model_prefix_dropped, model_sanitize=True),
 }
 
 
@@ -196,6 +198,7 @@ class VisionTower:
         whole = module.Model(self.config)
         self.tower = getattr(whole, family.tower)
         self.projector = getattr(whole, family.projector) if family.projector else nn.Module()
+        sanitize = whole.sanitize if family.model_sanitize else None
         del whole
         prefixes = (family.tower + ".", family.projector + ".")
         stored = tuple(family.stored_under + p for p in prefixes)
@@ -204,6 +207,8 @@ class VisionTower:
         for file in sorted(glob.glob(str(path / "*.safetensors"))):
             named = ((renamed(k), v) for k, v in mx.load(file).items())
             weights.update({k[len(family.stored_under):]: v for k, v in named if k.startswith(stored)})
+        if sanitize is not None:
+            weights = sanitize(weights)
         if hasattr(self.tower, "sanitize"):  # PyTorch's conv layout to MLX's
             weights = self.tower.sanitize(weights)
         tower_w = [(k[len(prefixes[0]):], v) for k, v in weights.items() if k.startswith(prefixes[0])]
