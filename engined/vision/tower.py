@@ -79,14 +79,17 @@ def _qwen_vl_image(config) -> list[int]:
 
 
 def _pixtral_features(tower: nn.Module, projector: nn.Module, config, pixels: mx.array) -> mx.array:
-    # mlx-vlm's Mistral 3: the images as one sequence of patches (the tower's block mask keeps each
-    # to itself), the chosen layer's states through the projector, whose merger folds 2x2 patches
-    # into one row; no scaling at the merge.
-    n, _, height, width = pixels.shape
-    sizes = [(height, width)] * n
-    _, states = tower(pixels.transpose(0, 2, 3, 1), output_hidden_states=True, image_sizes=sizes)
-    rows = projector(states[config.vision_feature_layer][0], sizes)
-    return rows.reshape(n, -1, rows.shape[-1])
+    # mlx-vlm's Mistral 3: the chosen layer's states through the projector, whose merger folds 2x2
+    # patches into one row; no scaling at the merge. One image at a time, each evaluated before the
+    # next: the tower attends over its whole input as one sequence (a block mask keeps images apart),
+    # so a batch's mask would grow with the square of its patches, past the memory guard's room.
+    size = [tuple(pixels.shape[2:])]
+    rows = []
+    for image in pixels:
+        _, states = tower(image[None].transpose(0, 2, 3, 1), output_hidden_states=True, image_sizes=size)
+        rows.append(projector(states[config.vision_feature_layer][0], size))
+        mx.eval(rows[-1])
+    return mx.stack(rows)
 
 
 def _pixtral_tokens(config, shape: list[int]) -> int:

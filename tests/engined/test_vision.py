@@ -5,7 +5,8 @@ The prompts go through the gateway's own expansion (``gateway.media_processor.ex
 model's processor, each image's span, runs and tiles). Steps of 16 tokens cut through every
 image's tokens (chunked prefill; Gemma 3's one run of 16, Idefics3's tiles of 4 between their
 markers), text-only requests share the steps, and prefix caching is on: a later turn with the
-same image reuses its blocks, one with another image at the same place does not.
+same image reuses its blocks, one with another image at the same place does not. Each tower
+encodes a batch of images as it does each alone, within the room the memory guard sets aside.
 """
 
 import hashlib
@@ -18,6 +19,7 @@ import pytest
 
 from mlxd.engined.engine import Engine
 from mlxd.engined.loaders import load_model
+from mlxd.engined.vision.embeds import ENCODE_BATCH, pixel_arrays
 from mlxd.gateway.media import Image
 from mlxd.gateway.media_processor import expand_with, image_token_id
 from mlxd.shared.config import EngineConfig
@@ -139,6 +141,33 @@ def test_an_image_for_a_text_only_model_is_refused_naming_it(tmp_path, vlm):
     _, images, _ = prompt(vlm[1], ["x"], [random_image(1)])
     with pytest.raises(InvalidRequestError, match="llama.*does not take images"):
         text_only.add_request("t", list(range(40)), GREEDY, images=images)
+
+
+def test_the_tower_encodes_images_batched_as_it_does_each_alone(vlm):
+    # A step's images of one shape go through the tower together (engined/vision/embeds.py).
+    import mlx.core as mx
+
+    path, processor, _ = vlm
+    _, images, _ = prompt(processor, ["a", "b"], [random_image(1), random_image(2)])
+    arrays = [pixel_arrays(image) for image in images]
+    assert arrays[0].shape == arrays[1].shape
+    tower = load_model(str(path)).vision
+    together = tower.encode(mx.array(np.concatenate(arrays)))
+    alone = mx.concatenate([tower.encode(mx.array(a)) for a in arrays])
+    assert mx.allclose(together, alone, atol=1e-4).item()
+
+
+def test_a_full_batch_of_the_largest_images_stays_near_the_room_the_memory_guard_sets_aside(vlm):
+    # The guard sets aside ENCODE_BATCH times what one of the largest images takes (measured at load);
+    # a tower whose batch costs the square of its patches (one masked sequence) would overrun it.
+    import mlx.core as mx
+
+    tower = load_model(str(vlm[0])).vision
+    mx.clear_cache()
+    held = mx.get_active_memory()
+    mx.reset_peak_memory()
+    mx.eval(tower.encode(mx.zeros([ENCODE_BATCH, *tower.family.largest_image(tower.config)])))
+    assert mx.get_peak_memory() - held <= 1.25 * ENCODE_BATCH * tower.activation_bytes
 
 
 def test_a_gemma4_whose_image_tokens_attend_both_ways_loads_as_text_and_refuses_images(tmp_path):
