@@ -2,8 +2,9 @@
 placeholder expanded, and the pixels the engine's vision tower takes (``shared.protocol.ImageInput``).
 
 The processor is transformers' (``AutoProcessor`` over the model's folder, offline); its image
-processors take PIL images without torch. A folder without a ``preprocessor_config.json`` has no
-image processor: its model takes no images, and a prompt with one is a 400 naming the model.
+processors take PIL images without torch. A folder whose ``preprocessor_config.json`` names no image
+processor, and whose ``processor_config.json`` nests none (transformers 5's layout), has none: its
+model takes no images, and a prompt with one is a 400 naming the model.
 """
 
 from __future__ import annotations
@@ -23,15 +24,24 @@ from mlxd.shared.protocol import ImageInput
 @functools.lru_cache(maxsize=4)
 def processor_for(tokenizer_dir: str):
     """The folder's processor, loaded once per folder; None when it has no image processor."""
-    config = Path(tokenizer_dir) / "preprocessor_config.json"
-    if not config.is_file():
+    name = processor_class(Path(tokenizer_dir))
+    if name is None:
         return None
     from transformers import AutoProcessor
 
-    expansion = EXPANSIONS.get(json.loads(config.read_text()).get("processor_class"))
+    expansion = EXPANSIONS.get(name)
     if expansion is not None:  # a family whose placeholders mlxd writes (gateway/placeholders.py)
         return PlaceholderExpansion.load(tokenizer_dir, expansion)
     return AutoProcessor.from_pretrained(tokenizer_dir)
+
+
+def processor_class(folder: Path) -> str | None:
+    """The processor class a folder with an image processor names ("" unnamed); None without one."""
+    pre, proc = (json.loads(p.read_text()) if p.is_file() else None
+                 for p in (folder / "preprocessor_config.json", folder / "processor_config.json"))
+    if pre is None and not isinstance((proc or {}).get("image_processor"), dict):
+        return None
+    return (pre or {}).get("processor_class") or (proc or {}).get("processor_class") or ""
 
 
 def image_processor(tokenizer_dir: str, model: str):

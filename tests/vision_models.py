@@ -261,7 +261,7 @@ def make_tiny_gemma4_vlm(directory, seed: int = 0) -> Path:
     """A tiny Gemma 4 vision-language checkpoint in ``directory``; its path: the tiny ``gemma4`` text
     model (per-layer inputs), Gemma 4's tower of 4x4 patches pooled 3x3 (at most 70 rows an image,
     of its own aspect) and embedder under Hugging Face's names (``model.``), and transformers' Gemma 4
-    image processor (its processor is named but needs torchvision)."""
+    image processor (its processor is named but needs torchvision) as transformers 5 saves it."""
     import mlx.core as mx
 
     out = make_tiny_model(directory, "gemma4", seed=seed)
@@ -290,14 +290,15 @@ def make_tiny_gemma4_vlm(directory, seed: int = 0) -> Path:
     for bound in ("input_min", "input_max", "output_min", "output_max"):
         weights[f"model.vision_tower.encoder.layers.0.self_attn.q_proj.{bound}"] = mx.array(1.0)
     mx.save_safetensors(str(out / "model.safetensors"), weights, metadata={"format": "mlx"})
-    # Gemma 4's image processor: pixels in [0, 1] (the tower rescales them), also as processor_config.json
-    # nests it, where mlx-vlm's own processor reads it.
-    image = {"patch_size": 4, "max_soft_tokens": 70, "pooling_kernel_size": 3, "resample": 3, "do_normalize": False}
+    # Gemma 4's image processor (pixels in [0, 1]: the tower rescales them) as transformers 5 saves it,
+    # nested in processor_config.json, with no preprocessor_config.json.
+    image = {"image_processor_type": "Gemma4ImageProcessor", "patch_size": 4, "max_soft_tokens": 70,
+             "pooling_kernel_size": 3, "resample": 3, "do_normalize": False}
     _write_processor(out, config, (tokens, merges, special), tokens[config["eos_token_id"]], GEMMA4_TEMPLATE,
-                     "Gemma4Processor", {"image_processor_type": "Gemma4ImageProcessor", **image},
-                     {"image_seq_length": 70, "image_processor": {**_IMAGE_DEFAULTS, **image}},
+                     "Gemma4Processor", image, {"image_seq_length": 70, "image_processor": {**_IMAGE_DEFAULTS, **image}},
                      {"extra_special_tokens": {"boi_token": GEMMA4_BOI, "image_token": GEMMA4_IMAGE,
                                                "eoi_token": GEMMA4_EOI}})
+    (out / "preprocessor_config.json").unlink()
     return out
 
 
@@ -312,9 +313,10 @@ def processor_of(path: Path):
     or the gateway's own expansion where it writes the family's placeholders."""
     import transformers
 
+    from mlxd.gateway.media_processor import processor_class
     from mlxd.gateway.placeholders import EXPANSIONS, PlaceholderExpansion
 
-    name = json.loads((Path(path) / "processor_config.json").read_text())["processor_class"]
+    name = processor_class(Path(path))
     if name in EXPANSIONS:
         return PlaceholderExpansion.load(str(path), EXPANSIONS[name])
     return getattr(transformers, name).from_pretrained(path)

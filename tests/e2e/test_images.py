@@ -1,8 +1,8 @@
 """Images through the whole stack: `mlxd serve` on a tiny Gemma 3 vision checkpoint (mlx-vlm's classes),
 driven by the real openai and anthropic SDKs, with image URLs served from a loopback HTTP server; the
 first test also on a tiny Idefics3 (SmolVLM: tiles), a tiny Mistral 3 (Pixtral: placeholders the
-gateway writes, images of their own aspect) and a tiny Qwen2.5-VL (placeholders the gateway writes,
-M-RoPE positions).
+gateway writes, images of their own aspect), a tiny Qwen2.5-VL (placeholders the gateway writes,
+M-RoPE positions) and a tiny Gemma 4 (its image processor as transformers 5 saves it, per-layer inputs).
 
 The answer to an image equals mlx-vlm's own greedy tokens on the same pixels (the gateway's
 processor, the wire and the engine's tower together); bad images and URLs are 400s that leave the
@@ -93,7 +93,7 @@ def vlm_client(served):
     return openai.OpenAI(base_url=served[1].url + "/v1", api_key="unused", max_retries=0, timeout=60)
 
 
-@pytest.fixture(scope="module", params=["gemma3", "idefics3", "mistral3", "qwen2_5_vl"])
+@pytest.fixture(scope="module", params=["gemma3", "idefics3", "mistral3", "qwen2_5_vl", "gemma4"])
 def family(request, tmp_path_factory):
     """(model name, its dir, an openai client) of each vision family: Gemma 3's server above, a
     plain one for the others."""
