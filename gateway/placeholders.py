@@ -1,13 +1,14 @@
 """The image placeholders of families whose transformers processor cannot be built here, expanded
 by mlxd: the folder's image processor and tokenizer, and each family's count of tokens per image.
 
-transformers' Qwen2.5-VL processor builds a video processor that needs torchvision,
+transformers' Qwen2.5-VL and Gemma 4 processors build a video processor that needs torchvision,
 which mlxd does not install, and Pixtral's (Mistral 3) needs it too; their image processor and
-tokenizer need neither. The template writes one image token per image (inside the family's own
-begin and end markers); the expansion repeats it once per row the tower makes (Pixtral's with its
-row breaks and end marker), and returns what ``media_processor.expand_with`` reads from a
-transformers processor: token ids, their character offsets, where each image's expansion lies in
-the expanded text, and the image processor's own outputs.
+tokenizer need neither. The template writes one image token per image (Qwen's inside its begin
+and end markers); the expansion repeats it once per row the tower makes (Pixtral's with its row
+breaks and end marker, Gemma 4's between begin and end markers it adds), and returns what
+``media_processor.expand_with`` reads from a transformers processor: token ids, their character
+offsets, where each image's expansion lies in the expanded text, and the image processor's own
+outputs.
 """
 
 from __future__ import annotations
@@ -57,7 +58,7 @@ class Expansion:
     loaded_with: Callable = lambda folder: {}  # (folder) -> what the image processor is loaded with
 
 
-# Keyed by the processor class the folder's preprocessor_config.json names.
+# Keyed by the processor class the folder names (``media_processor.processor_class``).
 EXPANSIONS = {
     "Qwen2_5_VLProcessor": Expansion("<|image_pad|>", _merged_patches),
     # Mistral 3's: torchvision for the processor, though its image processor runs on PIL alone.
