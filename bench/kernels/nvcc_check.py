@@ -13,6 +13,7 @@ import os
 import subprocess
 import sys
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 
@@ -50,24 +51,23 @@ def wrap(name, header, body, inputs, outputs, template):
     return "\n".join(lines)
 
 
-def compile_one(tag: str, text: str, arch: str) -> bool:
+def compile_one(tag: str, text: str, arch: str) -> tuple[bool, str]:
+    """(compiled, a line of registers and spills, with nvcc's errors after it when it failed)."""
     with tempfile.NamedTemporaryFile("w", suffix=".cu", delete=False) as f:
         f.write(text)
     r = subprocess.run(["nvcc", "-std=c++17", f"-arch={arch}", "-c", "-o", os.devnull, "-Xptxas", "-v", f.name],
                        capture_output=True, text=True)
-    regs = [ln for ln in r.stderr.splitlines() if "registers" in ln or "spill" in ln]
-    print(f"{tag}: rc={r.returncode} {' | '.join(x.strip() for x in regs)}")
-    if r.returncode:
-        print(r.stderr[-3000:])
     os.unlink(f.name)
-    return r.returncode == 0
+    regs = [ln for ln in r.stderr.splitlines() if "registers" in ln or "spill" in ln]
+    report = f"{tag}: rc={r.returncode} {' | '.join(x.strip() for x in regs)}"
+    return r.returncode == 0, report + ("\n" + r.stderr[-3000:] if r.returncode else "")
 
 
-def other_kernels(arch: str) -> bool:
+def other_kernels(dtypes: tuple[str, ...]) -> list[tuple[str, str]]:
     """The gated delta rule, in bf16 and float32; the LoRA term of a folded q/k/v group and of a gate/up group with
-    its activation (Llama-8B's shapes)."""
-    ok = True
-    for dt in ("bfloat16", "float16", "float32"):
+    its activation (Llama-8B's shapes): (tag, source) to compile."""
+    jobs = []
+    for dt in dtypes:
         # q/k/v; gate/up with its activation; o_proj with the block's residual
         for form, (width, out) in (("", (48, 6144)), ("glu", (32, 14336)), ("residual", (16, 4096))):
             body = lora_term.source(getattr(mx, dt), width, out, 2 * out if form == "glu" else out, form == "glu",
@@ -75,14 +75,14 @@ def other_kernels(arch: str) -> bool:
             text = wrap("lora_term", "", body,
                         [("y", dt), ("y_shape", None), ("h", dt), ("h_shape", None), ("b", dt), ("b_shape", None),
                          ("slots", "uint32")] + [("r", dt)] * (form == "residual"), [("out", dt)], [])
-            ok &= compile_one(f"lora term {form} {dt}", text, arch)
+            jobs.append((f"lora term {form} {dt}", text))
         # q/k/v from the joined projection: Qwen3-8B's heads with their norms, SmolLM2-135M's without
         for heads, kv_heads, d, eps in ((32, 8, 128, 1e-6), (9, 3, 64, None)):
             text = wrap("qk_rope", "", qk_rope.source(getattr(mx, dt), heads, kv_heads, d, 1e6, 1.0, eps),
                         [("qkv", dt), ("pos", "int32"), ("pos_shape", None)]
                         + [("qw", dt), ("kw", dt)] * (eps is not None), [("q", dt), ("k", dt), ("v", dt)], [])
-            ok &= compile_one(f"qk rope D={d} norm={eps is not None} {dt}", text, arch)
-    for dt in ("bfloat16", "float32"):
+            jobs.append((f"qk rope D={d} norm={eps is not None} {dt}", text))
+    for dt in [d for d in dtypes if d != "float16"]:
         for mask in (False, True):
             for vec in (False, True):
                 ins = [("q", dt), ("k", dt), ("v", dt), ("g", "float32"), ("beta", dt), ("state_in", "float32"),
@@ -91,8 +91,8 @@ def other_kernels(arch: str) -> bool:
                             [("y", dt), ("state_out", "float32")],
                             [("InT", dt), ("GT", "float32"), ("BT", dt), ("StT", "float32"), ("Dk", 128),
                              ("Dv", 128), ("Hk", 16), ("Hv", 32), ("MASK", mask), ("VEC", vec)])
-                ok &= compile_one(f"gated delta {dt} mask={mask} vec={vec}", text, arch)
-    return ok
+                jobs.append((f"gated delta {dt} mask={mask} vec={vec}", text))
+    return jobs
 
 
 def main() -> int:
@@ -100,9 +100,9 @@ def main() -> int:
     ap.add_argument("--arch", default="sm_90")
     ap.add_argument("--unroll", type=int, default=gpu_geometry.decode_unroll(16))
     ap.add_argument("--acc-registers", action="store_true", help="decode accumulators stay in registers")
-    ap.add_argument("--quick", action="store_true", help="one half and one float configuration only")
+    ap.add_argument("--quick", action="store_true", help="bfloat16 and float32 only, two attention configurations")
     args = ap.parse_args()
-    ok = other_kernels(args.arch)
+    jobs = other_kernels(("bfloat16", "float32") if args.quick else ("bfloat16", "float16", "float32"))
     h, b = source.render_main("cuda")
     rh, rb = source.render_reduce("cuda")
     gh_, gb_ = source.render_gather("cuda")
@@ -128,19 +128,14 @@ def main() -> int:
         gins = [(n, dt if n.endswith("_cache") else "int32") for n in source.GATHER_INPUTS]
         gsrc = wrap("gather", gh_, gb_, gins, [(n, dt) for n in source.GATHER_OUTPUTS],
                     [("T", dt), ("D", d), ("HKV", 8), ("BS", 16), ("W", 16 // SIZES[dt])])
-        for tag, text in (("main", src), ("rows only", rows_only), ("reduce", rsrc), ("gather", gsrc)):
-            with tempfile.NamedTemporaryFile("w", suffix=".cu", delete=False) as f:
-                f.write(text)
-            r = subprocess.run(["nvcc", "-std=c++17", f"-arch={args.arch}", "-c", "-o", os.devnull,
-                                "-Xptxas", "-v", f.name], capture_output=True, text=True)
-            regs = [ln for ln in r.stderr.splitlines() if "registers" in ln or "spill" in ln]
-            print(f"{tag} {dt} D={d} G={g}: rc={r.returncode} {' | '.join(x.strip() for x in regs)}")
-            if r.returncode:
-                ok = False
-                print(r.stderr[-3000:])
-            os.unlink(f.name)
-    return 0 if ok else 1
-
+        jobs += [(f"{tag} {dt} D={d} G={g}", text)
+                 for tag, text in (("main", src), ("rows only", rows_only), ("reduce", rsrc), ("gather", gsrc))]
+    # Each nvcc is one process on one core: as many at once as there are cores.
+    with ThreadPoolExecutor(os.cpu_count() or 1) as pool:
+        results = list(pool.map(lambda job: compile_one(*job, args.arch), jobs))
+    for _, report in results:
+        print(report)
+    return 0 if all(ok for ok, _ in results) else 1
 
 if __name__ == "__main__":
     sys.exit(main())
