@@ -11,9 +11,10 @@ given an end token).
 Closed batches (``--workloads mixed,shared``): ``c`` requests at once; mixed
 prompts are uniform in 256-2048 tokens, shared ones are a common 2K prefix and
 128 tokens of their own. mlxd runs ``Engine.generate``, mlx_lm its
-``batch_generate`` (completion batch size ``c``); the sides alternate, one
-untimed run each first, the median of ``--repeats`` is reported as total
-tokens (prompt + generated) per second. Every run, the untimed one included,
+``batch_generate`` (completion batch size ``c``); one side runs all its runs,
+then the other (neither's memory held while the other runs), one untimed run
+each first, the median of ``--repeats`` is reported as total tokens (prompt +
+generated) per second. Every run, the untimed one included,
 draws new prompts of the same lengths (a shared batch a new prefix), as a
 user's traffic does: a run never finds an earlier run's prompts in mlxd's
 prefix cache (prefix caching stays on, as users run it). Both sides get the
@@ -37,6 +38,7 @@ they allow for the c=64 mixed batch.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import statistics
 import time
@@ -205,26 +207,29 @@ def run_mlxd(engine, prompts, max_tokens: int) -> tuple[float, dict]:
 
 
 def closed_batches(model, make_loaded, args, rows: list) -> None:
+    import mlx.core as mx
+
     rng = np.random.default_rng(args.seed)
     for workload in args.workloads.split(","):
         for c in map(int, args.concurrency.split(",")):
             lengths = prompt_lengths(workload, c, rng)
             total = sum(lengths) + c * args.max_tokens
+            # Every run, the untimed first included, gets new prompts; both sides get the same ones.
+            runs = [prompts_for(workload, lengths, rng, model.args.vocab_size) for _ in range(args.repeats + 1)]
+            # One side at a time, so that neither's memory is held while the other runs: at c = 64 on an 80 GB
+            # card mlx_lm's batch did not fit beside mlxd's pool. mlx_lm first; its buffers are freed after each run.
+            times = {"mlx_lm": [run_mlx_lm(model, prompts, args.max_tokens) for prompts in runs][1:]}
             engines = {mode: engine_for(make_loaded, args, c, mode == "async", args.encode_thread)
                        for mode in args.modes.split(",")}
-            times = {"mlx_lm": []} | {m: [] for m in engines}
+            times |= {m: [] for m in engines}
             steps = {m: [] for m in engines}
-            for rep in range(args.repeats + 1):  # the first is untimed: kernels compile for new shapes
-                prompts = prompts_for(workload, lengths, rng, model.args.vocab_size)  # new every run
-                times_rep = {"mlx_lm": run_mlx_lm(model, prompts, args.max_tokens)}
+            for rep, prompts in enumerate(runs):  # the first is untimed: kernels compile for new shapes
                 modes = list(engines)
                 for mode in modes[rep % len(modes):] + modes[: rep % len(modes)]:  # each goes first in turn
-                    times_rep[mode], st = run_mlxd(engines[mode], prompts, args.max_tokens)
+                    wall, st = run_mlxd(engines[mode], prompts, args.max_tokens)
                     if rep:
+                        times[mode].append(wall)
                         steps[mode].append(st)
-                if rep:
-                    for k, v in times_rep.items():
-                        times[k].append(v)
             med = {k: statistics.median(v) for k, v in times.items()}
             row = dict(model=args.label, workload=workload, c=c, tokens=total, seconds=med, each=times,
                        tok_s={k: total / v for k, v in med.items()},
@@ -234,7 +239,10 @@ def closed_batches(model, make_loaded, args, rows: list) -> None:
                        budget=args.max_num_batched_tokens)
             rows.append(row)
             print(json.dumps(row), flush=True)
+            # An engine's model and step context form reference cycles: collected, its pool's memory goes back.
             del engines
+            gc.collect()
+            mx.clear_cache()
 
 
 def _percentiles(xs: list[float]) -> dict:
