@@ -307,6 +307,23 @@ VLMS = {"gemma3": (make_tiny_gemma3_vlm, IMAGE), "idefics3": (make_tiny_idefics3
         "gemma4": (make_tiny_gemma4_vlm, GEMMA4_IMAGE)}
 
 
+def quantize_tower(path: Path, group_size: int = 32, bits: int = 8) -> None:
+    """Quantize the vision tower's and projector's matrices of the checkpoint at ``path`` in place, as
+    mlx-vlm's conversions may (their scales and biases beside them, ``quantization`` in config.json)."""
+    import mlx.core as mx
+
+    weights = dict(mx.load(str(path / "model.safetensors")))
+    text = ("language_model", "text_model", "lm_head")
+    for name in [k for k, v in weights.items() if k.endswith(".weight") and v.ndim == 2
+                 and v.shape[-1] % group_size == 0 and not any(t in k for t in text)]:
+        stem = name[: -len("weight")]
+        weights[name], weights[stem + "scales"], weights[stem + "biases"] = mx.quantize(weights[name], group_size, bits)
+    mx.save_safetensors(str(path / "model.safetensors"), weights, metadata={"format": "mlx"})
+    config = json.loads((path / "config.json").read_text())
+    config["quantization"] = {"group_size": group_size, "bits": bits}
+    (path / "config.json").write_text(json.dumps(config, indent=2))
+
+
 def processor_of(path: Path):
     """transformers' own processor of the model at ``path``, as the gateway loads it (named, because
     mlx-vlm, once its family module is imported, answers AutoProcessor with a processor of its own),

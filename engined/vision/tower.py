@@ -214,6 +214,12 @@ class VisionTower:
             weights = sanitize(weights)
         if hasattr(self.tower, "sanitize"):  # PyTorch's conv layout to MLX's
             weights = self.tower.sanitize(weights)
+        quantization = config.get("quantization")
+        if quantization:  # mlx-vlm's conversions may quantize the tower's linear layers too: those with scales
+            for module, prefix in zip((self.tower, self.projector), prefixes):
+                nn.quantize(module, quantization["group_size"], quantization["bits"],
+                            mode=quantization.get("mode", "affine"),
+                            class_predicate=lambda path, _, prefix=prefix: f"{prefix}{path}.scales" in weights)
         tower_w = [(k[len(prefixes[0]):], v) for k, v in weights.items() if k.startswith(prefixes[0])]
         proj_w = [(k[len(prefixes[1]):], v) for k, v in weights.items() if k.startswith(prefixes[1])]
         try:

@@ -12,6 +12,7 @@ encodes a batch of images as it does each alone, within the room the memory guar
 import hashlib
 import io
 import json
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -26,7 +27,8 @@ from mlxd.shared.config import EngineConfig
 from mlxd.shared.errors import InvalidRequestError
 from mlxd.shared.protocol import ImageInput, SamplingParams
 from tests.tiny_models import make_tiny_model
-from tests.vision_models import VLMS, make_tiny_gemma4_vlm, processor_of, random_image, reference_processor
+from tests.vision_models import (VLMS, make_tiny_gemma4_vlm, processor_of, quantize_tower, random_image,
+                                 reference_processor)
 
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
 
@@ -168,6 +170,15 @@ def test_a_full_batch_of_the_largest_images_stays_near_the_room_the_memory_guard
     mx.reset_peak_memory()
     mx.eval(tower.encode(mx.zeros([ENCODE_BATCH, *tower.family.largest_image(tower.config)])))
     assert mx.get_peak_memory() - held <= 1.25 * ENCODE_BATCH * tower.activation_bytes
+
+
+def test_a_tower_quantized_as_mlx_vlm_converts_answers_as_mlx_vlm(vlm, tmp_path):
+    from mlx_vlm.utils import load_model as vlm_load
+
+    path = Path(shutil.copytree(vlm[0], tmp_path / "quantized"))
+    quantize_tower(path)
+    ids, images, pixels = prompt(vlm[1], ["the cat"], [random_image(1)])
+    assert run(engine(path), [(ids, images)])[0][0] == reference(vlm_load(path), ids, pixels)
 
 
 def test_a_gemma4_whose_image_tokens_attend_both_ways_loads_as_text_and_refuses_images(tmp_path):
