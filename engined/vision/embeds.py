@@ -148,6 +148,10 @@ def check_images(images: list[ImageInput], num_prompt_tokens: int, embeds: Image
             at = run[0] + run[1]
         if at > image.length:
             raise InvalidRequestError("an image's runs end past its span")
+        if not embeds.tower.fits(image.shape):
+            raise InvalidRequestError(f"an image's pixel array {list(image.shape[-3:])} is larger than "
+                                      f"{embeds.tower.largest}, the largest this model's memory budget holds "
+                                      "room to encode: send a smaller image")
         rows = sum(n for _, n in image.runs) if image.runs else image.length
         if embeds.tower.num_tokens(image.shape) != rows:
             raise InvalidRequestError(f"an image of this model fills {embeds.tower.num_tokens(image.shape)} "

@@ -12,6 +12,7 @@ the rows equal the ones mlx-vlm's model feeds its language model.
 from __future__ import annotations
 
 import glob
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -234,6 +235,7 @@ class VisionTower:
         self.projector.eval()
         mx.eval(self.tower.parameters(), self.projector.parameters())
         self.dtype = dtype
+        self.largest = self.family.largest_image(self.config)
         self.activation_bytes = self._measure()
 
     def _measure(self) -> int:
@@ -241,7 +243,7 @@ class VisionTower:
         once here: the memory guard sets aside room for the tower's batches beside the KV pool."""
         held = mx.get_active_memory()
         mx.reset_peak_memory()
-        mx.eval(self.encode(mx.zeros([1, *self.family.largest_image(self.config)])))
+        mx.eval(self.encode(mx.zeros([1, *self.largest])))
         used = max(mx.get_peak_memory() - held, 0)
         mx.clear_cache()
         return used
@@ -252,6 +254,11 @@ class VisionTower:
         from mlx.utils import tree_flatten
 
         return sum(v.nbytes for m in (self.tower, self.projector) for _, v in tree_flatten(m.parameters()))
+
+    def fits(self, shape: list[int]) -> bool:
+        """Whether each pixel array of ``shape`` is no larger than the one the memory guard measured: a
+        larger one would encode past the room set aside for the tower."""
+        return math.prod(shape[-3:]) <= math.prod(self.largest)
 
     def num_tokens(self, shape: list[int]) -> int:
         """The rows an image of pixel ``shape`` [C, H, W], or of N tiles [N, C, H, W], encodes to."""

@@ -193,6 +193,21 @@ def test_a_gemma4_whose_image_tokens_attend_both_ways_loads_as_text_and_refuses_
         eng.add_request("both_ways", ids, GREEDY, images=images)
 
 
+def test_an_image_larger_than_the_tower_was_measured_for_is_refused_and_the_engine_goes_on(vlm):
+    path, processor, model = vlm
+    ids, images, pixels = prompt(processor, ["the cat"], [random_image(1)])
+    eng = engine(path)
+    big = list(eng.runner.images.tower.largest)
+    big[-2] *= 2  # twice the largest pixel array's rows
+    image = images[0]
+    shape = [1, *big] if len(image.shape) == 4 else big
+    large = ImageInput(image.mm_hash, image.offset, image.length, shape,
+                       np.zeros(shape, np.float32).tobytes(), image.runs)
+    with pytest.raises(InvalidRequestError, match="larger than .* the largest this model's memory budget"):
+        eng.add_request("large", ids, GREEDY, images=[large])
+    assert run(eng, [(ids, images)])[0][0] == reference(model, ids, pixels)
+
+
 def test_an_image_whose_placeholder_run_is_not_the_towers_is_refused_and_the_engine_goes_on(vlm):
     path, processor, model = vlm
     ids, images, pixels = prompt(processor, ["the cat"], [random_image(1)])
