@@ -190,6 +190,14 @@ def summary(side: str, c: int, runs: list[dict], agree: list[int], args) -> dict
                 tokens_agree=agree)
 
 
+def emit(row: dict, out: str | None) -> None:
+    """Print ``row``, and append it to ``out`` as it comes: a run cut by its time limit keeps what it measured."""
+    print(json.dumps(row), flush=True)
+    if out:
+        with open(out, "a") as f:
+            f.write(json.dumps(row) + "\n")
+
+
 def table(rows: list[dict]) -> str:
     lines = ["| c | mlxd TTFT p50 / max (ms) | mlx-vlm TTFT p50 / max (ms) | mlxd tok/s | mlx-vlm tok/s | "
              "tok/s ratio | TTFT p50 ratio | tokens agree |", "|---|---|---|---|---|---|---|---|"]
@@ -212,7 +220,7 @@ def main(argv=None) -> None:
     ap.add_argument("--num-kv-blocks", type=int, help="mlxd's KV pool (default: the shape's)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--workdir", help="where the checkpoint is written (default: a temporary folder)")
-    ap.add_argument("--out", help="append the rows as JSON lines to this file")
+    ap.add_argument("--out", help="append the rows as JSON lines to this file, each as it comes")
     args = ap.parse_args(argv)
     print(f"seed {args.seed}", flush=True)
     import mlx.core as mx
@@ -255,18 +263,13 @@ def main(argv=None) -> None:
                     runs["mlxd"].append(ours)
                     runs["mlx_vlm"].append(vlm)
             for side, timed in runs.items():
-                row = summary(side, c, timed, agree, args)
-                rows.append(row)
-                print(json.dumps(row), flush=True)
+                rows.append(summary(side, c, timed, agree, args))
+                emit(rows[-1], args.out)
             gc.collect()
             mx.clear_cache()
     print(f"\n{args.shape} {spec['dtype']}, {args.max_tokens} tokens a request, mlx-vlm batched "
           f"(BatchGenerator, one group of c); ratios mlxd over mlx-vlm (TTFT: mlx-vlm's over mlxd's)\n")
     print(table(rows), flush=True)
-    if args.out:
-        with open(args.out, "a") as f:
-            for row in rows:
-                f.write(json.dumps(row) + "\n")
 
 
 if __name__ == "__main__":
