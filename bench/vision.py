@@ -21,9 +21,10 @@ tokens (neither side is given an end token). The clock starts before the prompts
 
 Both get the same rendered prompts and images. Reported per (side, c): the median over
 ``--repeats`` of TTFT per request (p50 and max, ms) and of total tokens/s (prompt + generated over
-the run's wall time), and whether each request's greedy tokens agree across the sides (a mismatch
-on the first request means the sides do not run the same model, and the ratio means nothing;
-bfloat16 may part later requests at near ties).
+the run's wall time), whether each request's greedy tokens agree across the sides in the last run (a
+mismatch on the first request means the sides do not run the same model, and the ratio means
+nothing; bfloat16 may part later requests at near ties), and how many distinct answers the last run
+gave (fewer than ``c`` would say the images and words barely steer the random model).
 
     python -m bench.vision --shape gemma3-4b --concurrency 1 8 32 --max-tokens 64 --repeats 2
 """
@@ -187,7 +188,7 @@ def summary(side: str, c: int, runs: list[dict], agree: list[int], args) -> dict
                 ttft_max_ms=round(1e3 * statistics.median(max(r["ttft"]) for r in runs), 1),
                 total_tok_s=round(statistics.median(total), 1), gen_tok_s=round(statistics.median(generated), 1),
                 prompt_tokens=runs[0]["prompt_tokens"], seconds=[round(r["wall"], 3) for r in runs],
-                tokens_agree=agree)
+                tokens_agree=agree, distinct_answers=len({tuple(t) for t in runs[-1]["tokens"]}))
 
 
 def emit(row: dict, out: str | None) -> None:
@@ -247,7 +248,7 @@ def main(argv=None) -> None:
         image_id = image_token_id(processor)
         engine = Engine(EngineConfig(max_num_seqs=max(args.concurrency), num_kv_blocks=args.num_kv_blocks or
                                      spec["num_kv_blocks"], max_num_batched_tokens=spec["max_num_batched_tokens"],
-                                     max_model_len=4096, async_scheduling=True), loaded=load_model(str(path)))
+                                     max_model_len=4096), loaded=load_model(str(path)))  # the device's defaults
         rng = np.random.default_rng(args.seed)
         rows = []
         for c in args.concurrency:
