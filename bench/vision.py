@@ -16,8 +16,10 @@ tokens (neither side is given an end token). The clock starts before the prompts
   transformers' processor, the image's span and pixels), ``Engine.add_request`` for all ``c``, then
   ``Engine.step`` until all finish (the tower encodes the step's images, chunked prefill).
 - mlx-vlm: its batch path as ``batch_generate`` runs a group of images of one shape: its own
-  processor over the batch (``prepare_inputs``), the model's input embeddings (the tower), then its
-  ``BatchGenerator`` with prefill and completion batches of ``c``, stepped until all finish.
+  processor over the batch, left-padded (as ``prepare_inputs`` calls it, each image in a list of
+  its own: ``batch_generate`` itself fails on Gemma 3 for c > 1), the model's input embeddings (the
+  tower), then its ``BatchGenerator`` with prefill and completion batches of ``c``, stepped until
+  all finish. It batches; mlx-vlm's server is not in the comparison.
 
 Both get the same rendered prompts and images. Reported per (side, c): the median over
 ``--repeats`` of TTFT per request (p50 and max, ms) and of total tokens/s (prompt + generated over
