@@ -75,18 +75,19 @@ def namespace(identity: dict) -> str:
     return hashlib.blake2b(text, digest_size=16, person=b"mlxd-kv-ns").hexdigest()
 
 
-def encode(ns: str, key: bytes, arrays: dict[str, np.ndarray]) -> bytes:
-    """The file's bytes: header, JSON header, payload."""
-    entries, offset, parts = [], 0, []
+def encode(ns: str, key: bytes, arrays: dict[str, np.ndarray]) -> list:
+    """The file's bytes as buffers to write in order: header and JSON header, then each array's bytes
+    (the arrays' own buffers: a block's bytes are hashed and written, never joined into one copy)."""
+    entries, offset, payload = [], 0, []
+    digest = hashlib.blake2b(digest_size=16)
     for name, a in arrays.items():
-        raw = np.ascontiguousarray(a).tobytes()
-        entries.append([name, a.dtype.str, list(a.shape), offset, len(raw)])
-        parts.append(raw)
-        offset += len(raw)
-    payload = b"".join(parts)
-    header = json.dumps({"ns": ns, "key": key.hex(), "arrays": entries,
-                         "digest": hashlib.blake2b(payload, digest_size=16).hexdigest()}).encode()
-    return _HEAD.pack(MAGIC, len(header)) + header + payload
+        raw = memoryview(np.ascontiguousarray(a)).cast("B")
+        entries.append([name, a.dtype.str, list(a.shape), offset, raw.nbytes])
+        digest.update(raw)
+        payload.append(raw)
+        offset += raw.nbytes
+    header = json.dumps({"ns": ns, "key": key.hex(), "arrays": entries, "digest": digest.hexdigest()}).encode()
+    return [_HEAD.pack(MAGIC, len(header)) + header, *payload]
 
 
 def decode(ns: str, key: bytes, data: bytes) -> dict[str, np.ndarray] | None:
@@ -196,14 +197,15 @@ class DiskStore:
     def _write(self, key: bytes, arrays: dict[str, np.ndarray], size: int) -> None:
         try:
             data = encode(self.ns, key, arrays)
+            length = sum(map(len, data))  # byte views: len is bytes
             with self._lock:
                 if not self.enabled:
                     return
-                self._fit(len(data))
+                self._fit(length)
             tmp = os.path.join(self.path, f".tmp-{key.hex()}-{threading.get_ident()}")
             try:
                 with open(tmp, "wb", opener=_private) as f:
-                    f.write(data)
+                    f.writelines(data)
                 os.replace(tmp, self._file(key))
             except OSError as e:
                 _unlink(tmp)
@@ -212,9 +214,9 @@ class DiskStore:
                 return
             with self._lock:
                 old = self.index.pop(key, 0)
-                self.index[key] = len(data)
-                self.totals.bytes += len(data) - old
-                self.totals.bytes_written += len(data)
+                self.index[key] = length
+                self.totals.bytes += length - old
+                self.totals.bytes_written += length
                 self.totals.blocks = len(self.index)
         finally:
             with self._lock:
