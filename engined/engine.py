@@ -99,7 +99,7 @@ class Engine:
 
         # The memory guard sizes the KV pool from what is left beside everything built so far.
         stores = ([kv] + ([self.drafter] if self.drafter else []) + ([self.lora] if self.lora else [])
-                  + ([self.runner.images] if getattr(self.runner, "images", None) else []))
+                  + ([self.runner.images] if self.runner.images else []))
         self.memory = memory_guard.plan(self.runner, stores, config, self.max_model_len, loaded.vocab_size,
                                         progress, kernels=backend in ("metal", "cuda") and not pipelined)
         if pipelined:
@@ -178,7 +178,7 @@ class Engine:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         check_prompt(prompt_token_ids, params, self.max_model_len, self.info.vocab_size, pooled)
         if images:
-            check_images(images, len(prompt_token_ids), getattr(self.runner, "images", None),
+            check_images(images, len(prompt_token_ids), self.runner.images,
                          self.info.served_model_name)
         longest = min(len(prompt_token_ids) + params.max_tokens, self.max_model_len)
         if not self.scheduler.can_ever_fit(longest):
