@@ -31,6 +31,8 @@ HELP = {
                      "back instead of recomputed, also after a restart",
     "kv_cache_dir": "folder of the KV disk cache (default: kv/ in the user's cache dir, ~/.cache/mlxd)",
     "kv_disk_budget": "most bytes the KV disk cache keeps per model, e.g. 20GiB (least recently used out first)",
+    "kv_disk_read_timeout": "seconds a request waits for blocks read from the KV disk cache; past it the disk is "
+                            "taken as not answering, the cache turns off and the prefix is computed",
     "dtype": "weights' dtype: auto is float32 on MLX's CPU backend, the checkpoint's own on a GPU",
     "seed": "seed of the sampling of requests that give none",
     "speculative_config": "JSON, e.g. '{\"method\": \"ngram\", \"num_speculative_tokens\": 4}'; methods "

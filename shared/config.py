@@ -95,6 +95,9 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     kv_disk_cache: bool = False
     kv_cache_dir: str | None = None
     kv_disk_budget: int = 20 * 2**30
+    # A read not back in this many seconds means the disk is not answering (a stalled network share, a
+    # failing drive): the tier turns off and the waiting request computes its prefix instead.
+    kv_disk_read_timeout: float = 30.0
     # "auto": float32 on MLX's CPU backend, the checkpoint's own (quantized) weights on a GPU.
     dtype: str = "auto"
     seed: int = 0
@@ -154,6 +157,8 @@ class EngineConfig(msgspec.Struct, kw_only=True):
             raise InvalidRequestError(
                 "gpu_memory_utilization must be in (0, 1]", param="gpu_memory_utilization"
             )
+        if self.kv_disk_read_timeout <= 0:
+            raise InvalidRequestError("kv_disk_read_timeout must be positive", param="kv_disk_read_timeout")
         if self.kv_disk_budget < 1:
             raise InvalidRequestError("kv_disk_budget must be positive", param="kv_disk_budget")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:

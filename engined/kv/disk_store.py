@@ -132,7 +132,7 @@ class DiskStore:
                 json.dump(identity, f, sort_keys=True)
             self._scan()
         except (OSError, UnsafeDirectoryError) as e:
-            self._off(f"cannot use {self.path}: {e}")
+            self.turn_off(f"cannot use {self.path}: {e}")
 
     def _scan(self) -> None:
         """Rebuild the index from the folder, least recently used first, and hold it to the budget."""
@@ -155,7 +155,7 @@ class DiskStore:
         log.info("KV disk cache: %s, %d blocks (%.1f MiB) found, budget %.1f GiB", self.path, len(self.index),
                  self.totals.bytes / 2**20, self.budget / 2**30)
 
-    def _off(self, why: str) -> None:
+    def turn_off(self, why: str) -> None:
         if self.enabled:
             log.warning("KV disk cache off: %s; serving goes on without it", why)
         self.enabled = False
@@ -210,7 +210,7 @@ class DiskStore:
             except OSError as e:
                 _unlink(tmp)
                 with self._lock:
-                    self._off(f"writing {self.path} failed: {e}")
+                    self.turn_off(f"writing {self.path} failed: {e}")
                 return
             with self._lock:
                 old = self.index.pop(key, 0)

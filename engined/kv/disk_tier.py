@@ -14,7 +14,9 @@ the request (it waits as it would for blocks being computed; other requests
 run). Once read, they are put into free blocks of the pool and cached under
 their hashes, and the request's lookup finds them like any cached prefix: its
 ``num_cached_tokens`` counts them. A block missing or not intact on disk ends
-the run there: the rest is computed.
+the run there: the rest is computed. A read not back within the read timeout
+turns the tier off (the disk is not answering, and the store's one worker
+would hold every later read behind it): the request computes its prefix.
 
 Each KV group is a part of the tier (``disk_parts``): the main pool's blocks, a
 window pool's, a hybrid model's state snapshots, each written when it leaves
@@ -28,6 +30,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import time
 from collections.abc import Callable
 from concurrent.futures import Future
 
@@ -66,16 +69,19 @@ def weights_fingerprint(model) -> str:
 
 
 class DiskTier:
-    def __init__(self, store: DiskStore, parts: list[Part], block_size: int, settle: Callable[[], None]):
+    def __init__(self, store: DiskStore, parts: list[Part], block_size: int, settle: Callable[[], None],
+                 read_timeout: float):
         """``parts``: the main pool's first; ``settle``: waits for a step another thread is encoding
-        (the arrays copied out may be its outputs)."""
+        (the arrays copied out may be its outputs); ``read_timeout``: seconds a request waits for a read
+        before the disk is taken as not answering."""
         self.store = store
         self.parts = parts
         self.block_size = block_size
         self.settle = settle
+        self.read_timeout = read_timeout
         # Per waiting request looked up: None (nothing to read, or read and put in place), or what is
-        # being read: (prefix blocks, [(part, block hash)], future of their arrays).
-        self._reads: dict[str, tuple[int, list[tuple[Part, bytes]], Future] | None] = {}
+        # being read: (prefix blocks, [(part, block hash)], future of their arrays, when it was asked).
+        self._reads: dict[str, tuple[int, list[tuple[Part, bytes]], Future, float] | None] = {}
 
     @property
     def enabled(self) -> bool:
@@ -123,9 +129,14 @@ class DiskTier:
             entry = self._reads[rid]
             if entry is None:
                 return False
-            n, wanted, future = entry
+            n, wanted, future, asked = entry
             if not future.done():
-                return True
+                if self.store.enabled and time.monotonic() - asked < self.read_timeout:
+                    return True
+                # A disk that does not answer: the one worker would hold every later read behind it.
+                self.store.turn_off(f"a read was not back in {self.read_timeout:g} s")
+                self._reads[rid] = None
+                return False
             self._reads[rid] = None
             if future.exception() is not None:  # a failure reading is a miss: the prefix is computed
                 log.warning("KV disk cache: reading blocks failed: %r", future.exception())
@@ -142,7 +153,7 @@ class DiskTier:
                   if not part.in_memory(hashes[i])]
         if n <= held or not wanted:
             return False
-        self._reads[rid] = (n, wanted, self.store.read([part.key(h) for part, h in wanted]))
+        self._reads[rid] = (n, wanted, self.store.read([part.key(h) for part, h in wanted]), time.monotonic())
         return True
 
     def _longest(self, req: Request, held: int) -> int:

@@ -261,4 +261,5 @@ def _disk_tier(main: FullAttentionGroup, others: list[KVGroup], config: EngineCo
                           for p in parts],
                 "layers": [g.layers for g in (main, *others)], "aliases": main.kv.aliases}
     root = config.kv_cache_dir or os.path.join(cache_dir(), "kv")
-    return DiskTier(DiskStore(root, identity, config.kv_disk_budget), parts, config.block_size, main.settle)
+    return DiskTier(DiskStore(root, identity, config.kv_disk_budget), parts, config.block_size, main.settle,
+                    config.kv_disk_read_timeout)

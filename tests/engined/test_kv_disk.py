@@ -216,3 +216,39 @@ def test_the_flags_take_vllm_sizes_and_the_tier_is_off_by_default():
     assert on.kv_disk_cache and on.kv_disk_budget == 20 * 2**30
     assert build_config(EngineConfig, parse(["serve", "--kv-disk-budget", "1.5g"])).kv_disk_budget == 1_500_000_000
     assert not build_config(EngineConfig, parse(["serve"])).kv_disk_cache
+
+
+def test_a_read_the_disk_never_answers_is_given_up_and_the_prefix_computed(models, tmp_path, caplog):
+    """A block file that blocks its reader (a FIFO with no writer, as a stalled network share would): the
+    returning request waits out the read timeout, then computes its prefix, and the tier turns off."""
+    seed = fresh_seed("stalled read")
+    prompts = sessions(seed)
+    eng = engine(models["dense"], tmp_path / "kv", kv_disk_read_timeout=1.0)
+    first = run(eng, prompts[0], "a0")
+    for i, p in enumerate(prompts[1:]):
+        run(eng, p, f"b{i}")
+    store = eng.scheduler.kv.disk.store
+    store.flush()
+    main = eng.scheduler.kv.disk.parts[0]
+    hashes, parent = [], None
+    for i in range(len(prompts[0]) // BLOCK):
+        parent = hash_block(parent, prompts[0][i * BLOCK:(i + 1) * BLOCK])
+        hashes.append(parent)
+    # The first block the return reads from disk (the ones before it are still in memory).
+    at = next(i for i, h in enumerate(hashes) if not main.in_memory(h))
+    assert store.has(hashes[at]), f"seed {seed}"
+    stalled = store._file(hashes[at])
+    os.unlink(stalled)
+    os.mkfifo(stalled)
+    try:
+        with caplog.at_level(logging.WARNING, logger="mlxd.engine"):
+            toks, cached = run(eng, prompts[0], "a1")
+        assert toks == first[0], f"seed {seed}"
+        assert cached <= at * BLOCK, f"seed {seed}"
+        assert not store.enabled
+        assert sum("a read was not back in 1 s" in r.getMessage() for r in caplog.records) == 1
+        # Serving goes on without the tier.
+        assert run(eng, prompts[1], "c0")[0] == run(eng, prompts[1], "c1")[0]
+    finally:  # a writer lets the stalled read end (an empty file, a miss), so that the worker thread exits
+        os.close(os.open(stalled, os.O_WRONLY | os.O_NONBLOCK))
+        store.flush()
