@@ -1,8 +1,8 @@
 """The image placeholders of families whose transformers processor cannot be built here, expanded
 by mlxd: the folder's image processor and tokenizer, and each family's count of tokens per image.
 
-transformers' Qwen2.5-VL and Gemma 4 processors build a video processor that needs torchvision,
-which mlxd does not install, and Pixtral's (Mistral 3) needs it too; their image processor and
+transformers' Qwen2.5-VL, Qwen3-VL (Qwen3.5's) and Gemma 4 processors build a video processor that
+needs torchvision, which mlxd does not install, and Pixtral's (Mistral 3) needs it too; their image processor and
 tokenizer need neither. The template writes one image token per image (Qwen's inside its begin
 and end markers); the expansion repeats it once per row the tower makes (Pixtral's with its row
 breaks and end marker, Gemma 4's between begin and end markers it adds), and returns what
@@ -61,6 +61,8 @@ class Expansion:
 # Keyed by the processor class the folder names (``media_processor.processor_class``).
 EXPANSIONS = {
     "Qwen2_5_VLProcessor": Expansion("<|image_pad|>", _merged_patches),
+    # Qwen3.5's checkpoints name Qwen3-VL's processor: an image's placeholders as Qwen2.5-VL's.
+    "Qwen3VLProcessor": Expansion("<|image_pad|>", _merged_patches),
     # Mistral 3's: torchvision for the processor, though its image processor runs on PIL alone.
     "PixtralProcessor": Expansion("[IMG]", _pixtral_rows, _pixtral_patch),
     # Gemma 4's: torchvision for its video processor; its image processor runs on PIL alone.

@@ -48,10 +48,12 @@ def _idefics3_tokens(config, shape: list[int]) -> int:
 
 
 def _qwen_vl_features(tower: nn.Module, projector: nn.Module, config, pixels: mx.array) -> mx.array:
-    # mlx-vlm's Qwen2.5-VL: the tower (its merger inside) takes every image's patches in one sequence
+    # mlx-vlm's Qwen2.5-VL and Qwen3.5: the tower (its merger inside) takes every image's patches in one sequence
     # with each image's grid; an image is one temporal patch, its pixels [h, w, patch values].
     n, h, w, values = pixels.shape
     rows = tower(pixels.reshape(-1, values), mx.array([[1, h, w]] * n), output_hidden_states=False)
+    if isinstance(rows, tuple):  # Qwen3-VL's tower (Qwen3.5's) also returns deepstack features, none for 3.5
+        rows = rows[0]
     return rows.reshape(n, -1, rows.shape[-1])
 
 
@@ -65,7 +67,7 @@ def _qwen_vl_tokens(config, shape: list[int]) -> int:
 
 
 def _qwen_vl_names(name: str) -> str:
-    # Hugging Face stores Qwen2.5-VL's tower as ``visual`` (``model.visual`` from transformers 5 on);
+    # Hugging Face stores Qwen2.5-VL's and Qwen3.5's tower as ``visual`` (``model.visual`` from transformers 5 on);
     # mlx-vlm's conversions, as its module, ``vision_tower``.
     for stored in ("model.visual.", "visual."):
         if name.startswith(stored):
@@ -157,6 +159,7 @@ class Family:
     stored_under: str = ""  # what the checkpoint's names carry before those prefixes
     renamed: Callable | None = None  # a checkpoint's name -> mlx-vlm's, where they differ
     model_sanitize: bool = False  # the tower's weights also through mlx-vlm's Model.sanitize (its renames and drops)
+    mrope: str = ""  # the text model's multi-axis RoPE layout (engined.vision.mrope.LAYOUTS); "": one position
 
 
 FAMILIES = {
@@ -164,7 +167,11 @@ FAMILIES = {
     "idefics3": Family(_idefics3_features, _idefics3_tokens, _square_image, tower="vision_model",
                        projector="connector", stored_under="model."),
     "mistral3": Family(_pixtral_features, _pixtral_tokens, _square_image, renamed=_pixtral_names),
-    "qwen2_5_vl": Family(_qwen_vl_features, _qwen_vl_tokens, _qwen_vl_image, projector="", renamed=_qwen_vl_names),
+    "qwen2_5_vl": Family(_qwen_vl_features, _qwen_vl_tokens, _qwen_vl_image, projector="", renamed=_qwen_vl_names,
+                         mrope="sectioned"),
+    # Qwen3.5: Qwen3-VL's tower (deepstack off), its M-RoPE frequencies interleaved over the axes.
+    "qwen3_5": Family(_qwen_vl_features, _qwen_vl_tokens, _qwen_vl_image, projector="", renamed=_qwen_vl_names,
+                      mrope="interleaved"),
     # Gemma 4's checkpoints may carry clipping bounds its config leaves unused; mlx-vlm's sanitize drops them.
     "gemma4": Family(_gemma4_features, _gemma4_tokens, _gemma4_image, projector="embed_vision",
                      renamed=_model_prefix_dropped, model_sanitize=True),
