@@ -86,7 +86,8 @@ FAMILIES: tuple[Family, ...] = (
     Family("qwen3_5_vl", "Qwen3.5 (vision checkpoint: images in, interleaved M-RoPE, tests/engined/test_vision.py)",
            "as qwen3_5, multi-axis RoPE for image tokens", "dense", weights=("float32",),
            prefix_caching=False, speculative=False, model_type="qwen3_5", text_model_type="qwen3_5_text"),
-    Family("qwen3_5_moe_vl", "Qwen3.5 MoE (vision checkpoint)", "as qwen3_5_moe", "MoE + shared expert",
+    Family("qwen3_5_moe_vl", "Qwen3.5 MoE (vision checkpoint: images in, interleaved M-RoPE, "
+           "tests/engined/test_vision.py)", "as qwen3_5_moe, multi-axis RoPE for image tokens", "MoE + shared expert",
            weights=("float32",), prefix_caching=False, speculative=False, model_type="qwen3_5_moe",
            text_model_type="qwen3_5_moe_text"),
 )

@@ -256,15 +256,16 @@ def make_tiny_qwen2_5_vl(directory, seed: int = 0) -> Path:
 QWEN3_5_SECTIONS = [2, 1, 1]
 
 
-def make_tiny_qwen3_5_vl(directory, seed: int = 0) -> Path:
+def make_tiny_qwen3_5_vl(directory, seed: int = 0, moe: bool = False) -> Path:
     """A tiny Qwen3.5 checkpoint in ``directory``; its path: the tiny hybrid ``qwen3_5_vl`` text model
     (head dim 16, half of it rotated: M-RoPE sections of 2, 1 and 1 frequencies, interleaved; base 10),
     mlx-vlm's Qwen3.5 tower (Qwen3-VL's: 8x8 patches merged 2x2, a 4x4 table of learned positions)
     stored as transformers 5 stores it (``model.visual.``), and Qwen2-VL's image processor resizing
-    an image to at most 32x48, named by Qwen3-VL's processor as Qwen3.5's checkpoints name it."""
+    an image to at most 32x48, named by Qwen3-VL's processor as Qwen3.5's checkpoints name it.
+    ``moe``: Qwen3.5 MoE's (the ``qwen3_5_moe_vl`` text model, the same tower)."""
     import mlx.core as mx
 
-    out = make_tiny_model(directory, "qwen3_5_vl", seed=seed)
+    out = make_tiny_model(directory, "qwen3_5_moe_vl" if moe else "qwen3_5_vl", seed=seed)
     config = json.loads((out / "config.json").read_text())
     tokens, merges, special = tiny_vocab(config["vocab_size"])
     first_free = tokens.index("<|reserved_0|>")
@@ -275,7 +276,7 @@ def make_tiny_qwen3_5_vl(directory, seed: int = 0) -> Path:
     config.update({
         "image_token_id": first_free, "vision_start_token_id": first_free + 1,
         "vision_end_token_id": first_free + 2, "video_token_id": first_free + 3,
-        "vision_config": {"model_type": "qwen3_5", "depth": 2, "hidden_size": 32, "intermediate_size": 64,
+        "vision_config": {"model_type": config["model_type"], "depth": 2, "hidden_size": 32, "intermediate_size": 64,
                           "out_hidden_size": text["hidden_size"], "num_heads": 2, "patch_size": QWEN_PATCH,
                           "spatial_patch_size": QWEN_PATCH, "spatial_merge_size": QWEN_MERGE,
                           "temporal_patch_size": 2, "num_position_embeddings": 16, "deepstack_visual_indexes": [],
@@ -292,6 +293,11 @@ def make_tiny_qwen3_5_vl(directory, seed: int = 0) -> Path:
                                           "merge_size": QWEN_MERGE, "temporal_patch_size": 2,
                                           "min_pixels": 16 * 16, "max_pixels": 32 * 48, "resample": 3})
     return out
+
+
+def make_tiny_qwen3_5_moe_vl(directory, seed: int = 0) -> Path:
+    """A tiny Qwen3.5 MoE checkpoint in ``directory`` (``make_tiny_qwen3_5_vl``'s, its text model MoE)."""
+    return make_tiny_qwen3_5_vl(directory, seed, moe=True)
 
 
 GEMMA4_BOI, GEMMA4_IMAGE, GEMMA4_EOI = "<|image>", "<|image|>", "<image|>"
@@ -345,7 +351,8 @@ def make_tiny_gemma4_vlm(directory, seed: int = 0) -> Path:
 
 VLMS = {"gemma3": (make_tiny_gemma3_vlm, IMAGE), "idefics3": (make_tiny_idefics3_vlm, IDEFICS3_IMAGE),
         "mistral3": (make_tiny_mistral3_vlm, PIXTRAL_IMAGE), "qwen2_5_vl": (make_tiny_qwen2_5_vl, QWEN_IMAGE),
-        "gemma4": (make_tiny_gemma4_vlm, GEMMA4_IMAGE), "qwen3_5": (make_tiny_qwen3_5_vl, QWEN_IMAGE)}
+        "gemma4": (make_tiny_gemma4_vlm, GEMMA4_IMAGE), "qwen3_5": (make_tiny_qwen3_5_vl, QWEN_IMAGE),
+        "qwen3_5_moe": (make_tiny_qwen3_5_moe_vl, QWEN_IMAGE)}
 
 
 def quantize_tower(path: Path, group_size: int = 32, bits: int = 8) -> None:

@@ -162,6 +162,10 @@ class Family:
     mrope: str = ""  # the text model's multi-axis RoPE layout (engined.vision.mrope.LAYOUTS); "": one position
 
 
+# Qwen3.5 and Qwen3.5 MoE: Qwen3-VL's tower (deepstack off), its M-RoPE frequencies interleaved over the axes.
+_QWEN3_5 = Family(_qwen_vl_features, _qwen_vl_tokens, _qwen_vl_image, projector="", renamed=_qwen_vl_names,
+                  mrope="interleaved")
+
 FAMILIES = {
     "gemma3": Family(_gemma3_features, _gemma3_tokens, _square_image),
     "idefics3": Family(_idefics3_features, _idefics3_tokens, _square_image, tower="vision_model",
@@ -169,9 +173,8 @@ FAMILIES = {
     "mistral3": Family(_pixtral_features, _pixtral_tokens, _square_image, renamed=_pixtral_names),
     "qwen2_5_vl": Family(_qwen_vl_features, _qwen_vl_tokens, _qwen_vl_image, projector="", renamed=_qwen_vl_names,
                          mrope="sectioned"),
-    # Qwen3.5: Qwen3-VL's tower (deepstack off), its M-RoPE frequencies interleaved over the axes.
-    "qwen3_5": Family(_qwen_vl_features, _qwen_vl_tokens, _qwen_vl_image, projector="", renamed=_qwen_vl_names,
-                      mrope="interleaved"),
+    "qwen3_5": _QWEN3_5,
+    "qwen3_5_moe": _QWEN3_5,
     # Gemma 4's checkpoints may carry clipping bounds its config leaves unused; mlx-vlm's sanitize drops them.
     "gemma4": Family(_gemma4_features, _gemma4_tokens, _gemma4_image, projector="embed_vision",
                      renamed=_model_prefix_dropped, model_sanitize=True),

@@ -1,12 +1,11 @@
 """Qwen-VL's multi-axis RoPE positions (engined/vision/mrope.py) against mlx-vlm's own rope index,
 for Qwen2.5-VL and Qwen3.5, on the gateway's expansion (checked against mlx-vlm's processor) of a
-prompt with two images of
-different grids (one wider than tall, one taller than wide): the whole prompt, the same prompt
-computed in chunks that cut through the images, and the positions after it (decode), which mlx-vlm
-gives as the sequence index plus its rope delta. Qwen3.5's interleaved rotation against mlx-vlm's
-own rotary embedding, on a partial RoPE of Qwen3.5's shape. And what is refused: an image whose grid the merger
-cannot fold (at admission, the engine going on) and rotary sections that miss the RoPE's dimensions
-(at load)."""
+prompt with two images of different grids (one wider than tall, one taller than wide): the whole
+prompt, the same prompt computed in chunks that cut through the images, and the positions after it
+(decode), which mlx-vlm gives as the sequence index plus its rope delta. Qwen3.5's interleaved
+rotation against mlx-vlm's own rotary embedding, on a partial RoPE of Qwen3.5's shape. And what is
+refused: an image whose grid the merger cannot fold (at admission, the engine going on) and rotary
+sections that miss the RoPE's dimensions (at load)."""
 
 import hashlib
 import json
