@@ -218,6 +218,31 @@ QWEN_TEMPLATE = (
 )
 
 
+def _qwen_vocab(config: dict) -> tuple:
+    """The tiny vocabulary with Qwen-VL's image token and markers, their ids set in ``config``."""
+    tokens, merges, special = tiny_vocab(config["vocab_size"])
+    first_free = tokens.index("<|reserved_0|>")
+    tokens[first_free : first_free + 4] = [QWEN_IMAGE] + QWEN_MARKERS
+    config.update({"image_token_id": first_free, "vision_start_token_id": first_free + 1,
+                   "vision_end_token_id": first_free + 2, "video_token_id": first_free + 3})
+    return tokens, merges, special
+
+
+def _qwen_tower(out_hidden: int) -> dict:
+    """A tiny Qwen-VL tower's settings: 2 blocks of width 32, 8x8 patches merged 2x2 into rows of ``out_hidden``."""
+    return {"depth": 2, "hidden_size": 32, "intermediate_size": 64, "out_hidden_size": out_hidden, "num_heads": 2,
+            "patch_size": QWEN_PATCH, "spatial_patch_size": QWEN_PATCH, "spatial_merge_size": QWEN_MERGE,
+            "temporal_patch_size": 2, "in_channels": 3, "image_size": 48}
+
+
+def _write_qwen_processor(out: Path, config: dict, vocab: tuple, processor: str) -> None:
+    # Qwen2-VL's image processor (Qwen3.5's checkpoints use it too), resizing an image to at most 32x48.
+    _write_processor(out, config, vocab, vocab[0][config["eos_token_id"]], QWEN_TEMPLATE, processor,
+                     {"image_processor_type": "Qwen2VLImageProcessor", "patch_size": QWEN_PATCH,
+                      "merge_size": QWEN_MERGE, "temporal_patch_size": 2, "min_pixels": 16 * 16,
+                      "max_pixels": 32 * 48, "resample": 3})
+
+
 def make_tiny_qwen2_5_vl(directory, seed: int = 0) -> Path:
     """A tiny Qwen2.5-VL checkpoint in ``directory``; its path: the tiny ``qwen2_5_vl`` text model
     (head dim 16: M-RoPE sections of 2, 3 and 3 frequencies for time, height and width),
@@ -227,18 +252,9 @@ def make_tiny_qwen2_5_vl(directory, seed: int = 0) -> Path:
 
     out = make_tiny_model(directory, "qwen2_5_vl", seed=seed)
     config = json.loads((out / "config.json").read_text())
-    tokens, merges, special = tiny_vocab(config["vocab_size"])
-    first_free = tokens.index("<|reserved_0|>")
-    tokens[first_free : first_free + 4] = [QWEN_IMAGE] + QWEN_MARKERS
-    config.update({
-        "image_token_id": first_free, "vision_start_token_id": first_free + 1,
-        "vision_end_token_id": first_free + 2, "video_token_id": first_free + 3,
-        "vision_config": {"model_type": "qwen2_5_vl", "depth": 2, "hidden_size": 32, "intermediate_size": 64,
-                          "out_hidden_size": config["hidden_size"], "num_heads": 2, "patch_size": QWEN_PATCH,
-                          "spatial_patch_size": QWEN_PATCH, "spatial_merge_size": QWEN_MERGE,
-                          "temporal_patch_size": 2, "window_size": 32, "fullatt_block_indexes": [1],
-                          "in_channels": 3, "image_size": 48},
-    })
+    vocab = _qwen_vocab(config)
+    config["vision_config"] = {"model_type": "qwen2_5_vl", **_qwen_tower(config["hidden_size"]), "window_size": 32,
+                               "fullatt_block_indexes": [1]}
     (out / "config.json").write_text(json.dumps(config, indent=2))
     weights = dict(mx.load(str(out / "model.safetensors")))
     # Hugging Face's names: the tower as ``visual``.
@@ -246,10 +262,7 @@ def make_tiny_qwen2_5_vl(directory, seed: int = 0) -> Path:
                     for k, v in _vision_weights(config, seed, ("vision_tower",)).items()})
     mx.save_safetensors(str(out / "model.safetensors"), weights, metadata={"format": "mlx"})
 
-    _write_processor(out, config, (tokens, merges, special), tokens[config["eos_token_id"]], QWEN_TEMPLATE,
-                     "Qwen2_5_VLProcessor", {"image_processor_type": "Qwen2VLImageProcessor", "patch_size": QWEN_PATCH,
-                                             "merge_size": QWEN_MERGE, "temporal_patch_size": 2,
-                                             "min_pixels": 16 * 16, "max_pixels": 32 * 48, "resample": 3})
+    _write_qwen_processor(out, config, vocab, "Qwen2_5_VLProcessor")
     return out
 
 
@@ -267,31 +280,22 @@ def make_tiny_qwen3_5_vl(directory, seed: int = 0, moe: bool = False) -> Path:
 
     out = make_tiny_model(directory, "qwen3_5_moe_vl" if moe else "qwen3_5_vl", seed=seed)
     config = json.loads((out / "config.json").read_text())
-    tokens, merges, special = tiny_vocab(config["vocab_size"])
-    first_free = tokens.index("<|reserved_0|>")
-    tokens[first_free : first_free + 4] = [QWEN_IMAGE] + QWEN_MARKERS
+    vocab = _qwen_vocab(config)
     text = config["text_config"]
     # A low RoPE base, so that every rotated frequency turns enough for the axes' layout to decide answers.
     text["rope_parameters"].update(mrope_section=QWEN3_5_SECTIONS, rope_theta=10.0)
-    config.update({
-        "image_token_id": first_free, "vision_start_token_id": first_free + 1,
-        "vision_end_token_id": first_free + 2, "video_token_id": first_free + 3,
-        "vision_config": {"model_type": config["model_type"], "depth": 2, "hidden_size": 32, "intermediate_size": 64,
-                          "out_hidden_size": text["hidden_size"], "num_heads": 2, "patch_size": QWEN_PATCH,
-                          "spatial_patch_size": QWEN_PATCH, "spatial_merge_size": QWEN_MERGE,
-                          "temporal_patch_size": 2, "num_position_embeddings": 16, "deepstack_visual_indexes": [],
-                          "in_channels": 3, "image_size": 48},
-    })
+    config["vision_config"] = {"model_type": config["model_type"], **_qwen_tower(text["hidden_size"]),
+                               "num_position_embeddings": 16, "deepstack_visual_indexes": []}
     (out / "config.json").write_text(json.dumps(config, indent=2))
     weights = dict(mx.load(str(out / "model.safetensors")))
-    weights.update({k.replace("vision_tower.", "model.visual.", 1): mx.array(v)
-                    for k, v in _vision_weights(config, seed, ("vision_tower",)).items()})
+    tower = _vision_weights(config, seed, ("vision_tower",))
+    # PyTorch's Conv3d layout [out, in, t, h, w] for the patch embedding, as the checkpoints store it.
+    conv = "vision_tower.patch_embed.proj.weight"
+    tower[conv] = tower[conv].transpose(0, 4, 1, 2, 3)
+    weights.update({k.replace("vision_tower.", "model.visual.", 1): mx.array(v) for k, v in tower.items()})
     mx.save_safetensors(str(out / "model.safetensors"), weights, metadata={"format": "mlx"})
 
-    _write_processor(out, config, (tokens, merges, special), tokens[config["eos_token_id"]], QWEN_TEMPLATE,
-                     "Qwen3VLProcessor", {"image_processor_type": "Qwen2VLImageProcessor", "patch_size": QWEN_PATCH,
-                                          "merge_size": QWEN_MERGE, "temporal_patch_size": 2,
-                                          "min_pixels": 16 * 16, "max_pixels": 32 * 48, "resample": 3})
+    _write_qwen_processor(out, config, vocab, "Qwen3VLProcessor")
     return out
 
 
