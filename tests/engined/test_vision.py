@@ -27,8 +27,8 @@ from mlxd.shared.config import EngineConfig
 from mlxd.shared.errors import InvalidRequestError
 from mlxd.shared.protocol import ImageInput, SamplingParams
 from tests.tiny_models import make_tiny_model
-from tests.vision_models import (VLMS, make_tiny_gemma4_vlm, processor_of, quantize_tower, random_image,
-                                 reference_processor)
+from tests.vision_models import (VLMS, make_tiny_gemma4_vlm, make_tiny_qwen3_5_vl, processor_of, quantize_tower,
+                                 random_image, reference_processor)
 
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
 
@@ -178,6 +178,21 @@ def test_a_tower_quantized_as_mlx_vlm_converts_answers_as_mlx_vlm(vlm, tmp_path)
     path = Path(shutil.copytree(vlm[0], tmp_path / "quantized"))
     quantize_tower(path)
     ids, images, pixels = prompt(vlm[1], ["the cat"], [random_image(1)])
+    assert run(engine(path), [(ids, images)])[0][0] == reference(vlm_load(path), ids, pixels)
+
+
+def test_a_qwen3_5_as_mlx_vlm_converts_it_answers_as_mlx_vlm(tmp_path):
+    # mlx-vlm's conversions (mlx-community's Qwen3.5) store its own modules' names and layouts:
+    # language_model.model.*, vision_tower.* with the patch convolution channels-last.
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+    from mlx_vlm.utils import load_model as vlm_load
+
+    path = make_tiny_qwen3_5_vl(tmp_path / "qwen3_5", seed=3)
+    converted = dict(tree_flatten(vlm_load(path).parameters()))
+    assert "vision_tower.patch_embed.proj.weight" in converted
+    mx.save_safetensors(str(path / "model.safetensors"), converted, metadata={"format": "mlx"})
+    ids, images, pixels = prompt(processor_of(path), ["the cat"], [random_image(1)])
     assert run(engine(path), [(ids, images)])[0][0] == reference(vlm_load(path), ids, pixels)
 
 
