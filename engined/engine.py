@@ -516,4 +516,5 @@ def _model_info(loaded: LoadedModel, config: EngineConfig, task: str, max_model_
         # The final norm's width: what an embed row's hidden state has.
         embedding_dim=int(head.inner.weight.shape[-1]) if task == "embed" else 0,
         matryoshka_dimensions=matryoshka_dimensions(loaded.tokenizer_dir) if task == "embed" else None,
+        max_image_pixels=loaded.vision.max_pixels if loaded.vision is not None else None,
     )

@@ -159,7 +159,7 @@ async def render(gw: GatewayState, inp: ChatInput, receive, check_length: bool =
             max_steps=P.TEMPLATE_MAX_STEPS if inp.chat_template is not None else None)
         P.check_prompt_bytes(text, info, tok.max_token_bytes, inp.param, slack=1 if check_length else 4)
         if urls:
-            ids, images = expand(info.tokenizer_dir, info.served_model_name, text, pictures)
+            ids, images = expand(info.tokenizer_dir, info.served_model_name, text, pictures, info.max_image_pixels)
             return text, ids
         return text, tok.encode(text, add_special_tokens=False)
 

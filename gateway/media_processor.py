@@ -62,13 +62,16 @@ def image_token_id(processor) -> int | None:
     return image_id if image_id is not None else getattr(processor, "image_token_id", None)
 
 
-def expand(tokenizer_dir: str, model: str, text: str, images: list[Image]) -> tuple[list[int], list[ImageInput]]:
+def expand(tokenizer_dir: str, model: str, text: str, images: list[Image],
+           max_pixels: int | None = None) -> tuple[list[int], list[ImageInput]]:
     """``text`` (the rendered template, one placeholder per image) as token ids with the images'
-    tokens in place, and each image's pixels and place among them; blocking."""
-    return expand_with(*image_processor(tokenizer_dir, model), text, images)
+    tokens in place, and each image's pixels and place among them; blocking. ``max_pixels``: the
+    engine's bound on an image after the processor's resize (``ModelInfo.max_image_pixels``)."""
+    return expand_with(*image_processor(tokenizer_dir, model), text, images, max_pixels)
 
 
-def expand_with(processor, image_id: int, text: str, images: list[Image]) -> tuple[list[int], list[ImageInput]]:
+def expand_with(processor, image_id: int, text: str, images: list[Image],
+                max_pixels: int | None = None) -> tuple[list[int], list[ImageInput]]:
     """``expand`` with the processor at hand.
 
     The processor says where each image's expansion lies in the expanded text; the token ids are
@@ -77,9 +80,11 @@ def expand_with(processor, image_id: int, text: str, images: list[Image]) -> tup
     Its pixel arrays: one, or, when the processor made more arrays than images, one per run (a
     tiling processor writes each tile's tokens as a run of their own).
     """
+    # Only the processors mlxd expands for take a bound (the engine states one for Qwen-VL's alone).
+    bound = {"max_pixels": max_pixels} if max_pixels is not None else {}
     try:
         out = processor(text=text, images=[i.pil for i in images], add_special_tokens=False, return_tensors="np",
-                        return_offsets_mapping=True, return_text_replacement_offsets=True)
+                        return_offsets_mapping=True, return_text_replacement_offsets=True, **bound)
     except ValueError as e:  # the template wrote a different number of placeholders than there are images
         raise InvalidRequestError(f"the images do not fit the prompt: {e}", param="messages") from None
     ids = np.asarray(out["input_ids"][0])

@@ -105,13 +105,14 @@ class PlaceholderExpansion:
         return cls(image_processor, AutoTokenizer.from_pretrained(folder), expansion)
 
     def __call__(self, text: str, images: list | None = None, return_offsets_mapping: bool = False,
-                 return_text_replacement_offsets: bool = False, **_) -> dict:
+                 return_text_replacement_offsets: bool = False, max_pixels: int | None = None, **_) -> dict:
         token = self.expansion.image_token
         pieces = text.split(token)
         images = images or []
         if len(pieces) != len(images) + 1:
             raise ValueError(f"the text holds {len(pieces) - 1} image tokens for {len(images)} images")
-        out = dict(self.image_processor(images=images, return_tensors="np")) if images else {}
+        out = dict(self.image_processor(images=images, return_tensors="np", **self._bounded(max_pixels))) \
+            if images else {}
         expanded, spans = pieces[0], []
         for written, piece in zip(self.expansion.write(out, self.image_processor) if images else [], pieces[1:]):
             spans.append({"new_span": (len(expanded), len(expanded) + len(written))})
@@ -122,3 +123,12 @@ class PlaceholderExpansion:
         if return_text_replacement_offsets:
             out["text_replacement_offsets"] = [spans]
         return out
+
+    def _bounded(self, max_pixels: int | None) -> dict:
+        # Qwen2-VL's image processor resizes each image to whole merged patches within its size's
+        # pixel range (transformers 5 takes the range as size at call time): the engine's bound caps it.
+        if max_pixels is None:
+            return {}
+        size = self.image_processor.size
+        return {"size": {"shortest_edge": min(size["shortest_edge"], max_pixels),
+                         "longest_edge": min(size["longest_edge"], max_pixels)}}

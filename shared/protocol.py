@@ -32,7 +32,8 @@ from mlxd.shared.errors import InvalidRequestError
 # 7: AddRequest gained images (ImageInput).
 # 8: speech: AddRequest.audio (AudioInput), RequestOutput.segments and language, TASKS transcribe.
 # 9: ImageInput gained runs (the span's positions that take rows) and tiled shapes [N, C, H, W].
-PROTOCOL_VERSION = 9
+# 10: ModelInfo gained max_image_pixels.
+PROTOCOL_VERSION = 10
 
 # What a request asks of the model: tokens (generate), its pooled vector (embed), a relevance
 # score from its last position's logits (score), or the text of its audio (transcribe, a speech
@@ -242,6 +243,10 @@ class ModelInfo(msgspec.Struct, kw_only=True):
     matryoshka_dimensions: list[int] | None = None
     enable_lora: bool = False
     lora_adapters: list[LoraAdapter] = []
+    # The most pixels an image may keep after the gateway's processor resizes it (Qwen-VL's dynamic
+    # resolution, within what the engine's memory guard measured its tower on); None: no bound to
+    # apply (a text model, or a family whose processor's own sizes bound its images).
+    max_image_pixels: int | None = None
 
 
 class EngineInfo(ModelInfo, kw_only=True):

@@ -12,6 +12,7 @@ the rows equal the ones mlx-vlm's model feeds its language model.
 from __future__ import annotations
 
 import glob
+import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -75,10 +76,28 @@ def _qwen_vl_names(name: str) -> str:
     return name
 
 
-def _qwen_vl_image(config) -> list[int]:
+# Qwen's documented bound for its dynamic resolution (max_pixels 1280 * 28 * 28 for Qwen2.5-VL): its
+# processors otherwise keep up to 12.8M pixels, an array whose encoding would not fit beside the KV pool.
+QWEN_MAX_IMAGE_TOKENS = 1280
+
+
+def _qwen_vl_max_pixels(config, processor: dict) -> int:
+    # The most pixels an image keeps after the processor's resize: 1280 image tokens' worth, fewer
+    # where the checkpoint's processor states fewer (max_pixels, or transformers 5's size.longest_edge).
     v = config.vision_config
-    side = -(-v.image_size // (v.patch_size * v.spatial_merge_size)) * v.spatial_merge_size
-    return [side, side, v.in_channels * v.temporal_patch_size * v.patch_size ** 2]
+    stated = processor.get("max_pixels") or (processor.get("size") or {}).get("longest_edge")
+    bound = QWEN_MAX_IMAGE_TOKENS * (v.patch_size * v.spatial_merge_size) ** 2
+    return min(bound, int(stated)) if stated else bound
+
+
+def _qwen_vl_image(config, max_pixels: int) -> list[int]:
+    # The grid of merged patches nearest a square that holds the most the bound allows (the
+    # processor's resize keeps whole merged patches within max_pixels).
+    v = config.vision_config
+    merged = max(max_pixels // (v.patch_size * v.spatial_merge_size) ** 2, 1)
+    rows = next(r for r in range(math.isqrt(merged), 0, -1) if merged % r == 0)
+    m = v.spatial_merge_size
+    return [rows * m, merged // rows * m, v.in_channels * v.temporal_patch_size * v.patch_size ** 2]
 
 
 def _pixtral_features(tower: nn.Module, projector: nn.Module, config, pixels: mx.array) -> mx.array:
@@ -139,12 +158,12 @@ def _gemma4_tokens(config, shape: list[int]) -> int:
     return shape[0] * shape[1] // (k * k)
 
 
-def _gemma4_image(config) -> list[int]:
+def _gemma4_image(config, _max_pixels=None) -> list[int]:
     v = config.vision_config  # the most patches an image makes, as one row of pooling windows
     return [v.pooling_kernel_size, v.pooling_kernel_size * v.default_output_length, 3 * v.patch_size ** 2]
 
 
-def _square_image(config) -> list[int]:
+def _square_image(config, _max_pixels=None) -> list[int]:
     v = config.vision_config
     return [v.num_channels, v.image_size, v.image_size]
 
@@ -153,18 +172,22 @@ def _square_image(config) -> list[int]:
 class Family:
     features: Callable  # (tower, projector, mlx-vlm config, pixels [N, C, H, W]) -> [N, tokens, hidden]
     num_tokens: Callable  # (mlx-vlm config, one pixel array's shape [C, H, W]) -> its rows
-    largest_image: Callable  # (mlx-vlm config) -> the shape of the largest pixel array the processor makes
+    # (mlx-vlm config, max_pixels) -> the shape of the largest pixel array the processor makes
+    largest_image: Callable
     tower: str = "vision_tower"  # the modules' names in mlx-vlm's Model, and the checkpoint's prefixes
     projector: str = "multi_modal_projector"  # "": the tower projects its own rows
     stored_under: str = ""  # what the checkpoint's names carry before those prefixes
     renamed: Callable | None = None  # a checkpoint's name -> mlx-vlm's, where they differ
     model_sanitize: bool = False  # the tower's weights also through mlx-vlm's Model.sanitize (its renames and drops)
     mrope: str = ""  # the text model's multi-axis RoPE layout (engined.vision.mrope.LAYOUTS); "": one position
+    # (mlx-vlm config, the folder's image processor settings) -> the most pixels an image may keep after
+    # the gateway's processor resizes it; None: the processor's own sizes already bound it (fixed size, tiles).
+    max_pixels: Callable | None = None
 
 
 # Qwen3.5 and Qwen3.5 MoE: Qwen3-VL's tower (deepstack off), its M-RoPE frequencies interleaved over the axes.
 _QWEN3_5 = Family(_qwen_vl_features, _qwen_vl_tokens, _qwen_vl_image, projector="", renamed=_qwen_vl_names,
-                  mrope="interleaved")
+                  mrope="interleaved", max_pixels=_qwen_vl_max_pixels)
 
 FAMILIES = {
     "gemma3": Family(_gemma3_features, _gemma3_tokens, _square_image),
@@ -172,7 +195,7 @@ FAMILIES = {
                        projector="connector", stored_under="model."),
     "mistral3": Family(_pixtral_features, _pixtral_tokens, _square_image, renamed=_pixtral_names),
     "qwen2_5_vl": Family(_qwen_vl_features, _qwen_vl_tokens, _qwen_vl_image, projector="", renamed=_qwen_vl_names,
-                         mrope="sectioned"),
+                         mrope="sectioned", max_pixels=_qwen_vl_max_pixels),
     "qwen3_5": _QWEN3_5,
     "qwen3_5_moe": _QWEN3_5,
     # Gemma 4's checkpoints may carry clipping bounds its config leaves unused; mlx-vlm's sanitize drops them.
@@ -187,6 +210,18 @@ def takes_images(config: dict) -> bool:
     other both ways: ``use_bidirectional_attention``)."""
     causal = (config.get("text_config") or {}).get("use_bidirectional_attention") is None
     return isinstance(config.get("vision_config"), dict) and config.get("model_type") in FAMILIES and causal
+
+
+def image_processor_settings(path: Path) -> dict:
+    """The folder's image processor settings: preprocessor_config.json, or the image processor
+    transformers 5 nests in processor_config.json; {} without either."""
+    for name, nested in (("preprocessor_config.json", False), ("processor_config.json", True)):
+        if (path / name).is_file():
+            settings = json.loads((path / name).read_text())
+            settings = settings.get("image_processor") if nested else settings
+            if isinstance(settings, dict):
+                return settings
+    return {}
 
 
 def vlm_config(config: dict, path: Path):
@@ -245,7 +280,8 @@ class VisionTower:
         self.projector.eval()
         mx.eval(self.tower.parameters(), self.projector.parameters())
         self.dtype = dtype
-        self.largest = self.family.largest_image(self.config)
+        self.max_pixels = family.max_pixels(self.config, image_processor_settings(path)) if family.max_pixels else None
+        self.largest = self.family.largest_image(self.config, self.max_pixels)
         self.activation_bytes = self._measure()
 
     def _measure(self) -> int:

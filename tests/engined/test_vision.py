@@ -168,7 +168,7 @@ def test_a_full_batch_of_the_largest_images_stays_near_the_room_the_memory_guard
     mx.clear_cache()
     held = mx.get_active_memory()
     mx.reset_peak_memory()
-    mx.eval(tower.encode(mx.zeros([ENCODE_BATCH, *tower.family.largest_image(tower.config)])))
+    mx.eval(tower.encode(mx.zeros([ENCODE_BATCH, *tower.largest])))
     assert mx.get_peak_memory() - held <= 1.25 * ENCODE_BATCH * tower.activation_bytes
 
 
