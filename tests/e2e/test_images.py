@@ -12,6 +12,7 @@ server answering.
 import base64
 import http.server
 import io
+import json
 import threading
 import time
 from pathlib import Path
@@ -23,7 +24,8 @@ import pytest
 
 from tests.e2e.serve_harness import Serve
 from tests.e2e.servers import assert_error
-from tests.vision_models import VLMS, make_tiny_gemma3_vlm, processor_of, random_image, reference_processor
+from tests.vision_models import (VLMS, make_tiny_gemma3_vlm, make_tiny_qwen2_5_vl, processor_of, random_image,
+                                 reference_processor)
 
 MAX_TOKENS = 8
 LIMIT_BYTES = 50_000
@@ -110,8 +112,22 @@ def family(request, tmp_path_factory):
     serve.stop()
 
 
-def data_url(data: bytes) -> str:
-    return "data:image/png;base64," + base64.b64encode(data).decode()
+@pytest.fixture(scope="module")
+def qwen_photos(tmp_path_factory):
+    """(dir, server) of a tiny Qwen2.5-VL whose processor keeps up to 12.8M pixels, as Qwen's checkpoints
+    state: the engine bounds its images to 1280 image tokens' worth."""
+    path = make_tiny_qwen2_5_vl(tmp_path_factory.mktemp("model") / "qwen_photos", seed=3)
+    settings = json.loads((path / "preprocessor_config.json").read_text())
+    (path / "preprocessor_config.json").write_text(json.dumps({**settings, "max_pixels": 12845056}))
+    serve = Serve(tmp_path_factory.mktemp("serve"), "--num-kv-blocks", "96", "--max-num-batched-tokens", "512",
+                  model=str(path)).start()
+    serve.wait_healthy()
+    yield path, serve
+    serve.stop()
+
+
+def data_url(data: bytes, kind: str = "png") -> str:
+    return f"data:image/{kind};base64," + base64.b64encode(data).decode()
 
 
 def ask(client, url: str, text: str = "the cat", model: str = "gemma3_vlm"):
@@ -203,6 +219,27 @@ def test_bad_images_and_urls_are_400s_and_the_server_goes_on(served, vlm_client,
     r = post({"truncate_prompt_tokens": 8, "messages": [{"role": "user", "content": [part]}]})
     assert "cannot cut a prompt with images" in assert_error(r, anthropic=False)["message"]
     assert ask(vlm_client, data_url(CAT)).choices[0].message.content == expected_text(served[0], CAT)
+
+
+def test_a_photo_past_qwen_vls_bound_is_downscaled_to_it_and_answers_as_the_photo_resized_beforehand(qwen_photos):
+    from PIL import Image
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
+
+    path, serve = qwen_photos
+    client = openai.OpenAI(base_url=serve.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    bound = 1280 * 16 ** 2  # Qwen's 1280 image tokens of the tiny tower's 8x8 patches merged 2x2
+    # A smooth 1600x1200 photo (JPEG keeps it small), six times the bound.
+    photo = random_image(4, (40, 30)).resize((1600, 1200), Image.BICUBIC)
+    buf = io.BytesIO()
+    photo.save(buf, "JPEG", quality=90)
+    jpeg = buf.getvalue()
+    h, w = smart_resize(1200, 1600, factor=16, min_pixels=16 * 16, max_pixels=bound)
+    resized = png(Image.open(io.BytesIO(jpeg)).convert("RGB").resize((w, h), Image.BICUBIC))
+    big = ask(client, data_url(jpeg, "jpeg"), model="qwen_photos")
+    assert big.choices[0].message.content == expected_text(path, resized)
+    small = ask(client, data_url(resized), model="qwen_photos")
+    assert small.choices[0].message.content == big.choices[0].message.content
+    assert big.usage.prompt_tokens == small.usage.prompt_tokens > h * w // 16 ** 2
 
 
 def test_an_image_to_a_text_only_model_is_a_400_naming_it(gateway, model):

@@ -212,6 +212,12 @@ def test_an_image_larger_than_the_tower_was_measured_for_is_refused_and_the_engi
     path, processor, model = vlm
     ids, images, pixels = prompt(processor, ["the cat"], [random_image(1)])
     eng = engine(path)
+    # Qwen-VL's bound (the tiny processor's max_pixels, 32x48, under 1280 tokens) goes to the gateways and
+    # is what the tower was measured on; the other families' processors bound their images themselves.
+    qwen = json.loads((path / "config.json").read_text())["model_type"].startswith("qwen")
+    assert eng.info.max_image_pixels == (32 * 48 if qwen else None)
+    if qwen:
+        assert eng.runner.images.tower.largest[:2] == [4, 6]  # 8x8 patches
     big = list(eng.runner.images.tower.largest)
     big[-2] *= 2  # twice the largest pixel array's rows
     image = images[0]
