@@ -132,6 +132,8 @@ class GatewayState:
     def require_ready(self):
         """(EngineInfo, Tokenizer) of a connected engine, or EngineUnavailableError (503)."""
         client = self.client
+        if client.stopping:  # the engine may already be gone too: the server's state is what a client needs
+            raise EngineUnavailableError("the server is shutting down")
         if not client.ready or client.info is None or self.tokenizer is None:
             raise EngineUnavailableError(f"the engine is not available: {client.unavailable_reason}")
         return client.info, self.tokenizer
@@ -243,6 +245,8 @@ class ModelRouter:
             return engine
         deadline = time.monotonic() + self.config.model_load_timeout
         while not engine.client.ready:
+            if engine.client.stopping:
+                raise EngineUnavailableError("the server is shutting down")
             reason = self.fleet.want(engine.name)
             if reason is not None:
                 raise EngineUnavailableError(f"the model `{engine.served_name}` is not available: {reason}")
