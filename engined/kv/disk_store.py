@@ -18,25 +18,29 @@ digest of the payload) and the payload. A file whose header, length or digest
 does not match is deleted on reading and served as a miss, never as K/V.
 Files are written to a temporary name and renamed, mode 0600 in 0700 folders.
 
-Reads and writes run on one worker thread; the index (hash -> bytes, least
+Reads and writes run on one worker thread (``_Worker``); the index (hash -> bytes, least
 recently used first) is rebuilt from the folder at start, oldest modification
 first, and a read touches a file so that the order survives a restart. Any
 OSError on writing (disk full, folder gone or unwritable) is logged once and
-turns the tier off; serving goes on without it.
+turns the tier off; serving goes on without it. A process that exits lets the writes queued
+before it finish, for at most ``EXIT_WAIT_S`` and only while the tier is on: a disk that never answers
+(a read given up by ``disk_tier``) does not keep the engine from exiting.
 """
 
 from __future__ import annotations
 
+import atexit
 import hashlib
 import json
 import logging
 import os
+import queue
 import string
 import struct
 import threading
 import time
 from collections import OrderedDict
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 import numpy as np
@@ -53,6 +57,8 @@ MAX_PENDING_BYTES = 256 * 2**20
 # Temporary files older than this are an interrupted write's leftovers (another engine's write in progress
 # is far younger).
 STALE_TMP_S = 600.0
+# The longest an exiting process waits for the writes still queued.
+EXIT_WAIT_S = 30.0
 
 
 @dataclass
@@ -122,7 +128,8 @@ class DiskStore:
         self._lock = threading.Lock()
         self._pending = 0  # bytes handed to the worker, not written yet
         self._queued: set[bytes] = set()  # their keys
-        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-disk")
+        self._worker = _Worker()
+        atexit.register(self._exit)
         self.enabled = True
         self.path = os.path.join(root, self.ns)
         try:
@@ -263,7 +270,44 @@ class DiskStore:
         self._worker.submit(lambda: None).result()
 
     def close(self) -> None:
-        self._worker.shutdown(wait=True)
+        """Finish the writes queued so far and end the worker."""
+        atexit.unregister(self._exit)
+        self._worker.close(None)
+
+    def _exit(self) -> None:
+        self._worker.close(EXIT_WAIT_S if self.enabled else 0.0)
+
+
+class _Worker:
+    """One thread running the calls given to it in order, each answered through a Future.
+
+    A daemon thread, unlike ThreadPoolExecutor's, which the interpreter joins at exit however long
+    they take: a call stuck on a disk that never answers would keep the process from ever exiting.
+    """
+
+    def __init__(self):
+        self._calls: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name="kv-disk", daemon=True)
+        self._thread.start()
+
+    def submit(self, fn, *args) -> Future:
+        future = Future()
+        self._calls.put((future, fn, args))
+        return future
+
+    def close(self, timeout: float | None) -> None:
+        """Let the calls queued so far run, waiting up to ``timeout`` seconds (None: as long as they take)."""
+        self._calls.put(None)
+        self._thread.join(timeout)
+
+    def _run(self) -> None:
+        while (call := self._calls.get()) is not None:
+            future, fn, args = call
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(fn(*args))
+                except BaseException as e:  # the caller's to see, as an executor's future would carry it
+                    future.set_exception(e)
 
 
 def _private(path: str, flags: int) -> int:

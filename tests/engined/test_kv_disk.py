@@ -6,6 +6,9 @@ import os
 import re
 import shutil
 import stat
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -26,6 +29,7 @@ GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 BLOCK = 8
 # A pool of 40 blocks holds two of the sessions below (15 blocks each, and their answers), not three.
 POOL = 40
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
@@ -218,12 +222,12 @@ def test_the_flags_take_vllm_sizes_and_the_tier_is_off_by_default():
     assert not build_config(EngineConfig, parse(["serve"])).kv_disk_cache
 
 
-def test_a_read_the_disk_never_answers_is_given_up_and_the_prefix_computed(models, tmp_path, caplog):
+def stalled_return(model_dir: str, disk_dir: str, seed: int) -> None:
     """A block file that blocks its reader (a FIFO with no writer, as a stalled network share would): the
-    returning request waits out the read timeout, then computes its prefix, and the tier turns off."""
-    seed = fresh_seed("stalled read")
+    returning request waits out the read timeout, then computes its prefix, and the tier turns off. The
+    FIFO is left blocking: run in a process of its own, which must still exit."""
     prompts = sessions(seed)
-    eng = engine(models["dense"], tmp_path / "kv", kv_disk_read_timeout=1.0)
+    eng = engine(model_dir, disk_dir, kv_disk_read_timeout=1.0)
     first = run(eng, prompts[0], "a0")
     for i, p in enumerate(prompts[1:]):
         run(eng, p, f"b{i}")
@@ -236,19 +240,30 @@ def test_a_read_the_disk_never_answers_is_given_up_and_the_prefix_computed(model
         hashes.append(parent)
     # The first block the return reads from disk (the ones before it are still in memory).
     at = next(i for i, h in enumerate(hashes) if not main.in_memory(h))
-    assert store.has(hashes[at]), f"seed {seed}"
+    assert store.has(hashes[at])
     stalled = store._file(hashes[at])
     os.unlink(stalled)
     os.mkfifo(stalled)
+    toks, cached = run(eng, prompts[0], "a1")
+    assert toks == first[0]
+    assert cached <= at * BLOCK
+    assert not store.enabled
+    # Serving goes on without the tier.
+    assert run(eng, prompts[1], "c0")[0] == run(eng, prompts[1], "c1")[0]
+    print("served", flush=True)
+
+
+def test_a_read_the_disk_never_answers_is_given_up_the_prefix_computed_and_the_engine_still_exits(models, tmp_path):
+    seed = fresh_seed("stalled read")
+    code = ("import logging, sys; from tests.engined.test_kv_disk import stalled_return; "
+            "logging.basicConfig(level=logging.WARNING); stalled_return(*sys.argv[1:3], int(sys.argv[3]))")
+    proc = subprocess.Popen([sys.executable, "-c", code, str(models["dense"]), str(tmp_path / "kv"), str(seed)],
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        with caplog.at_level(logging.WARNING, logger="mlxd.engine"):
-            toks, cached = run(eng, prompts[0], "a1")
-        assert toks == first[0], f"seed {seed}"
-        assert cached <= at * BLOCK, f"seed {seed}"
-        assert not store.enabled
-        assert sum("a read was not back in 1 s" in r.getMessage() for r in caplog.records) == 1
-        # Serving goes on without the tier.
-        assert run(eng, prompts[1], "c0")[0] == run(eng, prompts[1], "c1")[0]
-    finally:  # a writer lets the stalled read end (an empty file, a miss), so that the worker thread exits
-        os.close(os.open(stalled, os.O_WRONLY | os.O_NONBLOCK))
-        store.flush()
+        out, err = proc.communicate(timeout=240)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, err = proc.communicate()
+        raise AssertionError(f"seed {seed}: the process did not exit with a read stuck on the disk\n{out}{err[-3000:]}")
+    assert proc.returncode == 0 and "served" in out, f"seed {seed}\n{out}{err[-3000:]}"
+    assert err.count("a read was not back in 1 s") == 1, f"seed {seed}\n{err[-3000:]}"
