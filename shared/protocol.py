@@ -13,6 +13,9 @@ A request's sampling parameters (``SamplingParams``, with its output
 constraint ``StructuredSpec``) are part of the wire: the gateway builds them,
 ``AddRequest`` carries them, and the engine applies them; both ends check
 their ranges with the one ``SamplingParams.validate``.
+
+Over 400 lines because every message of the wire is declared here, beside its kind and the version
+history, so that a change to any of them is read against all the others.
 """
 
 from __future__ import annotations
