@@ -29,6 +29,9 @@ from mlxd.shared.protocol import Kind, SamplingParams
 
 log = logging.getLogger("mlxd.gateway")
 
+# What a request gets once the gateway is stopping (refused, or ended at the shutdown timeout).
+SHUTTING_DOWN = "the server is shutting down"
+
 _PING_INTERVAL = 0.5
 
 
@@ -102,6 +105,11 @@ class EngineClient:
         """Requests (and LoRA updates) sent and not yet finished: a busy engine is not idle."""
         return len(self._streams)
 
+    def require_open(self) -> None:
+        """EngineUnavailableError (503) once the gateway is stopping, whatever the engine's state."""
+        if self.stopping:
+            raise EngineUnavailableError(SHUTTING_DOWN)
+
     def add(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
             queue: asyncio.Queue, index: int = 0, cache_salt: str | None = None,
             app: str | None = None, priority: int = 0, group: tuple[str, int, int, int] | None = None,
@@ -114,8 +122,7 @@ class EngineClient:
         another, which the engine admits to its waiting queue all or none; its n, and this
         request's choice among its prompt's n. ``task``: ``shared.protocol.TASKS``.
         """
-        if self.stopping:
-            raise EngineUnavailableError("the server is shutting down")
+        self.require_open()
         if not self.ready:
             raise EngineUnavailableError(self.unavailable_reason)
         self._streams[request_id] = (queue, index)

@@ -83,6 +83,7 @@ from starlette.middleware.cors import CORSMiddleware
 from starlette.routing import Match
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+from mlxd.gateway.engine_client import SHUTTING_DOWN
 from mlxd.gateway.errors import ANTHROPIC_PREFIX, error_response, handle_exception
 from mlxd.gateway.parsers import check_names
 from mlxd.gateway.routes import ROUTES
@@ -466,7 +467,7 @@ def run_gateway(config: GatewayConfig, supervisor=None) -> int:
                 log.info("shutting down: open requests get %.1fs to finish", config.shutdown_timeout)
             if deadline is not None and not ended and time.monotonic() >= deadline:
                 ended = True
-                n = sum(e.client.end_all("the server is shutting down") for e in router.engines)
+                n = sum(e.client.end_all(SHUTTING_DOWN) for e in router.engines)
                 if n:
                     log.info("ended %d request(s) still open after the shutdown timeout", n)
         await task

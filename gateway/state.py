@@ -132,8 +132,7 @@ class GatewayState:
     def require_ready(self):
         """(EngineInfo, Tokenizer) of a connected engine, or EngineUnavailableError (503)."""
         client = self.client
-        if client.stopping:  # the engine may already be gone too: the server's state is what a client needs
-            raise EngineUnavailableError("the server is shutting down")
+        client.require_open()  # first: the engine may be gone too, and the server's state is what a client needs
         if not client.ready or client.info is None or self.tokenizer is None:
             raise EngineUnavailableError(f"the engine is not available: {client.unavailable_reason}")
         return client.info, self.tokenizer
@@ -245,8 +244,7 @@ class ModelRouter:
             return engine
         deadline = time.monotonic() + self.config.model_load_timeout
         while not engine.client.ready:
-            if engine.client.stopping:
-                raise EngineUnavailableError("the server is shutting down")
+            engine.client.require_open()
             reason = self.fleet.want(engine.name)
             if reason is not None:
                 raise EngineUnavailableError(f"the model `{engine.served_name}` is not available: {reason}")
