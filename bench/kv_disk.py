@@ -173,7 +173,6 @@ def main() -> None:
 
     if rows:
         print(f"\n{args.sessions} sessions of {args.context} tokens over a pool of {args.pool_sessions}")
-    if rows:
         print("\n| workload | disk tier | returning TTFT p50 (s) | p90 (s) | cached_tokens (mean) | on/off p50 |")
         print("|---|---|---|---|---|---|")
     off = {w: p50 for w, t, p50, _, _ in rows if not t}
@@ -183,9 +182,9 @@ def main() -> None:
     if throughput[False]:
         without, with_tier = (float(np.median(throughput[t])) for t in (False, True))
         pairs = ", ".join(f"{a / b:.2f}" for a, b in zip(throughput[True], throughput[False]))
-        print(f"\n{args.one_shot} one-shot sessions of {args.context} tokens, {args.concurrency} at a time over a pool "
-              f"of {args.pool_sessions} sessions; median of {args.one_shot_repeats}: {without:.1f} tokens/s without the tier, "
-              f"{with_tier:.1f} with it ({with_tier / without:.2f}x; each repeat on/off: {pairs})")
+        print(f"\n{args.one_shot} one-shot sessions of {args.context} tokens, {args.concurrency} at a time over a "
+              f"pool of {args.pool_sessions} sessions; median of {args.one_shot_repeats}: {without:.1f} tokens/s "
+              f"without the tier, {with_tier:.1f} with it ({with_tier / without:.2f}x; each repeat on/off: {pairs})")
 
 
 if __name__ == "__main__":
