@@ -161,7 +161,10 @@ def test_the_tower_encodes_images_batched_as_it_does_each_alone(vlm):
 
 def test_a_full_batch_of_the_largest_images_stays_near_the_room_the_memory_guard_sets_aside(vlm):
     # The guard sets aside ENCODE_BATCH times what one of the largest images takes (measured at load);
-    # a tower whose batch costs the square of its patches (one masked sequence) would overrun it.
+    # a tower whose batch costs the square of its patches (one masked sequence) would overrun it by
+    # ENCODE_BATCH times its attention scores. The bound is 2, not 1: on the CPU backend a peak depends
+    # on how far the host ran ahead of the worker thread, so one measure of these tiny towers is not
+    # the next (a batch came to 0.29-1.11 of 8x its load-time measure here, 1.29 once in CI).
     import mlx.core as mx
 
     tower = load_model(str(vlm[0])).vision
@@ -169,7 +172,7 @@ def test_a_full_batch_of_the_largest_images_stays_near_the_room_the_memory_guard
     held = mx.get_active_memory()
     mx.reset_peak_memory()
     mx.eval(tower.encode(mx.zeros([ENCODE_BATCH, *tower.largest])))
-    assert mx.get_peak_memory() - held <= 1.25 * ENCODE_BATCH * tower.activation_bytes
+    assert mx.get_peak_memory() - held <= 2 * ENCODE_BATCH * tower.activation_bytes
 
 
 def test_a_tower_quantized_as_mlx_vlm_converts_answers_as_mlx_vlm(vlm, tmp_path):
