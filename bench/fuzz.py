@@ -340,9 +340,9 @@ def main(argv=None) -> int:
     ap.add_argument("--only", type=int, default=None, help="replay one case: print it and its answer")
     ap.add_argument("--out", default="bench/fuzz_results.md")
     args = ap.parse_args(argv)
-    from tests.e2e.serve_process import Serve
+    from tests.e2e.serve_harness import SMALL, Serve
 
-    serve = Serve(Path(tempfile.mkdtemp(prefix="mlxd-fuzz-"))).start()
+    serve = Serve(Path(tempfile.mkdtemp(prefix="mlxd-fuzz-")), *SMALL).start().wait_healthy()
     try:
         pid = serve.engine_pid()
         if args.only is not None:

@@ -57,7 +57,7 @@ import psutil
 
 from mlxd.bench.agent.peers import tree_rss
 from mlxd.bench.agent.report import machine
-from tests.e2e.serve_process import Serve
+from tests.e2e.serve_harness import Serve
 
 
 @dataclass(frozen=True)
@@ -505,9 +505,9 @@ def main(argv: list[str] | None = None) -> int:
     }
     print(f"seed {args.seed}; " + json.dumps(header), flush=True)
 
-    serve = Serve(Path(tempfile.mkdtemp(prefix="mlxd-rel-")), extra=flags)
+    serve = Serve(Path(tempfile.mkdtemp(prefix="mlxd-rel-")), *flags)
     try:
-        serve.start(timeout=600)
+        serve.start().wait_healthy(timeout=600)
 
         async def go() -> list[dict]:
             async with httpx.AsyncClient(timeout=httpx.Timeout(600, connect=10),
@@ -516,7 +516,7 @@ def main(argv: list[str] | None = None) -> int:
 
         records = asyncio.run(go())
     finally:
-        serve.stop()
+        serve.stop(graceful=True)
     log = serve.log()
     records.append({"phase": "log", "tracebacks": log.count("Traceback"),
                     "error_lines": sum(" ERROR " in line for line in log.splitlines()), "path": str(serve.log_path)})

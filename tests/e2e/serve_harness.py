@@ -12,6 +12,10 @@ import httpx
 
 from tests.e2e.servers import _env, free_port
 
+# A small pool and a short context, for tests that only need the server to answer (and stay up).
+SMALL = ("--num-kv-blocks", "64", "--max-model-len", "512", "--max-num-batched-tokens", "256",
+         "--max-num-seqs", "8", "--shutdown-timeout", "1")
+
 
 class Serve:
     def __init__(self, tmp_path, *flags: str, model: str | None = None, endpoint: str | None = None):
@@ -39,17 +43,23 @@ class Serve:
     def health(self) -> httpx.Response:
         return httpx.get(self.url + "/health", timeout=10)
 
-    def wait_healthy(self, timeout: float = 180.0) -> None:
+    def wait_healthy(self, timeout: float = 180.0) -> "Serve":
         deadline = time.monotonic() + timeout
         while True:
             assert self.proc.poll() is None, self.log()[-4000:]
             try:
                 if self.health().status_code == 200:
-                    return
+                    return self
             except httpx.HTTPError:
                 pass
             assert time.monotonic() < deadline, "mlxd serve did not become healthy:\n" + self.log()[-4000:]
             time.sleep(0.2)
+
+    def engine_pid(self) -> int:
+        """The one engine process serve runs (its only child)."""
+        pids = self.engine_pids()
+        assert len(pids) == 1, pids
+        return pids[0]
 
     def engine_pids(self) -> list[int]:
         out = subprocess.run(["pgrep", "-P", str(self.proc.pid)], capture_output=True, text=True).stdout
@@ -72,10 +82,19 @@ class Serve:
             time.sleep(1)
             raise AssertionError(self.log()[-6000:]) from None
 
-    def stop(self) -> None:
+    def stop(self, graceful: bool = False) -> None:
+        """Killed outright, or ``graceful``: SIGINT, as Ctrl-C in its terminal (the engine then writes what
+        it still owes, such as the KV disk tier's queue), and SIGKILL only if it is not gone in 30 s."""
         if self.proc is not None and self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait()
+            if graceful:
+                os.killpg(self.proc.pid, signal.SIGINT)
+                try:
+                    self.proc.wait(30)
+                except subprocess.TimeoutExpired:
+                    pass
+            if self.proc.poll() is None:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
         if self.proc is not None:
             self._log.close()
 

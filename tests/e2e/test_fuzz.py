@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 
 from mlxd.bench.fuzz import ROUTES, greedy_answer, make_case, send_all
-from tests.e2e.serve_process import Serve
+from tests.e2e.serve_harness import SMALL, Serve
 
 SEED = 18
 REQUESTS = 2000
@@ -20,7 +20,7 @@ def test_two_thousand_hostile_requests_leave_the_server_serving(tmp_path):
     print(f"fuzz seed {SEED}: replay a case with python -m bench.fuzz --seed {SEED} --only INDEX")
     cases = [make_case(SEED, i) for i in range(REQUESTS)]
     assert {c.route for c in cases} == set(ROUTES)
-    serve = Serve(tmp_path).start()
+    serve = Serve(tmp_path, *SMALL).start().wait_healthy()
     try:
         pid = serve.engine_pid()
         before = greedy_answer(serve.url)

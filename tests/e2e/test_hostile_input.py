@@ -10,7 +10,7 @@ import httpx
 import pytest
 
 from tests.e2e.servers import Gateway, assert_error
-from tests.e2e.serve_process import Serve
+from tests.e2e.serve_harness import SMALL, Serve
 
 CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
 # The same fields on each generation route: (path, body without them, Anthropic's error shape?)
@@ -25,7 +25,7 @@ HUGE = [1 << 63, (1 << 64) - 1, 1 << 64, 1 << 70, -(1 << 70)]
 
 @pytest.fixture(scope="module")
 def serve(tmp_path_factory):
-    s = Serve(tmp_path_factory.mktemp("hostile")).start()
+    s = Serve(tmp_path_factory.mktemp("hostile"), *SMALL).start().wait_healthy()
     s.pid = s.engine_pid()
     yield s
     s.stop()

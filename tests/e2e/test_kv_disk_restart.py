@@ -7,9 +7,9 @@ import time
 
 import openai
 
-from tests.e2e.serve_process import Serve
+from tests.e2e.serve_harness import SMALL, Serve
 
-# ~300 tokens of context: many 16-token blocks, within the small pool and context of SERVE_FLAGS.
+# ~300 tokens of context: many 16-token blocks, within the small pool and context of SMALL.
 CONTEXT = " ".join(f"Fact {i}: the crate number {i} holds {i * 7 % 13} red marbles." for i in range(18))
 ASK = dict(messages=[{"role": "system", "content": CONTEXT}, {"role": "user", "content": "Which crate is first?"}],
            max_tokens=8, temperature=0)
@@ -25,10 +25,10 @@ def _block_files(root) -> list[str]:
 
 
 def test_a_restarted_server_serves_the_last_session_from_disk(tmp_path):
-    flags = ["--kv-disk-cache", "--kv-cache-dir", str(tmp_path / "kv")]
+    flags = [*SMALL, "--kv-disk-cache", "--kv-cache-dir", str(tmp_path / "kv")]
     (tmp_path / "one").mkdir()
     (tmp_path / "two").mkdir()
-    first = Serve(tmp_path / "one", flags).start()
+    first = Serve(tmp_path / "one", *flags).start().wait_healthy()
     try:
         before = _ask(first)
         assert before.usage.prompt_tokens > 200
@@ -38,8 +38,8 @@ def test_a_restarted_server_serves_the_last_session_from_disk(tmp_path):
             assert time.monotonic() < deadline, first.log()[-3000:]
             time.sleep(0.2)
     finally:
-        first.stop()
-    second = Serve(tmp_path / "two", flags).start()
+        first.stop(graceful=True)  # the tier's queued writes finish
+    second = Serve(tmp_path / "two", *flags).start().wait_healthy()
     try:
         after = _ask(second)
     finally:

@@ -26,7 +26,7 @@ import numpy as np
 import openai
 import pytest
 
-from tests.e2e.serve_process import Serve
+from tests.e2e.serve_harness import SMALL, Serve
 
 # Sentences espeak-ng speaks clearly enough for tiny.en (numbers spelled out are left out: the
 # model writes digits).
@@ -86,7 +86,7 @@ def word_errors(ref: list[str], hyp: list[str]) -> int:
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    s = Serve(tmp_path_factory.mktemp("speech"), [str(whisper_dir())]).start()
+    s = Serve(tmp_path_factory.mktemp("speech"), *SMALL, model=str(whisper_dir())).start().wait_healthy()
     yield s
     s.stop()
 
