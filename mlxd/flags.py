@@ -16,6 +16,7 @@ import typing
 import msgspec
 
 from mlxd.shared.config import ATTENTION_BACKENDS, DTYPES, ENGINE_TASKS
+from mlxd.shared.serve_config import DaemonConfig, GatewayConfig
 
 HELP = {
     "model": "GGUF file, mlx_lm/Hugging Face directory or repo id (default: the embedded SmolLM2)",
@@ -204,10 +205,18 @@ def add_struct_flags(parser: argparse.ArgumentParser, struct: type, skip=()) -> 
             parser.add_argument(*flags, type=human_readable_int if f.name in HUMAN_INTS else tp, **kw)
 
 
-def build_config(struct: type, ns: argparse.Namespace):
-    """``struct`` from the parsed flags that name its fields (the others keep their defaults)."""
+def build_config(struct: type, ns: argparse.Namespace, **fields):
+    """``struct`` from the parsed flags that name its fields (the others keep their defaults), and
+    ``fields``, which the caller sets over them."""
     names = {f.name for f in msgspec.structs.fields(struct)}
-    return struct(**{k: v for k, v in vars(ns).items() if k in names})
+    return struct(**{**{k: v for k, v in vars(ns).items() if k in names}, **fields})
+
+
+def gateway_beside(ns: argparse.Namespace, daemon: DaemonConfig, **fields) -> GatewayConfig:
+    """The gateway that `mlxd serve` runs, or a service installs, beside its engine: on the engine's
+    endpoint, with its CurveZMQ keys and its shutdown timeout."""
+    return build_config(GatewayConfig, ns, engine_endpoint=daemon.engine_endpoint, curve_keys=daemon.curve_keys,
+                        shutdown_timeout=daemon.shutdown_timeout, **fields)
 
 
 def to_flags(obj, skip=()) -> list[str]:

@@ -8,7 +8,7 @@ processes), and a call within one process needs no channel, no protocol and no s
 mode. The gateway sees it through ``gateway.state.Fleet`` (``want``, ``stopped``) and
 never imports it.
 
-Each model's engine is an ``EngineSupervisor`` (mlxd/serve.py): restarted with a growing delay
+Each model's engine is an ``EngineSupervisor`` (mlxd/supervisor.py): restarted with a growing delay
 when it dies. One that fails to load, or keeps dying, is given up alone: its requests get a 503
 saying so, the other models go on.
 
@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from mlxd.model_set import ModelPlan, plan_models
-from mlxd.serve import EngineSupervisor, check_model_path, engine_argv
+from mlxd.supervisor import EngineSupervisor, check_model_path, engine_argv
 from mlxd.shared.config import EngineConfig
 from mlxd.shared.serve_config import DaemonConfig, ModelSetConfig
 

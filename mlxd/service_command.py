@@ -12,9 +12,9 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from mlxd.flags import build_config, to_flags
+from mlxd.flags import build_config, gateway_beside, to_flags
 from mlxd.shared.config import EngineConfig
-from mlxd.shared.serve_config import DaemonConfig, GatewayConfig, ModelSetConfig
+from mlxd.shared.serve_config import DaemonConfig, ModelSetConfig
 
 
 def api_key_path() -> Path:
@@ -68,18 +68,16 @@ def _jobs(args) -> list:
     from mlxd.shared.paths import default_engine_endpoint
 
     engine_cfg = build_config(EngineConfig, args)
-    daemon_cfg = build_config(DaemonConfig, args)
-    # Written out in full so that both services agree whatever environment the manager gives them.
-    daemon_cfg.engine_endpoint = daemon_cfg.engine_endpoint or default_engine_endpoint()
-    gateway_cfg = build_config(GatewayConfig, args)
-    gateway_cfg.engine_endpoint = daemon_cfg.engine_endpoint
-    gateway_cfg.curve_keys = daemon_cfg.curve_keys
-    gateway_cfg.shutdown_timeout = daemon_cfg.shutdown_timeout
+    # The endpoint written out in full, so that both services agree whatever environment the manager
+    # gives them.
+    daemon_cfg = build_config(DaemonConfig, args,
+                              engine_endpoint=vars(args).get("engine_endpoint") or default_engine_endpoint())
     secrets = env_items(args.env)  # checked before anything is written
     head = [mlxd_command()]
-    key_file = _keep_private(api_key_path(), None if gateway_cfg.api_key is None else gateway_cfg.api_key.encode())
-    if key_file is not None:
-        gateway_cfg.api_key, gateway_cfg.api_key_file = None, key_file
+    api_key = vars(args).get("api_key")
+    key_file = _keep_private(api_key_path(), None if api_key is None else api_key.encode())
+    # A key given on the command line reaches the gateway's service as a file only this user reads.
+    key = {} if key_file is None else {"api_key": None, "api_key_file": key_file}
     env_file = _keep_private(env_file_path(), format_env_file(secrets) if secrets else None)
     tail = ["--env-file", env_file] if env_file else []
     env = service_env()
@@ -89,9 +87,10 @@ def _jobs(args) -> list:
         from mlxd.model_set import plan_models
 
         plans = plan_models(engine_cfg, daemon_cfg, models, model_set.models_file)
-        gateway_cfg.model_endpoints = [p.endpoint_entry for p in plans]
+        gateway_cfg = gateway_beside(args, daemon_cfg, model_endpoints=[p.endpoint_entry for p in plans], **key)
         engines = [(f"engine-{n}", p.engine, p.daemon) for n, p in enumerate(plans)]
     else:
+        gateway_cfg = gateway_beside(args, daemon_cfg, **key)
         engines = [("engine", engine_cfg, daemon_cfg)]
     return [*(Job(name, [*head, "engine", "--log-level", args.log_level, *to_flags(e), *to_flags(d), *tail], env)
               for name, e, d in engines),

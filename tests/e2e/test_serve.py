@@ -271,7 +271,7 @@ def test_an_engine_that_keeps_dying_ends_serve_with_one_clear_message(tmp_path):
             assert len(killed) <= 10, serve.log()[-4000:]
             time.sleep(0.1)
         assert serve.wait(10) == 1
-        assert len(killed) == 5  # mlxd.serve.CRASH_LOOP_LIMIT
+        assert len(killed) == 5  # mlxd.supervisor.CRASH_LOOP_LIMIT
         assert serve.log().count("giving up") == 1
     finally:
         serve.stop()

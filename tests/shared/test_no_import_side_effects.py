@@ -13,7 +13,7 @@ import sys
 
 MODULES = ["mlxd.engined", "mlxd.engined.engine", "mlxd.engined.daemon", "mlxd.engined.process", "mlxd.engined.device",
            "mlxd.engined.loaders", "mlxd.engined.structured", "mlxd.engined.kernels", "mlxd.gateway.params",
-           "mlxd.gateway.server", "mlxd.cli", "mlxd.serve", "mlxd.service.managers", "mlxd.shared.hub"]
+           "mlxd.gateway.server", "mlxd.cli", "mlxd.serve", "mlxd.supervisor", "mlxd.service.managers", "mlxd.shared.hub"]
 
 PROBE = """
 import json, os, sys
