@@ -50,7 +50,8 @@ def main(args) -> int:
     from mlxd.shared.paths import check_ipc_endpoint, default_engine_endpoint, refuse_live_ipc
 
     engine_cfg = build_config(EngineConfig, args)
-    daemon_cfg = build_config(DaemonConfig, args, engine_endpoint=args.engine_endpoint or default_engine_endpoint())
+    daemon_cfg = build_config(DaemonConfig, args,
+                              engine_endpoint=vars(args).get("engine_endpoint") or default_engine_endpoint())
     models = getattr(args, "models", None) or []
     model_set = build_config(ModelSetConfig, args)
     if len(models) > 1 or model_set.models_file or model_set.keep_alive is not None:
