@@ -29,9 +29,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from mlxd.model_set import ModelPlan, plan_models
-from mlxd.supervisor import EngineSupervisor, check_model_path, engine_argv
 from mlxd.shared.config import EngineConfig
 from mlxd.shared.serve_config import DaemonConfig, ModelSetConfig
+from mlxd.supervisor import EngineSupervisor, check_model_path, engine_argv
 
 
 def weights_bytes(model: str) -> int:
