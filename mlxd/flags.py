@@ -212,6 +212,15 @@ def build_config(struct: type, ns: argparse.Namespace, **fields):
     return struct(**{**{k: v for k, v in vars(ns).items() if k in names}, **fields})
 
 
+def engine_daemon(ns: argparse.Namespace) -> DaemonConfig:
+    """The engine's daemon settings of `mlxd serve` or of a service, its endpoint written out in full
+    (an unset ``--engine-endpoint`` is absent from ``ns``), so that the gateway beside it, and a
+    service manager whatever environment it gives them, agree on it."""
+    from mlxd.shared.paths import default_engine_endpoint
+
+    return build_config(DaemonConfig, ns, engine_endpoint=vars(ns).get("engine_endpoint") or default_engine_endpoint())
+
+
 def gateway_beside(ns: argparse.Namespace, daemon: DaemonConfig, **fields) -> GatewayConfig:
     """The gateway that `mlxd serve` runs, or a service installs, beside its engine: on the engine's
     endpoint, with its CurveZMQ keys and its shutdown timeout."""

@@ -17,11 +17,11 @@ import fcntl
 import os
 import signal
 
-from mlxd.flags import build_config, gateway_beside
+from mlxd.flags import build_config, engine_daemon, gateway_beside
 from mlxd.ports import check_free
 from mlxd.shared.config import EngineConfig
 from mlxd.shared.errors import InvalidRequestError
-from mlxd.shared.serve_config import DaemonConfig, ModelSetConfig
+from mlxd.shared.serve_config import ModelSetConfig
 from mlxd.supervisor import EngineSupervisor, check_model_path, engine_argv
 
 
@@ -47,11 +47,10 @@ def hold_endpoint(endpoint: str):
 
 
 def main(args) -> int:
-    from mlxd.shared.paths import check_ipc_endpoint, default_engine_endpoint, refuse_live_ipc
+    from mlxd.shared.paths import check_ipc_endpoint, refuse_live_ipc
 
     engine_cfg = build_config(EngineConfig, args)
-    daemon_cfg = build_config(DaemonConfig, args,
-                              engine_endpoint=vars(args).get("engine_endpoint") or default_engine_endpoint())
+    daemon_cfg = engine_daemon(args)
     models = getattr(args, "models", None) or []
     model_set = build_config(ModelSetConfig, args)
     if len(models) > 1 or model_set.models_file or model_set.keep_alive is not None:

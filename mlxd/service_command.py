@@ -12,9 +12,9 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from mlxd.flags import build_config, gateway_beside, to_flags
+from mlxd.flags import build_config, engine_daemon, gateway_beside, to_flags
 from mlxd.shared.config import EngineConfig
-from mlxd.shared.serve_config import DaemonConfig, ModelSetConfig
+from mlxd.shared.serve_config import ModelSetConfig
 
 
 def api_key_path() -> Path:
@@ -65,13 +65,9 @@ def _jobs(args) -> list:
     """The engines' and the gateway's command lines and environment, from the install's flags: an
     engine job per model of a set (mlxd/model_set.py), "engine-0", "engine-1", ...; else one, "engine"."""
     from mlxd.service.jobs import Job, env_items, format_env_file, mlxd_command, service_env
-    from mlxd.shared.paths import default_engine_endpoint
 
     engine_cfg = build_config(EngineConfig, args)
-    # The endpoint written out in full, so that both services agree whatever environment the manager
-    # gives them.
-    daemon_cfg = build_config(DaemonConfig, args,
-                              engine_endpoint=vars(args).get("engine_endpoint") or default_engine_endpoint())
+    daemon_cfg = engine_daemon(args)
     secrets = env_items(args.env)  # checked before anything is written
     head = [mlxd_command()]
     api_key = vars(args).get("api_key")
