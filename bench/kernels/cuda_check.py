@@ -200,11 +200,11 @@ def prefill(title, lens, h, hkv, d, bs, dt, scale, rng, md, log, shuffle=True):
     gathered = gpu.gather_runs("cuda", kc, vc, meta, layout) if layout.groups else None
     if gathered:
         mx.eval(gathered)
-    cu = meta.cu_seqlens_q_np
 
     def sdpa_parts():  # the route's SDPA calls alone, on K/V gathered beforehand
         contexts = gpu.run_contexts(plan, kc, vc, gathered)
-        return [gpu._sdpa_run(q, k, v, int(cu[r[0]]), r[2], scale) for r, (k, v) in zip(plan.routed()[2], contexts)]
+        return [gpu._sdpa_run(q, k, v, where, r.query_len, scale)
+                for r, where, (k, v) in zip(plan.routed()[2], plan.run_rows(), contexts)]
 
     def padded():
         return mx.fast.scaled_dot_product_attention(qp, kp, vp, scale=scale, mask="causal")
@@ -424,9 +424,8 @@ def main() -> int:
     # -- KV write (slot_mapping scatter) at the decode step's shape
     k_new = mx.random.normal((nseq, hkv, d)).astype(dt)
     v_new = mx.random.normal((nseq, hkv, d)).astype(dt)
-    # Slots of each sequence's last position (overwritten: same cost as a new token).
-    slots = meta.slot_mapping
-    sec_keep, _ = bench(lambda: write_kv(kc, vc, k_new, v_new, slots), iters=5, reps=3)
+    # The decode step's slots, each sequence's last position (overwritten: same cost as a new token).
+    sec_keep, _ = bench(lambda: write_kv(kc, vc, k_new, v_new, meta), iters=5, reps=3)
     # The engine's pattern: the layer's cache is replaced by the scatter's result, so no
     # other reference holds the old buffer and MLX may update it in place.
     state = [kc, vc]
@@ -436,7 +435,7 @@ def main() -> int:
         mx.synchronize()
         t0 = time.perf_counter()
         for _ in range(20):
-            state[0], state[1] = write_kv(state[0], state[1], k_new, v_new, slots)
+            state[0], state[1] = write_kv(state[0], state[1], k_new, v_new, meta)
         mx.eval(state)
         mx.synchronize()
         chain.append((time.perf_counter() - t0) / 20)

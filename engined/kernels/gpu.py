@@ -11,7 +11,10 @@ adjacent chunks of one shape share one SDPA call over their paged context,
 read in place where the blocks are consecutive (``_StepPlan.in_place``; Metal only) and
 otherwise from a head-major copy (``gather_runs``, one launch for all of a
 step's runs), reading q and writing the output in packed order without
-copies. ``paged_attention`` returns ``None`` for a configuration the kernel
+copies. On CUDA each new SDPA shape costs a cuDNN graph build on the host (~47 ms), so
+chunks are padded at the end to a query length that is a multiple of ``SDPA_BUCKET`` and grouped by
+padded shape in batches of a power of two: fresh prompts then meet a few shapes per process, not one
+per prompt. ``paged_attention`` returns ``None`` for a configuration the kernel
 does not cover; ``attention`` then runs the reference.
 """
 
@@ -28,6 +31,9 @@ from mlxd.engined.kernels import paged_kv, source
 from mlxd.engined.kernels.paged_kv import AttentionMetadata, in_packed_order
 
 SDPA_CHUNK_TOKENS = 64  # prefill chunks at least this long may take MLX's fused SDPA (see chunks_take_sdpa)
+# CUDA pads an SDPA chunk's queries and context at the end to a multiple of this many rows (exact under
+# the bottom-right causal mask: no real query reaches a padded key), so that chunk shapes repeat.
+SDPA_BUCKET = 256
 NO_SKIP = 1 << 30
 # Groups per multiprocessor a decode-only CUDA launch asks the compiler to fit (0: its choice).
 DECODE_MIN_GROUPS = 0
@@ -89,22 +95,46 @@ def _subset(meta: AttentionMetadata, reqs: np.ndarray) -> tuple[AttentionMetadat
 
 
 @dataclass(frozen=True)
+class SdpaRun:
+    """Long chunks one SDPA call serves: requests ``reqs``, each padded at the end to ``query_len``
+    queries over ``seq_len`` positions (its own lengths where nothing is padded)."""
+
+    reqs: np.ndarray
+    query_len: int
+    seq_len: int
+
+
+@dataclass(frozen=True)
+class RunRows:
+    """Where a run's queries come from and its answers go: ``take`` the packed rows of its padded
+    queries (None: a view of consecutive rows from ``start``), ``keep`` its real answers among the
+    padded ones (None: all), ``rows`` those answers' rows in the packed batch."""
+
+    start: int
+    take: mx.array | None
+    keep: mx.array | None
+    rows: np.ndarray
+
+
+@dataclass(frozen=True)
 class ContextLayout:
     """One step's plan for ``gather_runs``: a thread group per (request, logical block) in ``work``,
-    each request's first output row and context length in ``dst``."""
+    each request's first output row, rows per head and context length in ``dst``. Rows past a
+    context's length (padding) are zeros: masked keys must hold finite values."""
 
     work: mx.array  # [2 * groups] int32
-    dst: mx.array  # [2 * B] int32
+    dst: mx.array  # [3 * B] int32
     groups: int
     rows: int
     offsets: list[int]
+    padded: bool
 
 
 class _StepPlan:
     """Launch plan of one step, shared by all its layers (same metadata object)."""
 
     __slots__ = ("meta", "dialect", "parts", "part_tokens", "iparams", "has_rows", "has_tiles", "long_chunks",
-                 "_routed", "_layouts", "_in_place", "launches")
+                 "_routed", "_layouts", "_in_place", "_run_rows", "launches")
 
     def __init__(self, meta: AttentionMetadata, dialect: str):
         self.meta = meta
@@ -118,33 +148,46 @@ class _StepPlan:
         self._routed = None
         self._layouts: dict[tuple[int, int], ContextLayout] = {}
         self._in_place: dict[int, list[tuple[int, int] | None]] = {}
+        self._run_rows: list[RunRows] | None = None
         # What ``_launch`` derives from the shapes and the layer's settings, once per step for every
         # layer that shares them (all layers of most models).
         self.launches: dict[tuple, tuple] = {}
 
     def routed(self):
         """(plan of the kernel's requests or None, their packed rows, SDPA runs) when long chunks
-        go to SDPA. A run is ``(first request, count, query_len, seq_len)``: adjacent long chunks
-        of one shape, which one batched SDPA call serves."""
+        go to SDPA. On Metal a run is adjacent chunks of one shape; on CUDA, chunks of one padded
+        shape (``SDPA_BUCKET``) in batches of a power of two, so that a step's calls meet shapes
+        that earlier steps built."""
         if self._routed is None:
             meta = self.meta
-            qlens, slens = meta.query_lens_np, meta.seq_lens_np
-            long = qlens >= SDPA_CHUNK_TOKENS
+            long = meta.query_lens_np >= SDPA_CHUNK_TOKENS
             rest = np.flatnonzero(~long)
             sub, rows = (None, np.zeros(0, dtype=np.int32))
             if len(rest):
                 sub_meta, rows = _subset(meta, rest)
                 sub = _StepPlan(sub_meta, self.dialect)
-            runs = []
-            for b in np.flatnonzero(long):
-                b = int(b)
-                last = runs[-1] if runs else None
-                if last and last[0] + last[1] == b and (last[2], last[3]) == (qlens[b], slens[b]):
-                    runs[-1] = (last[0], last[1] + 1, last[2], last[3])
-                else:
-                    runs.append((b, 1, int(qlens[b]), int(slens[b])))
+            chunks = np.flatnonzero(long)
+            runs = _bucketed_runs(meta, chunks) if self.dialect == "cuda" else _adjacent_runs(meta, chunks)
             self._routed = (sub, rows, runs)
         return self._routed
+
+    def run_rows(self) -> list[RunRows]:
+        """Per SDPA run, its queries' and answers' rows (shared by every layer of the step)."""
+        if self._run_rows is None:
+            cu, qlens = self.meta.cu_seqlens_q_np, self.meta.query_lens_np
+            self._run_rows = []
+            for run in self.routed()[2]:
+                lens, starts = qlens[run.reqs], cu[run.reqs]
+                rows = np.concatenate([np.arange(a, a + n) for a, n in zip(starts, lens)])
+                if (lens == run.query_len).all() and (np.diff(run.reqs) == 1).all():
+                    self._run_rows.append(RunRows(int(starts[0]), None, None, rows))
+                    continue
+                pad = np.arange(run.query_len)
+                take = (starts[:, None] + np.minimum(pad, lens[:, None] - 1)).reshape(-1)  # padding repeats a row
+                keep = np.flatnonzero((pad < lens[:, None]).reshape(-1))
+                self._run_rows.append(RunRows(int(starts[0]), mx.array(take.astype(np.int32)),
+                                              mx.array(keep.astype(np.int32)), rows))
+        return self._run_rows
 
     def in_place(self, num_blocks: int) -> list[tuple[int, int] | None]:
         """Per SDPA run, ``(first block, blocks from chunk to chunk)`` where SDPA can read the cache
@@ -163,7 +206,8 @@ class _StepPlan:
             tables = np.asarray(self.meta.block_tables)
             bs = self.meta.block_size
             places = []
-            for b0, n, _, sl in runs:
+            for run in runs:
+                b0, n, sl = int(run.reqs[0]), len(run.reqs), run.seq_len
                 t = tables[b0 : b0 + n, : -(-sl // bs)]
                 span = int(t[1, 0] - t[0, 0]) if n > 1 else t.shape[1]
                 ok = ((t - t[:, :1] == np.arange(t.shape[1])).all() and span >= t.shape[1]
@@ -174,26 +218,60 @@ class _StepPlan:
 
     def context_layout(self, hkv: int, num_blocks: int) -> ContextLayout:
         """Where ``gather_runs`` puts the SDPA runs' contexts for caches with ``hkv`` KV heads:
-        run ``r`` (``n`` chunks over ``sl`` positions) is rows ``offsets[r]`` on, ``[n, hkv, sl, D]``."""
+        run ``r`` (``n`` chunks, ``sl`` positions each with padding) is rows ``offsets[r]`` on,
+        ``[n, hkv, sl, D]``."""
         if (hkv, num_blocks) not in self._layouts:
             _, _, runs = self.routed()
             bs = self.meta.block_size
-            dst = np.zeros((self.meta.num_seqs, 2), dtype=np.int32)
-            work, offsets, at = [], [], 0
-            for (b0, n, _, sl), place in zip(runs, self.in_place(num_blocks)):
+            dst = np.zeros((self.meta.num_seqs, 3), dtype=np.int32)
+            work, offsets, at, padded = [], [], 0, False
+            for run, place in zip(runs, self.in_place(num_blocks)):
                 offsets.append(at)
                 if place is not None:
                     continue
-                reqs = np.arange(b0, b0 + n)
-                dst[reqs, 0] = at + np.arange(n) * hkv * sl
-                dst[reqs, 1] = sl
-                blocks = -(-sl // bs)
-                work.append(np.stack([np.repeat(reqs, blocks), np.tile(np.arange(blocks), n)], axis=1))
+                n, sl = len(run.reqs), run.seq_len
+                lens = self.meta.seq_lens_np[run.reqs]
+                padded |= bool((lens < sl).any())
+                dst[run.reqs, 0] = at + np.arange(n) * hkv * sl
+                dst[run.reqs, 1] = sl
+                dst[run.reqs, 2] = lens
+                blocks = -(-lens // bs)
+                work.append(np.stack([np.repeat(run.reqs, blocks), np.concatenate([np.arange(k) for k in blocks])],
+                                     axis=1))
                 at += n * hkv * sl
             work_np = np.concatenate(work or [np.zeros((0, 2))]).astype(np.int32)
             self._layouts[hkv, num_blocks] = ContextLayout(
-                mx.array(work_np.reshape(-1)), mx.array(dst.reshape(-1)), len(work_np), at, offsets)
+                mx.array(work_np.reshape(-1)), mx.array(dst.reshape(-1)), len(work_np), at, offsets, padded)
         return self._layouts[hkv, num_blocks]
+
+
+def _adjacent_runs(meta: AttentionMetadata, chunks: np.ndarray) -> list[SdpaRun]:
+    """Adjacent chunks of one (query length, context length) in one run each."""
+    runs: list[list[int]] = []
+    shape = lambda b: (meta.query_lens_np[b], meta.seq_lens_np[b])  # noqa: E731
+    for b in map(int, chunks):
+        if runs and runs[-1][-1] + 1 == b and shape(runs[-1][-1]) == shape(b):
+            runs[-1].append(b)
+        else:
+            runs.append([b])
+    return [SdpaRun(np.array(r), int(meta.query_lens_np[r[0]]), int(meta.seq_lens_np[r[0]])) for r in runs]
+
+
+def _bucketed_runs(meta: AttentionMetadata, chunks: np.ndarray) -> list[SdpaRun]:
+    """Chunks grouped by their shape padded to ``SDPA_BUCKET`` queries (the context by as many rows),
+    each group split in batches of a power of two: a shape is its (batch, queries, context)."""
+    groups: dict[tuple[int, int], list[int]] = {}
+    for b in map(int, chunks):
+        ql, sl = int(meta.query_lens_np[b]), int(meta.seq_lens_np[b])
+        qp = -(-ql // SDPA_BUCKET) * SDPA_BUCKET
+        groups.setdefault((qp, sl + qp - ql), []).append(b)
+    runs = []
+    for (qp, sp), reqs in groups.items():
+        while reqs:
+            n = 1 << (len(reqs).bit_length() - 1)
+            runs.append(SdpaRun(np.array(reqs[:n]), qp, sp))
+            reqs = reqs[n:]
+    return runs
 
 
 def _plan(meta: AttentionMetadata, dialect: str) -> _StepPlan:
@@ -279,6 +357,7 @@ def gather_runs(
         threadgroup=(geo.NT, 1, 1),
         output_shapes=[(layout.rows, d)] * 2,
         output_dtypes=[k_cache.dtype] * 2,
+        init_value=0.0 if layout.padded else None,
     )
     return k, v
 
@@ -302,7 +381,8 @@ def run_contexts(
     hkv = k_cache.shape[2]
     layout = plan.context_layout(hkv, k_cache.shape[0])
     out = []
-    for (_, n, _, sl), offset, place in zip(runs, layout.offsets, plan.in_place(k_cache.shape[0])):
+    for run, offset, place in zip(runs, layout.offsets, plan.in_place(k_cache.shape[0])):
+        n, sl = len(run.reqs), run.seq_len
         if place is None:
             out.append(tuple(c[offset : offset + n * hkv * sl].reshape(n, hkv, sl, -1) for c in gathered))
         else:
@@ -310,17 +390,19 @@ def run_contexts(
     return out
 
 
-def _sdpa_run(q: mx.array, k: mx.array, v: mx.array, start: int, query_len: int, scale: float) -> mx.array:
-    """``[count * query_len, H, D]`` for the ``count`` chunks of ``k``/``v`` ``[count, H_kv,
-    context, D]`` whose queries are the packed rows from ``start``, in packed order."""
+def _sdpa_run(q: mx.array, k: mx.array, v: mx.array, where: RunRows, query_len: int, scale: float) -> mx.array:
+    """The answers of the ``count`` chunks of ``k``/``v`` ``[count, H_kv, context, D]``, in the packed
+    order of their real rows, their queries ``query_len`` rows each as ``where`` takes them from ``q``."""
     n = k.shape[0]
     _, h, d = q.shape
-    # Views of the packed rows: SDPA reads them strided and writes its output in q's layout,
+    # Unpadded consecutive rows are views: SDPA reads them strided and writes its output in q's layout,
     # so the result is already [rows, H, D] without a copy.
-    qv = q[start : start + n * query_len].reshape(n, query_len, h, d).transpose(0, 2, 1, 3)
+    rows = q[where.start : where.start + n * query_len] if where.take is None else q[where.take]
+    qv = rows.reshape(n, query_len, h, d).transpose(0, 2, 1, 3)
     # MLX's causal mask is aligned to the last key: exactly a chunk after its cached context.
     out = mx.fast.scaled_dot_product_attention(qv, k, v, scale=scale, mask="causal")
-    return out.transpose(0, 2, 1, 3).reshape(n * query_len, h, d)
+    out = out.transpose(0, 2, 1, 3).reshape(n * query_len, h, d)
+    return out if where.keep is None else out[where.keep]
 
 
 def chunks_take_sdpa(plan: _StepPlan, q: mx.array, sliding_window: int | None, softcap: float | None) -> bool:
@@ -357,13 +439,12 @@ def paged_attention(
         q_sub = q[: len(rows)] if prefix else q[mx.array(rows)]
         pieces.append(_launch(sub, q_sub, k_cache, v_cache, scale, sliding_window, softcap))
         order.append(rows)
-    cu = meta.cu_seqlens_q_np
     hkv = k_cache.shape[2]
     layout = plan.context_layout(hkv, k_cache.shape[0])
     gathered = gather_runs(dialect, k_cache, v_cache, meta, layout) if layout.groups else None
-    for (b0, n, ql, _), (k, v) in zip(runs, run_contexts(plan, k_cache, v_cache, gathered)):
-        pieces.append(_sdpa_run(q, k, v, int(cu[b0]), ql, scale))
-        order.append(np.arange(cu[b0], cu[b0 + n]))
+    for run, where, (k, v) in zip(runs, plan.run_rows(), run_contexts(plan, k_cache, v_cache, gathered)):
+        pieces.append(_sdpa_run(q, k, v, where, run.query_len, scale))
+        order.append(where.rows)
     return in_packed_order(pieces, order, meta.num_tokens)
 
 

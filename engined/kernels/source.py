@@ -557,13 +557,14 @@ GATHER_BODY = r"""
   constexpr int PB = BS * HKV * VPR;  // 16-byte vectors in one physical block
   const int c = work[2 * gx];
   const int j = work[2 * gx + 1];
-  const long base = dst[2 * c];
-  const int L = dst[2 * c + 1];
+  const long base = dst[3 * c];
+  const int S = dst[3 * c + 1];       // rows per head (the context padded)
+  const int L = dst[3 * c + 2];       // rows written: the context itself
   const long src0 = (long)block_tables[c * iparams[0] + j] * PB;
   for (int r = tid; r < PB; r += NT) {
     const int t = j * BS + r / (HKV * VPR);
     if (t >= L) break;
-    const long o = (base + (long)((r / VPR) % HKV) * L + t) * VPR + r % VPR;
+    const long o = (base + (long)((r / VPR) % HKV) * S + t) * VPR + r % VPR;
     COPY16(k_ctx + o * W, k_cache + (src0 + r) * W);
     COPY16(v_ctx + o * W, v_cache + (src0 + r) * W);
   }

@@ -124,17 +124,18 @@ def rel_error(out: mx.array, ref: mx.array) -> float:
 def host_gather_runs(dialect, k_cache: mx.array, v_cache: mx.array, meta: AttentionMetadata, layout):
     """What the GPU gather kernel writes, following its addressing (``source.GATHER_BODY``) row by
     row on the host: the CPU tests and the device script's dry run check the plan that feeds it.
-    Rows the layout leaves unwritten stay NaN, so an SDPA run that reads one fails its check."""
+    Rows the layout leaves unwritten stay NaN, so an SDPA run that reads one fails its check, except
+    a padded layout's, which the kernel's launch fills with zeros first."""
     _, bs, hkv, d = k_cache.shape
     caches = [np.array(c.astype(mx.float32)) for c in (k_cache, v_cache)]
     tables = np.array(meta.block_tables)
-    dst = np.array(layout.dst).reshape(-1, 2)
-    outs = [np.full((layout.rows, d), np.nan, dtype=np.float32) for _ in caches]
+    dst = np.array(layout.dst).reshape(-1, 3)
+    outs = [np.full((layout.rows, d), 0.0 if layout.padded else np.nan, dtype=np.float32) for _ in caches]
     for c, j in np.array(layout.work).reshape(-1, 2):
-        base, length = dst[c]
+        base, stride, length = dst[c]
         t = j * bs + np.arange(bs)
         t = t[t < length]
         for h in range(hkv):
             for out, cache in zip(outs, caches):
-                out[base + h * length + t] = cache[tables[c, j], t % bs, h]
+                out[base + h * stride + t] = cache[tables[c, j], t % bs, h]
     return tuple(mx.array(o).astype(k_cache.dtype) for o in outs)

@@ -205,14 +205,38 @@ def test_kernel_chunk_route_batches_equal_chunks_and_keeps_packed_order(rng, mon
     # CUDA gathers every run (cuDNN's graphs), as every dialect does scattered blocks (4+ per chunk)
     assert plan.in_place(pool) == [None] * len(runs) and plan.context_layout(2, pool).groups > 0
     long = np.flatnonzero(meta.query_lens_np >= gpu.SDPA_CHUNK_TOKENS)
-    assert sum(n for _, n, _, _ in runs) == len(long)
+    assert sorted(np.concatenate([r.reqs for r in runs])) == list(long)
     assert (sub is None) == (len(rows) == 0) and len(rows) + meta.query_lens_np[long].sum() == meta.num_tokens
-    for b0, n, ql, sl in runs:  # a run is adjacent chunks of one shape
-        assert (meta.query_lens_np[b0 : b0 + n] == ql).all() and (meta.seq_lens_np[b0 : b0 + n] == sl).all()
+    for run in runs:  # CUDA: one padded shape, a power of two of chunks
+        ql, sl = meta.query_lens_np[run.reqs], meta.seq_lens_np[run.reqs]
+        assert run.query_len % gpu.SDPA_BUCKET == 0 and (ql <= run.query_len).all()
+        assert (sl - ql == run.seq_len - run.query_len).all() and len(run.reqs) & (len(run.reqs) - 1) == 0
+    for run in gpu._StepPlan(meta, "metal").routed()[2]:  # Metal: adjacent chunks of one shape
+        assert (np.diff(run.reqs) == 1).all()
+        assert (meta.query_lens_np[run.reqs] == run.query_len).all() and (meta.seq_lens_np[run.reqs] == run.seq_len).all()
     want = paged_kv.reference_attention(case.q, case.k_cache, case.v_cache, meta, case.scale)
-    for dialect in ("cuda", "metal") if order == "in order" else ("cuda",):  # Metal's views read in place
+    for dialect in ("cuda", "metal"):
         got = gpu.paged_attention(dialect, case.q, case.k_cache, case.v_cache, meta, case.scale)
         assert rel_error(got, want) < 2e-3
+
+
+def test_kernel_chunk_route_pads_fresh_prompts_to_few_shapes_on_cuda(rng, monkeypatch):
+    """Fresh prompts of 13 lengths meet 2 SDPA shapes on CUDA (a cuDNN graph build each), not 13;
+    the padding changes no answer."""
+    _host_kernels(monkeypatch)
+    qlens = rng.integers(gpu.SDPA_CHUNK_TOKENS, 2 * gpu.SDPA_BUCKET + 1, 13).tolist()
+    qlens = [min(q, gpu.SDPA_BUCKET) if i < 6 else max(q, gpu.SDPA_BUCKET + 1) for i, q in enumerate(qlens)]
+    qlens, slens = [1, *qlens, 1], [90, *qlens, 300]  # decode rows around them
+    case = make_case(rng, qlens, slens, 8, 2, 64, 16, dtype=mx.float16)
+    plan = gpu._StepPlan(case.meta, "cuda")
+    runs = plan.routed()[2]
+    assert {(r.query_len, r.seq_len) for r in runs} == {(256, 256), (512, 512)}
+    assert sorted(len(r.reqs) for r in runs if r.query_len == 256) == [2, 4]  # 6 chunks: batches of 4 and 2
+    assert sorted(len(r.reqs) for r in runs if r.query_len == 512) == [1, 2, 4]  # 7 chunks: 4, 2 and 1
+    assert plan.context_layout(2, case.k_cache.shape[0]).padded
+    want = paged_kv.reference_attention(case.q, case.k_cache, case.v_cache, case.meta, case.scale)
+    got = gpu.paged_attention("cuda", case.q, case.k_cache, case.v_cache, case.meta, case.scale)
+    assert rel_error(got, want) < 2e-3
 
 
 @pytest.mark.parametrize("dialect", source.DIALECTS)
