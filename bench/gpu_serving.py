@@ -331,8 +331,9 @@ def roofline(rows: list) -> None:
 
     mm = timed(lambda: a @ b, 20)
     cp = timed(lambda: x + 1, 20)
+    rd = timed(lambda: x.max(), 20)  # reads the 2 GiB once, as a decode step reads its weights
     row = dict(roofline=True, matmul_tflops=round(2 * 8192 * 4096 * 12288 / mm / 1e12, 1),
-               hbm_tb_s=round(2 * x.nbytes / cp / 1e12, 2))
+               hbm_tb_s=round(2 * x.nbytes / cp / 1e12, 2), hbm_read_tb_s=round(x.nbytes / rd / 1e12, 2))
     rows.append(row)
     print(json.dumps(row), flush=True)
 
