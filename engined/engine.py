@@ -34,6 +34,7 @@ from mlxd.engined import memory_guard
 from mlxd.engined.device import device_kind
 from mlxd.engined.encoders.pooling import matryoshka_dimensions, pooled_results, score_token_ids, store_results
 from mlxd.engined.fastpath.encode_thread import EncodeThread
+from mlxd.engined.kernels.gpu import SDPA_BUCKET
 from mlxd.engined.kv.disk_tier import weights_fingerprint
 from mlxd.engined.kv.manager import KVCacheManager
 from mlxd.engined.loaders import LoadedModel, load_model
@@ -116,7 +117,8 @@ class Engine:
         self.num_lanes = ((config.pipeline_batches or config.pipeline_parallel_size)
                           if config.pipeline_parallel_size > 1 and spec is None else 1)
         self.scheduler = Scheduler(kv, config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len,
-                                   tuple(loaded.eos_token_ids), self.lora, self.num_lanes)
+                                   tuple(loaded.eos_token_ids), self.lora, self.num_lanes,
+                                   chunk_align=SDPA_BUCKET if backend == "cuda" else 1)
         self.metrics = EngineMetrics(config.served_model_name or loaded.model_id, config, self.max_model_len,
                                      self.scheduler.stats, kv.disk.store.totals if kv.disk is not None else None)
         self.speculator = (Speculator(spec, self.sampler, self.metrics, self.max_model_len, self.drafter or self.mtp,

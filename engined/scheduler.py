@@ -92,7 +92,7 @@ def chunk_within(context: int, keys: int) -> int:
 class Scheduler:
     def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
                  max_model_len: int | None = None, eos_token_ids: tuple[int, ...] = (), lora=None,
-                 num_lanes: int = 1):
+                 num_lanes: int = 1, chunk_align: int = 1):
         self.kv = kv
         self.num_lanes = num_lanes
         # engined.lora.LoraRegistry, or None: a request under an adapter runs only while it holds a slot.
@@ -111,6 +111,9 @@ class Scheduler:
         self.prefill_attention_budget = attended_keys(0, max_num_batched_tokens)
         # The least a prefill advances per step however long its prefix (progress, whatever the budget).
         self.min_prefill_chunk = kv.block_size
+        # A prefill cut short ends on a multiple of this where it can, so that its next chunk starts on
+        # one: CUDA's SDPA pads chunks to shape buckets, which a continued chunk meets only so aligned.
+        self.chunk_align = chunk_align
 
     def stats(self) -> EngineStats:
         """The queues and the main pool (the daemon adds its step and socket times)."""
@@ -159,6 +162,9 @@ class Scheduler:
             num_new = min(known + len(draft), budget)
             if known > 1 and keys is not None:
                 num_new = self._prefill_chunk(req.num_computed_tokens, num_new, keys)
+            if known > 1:
+                num_new = self._aligned(req.num_computed_tokens, num_new, known)
+            if known > 1 and keys is not None:
                 keys -= attended_keys(req.num_computed_tokens, num_new)
             while not self.kv.allocate(req, num_new):
                 victim = mine.pop()
@@ -196,6 +202,7 @@ class Scheduler:
             context = req.num_computed_tokens + cached
             if keys is not None and num_new > 1:
                 num_new = self._prefill_chunk(context, num_new, keys)
+            num_new = self._aligned(context, num_new, req.num_tokens - context)
             if not self.kv.allocate(req, num_new, prefix):
                 self._drop_lora_slot(req)
                 break
@@ -240,6 +247,14 @@ class Scheduler:
         per prefill.
         """
         return min(num_new, max(chunk_within(context, max(keys, 0)), self.min_prefill_chunk))
+
+    def _aligned(self, context: int, num_new: int, remaining: int) -> int:
+        """``num_new``, or less so that a chunk short of the ``remaining`` tokens ends on a multiple of
+        ``chunk_align`` (unless that would leave it nothing to do)."""
+        if num_new >= remaining or self.chunk_align <= 1:
+            return num_new
+        end = (context + num_new) // self.chunk_align * self.chunk_align
+        return end - context if end > context else num_new
 
     def _make_room_for_starved_apps(self, mine: list[Request]) -> list[Request]:
         """Preempt over-share apps' newest requests for waiting apps below their share.

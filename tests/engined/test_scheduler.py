@@ -7,6 +7,7 @@ known tokens are all computed, as the engine does.
 
 import random
 
+import numpy as np
 from hypothesis import given, settings, strategies as st
 
 from mlxd.engined.kv.manager import KVCacheManager
@@ -49,10 +50,10 @@ def check_invariants(sched: Scheduler, kv: KVCacheManager, out, budget: int, max
     assert set(kv.req_blocks) <= running_ids
 
 
-def simulate(seed, num_blocks, block_size, budget, max_seqs, caching, n_requests, abort_rate):
+def simulate(seed, num_blocks, block_size, budget, max_seqs, caching, n_requests, abort_rate, chunk_align=1):
     rng = random.Random(seed)
     kv = blocks_only(num_blocks, block_size, caching)
-    sched = Scheduler(kv, max_seqs, budget)
+    sched = Scheduler(kv, max_seqs, budget, chunk_align=chunk_align)
     # Shared system prompts make prefix hits (and shared blocks) likely.
     systems = [[rng.randrange(1, 50) for _ in range(rng.randrange(0, 3 * block_size))] for _ in range(3)]
     pending = []
@@ -101,11 +102,12 @@ def simulate(seed, num_blocks, block_size, budget, max_seqs, caching, n_requests
     caching=st.booleans(),
     n_requests=st.integers(1, 25),
     abort_rate=st.sampled_from([0.0, 0.1, 0.4]),
+    chunk_align=st.sampled_from([1, 8]),
 )
 def test_scheduler_never_exceeds_budgets_and_never_leaks_blocks(
-    seed, num_blocks, block_size, budget, max_seqs, caching, n_requests, abort_rate
+    seed, num_blocks, block_size, budget, max_seqs, caching, n_requests, abort_rate, chunk_align
 ):
-    simulate(seed, num_blocks, block_size, budget, max_seqs, caching, n_requests, abort_rate)
+    simulate(seed, num_blocks, block_size, budget, max_seqs, caching, n_requests, abort_rate, chunk_align)
 
 
 def test_scheduler_preempts_newest_when_pool_is_tight():
@@ -133,6 +135,35 @@ def test_chunked_prefill_splits_a_long_prompt_by_the_token_budget():
         chunks.append(n)
         req.num_computed_tokens += n
     assert chunks == [32, 32, 32, 4]
+
+
+def test_a_prefill_cut_short_ends_on_the_chunk_alignment():
+    """CUDA's scheduler (chunk_align = the SDPA bucket): a prompt the budget cuts ends its chunk on a
+    multiple of the alignment, so the next chunk starts on one; a chunk too short to reach one stays."""
+    kv = blocks_only(256, 16, False)
+    s = Scheduler(kv, 8, 600, chunk_align=256)
+    a = Request("a", list(range(1, 301)), SamplingParams(max_tokens=4), 0)
+    b = Request("b", list(range(1, 1001)), SamplingParams(max_tokens=4), 1)
+    s.add(a)
+    s.add(b)
+    steps = []
+    while b.num_computed_tokens < b.num_prompt_tokens:
+        out = s.schedule()
+        steps.append([(req.request_id, n) for req, n in out.scheduled])
+        s.advance(out)
+        s.postprocess(out, sample_tokens(out, random.Random(0)))
+    # b: 300 fit beside a's whole prompt, cut to 256; then chunks within the attention budget that a's
+    # decoding sets, each cut to end on a multiple of 256 unless it falls short of the next one
+    assert steps[0] == [("a", 300), ("b", 256)]
+    ends = np.cumsum([n for step in steps for rid, n in step if rid == "b"])
+    starts = np.concatenate([[0], ends[:-1]])
+    assert ends[-1] == 1000 and len(ends) > 3, steps
+    assert ((ends[:-1] % 256 == 0) | (ends[:-1] // 256 == starts[:-1] // 256)).all(), steps
+    assert (ends[:-1] % 256 == 0).sum() >= 3, steps
+    s2 = Scheduler(blocks_only(256, 16, False), 8, 100, chunk_align=256)
+    c = Request("c", list(range(1, 401)), SamplingParams(max_tokens=1), 0)
+    s2.add(c)
+    assert [n for _, n in s2.schedule().scheduled] == [100]  # short of the first multiple: no cut
 
 
 def test_abort_frees_blocks_in_the_same_step():
