@@ -160,12 +160,12 @@ class Scheduler:
                 continue
             draft = drafts.get(req, ())
             num_new = min(known + len(draft), budget)
-            if known > 1 and keys is not None:
-                num_new = self._prefill_chunk(req.num_computed_tokens, num_new, keys)
-            if known > 1:
+            if known > 1:  # a prefill: within the attention budget while others decode, then aligned
+                if keys is not None:
+                    num_new = self._prefill_chunk(req.num_computed_tokens, num_new, keys)
                 num_new = self._aligned(req.num_computed_tokens, num_new, known)
-            if known > 1 and keys is not None:
-                keys -= attended_keys(req.num_computed_tokens, num_new)
+                if keys is not None:
+                    keys -= attended_keys(req.num_computed_tokens, num_new)
             while not self.kv.allocate(req, num_new):
                 victim = mine.pop()
                 if mine is not self.running:

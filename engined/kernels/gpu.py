@@ -247,14 +247,14 @@ class _StepPlan:
 
 def _adjacent_runs(meta: AttentionMetadata, chunks: np.ndarray) -> list[SdpaRun]:
     """Adjacent chunks of one (query length, context length) in one run each."""
+    qlens, slens = meta.query_lens_np, meta.seq_lens_np
     runs: list[list[int]] = []
-    shape = lambda b: (meta.query_lens_np[b], meta.seq_lens_np[b])  # noqa: E731
     for b in map(int, chunks):
-        if runs and runs[-1][-1] + 1 == b and shape(runs[-1][-1]) == shape(b):
+        if runs and runs[-1][-1] + 1 == b and (qlens[b], slens[b]) == (qlens[b - 1], slens[b - 1]):
             runs[-1].append(b)
         else:
             runs.append([b])
-    return [SdpaRun(np.array(r), int(meta.query_lens_np[r[0]]), int(meta.seq_lens_np[r[0]])) for r in runs]
+    return [SdpaRun(np.array(r), int(qlens[r[0]]), int(slens[r[0]])) for r in runs]
 
 
 def _bucketed_runs(meta: AttentionMetadata, chunks: np.ndarray) -> list[SdpaRun]:
