@@ -39,9 +39,9 @@ def run_engine(config: EngineConfig, daemon: DaemonConfig, parent_pid: int | Non
     if config.num_ranks > 1:
         from mlxd.engined.parallel import pipeline
 
-        group = pipeline.join(config)
-        if group.rank() > 0:  # a worker: no socket, no gateways; it mirrors rank 0 until rank 0 is gone
-            return pipeline.serve_worker(config, group, loading)
+        groups = pipeline.join(config)
+        if groups.link.rank() > 0:  # a worker: no socket, no gateways; it mirrors rank 0 until rank 0 is gone
+            return pipeline.serve_worker(config, groups, loading)
     from mlxd.engined.daemon import Daemon
     from mlxd.engined.encoders.engine import EncoderEngine, encoder_dir
     from mlxd.engined.engine import Engine

@@ -21,12 +21,13 @@ from mlxd.shared.errors import ModelLoadError
 log = logging.getLogger("mlxd.engine")
 
 
-def prepare(model, group: mx.distributed.Group, config: EngineConfig) -> None:
-    """Keep this rank's part of ``model``: its layers (a pipeline) or its shard of every layer."""
+def prepare(model, groups, config: EngineConfig) -> None:
+    """Keep this rank's part of ``model``: its layers (a pipeline) or its shard of every layer
+    (``groups``: ``pipeline.Groups``)."""
     if config.pipeline_parallel_size > 1:
-        split(model, group, config.pipeline_split)
+        split(model, groups.link, config.pipeline_split)
     else:
-        shard(model, group)
+        shard(model, groups.tensor)
 
 
 def shard(model, group: mx.distributed.Group) -> None:

@@ -55,21 +55,35 @@ from mlxd.shared.protocol import SamplingParams
 log = logging.getLogger("mlxd.engine")
 
 
-def join(config: EngineConfig) -> mx.distributed.Group:
-    """This process's group of ``config.num_ranks`` ranks (the launcher set MLX_RANK and MLX_HOSTFILE).
+@dataclasses.dataclass(frozen=True)
+class Groups:
+    """This process's view of its ranks: the link's group, and the one a tensor-parallel model sums over."""
+
+    link: mx.distributed.Group  # rank 0's journal and the pipeline's hand-offs: send and receive
+    tensor: mx.distributed.Group  # NCCL's where the ranks have it, else ``link``
+
+
+def join(config: EngineConfig) -> Groups:
+    """This process's groups of ``config.num_ranks`` ranks (the launcher set MLX_RANK and MLX_HOSTFILE).
 
     Waiting for the other ranks to connect holds the interpreter: a rank that never comes (it
     failed to start) is caught by the watchdog's C timer, not by any Python thread. The ring
     backend gives up connecting to a rank still loading after about 30 s; that is tried again
     for the first half of the timeout (the error then says why, before the watchdog must).
+
+    On CUDA, where the launcher also gave NCCL's rendezvous (``mlxd.ranks`` does when each rank
+    has its own GPU), a tensor-parallel model sums over NCCL, on the GPUs, where the ring would
+    copy each sum through the host and a socket. NCCL cannot send to one rank, so the link is
+    the ring's there, even where MLX would pick NCCL for its default group.
     """
     size = config.num_ranks
+    nccl = mx.distributed.is_available("nccl")
     deadline = time.monotonic() + config.pipeline_timeout / 2
     try:
         with Watchdog(config.pipeline_timeout):
             while True:
                 try:
-                    group = mx.distributed.init(strict=True)
+                    link = mx.distributed.init(strict=True, backend="ring" if nccl else "any")
                     break
                 except RuntimeError as e:
                     if "Couldn't connect" not in str(e) or time.monotonic() > deadline:
@@ -78,10 +92,17 @@ def join(config: EngineConfig) -> mx.distributed.Group:
     except RuntimeError as e:
         raise ModelLoadError(f"{size} ranks asked for, but no distributed backend came up ({e}); start the "
                              "ranks with mlx.launch or let `mlxd engine` start them on this machine") from e
-    if group.size() != size:
-        raise ModelLoadError(f"{size} ranks asked for (--pipeline/--tensor-parallel-size), but {group.size()} "
+    if link.size() != size:
+        raise ModelLoadError(f"{size} ranks asked for (--pipeline/--tensor-parallel-size), but {link.size()} "
                              "were launched")
-    return group
+    if nccl and config.tensor_parallel_size > 1:
+        try:
+            tensor = mx.distributed.init(backend="nccl")  # a group of one where no rendezvous was given
+        except RuntimeError as e:
+            raise ModelLoadError(f"the ranks' ring came up but NCCL did not ({e})") from e
+        if tensor.size() == size:
+            return Groups(link, tensor)
+    return Groups(link, link)
 
 
 class JournaledKV:
@@ -234,7 +255,7 @@ class MirroredRunner(ModelRunner):
 
     def __init__(self, model, specs, kv: KVCacheManager, attention_backend: str, config: EngineConfig):
         super().__init__(model, specs, kv, attention_backend)
-        group = join(config)
+        group = join(config).link
         model_split.hand_off(model, group)
         self.link = Link(group)
         # The other ranks may still be loading; the warm-up forward, which is watched, must not wait on that.
@@ -285,7 +306,7 @@ class MirroredRunner(ModelRunner):
                                    initial_blocks=min(plan.initial_blocks, smallest))
 
 
-def serve_worker(config: EngineConfig, group: mx.distributed.Group, joined: threading.Event) -> int:
+def serve_worker(config: EngineConfig, groups: Groups, joined: threading.Event) -> int:
     """A rank other than 0: load this rank's layers, then replay rank 0's messages until it is gone;
     ``joined`` is set once the group is whole (rank 0's going away then ends this rank)."""
     from mlxd.engined.loaders import load_model
@@ -294,7 +315,8 @@ def serve_worker(config: EngineConfig, group: mx.distributed.Group, joined: thre
 
     config = config.for_device(device_kind())  # the same batch limits as rank 0's engine
     loaded = load_model(config.model, config.dtype)
-    model_split.prepare(loaded.model, group, config)
+    model_split.prepare(loaded.model, groups, config)
+    group = groups.link
     specs = read_layers(loaded.model)
     kv = KVCacheManager.build(specs, config, float_dtype(loaded.model))
     runner = ModelRunner(loaded.model, specs, kv, kernels.resolve_backend(config.attention_backend))

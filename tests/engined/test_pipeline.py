@@ -142,6 +142,22 @@ def test_pipeline_with_tensor_parallelism_is_refused_in_one_line():
     assert out.stderr.strip() == "mlxd: pipeline and tensor parallelism cannot be combined yet; pick one"
 
 
+@pytest.mark.parametrize("size, visible, count, expected", [
+    (2, None, 2, ["0", "1"]),
+    (2, None, 8, ["0", "1"]),
+    (2, "4,5,6", 0, ["4", "5"]),  # the GPUs the user chose, in the user's order
+    (2, "GPU-a1, GPU-b2", 0, ["GPU-a1", "GPU-b2"]),
+    (2, None, 1, None),  # one GPU: the ranks share it, over the ring alone
+    (3, "0,1", 8, None),
+    (2, "", 8, None),  # an empty CUDA_VISIBLE_DEVICES hides every GPU
+    (2, None, 0, None),  # no NVIDIA driver (a Mac, this machine)
+])
+def test_each_rank_gets_a_gpu_of_its_own_only_where_there_is_one_for_every_rank(size, visible, count, expected):
+    from mlxd.ranks import gpus_for
+
+    assert gpus_for(size, visible, count) == expected
+
+
 def _wait_for(what: str, ok, log_path, timeout: float = 120.0) -> None:
     deadline = time.monotonic() + timeout
     while not ok():
