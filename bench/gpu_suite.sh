@@ -59,6 +59,16 @@ for what in ${@:-serving http}; do
       step kv_disk 360 python3 -m bench.kv_disk --shape qwen3-8b --sessions 16 --context 8192 --pool-sessions 4 \
         --disk-budget $(( 32 * 2**30 )) ;;
     speech)  # transcriptions over HTTP against faster-whisper on the GPU, the same model and audio
+      # CTranslate2's wheel opens CUDA 12's cuBLAS by name and calls eight of its functions, which CUDA 13's keeps
+      # as they were: where only 13's is installed, faster-whisper gets it under the 12 name
+      if ! ldconfig -p | grep -q 'libcublas\.so\.12'; then
+        lib=$(find /usr/local/cuda*/lib64 $(python3 -c 'import site; print(*site.getsitepackages())') \
+          -name 'libcublas.so.13*' 2>/dev/null | head -n 1)
+        if [[ -n $lib ]]; then
+          CUBLAS12=$(mktemp -d) && ln -s "$lib" "$CUBLAS12/libcublas.so.12"
+          export LD_LIBRARY_PATH="$CUBLAS12:$(dirname "$lib")${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+        fi
+      fi
       step speech 300 python3 -m bench.speech --concurrency 1 4 16 --requests 32 --device cuda --skip mlx-whisper \
         ${SPEECH_MODEL:+--model "$SPEECH_MODEL"} ${SPEECH_AUDIO:+--audio "$SPEECH_AUDIO"} ;;
     lora)  # a batch over 4 adapters against the base model: the term alone, every projection, q/v only
