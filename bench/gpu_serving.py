@@ -29,8 +29,8 @@ prompts, each side in this process (mlx_lm's ``BatchGenerator`` driven as its
 server drives it); TTFT and inter-token latency percentiles, and mlxd's
 ``cached_tokens`` (its untimed warm-up runs prompts of its own).
 
-``--roofline`` measures the bf16 matmul rate and HBM bandwidth and states what
-they allow for the c=64 mixed batch.
+``--roofline`` measures the bf16 matmul rate and HBM bandwidth, and each closed
+batch's row then states the least time they allow for its tokens (``lower_bound``).
 
     python -m bench.gpu_serving --model qwen3-8b --dtype bf16 --concurrency 1,16,64,128
 """
@@ -237,6 +237,11 @@ def closed_batches(model, make_loaded, args, rows: list) -> None:
                        steps={m: steps[m] for m in engines},
                        cached_tokens={m: [st["cached_tokens"] for st in steps[m]] for m in engines},
                        budget=args.max_num_batched_tokens)
+            roof = next((r for r in rows if r.get("roofline")), None)
+            if roof is not None and args.dtype == "bf16":  # the rates measured are bf16's
+                row["bound"] = lower_bound(roof, SHAPES[args.model], args.weight_bytes, args.parameters, lengths,
+                                           args.max_tokens, 2)
+                row["over_bound"] = {m: round(med[m] / row["bound"]["bound_s"], 2) for m in med}
             rows.append(row)
             print(json.dumps(row), flush=True)
             # An engine's model and step context form reference cycles: collected, its pool's memory goes back.
@@ -338,6 +343,28 @@ def roofline(rows: list) -> None:
     print(json.dumps(row), flush=True)
 
 
+def lower_bound(roof: dict, shape: dict, weight_bytes: int, params: int, lengths: list[int], max_tokens: int,
+                kv_dtype_bytes: int) -> dict:
+    """The least time the measured rates allow a closed batch, with its arithmetic.
+
+    Compute: every weight matmul (2 x parameters per token, prompt and generated) and the
+    prompts' causal attention (2 x length^2 x heads x head dim x layers each) at the matmul
+    rate. Memory: each of the ``max_tokens`` forward passes a request needs one after another
+    reads the weights once, and each generated token reads its context's K/V once, at the read
+    bandwidth. A step takes at least the longer of its two, so no schedule beats the longer sum;
+    a scheduler that rides decode tokens on prefill steps can approach it.
+    """
+    heads, dim, layers = shape["num_attention_heads"], shape["head_dim"], shape["num_hidden_layers"]
+    kv_per_token = layers * shape["num_key_value_heads"] * dim * 2 * kv_dtype_bytes
+    tokens = sum(lengths) + len(lengths) * max_tokens
+    flops = 2 * params * tokens + sum(2 * n * n * heads * dim * layers for n in lengths)
+    kv_read = kv_per_token * sum(max_tokens * n + max_tokens * (max_tokens - 1) // 2 for n in lengths)
+    compute_s = flops / (roof["matmul_tflops"] * 1e12)
+    memory_s = (max_tokens * weight_bytes + kv_read) / (roof["hbm_read_tb_s"] * 1e12)
+    return dict(flops=flops, weight_reads_bytes=max_tokens * weight_bytes, kv_read_bytes=kv_read,
+                compute_s=round(compute_s, 3), memory_s=round(memory_s, 3), bound_s=round(max(compute_s, memory_s), 3))
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="qwen3-8b", choices=sorted(SHAPES))
@@ -360,6 +387,7 @@ def main(argv=None) -> None:
     args = ap.parse_args(argv)
     print(f"seed {args.seed}", flush=True)
     import mlx.core as mx
+    from mlx.utils import tree_flatten
 
     DEFAULT_CACHE_LIMIT.append(mx.set_cache_limit(0))
     mx.set_cache_limit(DEFAULT_CACHE_LIMIT[0])
@@ -368,7 +396,9 @@ def main(argv=None) -> None:
         roofline(rows)
     model, make_loaded, n = build_models(args.model, args.dtype, args.seed)
     args.label = f"{args.model} {args.dtype}"
-    print(json.dumps(dict(model=args.label, parameters=n)), flush=True)
+    args.parameters = n
+    args.weight_bytes = sum(p.nbytes for _, p in tree_flatten(model.parameters()))  # 4-bit: packed, with scales
+    print(json.dumps(dict(model=args.label, parameters=n, weight_bytes=args.weight_bytes)), flush=True)
     if args.concurrency:
         closed_batches(model, make_loaded, args, rows)
     if args.poisson:
