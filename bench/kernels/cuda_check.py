@@ -23,7 +23,7 @@ import time
 import traceback
 
 os.environ.setdefault("MLX_ENABLE_TF32", "0")  # a float32 oracle must not run its matmuls in tf32
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
+sys.path.append(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))  # after an install or the suite's namespace
 
 import mlx.core as mx  # noqa: E402
 import numpy as np  # noqa: E402
