@@ -23,10 +23,11 @@ tokens (neither side is given an end token). The clock starts before the prompts
 
 Both get the same rendered prompts and images. Reported per (side, c): the median over
 ``--repeats`` of TTFT per request (p50 and max, ms) and of total tokens/s (prompt + generated over
-the run's wall time), whether each request's greedy tokens agree across the sides in the last run (a
-mismatch on the first request means the sides do not run the same model, and the ratio means
-nothing; bfloat16 may part later requests at near ties), and how many distinct answers the last run
-gave (fewer than ``c`` would say the images and words barely steer the random model).
+the run's wall time), whether each request's greedy tokens agree across the sides in the last run
+and where each first differs (a difference at the first token means the sides do not run the same
+model, and the ratio means nothing; bfloat16 may part them later at near ties), and how many
+distinct answers the last run gave (fewer than ``c`` would say the images and words barely steer
+the random model).
 
     python -m bench.vision --shape gemma3-4b --concurrency 1 8 32 --max-tokens 64 --repeats 2
 """
@@ -181,7 +182,12 @@ def run_mlx_vlm(model, processor, requests, max_tokens: int) -> dict:
                 tokens=[tokens[u] for u in uids])
 
 
-def summary(side: str, c: int, runs: list[dict], agree: list[int], args) -> dict:
+def first_differences(ours: list[list[int]], theirs: list[list[int]]) -> list[int | None]:
+    """Per request, the first generated position where the sides' tokens differ (None: equal)."""
+    return [next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), None) for x, y in zip(ours, theirs)]
+
+
+def summary(side: str, c: int, runs: list[dict], differ: list[int | None], args) -> dict:
     """One (side, c) row: medians over the timed runs."""
     total = [(r["prompt_tokens"] + sum(map(len, r["tokens"]))) / r["wall"] for r in runs]
     generated = [sum(map(len, r["tokens"])) / r["wall"] for r in runs]
@@ -190,7 +196,8 @@ def summary(side: str, c: int, runs: list[dict], agree: list[int], args) -> dict
                 ttft_max_ms=round(1e3 * statistics.median(max(r["ttft"]) for r in runs), 1),
                 total_tok_s=round(statistics.median(total), 1), gen_tok_s=round(statistics.median(generated), 1),
                 prompt_tokens=runs[0]["prompt_tokens"], seconds=[round(r["wall"], 3) for r in runs],
-                tokens_agree=agree, distinct_answers=len({tuple(t) for t in runs[-1]["tokens"]}))
+                tokens_agree=[int(d is None) for d in differ], first_difference=differ,
+                distinct_answers=len({tuple(t) for t in runs[-1]["tokens"]}))
 
 
 def emit(row: dict, out: str | None) -> None:
@@ -206,11 +213,12 @@ def table(rows: list[dict]) -> str:
              "tok/s ratio | TTFT p50 ratio | tokens agree |", "|---|---|---|---|---|---|---|---|"]
     for c in sorted({r["c"] for r in rows}):
         m, v = ({r["side"]: r for r in rows if r["c"] == c}[s] for s in ("mlxd", "mlx_vlm"))
-        agree = m["tokens_agree"]
+        differ = [d for d in m["first_difference"] if d is not None]
+        parted = f" (first difference at token {min(differ)})" if differ else ""
         lines.append(f"| {c} | {m['ttft_p50_ms']} / {m['ttft_max_ms']} | {v['ttft_p50_ms']} / {v['ttft_max_ms']} | "
                      f"{m['total_tok_s']} | {v['total_tok_s']} | {m['total_tok_s'] / v['total_tok_s']:.2f}x | "
-                     f"{v['ttft_p50_ms'] / m['ttft_p50_ms']:.2f}x | {sum(agree)}/{len(agree)} (first: "
-                     f"{'yes' if agree[0] else 'NO'}) |")
+                     f"{v['ttft_p50_ms'] / m['ttft_p50_ms']:.2f}x | "
+                     f"{len(m['first_difference']) - len(differ)}/{len(m['first_difference'])}{parted} |")
     return "\n".join(lines)
 
 
@@ -255,18 +263,18 @@ def main(argv=None) -> None:
         rows = []
         for c in args.concurrency:
             runs = {"mlxd": [], "mlx_vlm": []}
-            agree = []
+            differ = []
             for rep in range(args.repeats + 1):  # the first is untimed: kernels compile for new shapes
                 requests = fresh_requests(processor, c, spec["image_size"], rng)
                 vlm = run_mlx_vlm(model, vlm_processor, requests, args.max_tokens)
                 ours = run_mlxd(engine, processor, image_id, requests, args.max_tokens)
                 assert all(len(t) == args.max_tokens for t in ours["tokens"] + vlm["tokens"])
-                agree = [int(a == b) for a, b in zip(ours["tokens"], vlm["tokens"])]
+                differ = first_differences(ours["tokens"], vlm["tokens"])
                 if rep:
                     runs["mlxd"].append(ours)
                     runs["mlx_vlm"].append(vlm)
             for side, timed in runs.items():
-                rows.append(summary(side, c, timed, agree, args))
+                rows.append(summary(side, c, timed, differ, args))
                 emit(rows[-1], args.out)
             gc.collect()
             mx.clear_cache()
