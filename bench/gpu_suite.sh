@@ -37,6 +37,8 @@ step() {  # step NAME CAP_S COMMAND...: run COMMAND under min(CAP_S, what is lef
   echo "   rc=$? ($(( $(date +%s) - T0 ))s)"; tail -n 14 "$OUT/$name.log"
 }
 python3 -c 'import mlx.core as mx; print("mlx", mx.__version__, mx.default_device())' || exit 1
+# What `mlxd serve` imports, found missing now rather than by a benchmark after minutes of device time
+python3 -c 'import mlxd.gateway.server, mlxd.engined.engine' || echo "WARNING: mlxd serve cannot start here (above): http and speech will fail"
 for what in ${@:-serving http}; do
   case $what in
     serving|serving_bf16|serving_q4)  # the Engine against mlx_lm's batch generator on the same arrays: mixed and
