@@ -230,7 +230,7 @@ def _compare(args, model: str, names: list[str], tmp: Path) -> int:
         n = CONFIGS[name].get("pipeline_parallel_size", 1)
         idle = f"{1 - (one['seconds'] / n) / r['seconds']:.2f}" if n > 1 else "-"
         print(f"| {name} | {r['seconds']:.2f} | {generated / r['seconds']:.1f} | {one['seconds'] / r['seconds']:.2f}x "
-              f"| {_agreement(r['tokens'], one['tokens'])} | {r['steps']} ({r['overlapped']}) | {idle} |")
+              f"| {agreement(first_differences(r['tokens'], one['tokens']))} | {r['steps']} ({r['overlapped']}) | {idle} |")
     return 0
 
 
@@ -247,7 +247,7 @@ def _levels_table(args, results: dict, levels: list[int]) -> None:
             f = _figures(r)
             print(f"| {name} | {c} | {f[0]:.3f} | {f[1]:.1f} | {f[2]:.0f} | {f[0] / ref[0]:.2f}x | "
                   f"{f[1] / ref[1]:.2f}x | {f[2] / ref[2]:.2f}x | "
-                  f"{_agreement(r['tokens'], results[names[0]]['levels'][i]['tokens'])} |")
+                  f"{agreement(first_differences(r['tokens'], results[names[0]]['levels'][i]['tokens']))} |")
 
 
 def _figures(level: dict) -> tuple[float, float, float]:
@@ -257,12 +257,16 @@ def _figures(level: dict) -> tuple[float, float, float]:
             (level["prompt_tokens"] + generated) / level["seconds"])
 
 
-def _agreement(got: list[list[int]], want: list[list[int]]) -> str:
+def first_differences(got: list[list[int]], want: list[list[int]]) -> list[int | None]:
+    """Per request, the first generated position where its tokens differ from the reference's (None: equal)."""
+    return [None if g == w else next((i for i, (x, y) in enumerate(zip(g, w)) if x != y), min(len(g), len(w)))
+            for g, w in zip(got, want)]
+
+
+def agreement(differ: list[int | None]) -> str:
     """How many requests' tokens equal the reference's, and the earliest generated token where one differs."""
-    firsts = [next((i for i, (x, y) in enumerate(zip(g, w)) if x != y), min(len(g), len(w)))
-              for g, w in zip(got, want) if g != w]
-    same = f"{len(want) - len(firsts)}/{len(want)}"
-    return same + (f" (token {min(firsts)})" if firsts else "")
+    firsts = [d for d in differ if d is not None]
+    return f"{len(differ) - len(firsts)}/{len(differ)}" + (f" (token {min(firsts)})" if firsts else "")
 
 
 if __name__ == "__main__":

@@ -45,6 +45,8 @@ from pathlib import Path
 
 import numpy as np
 
+from mlxd.bench.pipeline import agreement, first_differences
+
 # Gemma 3 4B as its config.json states it (google/gemma-3-4b-it); the tokenizer stays the tiny one,
 # so the image marker ids are its, inside the text model's vocabulary.
 SHAPES = {
@@ -182,11 +184,6 @@ def run_mlx_vlm(model, processor, requests, max_tokens: int) -> dict:
                 tokens=[tokens[u] for u in uids])
 
 
-def first_differences(ours: list[list[int]], theirs: list[list[int]]) -> list[int | None]:
-    """Per request, the first generated position where the sides' tokens differ (None: equal)."""
-    return [next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), None) for x, y in zip(ours, theirs)]
-
-
 def summary(side: str, c: int, runs: list[dict], differ: list[int | None], args) -> dict:
     """One (side, c) row: medians over the timed runs."""
     total = [(r["prompt_tokens"] + sum(map(len, r["tokens"]))) / r["wall"] for r in runs]
@@ -196,7 +193,7 @@ def summary(side: str, c: int, runs: list[dict], differ: list[int | None], args)
                 ttft_max_ms=round(1e3 * statistics.median(max(r["ttft"]) for r in runs), 1),
                 total_tok_s=round(statistics.median(total), 1), gen_tok_s=round(statistics.median(generated), 1),
                 prompt_tokens=runs[0]["prompt_tokens"], seconds=[round(r["wall"], 3) for r in runs],
-                tokens_agree=[int(d is None) for d in differ], first_difference=differ,
+                first_difference=differ,
                 distinct_answers=len({tuple(t) for t in runs[-1]["tokens"]}))
 
 
@@ -213,12 +210,10 @@ def table(rows: list[dict]) -> str:
              "tok/s ratio | TTFT p50 ratio | tokens agree |", "|---|---|---|---|---|---|---|---|"]
     for c in sorted({r["c"] for r in rows}):
         m, v = ({r["side"]: r for r in rows if r["c"] == c}[s] for s in ("mlxd", "mlx_vlm"))
-        differ = [d for d in m["first_difference"] if d is not None]
-        parted = f" (first difference at token {min(differ)})" if differ else ""
         lines.append(f"| {c} | {m['ttft_p50_ms']} / {m['ttft_max_ms']} | {v['ttft_p50_ms']} / {v['ttft_max_ms']} | "
                      f"{m['total_tok_s']} | {v['total_tok_s']} | {m['total_tok_s'] / v['total_tok_s']:.2f}x | "
                      f"{v['ttft_p50_ms'] / m['ttft_p50_ms']:.2f}x | "
-                     f"{len(m['first_difference']) - len(differ)}/{len(m['first_difference'])}{parted} |")
+                     f"{agreement(m['first_difference'])} |")
     return "\n".join(lines)
 
 
