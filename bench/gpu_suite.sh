@@ -64,7 +64,7 @@ for what in ${@:-serving http}; do
       # CTranslate2's wheel opens CUDA 12's cuBLAS by name and calls eight of its functions, which CUDA 13's keeps
       # as they were: where only 13's is installed, faster-whisper gets it under the 12 name
       if ! ldconfig -p | grep -q 'libcublas\.so\.12'; then
-        lib=$(find /usr/local/cuda*/lib64 $(python3 -c 'import site; print(*site.getsitepackages())') \
+        lib=$(find -L /usr/local/cuda*/lib64 $(python3 -c 'import site; print(*site.getsitepackages())') \
           -name 'libcublas.so.13*' 2>/dev/null | head -n 1)
         if [[ -n $lib ]]; then
           CUBLAS12=$(mktemp -d) && ln -s "$lib" "$CUBLAS12/libcublas.so.12"

@@ -82,6 +82,12 @@ def run_all(engine: Engine, prompts: list[list[int]], params: SamplingParams, ta
     return time.perf_counter() - start, sum(map(len, prompts)) + len(prompts) * params.max_tokens
 
 
+def close_tier(engine: Engine) -> None:
+    """Let the tier's writer finish before its folder is removed (a write still queued would race the removal)."""
+    if engine.scheduler.kv.disk is not None:
+        engine.scheduler.kv.disk.store.close()
+
+
 def returning(vocab: int, args, tier: bool, restart: bool) -> tuple[list[float], list[int], list[list[int]]]:
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
     rng = np.random.default_rng(args.seed)
@@ -93,8 +99,7 @@ def returning(vocab: int, args, tier: bool, restart: bool) -> tuple[list[float],
             ttft(engine, f"first{i}", c, params)
         if restart:
             engine.release_idle_memory()  # its first idle moment: the tier writes what a restart finds
-            if engine.scheduler.kv.disk is not None:
-                engine.scheduler.kv.disk.store.close()
+            close_tier(engine)
             del engine
             gc.collect()
             mx.clear_cache()
@@ -107,6 +112,7 @@ def returning(vocab: int, args, tier: bool, restart: bool) -> tuple[list[float],
             times.append(s)
             cached.append(n)
             tokens.append(out)
+        close_tier(engine)
         return times, cached, tokens
 
 
@@ -120,6 +126,7 @@ def one_shot(vocab: int, args, tier: bool, repeat: int) -> float:
         for k in range(0, len(prompts), args.concurrency):
             s, n = run_all(engine, prompts[k:k + args.concurrency], params, f"one{k}-")
             seconds, tokens = seconds + s, tokens + n
+        close_tier(engine)
         return tokens / seconds
 
 

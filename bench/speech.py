@@ -82,9 +82,11 @@ def bench_mlxd(model: Path, audio: Path, levels: list[int], n: int, folder: Path
             try:
                 print(f"mlxd: {one()!r}", flush=True)  # also the warm-up
                 break
-            except httpx.HTTPError:
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    sys.exit(f"mlxd serve did not come up: {(folder / 'serve.log').read_text()[-2000:]}")
+            except httpx.HTTPError as e:
+                # Until the engine is up the gateway refuses (connection errors, 503); any other answer is final
+                failed = isinstance(e, httpx.HTTPStatusError) and e.response.status_code != 503
+                if failed or proc.poll() is not None or time.monotonic() > deadline:
+                    sys.exit(f"mlxd serve did not answer: {(folder / 'serve.log').read_text()[-2000:]}")
                 time.sleep(1)
         return {c: run_clients(c, n, one) for c in levels}
     finally:
