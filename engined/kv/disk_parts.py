@@ -73,7 +73,8 @@ class Part:
                 before_write: Callable[[], None]) -> int:
         """Put the entries ``read`` for the blocks ``hashes`` a prefix needs into the group, cached;
         returns how many. ``before_write`` runs once entries were evicted to make room, before their
-        places are overwritten."""
+        places are overwritten. What it writes is evaluated before it returns, on the caller's thread
+        (which waited for any step being encoded elsewhere): see ``DiskTier._install``."""
         raise NotImplementedError
 
 
@@ -134,6 +135,7 @@ class PagedPart(Part):
                 arrays = kv.k if name[0] == "k" else kv.v
                 layer = i % len(kv.k)
                 arrays[layer][ids] = mx.array(np.stack([a[name] for _, a in todo])).view(kv.dtype)
+            mx.eval(kv.k, kv.v)  # no step graph may hold this thread's lazy writes (``DiskTier._install``)
             for b, (h, _) in zip(blocks, todo):
                 pool.cache(b, h)
         pool.free(list(reversed(held + blocks)))
@@ -177,4 +179,5 @@ class StatePart(Part):
             if h in read and not self.in_memory(h):
                 arrays = [mx.array(read[h][name]).view(dtype) for name, dtype in zip(self.names, self.dtypes)]
                 done += self.group.restore(h, arrays)
+        mx.eval(self._arrays())  # as ``PagedPart.install``
         return done

@@ -185,6 +185,12 @@ class DiskTier:
     def _install(self, req: Request, n: int, wanted: list[tuple[Part, bytes]], results: list) -> None:
         """Put what was read for ``req`` in place, part by part (the main pool's first); whatever is
         missing cuts the prefix its lookup then finds."""
+        # The arrays written below are evaluated here, on this thread, each part's at the end of its
+        # install: left lazy, they would enter the next step's graph as operations on this thread's
+        # default stream, which the thread encoding steps (``fastpath/encode_thread``) cannot evaluate
+        # ("There is no Stream(gpu, 0) in current thread", MLX's streams being per thread). Their
+        # inputs are the pools as the step in flight leaves them: that step must be encoded first.
+        self.settle()
         read: dict[Part, dict[bytes, dict]] = {p: {} for p in self.parts}
         for (part, h), arrays in zip(wanted, results):
             if not part.fits(arrays):

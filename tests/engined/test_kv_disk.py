@@ -73,15 +73,15 @@ def evict_then_return(eng, prompts, lora=None):
     return first, run(eng, prompts[0], "a1", lora)
 
 
-# Asynchronous scheduling too (as on a GPU): the next step is built while one is in flight, and a
-# hybrid's snapshots are evicted while a step is being built.
+# Asynchronous scheduling too (as on a GPU, steps encoded on a thread of their own as on CUDA): the next
+# step is built while one is in flight, and a hybrid's snapshots are evicted while a step is being built.
 @pytest.mark.parametrize("kind,asynchronous", [("dense", False), ("window", False), ("hybrid", False),
                                                ("hybrid", True)])
 def test_a_disk_hit_gives_the_tokens_of_a_recompute(models, tmp_path, kind, asynchronous):
     seed = fresh_seed(kind)
-    eng = engine(models[kind], tmp_path / "kv", async_scheduling=asynchronous,
+    eng = engine(models[kind], tmp_path / "kv", async_scheduling=asynchronous, encode_thread=asynchronous,
                  attention_backend="reference" if asynchronous else "auto")
-    assert eng.async_scheduling == asynchronous
+    assert eng.async_scheduling == asynchronous and (eng.encoder is not None) == asynchronous
     tier = eng.scheduler.kv.disk
     assert tier is not None and len(tier.parts) == len(eng.scheduler.kv.groups)
     # Four sessions: the others also cycle the window pool and the snapshot slots.
@@ -184,15 +184,21 @@ def test_the_budget_holds_least_recently_used_out_first(models, tmp_path):
     assert on_disk == store.totals.bytes <= budget
 
 
-def test_a_new_engine_finds_the_blocks_of_the_last_sessions(models, tmp_path):
+# With steps encoded on a thread of their own (as on CUDA): blocks read back are written into the pools
+# on the engine's thread, and no step graph may depend on that thread's stream (MLX's streams are per
+# thread; the first GPU run failed with "There is no Stream(gpu, 0) in current thread" here).
+@pytest.mark.parametrize("encode_thread", [False, True])
+def test_a_new_engine_finds_the_blocks_of_the_last_sessions(models, tmp_path, encode_thread):
     seed = fresh_seed("restart")
     prompt = sessions(seed, n=1)[0]
-    eng = engine(models["dense"], tmp_path / "kv")
+    kw = dict(async_scheduling=True, encode_thread=True, attention_backend="reference") if encode_thread else {}
+    eng = engine(models["dense"], tmp_path / "kv", **kw)
+    assert (eng.encoder is not None) == encode_thread
     first, _ = run(eng, prompt, "a0")
     eng.scheduler.kv.release_idle(0.0)  # the engine's first idle moment writes what a restart should find
     eng.scheduler.kv.disk.store.flush()
     del eng
-    again = engine(models["dense"], tmp_path / "kv")
+    again = engine(models["dense"], tmp_path / "kv", **kw)
     toks, cached = run(again, prompt, "a1")
     assert cached == (len(prompt) - 1) // BLOCK * BLOCK
     assert toks == first, f"seed {seed}"
