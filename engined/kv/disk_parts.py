@@ -63,18 +63,18 @@ class Part:
         """Host copies of entries' arrays, by name."""
         raise NotImplementedError
 
-    def fits(self, arrays: dict[str, np.ndarray]) -> bool:
-        """Whether arrays read from a file are one entry of this part's layout."""
-        return list(arrays) == self.names and all(
-            a.shape == tuple(shape) and a.dtype.itemsize == size
-            for a, (shape, size) in zip(arrays.values(), self.layout))
+    @property
+    def entry_bytes(self) -> int:
+        """Bytes of one entry (one block's file, less its header)."""
+        return sum(int(np.prod(shape)) * width for shape, width in self.layout)
 
-    def install(self, hashes: list[bytes], read: dict[bytes, dict[str, np.ndarray]],
+    def install(self, hashes: list[bytes], rows: dict[bytes, int], read: dict[str, np.ndarray],
                 before_write: Callable[[], None]) -> int:
-        """Put the entries ``read`` for the blocks ``hashes`` a prefix needs into the group, cached;
-        returns how many. ``before_write`` runs once entries were evicted to make room, before their
-        places are overwritten. What it writes is evaluated before it returns, on the caller's thread
-        (which waited for any step being encoded elsewhere): see ``DiskTier._install``."""
+        """Put the entries read for the blocks ``hashes`` a prefix needs into the group, cached: ``read``
+        holds them stacked by name (``DiskStore.read``), block ``h`` at row ``rows[h]``; returns how many.
+        ``before_write`` runs once entries were evicted to make room, before their places are overwritten.
+        What it writes is evaluated before it returns, on the caller's thread (which waited for any step
+        being encoded elsewhere): see ``DiskTier._install``."""
         raise NotImplementedError
 
 
@@ -120,21 +120,24 @@ class PagedPart(Part):
         host = to_host(taken)
         return [{name: a[j] for name, a in zip(self.names, host)} for j in range(len(entries))]
 
-    def install(self, hashes, read, before_write) -> int:
+    def install(self, hashes, rows, read, before_write) -> int:
         pool = self.pool
         held = [b for h in hashes if (b := pool.lookup(h)) is not None]
         pool.touch(held)  # taking blocks below must not evict the ones the prefix needs
-        todo = [(h, read[h]) for h in hashes if pool.lookup(h) is None and h in read]
+        todo = [(h, rows[h]) for h in hashes if pool.lookup(h) is None and h in rows]
         todo = todo[: pool.num_free]
         blocks = self._take(len(todo)) if self._take is not None else pool.allocate(len(todo))
         before_write()
         if blocks:
             kv = self.group.kv
             ids = mx.array([b.block_id for b in blocks])
+            picked = [r for _, r in todo]
+            whole = picked == list(range(len(next(iter(read.values())))))
             for i, name in enumerate(self.names):
                 arrays = kv.k if name[0] == "k" else kv.v
                 layer = i % len(kv.k)
-                arrays[layer][ids] = mx.array(np.stack([a[name] for _, a in todo])).view(kv.dtype)
+                rows_read = read[name] if whole else read[name][picked]
+                arrays[layer][ids] = mx.array(rows_read).view(kv.dtype)
             mx.eval(kv.k, kv.v)  # no step graph may hold this thread's lazy writes (``DiskTier._install``)
             for b, (h, _) in zip(blocks, todo):
                 pool.cache(b, h)
@@ -173,11 +176,11 @@ class StatePart(Part):
         mx.eval(taken)
         return [dict(zip(self.names, to_host(arrays))) for arrays in taken]
 
-    def install(self, hashes, read, before_write) -> int:
+    def install(self, hashes, rows, read, before_write) -> int:
         done = 0
         for h in hashes:
-            if h in read and not self.in_memory(h):
-                arrays = [mx.array(read[h][name]).view(dtype) for name, dtype in zip(self.names, self.dtypes)]
+            if h in rows and not self.in_memory(h):
+                arrays = [mx.array(read[name][rows[h]]).view(dtype) for name, dtype in zip(self.names, self.dtypes)]
                 done += self.group.restore(h, arrays)
         mx.eval(self._arrays())  # as ``PagedPart.install``
         return done

@@ -6,6 +6,15 @@ pool is cut back), and, while no request holds a block, every cached block not
 written yet is (so that a restart, or a crash after a pause, finds the blocks
 of the last sessions). The copy is taken on the engine thread, before the step
 that overwrites the block is built; the disk is written on the store's thread.
+Blocks evicted faster than the disk takes them are dropped (the store bounds
+what waits, in host memory) before they are copied, so the copy costs no more
+than the writer takes. The pool evicts a prefix's tail first; the tier queues
+each batch of evicted blocks in the other order, head first, so that when the
+writer falls behind it is the tails that are dropped: a tail is no use
+without its head, and a head alone is a shorter hit. (Queued tail first, an
+8K-token session of an 8B model, 512 blocks of 2.3 MB evicted at once on an
+H100, kept only its last ~108 blocks, and returning sessions found 297 of
+8,256 tokens.)
 
 In: before a waiting request is admitted, the blocks that continue its cached
 prefix past what the pool holds are looked up in the store's index; if there
@@ -15,8 +24,30 @@ run). Once read, they are put into free blocks of the pool and cached under
 their hashes, and the request's lookup finds them like any cached prefix: its
 ``num_cached_tokens`` counts them. A block missing or not intact on disk ends
 the run there: the rest is computed. A read not back within the read timeout
-turns the tier off (the disk is not answering, and the store's one worker
+turns the tier off (the disk is not answering, and the store's readers
 would hold every later read behind it): the request computes its prefix.
+The blocks read are written into the pools and evaluated on the engine's
+thread, after the step being encoded on another thread (``settle``): a step
+graph must not hold an operation on this thread's stream, which the encode
+thread cannot evaluate (MLX's streams are per thread).
+
+Read or recompute: a read pays only where the disk gives the blocks back
+faster than the engine computes them, which depends on the machine (a Mac's
+prefill of a 30K context takes minutes; an H100 prefills 8K tokens of an 8B
+model in 0.25 s, while the same 1.2 GB take longer than that to read). So the
+tier measures both and decides per lookup: it reads the ``b`` bytes of the
+``t`` tokens it would spare only if ``b / read_rate < t / prefill_rate``,
+else the request computes its prefix (``DiskTotals.declined_reads``).
+``prefill_rate`` is tokens per second of the requests that finished here,
+each the prompt tokens it computed over its time from admission to its first
+token (requests computing fewer than ``MIN_PREFILL_SAMPLE`` tokens are left
+out: their time is a step's overhead); ``read_rate`` is bytes per second of
+the reads the tier made, from asking to the blocks being in the pool. Both
+are averages weighted by size, older samples fading (``Rate``). Until a read
+was measured the store's write rate stands in for it (a disk rarely reads
+slower than it writes); until either rate is known the tier reads. The rates
+are kept in the namespace's folder (``disk_store.RATES_FILE``) at each idle
+moment, so that a restarted engine decides from the first request on.
 
 Each KV group is a part of the tier (``disk_parts``): the main pool's blocks, a
 window pool's, a hybrid model's state snapshots, each written when it leaves
@@ -30,6 +61,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -47,6 +79,50 @@ log = logging.getLogger("mlxd.engine")
 
 # Bytes of K/V copied to the host at once.
 CHUNK_BYTES = 32 * 2**20
+# Requests computing fewer prompt tokens than this give no sample of the prefill rate.
+MIN_PREFILL_SAMPLE = 512
+# The weight an older sample of a rate keeps when a new one comes.
+FADE = 0.5
+
+
+class Rate:
+    """Units per second over the samples given, each weighted by its size, older ones fading by ``FADE``."""
+
+    def __init__(self, value: float | None = None):
+        # A kept rate counts as one second's sample.
+        self.units, self.seconds = (value, 1.0) if value else (0.0, 0.0)
+
+    def add(self, units: float, seconds: float) -> None:
+        if units > 0 and seconds > 0:
+            self.units = self.units * FADE + units
+            self.seconds = self.seconds * FADE + seconds
+
+    @property
+    def value(self) -> float | None:
+        return self.units / self.seconds if self.units > 0 and self.seconds > 0 else None
+
+
+def gather(futures: list[Future]) -> Future:
+    """A future of the results of ``futures`` (in order), or of the first exception among them."""
+    out: Future = Future()
+    lock, left = threading.Lock(), [len(futures)]
+
+    def done(f: Future) -> None:
+        with lock:
+            if out.done():
+                return
+            if f.exception() is not None:
+                out.set_exception(f.exception())
+                return
+            left[0] -= 1
+            if left[0] == 0:
+                out.set_result([g.result() for g in futures])
+
+    if not futures:
+        out.set_result([])
+    for f in futures:
+        f.add_done_callback(done)
+    return out
 
 
 def weights_fingerprint(model) -> str:
@@ -80,8 +156,11 @@ class DiskTier:
         self.settle = settle
         self.read_timeout = read_timeout
         # Per waiting request looked up: None (nothing to read, or read and put in place), or what is
-        # being read: (prefix blocks, [(part, block hash)], future of their arrays, when it was asked).
-        self._reads: dict[str, tuple[int, list[tuple[Part, bytes]], Future, float] | None] = {}
+        # being read: (prefix blocks, [(part, [block hashes])], future of their arrays, when it was asked).
+        self._reads: dict[str, tuple[int, list[tuple[Part, list[bytes]]], Future, float] | None] = {}
+        rates = store.rates
+        self.prefill_rate = Rate(rates.get("prefill_tokens_per_s"))  # tokens/s of prompts computed
+        self.read_rate = Rate(rates.get("read_bytes_per_s"))  # bytes/s of reads, asked to installed
 
     @property
     def enabled(self) -> bool:
@@ -90,18 +169,35 @@ class DiskTier:
     # -- out --------------------------------------------------------------------------------------
 
     def spill(self) -> None:
-        """Queue what left each group since the last call (contents intact) for writing."""
+        """Queue what left each group since the last call (contents intact) for writing, a batch's
+        last evicted first (a prefix's head: see the module doc)."""
         for part in self.parts:
             evicted = part.take_evicted()
             if evicted and self.store.enabled:
-                self._write(part, [(h, w) for h, w in evicted if not self.store.has(part.key(h))])
+                self._write(part, [(h, w) for h, w in reversed(evicted) if not self.store.has(part.key(h))])
 
     def persist(self) -> None:
-        """Queue everything the groups have cached that the store lacks (while no request holds a block)."""
+        """Queue everything the groups have cached that the store lacks (while no request holds a block),
+        and keep the rates measured so far."""
         self.spill()  # and let go of what was evicted, whose copies may hold whole arrays
         for part in self.parts:
             if self.store.enabled:
                 self._write(part, [(h, w) for h, w in part.cached() if not self.store.has(part.key(h))])
+        rates = {"prefill_tokens_per_s": self.prefill_rate.value, "read_bytes_per_s": self.read_rate.value}
+        self.store.save_rates({k: v for k, v in rates.items() if v})
+
+    # -- read or recompute --------------------------------------------------------------------------
+
+    def pays(self, nbytes: int, tokens: int) -> bool:
+        """Whether reading ``nbytes`` is expected to take less time than computing the ``tokens`` they
+        spare (see the module doc: measured rates; a read where they are not known yet)."""
+        read = self.read_rate.value
+        if read is None and self.store.write_seconds > 0:
+            read = self.store.totals.bytes_written / self.store.write_seconds
+        prefill = self.prefill_rate.value
+        if read is None or prefill is None:
+            return True
+        return nbytes / read < tokens / prefill
 
     def _write(self, part: Part, entries: list) -> None:
         """Copy entries to the host and queue them, a bounded chunk at a time, while the store has room
@@ -141,7 +237,10 @@ class DiskTier:
             if future.exception() is not None:  # a failure reading is a miss: the prefix is computed
                 log.warning("KV disk cache: reading blocks failed: %r", future.exception())
             else:
-                self._install(req, n, wanted, future.result())
+                results = future.result()
+                self._install(req, n, wanted, results)
+                nbytes = sum(k * part.entry_bytes for (part, _), (k, _) in zip(wanted, results))
+                self.read_rate.add(nbytes, time.monotonic() - asked)
             return False
         self._reads[rid] = None
         if not self.store.enabled:
@@ -149,11 +248,16 @@ class DiskTier:
         held = held()
         n = self._longest(req, held)
         hashes = req.block_hashes
-        wanted = [(part, hashes[i]) for part in self.parts for i in part.span(n, self.block_size)
-                  if not part.in_memory(hashes[i])]
+        wanted = [(part, [hashes[i] for i in part.span(n, self.block_size) if not part.in_memory(hashes[i])])
+                  for part in self.parts]
+        wanted = [(part, hs) for part, hs in wanted if hs]
         if n <= held or not wanted:
             return False
-        self._reads[rid] = (n, wanted, self.store.read([part.key(h) for part, h in wanted]), time.monotonic())
+        if not self.pays(sum(len(hs) * part.entry_bytes for part, hs in wanted), (n - held) * self.block_size):
+            self.store.totals.declined_reads += 1
+            return False
+        future = gather([self.store.read([part.key(h) for h in hs], part.names, part.layout) for part, hs in wanted])
+        self._reads[rid] = (n, wanted, future, time.monotonic())
         return True
 
     def _longest(self, req: Request, held: int) -> int:
@@ -179,10 +283,15 @@ class DiskTier:
         return [e[2] for e in self._reads.values() if e is not None and not e[2].done()]
 
     def forget(self, req: Request) -> None:
-        """The request left the queues (finished, aborted or preempted): a read for it is not used."""
+        """The request left the queues (finished, aborted or preempted): a read for it is not used; a
+        finished one's prefill is a sample of the prefill rate."""
         self._reads.pop(req.request_id, None)
+        computed = req.num_prompt_tokens - req.num_cached_tokens
+        if (req.finished and computed >= MIN_PREFILL_SAMPLE and req.first_token_time is not None
+                and req.first_scheduled_time is not None):
+            self.prefill_rate.add(computed, req.first_token_time - req.first_scheduled_time)
 
-    def _install(self, req: Request, n: int, wanted: list[tuple[Part, bytes]], results: list) -> None:
+    def _install(self, req: Request, n: int, wanted: list[tuple[Part, list[bytes]]], results: list) -> None:
         """Put what was read for ``req`` in place, part by part (the main pool's first); whatever is
         missing cuts the prefix its lookup then finds."""
         # The arrays written below are evaluated here, on this thread, each part's at the end of its
@@ -191,14 +300,11 @@ class DiskTier:
         # ("There is no Stream(gpu, 0) in current thread", MLX's streams being per thread). Their
         # inputs are the pools as the step in flight leaves them: that step must be encoded first.
         self.settle()
-        read: dict[Part, dict[bytes, dict]] = {p: {} for p in self.parts}
-        for (part, h), arrays in zip(wanted, results):
-            if not part.fits(arrays):
-                break
-            read[part][h] = arrays
+        read = {part: (dict(zip(hs[:k], range(k))), arrays) for (part, hs), (k, arrays) in zip(wanted, results)}
         for i, part in enumerate(self.parts):
             hashes = [req.block_hashes[j] for j in part.span(n, self.block_size)]
-            done = part.install(hashes, read[part], self.spill)
+            rows, arrays = read.get(part, ({}, {}))
+            done = part.install(hashes, rows, arrays, self.spill) if rows else 0
             if i == 0:
                 self.store.totals.hit_blocks += done
         self.spill()
