@@ -22,7 +22,11 @@ the blake2b digest of the first version ran at 0.66 GB/s, which made the reads
 of an 8K-token prefix of an 8B model (1.2 GB) slower than recomputing it on an
 H100. Files are written to a temporary name and renamed, mode 0600 in 0700 folders.
 
-Writes run on one worker thread (``_Worker``), reads on ``READ_THREADS`` others, so that a
+Writes run on one worker thread (``_Worker``), newest first: of the blocks waiting, the one
+queued last is written first, and past ``MAX_PENDING_BYTES`` waiting the one queued first is
+dropped. The tier queues blocks in the order the pool evicted them, a prefix's tail first and
+the least recently used prefix first, so a writer that falls behind keeps the heads of the most
+recently used prefixes (a tail is no use without its head). Reads run on ``READ_THREADS`` others, so that a
 read never waits behind the writes queued before it (the evictions of the request before);
 a read of many blocks is split among them (the checksum and the copies release Python's
 lock) and lands in one array per name, stacked over the blocks (``read``), which the tier
@@ -61,7 +65,7 @@ log = logging.getLogger("mlxd.engine")
 MAGIC = b"MLXDKV02"  # 01's files (blake2b digests) are foreign to this version: deleted when found
 _HEAD = struct.Struct("<8sI")  # magic, JSON header length
 # Blocks evicted faster than the disk takes them are dropped past this many bytes waiting (the tier is a
-# cache: a dropped block is recomputed later, memory is not).
+# cache: a dropped block is recomputed later, memory is not): those evicted longest ago (``write``).
 MAX_PENDING_BYTES = 256 * 2**20
 # Temporary files older than this are an interrupted write's leftovers (another engine's write in progress
 # is far younger).
@@ -154,7 +158,9 @@ class DiskStore:
         self._lock = threading.Lock()
         self._pending = 0  # bytes handed to the worker, not written yet
         self.write_seconds = 0.0  # the writer's time on the bytes written (``totals.bytes_written``)
-        self._queued: set[bytes] = set()  # their keys
+        self._queued: set[bytes] = set()  # their keys, and the key being written
+        # Blocks waiting, queued first at the front: key -> (arrays, bytes).
+        self._waiting: OrderedDict[bytes, tuple[dict[str, np.ndarray], int]] = OrderedDict()
         self._worker = _Worker()
         self._readers = [_Worker("kv-disk-read") for _ in range(READ_THREADS)]
         self.rates: dict[str, float] = {}  # the tier's measured rates, as the last engine left them
@@ -239,18 +245,36 @@ class DiskStore:
         """Whether writes queued now would be taken (the tier is on, the queue below its bound)."""
         return self.enabled and self._pending < MAX_PENDING_BYTES
 
+    def room(self) -> int:
+        """Bytes that may wait to be written (blocks queued past it push the oldest waiting out)."""
+        return MAX_PENDING_BYTES
+
     def write(self, key: bytes, arrays: dict[str, np.ndarray]) -> None:
-        """Queue one block's arrays (host copies the caller no longer changes) for writing."""
+        """Queue one block's arrays (host copies the caller no longer changes) for writing, before every
+        block queued earlier; blocks queued earlier are dropped for it, oldest first, past the bound."""
         size = sum(a.nbytes for a in arrays.values())
         with self._lock:
             if key in self.index or key in self._queued:
                 return
+            while self._waiting and self._pending + size > MAX_PENDING_BYTES:
+                old, (_, old_size) = self._waiting.popitem(last=False)
+                self._pending -= old_size
+                self._queued.discard(old)
+                self.totals.dropped_writes += 1
             if not self.enabled or self._pending + size > MAX_PENDING_BYTES:
                 self.totals.dropped_writes += 1
                 return
             self._pending += size
             self._queued.add(key)
-        self._worker.submit(self._write, key, arrays, size)
+            self._waiting[key] = (arrays, size)
+        self._worker.submit(self._write_newest)  # one call per block queued: each writes one, or none
+
+    def _write_newest(self) -> None:
+        with self._lock:
+            if not self._waiting:
+                return  # its block was dropped
+            key, (arrays, size) = self._waiting.popitem(last=True)
+        self._write(key, arrays, size)
 
     def _write(self, key: bytes, arrays: dict[str, np.ndarray], size: int) -> None:
         start = time.perf_counter()

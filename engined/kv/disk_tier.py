@@ -6,15 +6,17 @@ pool is cut back), and, while no request holds a block, every cached block not
 written yet is (so that a restart, or a crash after a pause, finds the blocks
 of the last sessions). The copy is taken on the engine thread, before the step
 that overwrites the block is built; the disk is written on the store's thread.
-Blocks evicted faster than the disk takes them are dropped (the store bounds
-what waits, in host memory) before they are copied, so the copy costs no more
-than the writer takes. The pool evicts a prefix's tail first; the tier queues
-each batch of evicted blocks in the other order, head first, so that when the
-writer falls behind it is the tails that are dropped: a tail is no use
-without its head, and a head alone is a shorter hit. (Queued tail first, an
-8K-token session of an 8B model, 512 blocks of 2.3 MB evicted at once on an
-H100, kept only its last ~108 blocks, and returning sessions found 297 of
-8,256 tokens.)
+Blocks evicted faster than the disk takes them are dropped: the store bounds
+what waits, in host memory, and writes the most recently evicted first,
+dropping the least recently evicted (``DiskStore.write``). The pool evicts a
+prefix's tail first, so what a writer that falls behind keeps is the heads of
+the most recently used prefixes: a tail is no use without its head, a head
+alone is a shorter hit. Of a batch of evicted blocks larger than the bound,
+only the last evicted are copied (the rest would be dropped at once), so the
+copy costs no more than the store takes. (Written in eviction order, oldest
+first, an 8K-token session of an 8B model, 512 blocks of 2.3 MB evicted at
+once on an H100, kept only its last ~108 blocks, and returning sessions found
+297 of 8,256 tokens.)
 
 In: before a waiting request is admitted, the blocks that continue its cached
 prefix past what the pool holds are looked up in the store's index; if there
@@ -169,12 +171,15 @@ class DiskTier:
     # -- out --------------------------------------------------------------------------------------
 
     def spill(self) -> None:
-        """Queue what left each group since the last call (contents intact) for writing, a batch's
-        last evicted first (a prefix's head: see the module doc)."""
+        """Queue what left each group since the last call (contents intact) for writing, in the order
+        they left it; of more than the store holds waiting, only the last (see the module doc)."""
         for part in self.parts:
             evicted = part.take_evicted()
             if evicted and self.store.enabled:
-                self._write(part, [(h, w) for h, w in reversed(evicted) if not self.store.has(part.key(h))])
+                fit = max(1, self.store.room() // max(1, part.entry_bytes))
+                self.store.totals.dropped_writes += max(0, len(evicted) - fit)
+                self._write(part, [(h, w) for h, w in evicted[-fit:] if not self.store.has(part.key(h))],
+                            newest=True)
 
     def persist(self) -> None:
         """Queue everything the groups have cached that the store lacks (while no request holds a block),
@@ -199,16 +204,16 @@ class DiskTier:
             return True
         return nbytes / read < tokens / prefill
 
-    def _write(self, part: Part, entries: list) -> None:
+    def _write(self, part: Part, entries: list, newest: bool = False) -> None:
         """Copy entries to the host and queue them, a bounded chunk at a time, while the store has room
-        (a whole pool at once would need its size again in host memory)."""
+        (a whole pool at once would need its size again in host memory); ``newest``: entries push
+        older ones out of the store's queue instead (``DiskStore.write``)."""
         if not entries:
             return
         self.settle()
-        size = sum(int(np.prod(shape)) * width for shape, width in part.layout)
-        step = max(1, CHUNK_BYTES // max(1, size))
+        step = max(1, CHUNK_BYTES // max(1, part.entry_bytes))
         for start in range(0, len(entries), step):
-            if not self.store.has_room():
+            if not newest and not self.store.has_room():
                 self.store.totals.dropped_writes += len(entries) - start
                 return
             chunk = entries[start:start + step]

@@ -1,6 +1,7 @@
 """The prefix cache's disk tier: blocks evicted from a small pool come back from files, giving the
 tokens a recompute gives; damaged files are recomputed; the budget holds; a new engine finds the files."""
 
+import argparse
 import logging
 import os
 import re
@@ -8,6 +9,7 @@ import shutil
 import stat
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -16,6 +18,8 @@ from prometheus_client import generate_latest
 
 from mlxd import cli
 from mlxd.engined.engine import Engine
+from mlxd.engined.kv import disk_store
+from mlxd.engined.kv.disk_tier import MIN_PREFILL_SAMPLE, Rate
 from mlxd.engined.kv.full_attention import hash_block
 from mlxd.engined.loaders import load_model
 from mlxd.engined.metrics import StatsLog
@@ -273,3 +277,101 @@ def test_a_read_the_disk_never_answers_is_given_up_the_prefix_computed_and_the_e
         raise AssertionError(f"seed {seed}: the process did not exit with a read stuck on the disk\n{out}{err[-3000:]}")
     assert proc.returncode == 0 and "served" in out, f"seed {seed}\n{out}{err[-3000:]}"
     assert err.count("a read was not back in 1 s") == 1, f"seed {seed}\n{err[-3000:]}"
+
+
+def test_read_or_recompute_follows_the_measured_rates(models, tmp_path):
+    """A lookup reads its blocks back only where reading them is faster than computing them, by the rates
+    the engine measured: with recompute measured faster it computes (same tokens, nothing read), else it reads."""
+    seed = fresh_seed("rates")
+    prompts = sessions(seed, n=4)
+    eng = engine(models["dense"], tmp_path / "kv")
+    tier = eng.scheduler.kv.disk
+    first = run(eng, prompts[0], "a0")
+    for i, p in enumerate(prompts[1:]):
+        run(eng, p, f"b{i}")
+    tier.store.flush()
+    main = tier.parts[0]
+    assert tier.pays(10**9, 1)  # nothing measured yet (prompts below MIN_PREFILL_SAMPLE): it reads
+    # Computing faster than the disk reads: the returning session computes its prefix.
+    tier.read_rate, tier.prefill_rate = Rate(1e3), Rate(1e9)
+    toks, cached = run(eng, prompts[0], "slow-disk")
+    assert toks == first[0] and cached == 0, f"seed {seed}"
+    assert tier.store.totals.declined_reads == 1 and tier.store.totals.hit_blocks == 0
+    # Evicted again; now the disk is the faster: it reads.
+    for i, p in enumerate(prompts[1:]):
+        run(eng, p, f"c{i}")
+    tier.store.flush()
+    declined = tier.store.totals.declined_reads
+    tier.read_rate, tier.prefill_rate = Rate(1e12), Rate(1.0)
+    toks, cached = run(eng, prompts[0], "fast-disk")
+    assert toks == first[0] and cached == (len(prompts[0]) - 1) // BLOCK * BLOCK, f"seed {seed}"
+    assert tier.store.totals.hit_blocks > 0 and tier.store.totals.declined_reads == declined
+    # The read was measured (asked to installed), and the rule compares bytes over tokens.
+    assert tier.read_rate.value < 1e12
+    tier.read_rate, tier.prefill_rate = Rate(2e6), Rate(1e3)
+    assert tier.pays(1_999_000, 1000) and not tier.pays(2_001_000, 1000)
+    # Until a read is measured, the write rate stands in for it.
+    tier.read_rate = Rate()
+    write_rate = tier.store.totals.bytes_written / tier.store.write_seconds
+    assert tier.pays(int(write_rate * 0.9), 1000) and not tier.pays(int(write_rate * 1.1), 1000)
+    assert main.entry_bytes * 1 > 0
+
+
+def test_a_finished_prefill_is_a_sample_and_the_rates_outlive_the_engine(models, tmp_path):
+    seed = fresh_seed("prefill rate")
+    config = EngineConfig(num_kv_blocks=160, block_size=BLOCK, max_num_batched_tokens=256, max_num_seqs=4,
+                          kv_disk_cache=True, kv_cache_dir=str(tmp_path / "kv"))
+    eng = Engine(config, loaded=load_model(str(models["dense"])))
+    tier = eng.scheduler.kv.disk
+    prompt = np.random.default_rng(seed).integers(1, 260, size=MIN_PREFILL_SAMPLE + 8).tolist()
+    run(eng, prompt, "long")
+    assert tier.prefill_rate.value is not None and tier.prefill_rate.value > 0
+    tier.read_rate = Rate(5e8)
+    measured = tier.prefill_rate.value
+    eng.scheduler.kv.release_idle(0.0)  # an idle moment keeps them
+    again = engine(models["dense"], tmp_path / "kv")
+    assert again.scheduler.kv.disk.prefill_rate.value == pytest.approx(measured)
+    assert again.scheduler.kv.disk.read_rate.value == pytest.approx(5e8)
+
+
+def test_a_writer_behind_drops_the_tail_of_a_prefix_not_its_head(models, tmp_path, monkeypatch):
+    """The pool evicts a prefix tail first; the writes are queued head first, so a writer that falls
+    behind (here: held, with room for a few blocks) keeps what a returning session can use."""
+    seed = fresh_seed("writer behind")
+    prompts = sessions(seed, n=3)
+    eng = engine(models["dense"], tmp_path / "kv")
+    tier = eng.scheduler.kv.disk
+    room = 5
+    monkeypatch.setattr(disk_store, "MAX_PENDING_BYTES", room * tier.parts[0].entry_bytes)
+    first = run(eng, prompts[0], "a0")
+    held = threading.Event()
+    tier.store._worker.submit(held.wait)  # the writer falls behind: nothing is written until it is let go
+    for i, p in enumerate(prompts[1:]):
+        run(eng, p, f"b{i}")
+    held.set()
+    tier.store.flush()
+    hashes, parent = [], None
+    for i in range(len(prompts[0]) // BLOCK):
+        parent = hash_block(parent, prompts[0][i * BLOCK:(i + 1) * BLOCK])
+        hashes.append(parent)
+    on_disk = [i for i, h in enumerate(hashes) if tier.store.has(h)]
+    in_memory = [i for i, h in enumerate(hashes) if tier.parts[0].in_memory(h)]
+    assert tier.store.totals.dropped_writes > 0 and len(on_disk) == room
+    # What the disk kept continues what memory kept (the blocks evicted last), not the prefix's end.
+    found = sorted(set(on_disk + in_memory))
+    assert found == list(range(len(found))) and len(found) > len(in_memory), (in_memory, on_disk)
+    toks, cached = run(eng, prompts[0], "a1")
+    assert toks == first[0] and cached == len(found) * BLOCK, f"seed {seed}"
+
+
+def test_the_benchmarks_evicting_workload_finds_its_sessions_on_disk(models, tmp_path):
+    """bench/kv_disk.py's evicting workload, small: every returning session's prefix comes back from disk."""
+    from mlxd.bench import kv_disk
+
+    args = argparse.Namespace(sessions=4, context=120, turn_tokens=8, max_tokens=4, pool_sessions=1,
+                              concurrency=1, block_size=BLOCK, disk_budget=2**30, kv_cache_dir=str(tmp_path),
+                              seed=fresh_seed("bench"), make_loaded=lambda: load_model(str(models["dense"])))
+    times, cached, tokens = kv_disk.returning(260, args, tier=True, restart=False)
+    _, cached_off, tokens_off = kv_disk.returning(260, args, tier=False, restart=False)
+    assert cached == [args.context // BLOCK * BLOCK] * args.sessions and cached_off == [0] * args.sessions
+    assert tokens == tokens_off, f"seed {args.seed}"
