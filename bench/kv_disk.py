@@ -113,6 +113,13 @@ def returning(vocab: int, args, tier: bool, restart: bool) -> tuple[list[float],
             cached.append(n)
             tokens.append(out)
         close_tier(engine)
+        tier_state = engine.scheduler.kv.disk
+        if tier_state is not None:  # why a returning turn found what it found (disk_tier's rules)
+            t = tier_state.store.totals
+            rate = tier_state.read_rate.value or 0.0
+            print(f"  tier: {t.hit_blocks} blocks read back, {t.declined_reads} reads declined (recompute faster), "
+                  f"{t.dropped_writes} writes dropped (writer behind), read {rate / 1e9:.2f} GB/s, prefill "
+                  f"{tier_state.prefill_rate.value or 0.0:.0f} tokens/s", flush=True)
         return times, cached, tokens
 
 
