@@ -62,7 +62,10 @@ class Engine:
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None, progress: bool = False):
         config = config.for_device(device_kind())
         self.config = config
+        # Start-up's phases, logged once ready: a long start says which one to look at.
+        start = time.perf_counter()
         loaded = loaded or load_model(config.model, config.dtype)
+        loaded_at = time.perf_counter()
         self.loaded = loaded
         self.max_model_len = config.max_model_len or loaded.context_length
         # An encoder folder runs in engined.encoders.engine instead; auto here is a decoder's generate.
@@ -99,6 +102,7 @@ class Engine:
                     if spec and spec.method == "mtp" else None)
 
         # The memory guard sizes the KV pool from what is left beside everything built so far.
+        built_at = time.perf_counter()
         stores = ([kv] + ([self.drafter] if self.drafter else []) + ([self.lora] if self.lora else [])
                   + ([self.runner.images] if self.runner.images else []))
         self.memory = memory_guard.plan(self.runner, stores, config, self.max_model_len, loaded.vocab_size,
@@ -106,6 +110,8 @@ class Engine:
         if pipelined:
             self.memory = self.runner.agree(self.memory)
         log.info("%s", self.memory.describe())
+        log.info("start-up: model loaded in %.1f s, steps built in %.1f s, warm-up (memory guard, kernels) %.1f s",
+                 loaded_at - start, built_at - loaded_at, time.perf_counter() - built_at)
         if self.drafter:
             kv.follow(self.drafter.kv)
         kv.create(self.memory.num_blocks, self.memory.resident_blocks)

@@ -56,6 +56,7 @@ def run_engine(config: EngineConfig, daemon: DaemonConfig, parent_pid: int | Non
     refuse_live_ipc(endpoint)
     log.info("loading %s", config.model or "the embedded SmolLM2")
     try:
+        started = time.monotonic()
         with _progress("loading the model and warming up"):
             encoder, speech = encoder_dir(config.model), speech_dir(config.model)
             engine = (EncoderEngine(config, encoder) if encoder is not None
@@ -74,7 +75,8 @@ def run_engine(config: EngineConfig, daemon: DaemonConfig, parent_pid: int | Non
               file=sys.stderr, flush=True)
     info = d.info
     print(f"mlxd engine ready: {info.served_model_name} on {d.endpoint} "
-          f"(max_model_len {info.max_model_len}, {info.num_kv_blocks} KV blocks of {info.block_size})",
+          f"(max_model_len {info.max_model_len}, {info.num_kv_blocks} KV blocks of {info.block_size}; "
+          f"started in {time.monotonic() - started:.1f} s)",
           file=sys.stderr, flush=True)
     if ready_fd is not None:
         os.write(ready_fd, b"R")

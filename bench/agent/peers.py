@@ -157,10 +157,11 @@ class Mlxd(Server):
 
     def command(self):
         # Its own engine socket: the default one is per user, and another `mlxd serve` may hold it.
-        # A short temp path: Unix socket paths are limited to ~100 bytes.
+        # A short temp path: Unix socket paths are limited to ~100 bytes. INFO: the log keeps start-up's
+        # phases (how long loading and the warm-up took) and the engine's stats lines.
         sock = f"ipc://{tempfile.mkdtemp(prefix='mlxd-bench-')}/engine.sock"
         return [sys.executable, "-m", "mlxd", "serve", *([self.model] if self.model else []),
-                "--port", str(self.port), "--engine-endpoint", sock, "--log-level", "WARNING", *self.extra]
+                "--port", str(self.port), "--engine-endpoint", sock, "--log-level", "INFO", *self.extra]
 
 
 class MlxLm(Server):
