@@ -290,7 +290,6 @@ def test_read_or_recompute_follows_the_measured_rates(models, tmp_path):
     for i, p in enumerate(prompts[1:]):
         run(eng, p, f"b{i}")
     tier.store.flush()
-    main = tier.parts[0]
     assert tier.pays(10**9, 1)  # nothing measured yet (prompts below MIN_PREFILL_SAMPLE): it reads
     # Computing faster than the disk reads: the returning session computes its prefix.
     tier.read_rate, tier.prefill_rate = Rate(1e3), Rate(1e9)
@@ -314,7 +313,6 @@ def test_read_or_recompute_follows_the_measured_rates(models, tmp_path):
     tier.read_rate = Rate()
     write_rate = tier.store.totals.bytes_written / tier.store.write_seconds
     assert tier.pays(int(write_rate * 0.9), 1000) and not tier.pays(int(write_rate * 1.1), 1000)
-    assert main.entry_bytes * 1 > 0
 
 
 def test_a_finished_prefill_is_a_sample_and_the_rates_outlive_the_engine(models, tmp_path):
