@@ -39,6 +39,7 @@ import gc
 import hashlib
 import json
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -261,7 +262,10 @@ def main(argv=None) -> None:
             differ = []
             for rep in range(args.repeats + 1):  # the first is untimed: kernels compile for new shapes
                 requests = fresh_requests(processor, c, spec["image_size"], rng)
+                # Which side runs goes to stderr first: a backend that aborts the process leaves it as the last line
+                print(f"c = {c}, run {rep}: mlx-vlm", file=sys.stderr, flush=True)
                 vlm = run_mlx_vlm(model, vlm_processor, requests, args.max_tokens)
+                print(f"c = {c}, run {rep}: mlxd", file=sys.stderr, flush=True)
                 ours = run_mlxd(engine, processor, image_id, requests, args.max_tokens)
                 assert all(len(t) == args.max_tokens for t in ours["tokens"] + vlm["tokens"])
                 differ = first_differences(ours["tokens"], vlm["tokens"])
