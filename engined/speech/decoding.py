@@ -126,14 +126,14 @@ def token_limits(sampled: list[int], vocab: Vocabulary) -> tuple[int, int, int]:
     return (vocab.eot if last else 0), floor, -1
 
 
-def filter_logits(logits: mx.array, limits: np.ndarray, suppress: mx.array, tb: int) -> mx.array:
-    """Whisper's filters on a batch: ``logits`` [R, V], ``limits`` [R, 3] (``token_limits``),
+def filter_logits(logits: mx.array, limits: mx.array, suppress: mx.array, tb: int) -> mx.array:
+    """Whisper's filters on a batch: ``logits`` [R, V], ``limits`` [R, 3] int32 (``token_limits``),
     ``suppress`` [V] bool (the model's suppressed tokens). The filtered logits, -inf where barred;
     where all timestamps together outweigh the likeliest text token, text is barred too."""
     v = logits.shape[-1]
     ids = mx.arange(v)[None, :]
-    lim = np.where(limits < 0, v, limits)
-    text_end, lo, hi = (mx.array(lim[:, k:k + 1]) for k in range(3))
+    lim = mx.where(limits < 0, v, limits)
+    text_end, lo, hi = lim[:, 0:1], lim[:, 1:2], lim[:, 2:3]
     barred = suppress[None, :] | (ids < text_end) | ((ids >= tb) & ((ids < lo) | (ids >= hi)))
     x = mx.where(barred, -mx.inf, logits)
     lp = x - mx.logsumexp(x, axis=-1, keepdims=True)

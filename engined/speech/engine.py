@@ -30,8 +30,9 @@ from mlxd.engined.loaders.mlx_dir import resolve_hf_repo
 from mlxd.engined.metrics import EngineMetrics
 from mlxd.engined.request import Request, Status, WaitingPlaces, take_output
 from mlxd.engined.speech.checkpoints import checkpoint_format, load_whisper
-from mlxd.engined.speech.decoding import Vocabulary, filter_logits, token_limits
+from mlxd.engined.speech.decoding import Vocabulary, token_limits
 from mlxd.engined.speech.features import log_mel, window
+from mlxd.engined.speech.step import LANGUAGES, LOGPROB, NO_SPEECH, TOKEN, DecodeStep
 from mlxd.engined.speech.transcription import Transcription
 from mlxd.shared.config import EngineConfig
 from mlxd.shared.errors import InvalidRequestError, ModelLoadError
@@ -81,6 +82,7 @@ class SpeechEngine:
         slot_bytes = a.n_text_layer * 2 * (a.n_text_ctx + a.n_audio_ctx) * a.n_text_state * dtype.size
         self.num_slots = max(1, min(config.max_num_seqs, SLOT_MEMORY // slot_bytes))
         self.cache = DecoderCache(a, self.num_slots, dtype)
+        self.step_fn = DecodeStep(self.model, self.cache, self.vocab, self.suppress)
         log.info("Whisper %s: %d decoder slots (%.0f MB)", path.name, self.num_slots,
                  self.num_slots * slot_bytes / 2**20)
         name = config.served_model_name or path.name
@@ -200,62 +202,51 @@ class SpeechEngine:
             mel = mx.array(np.stack([w.T for w, _ in windows]))
             audio = self.model.encoder(mel.astype(self.cache.cross_k[0].dtype))
             self.model.decoder.set_cross(self.cache, [t.slot for t in batch], audio)
-            mx.eval(self.cache.cross_k, self.cache.cross_v)
+            mx.async_eval(self.cache.cross_k, self.cache.cross_v)  # queued; the step's read waits
             for t, (_, size) in zip(batch, windows):
                 t.begin_window(self.vocab, size, self.args.n_text_ctx)
 
     def _decode(self) -> int:
-        """One decoder forward for every transcription in flight; returns the tokens sampled.
-
-        Whisper's filters, the choice of each token and its log-probability run on the device
-        for the whole batch; the host reads back a token, a log-probability and, at
-        <|startoftranscript|>, the no-speech probability per row."""
+        """One decoder forward for every transcription in flight (``step.DecodeStep``); returns
+        the tokens sampled. The host reads back one row per transcription: its token, the token's
+        log-probability and the no-speech probability (and the languages' logits)."""
         running, vocab = self.running, self.vocab
-        tokens = mx.array([t.next_token() for t in running], dtype=mx.int32)
-        positions = mx.array([t.position for t in running], dtype=mx.int32)
-        logits = self.model.decoder.step(self.cache, tokens, positions)
-        at_sot = [i for i, t in enumerate(running) if t.position == t.sot_index]
+        tokens = np.array([t.next_token() for t in running], np.int32)
+        positions = np.array([t.position for t in running], np.int32)
         sampling = [i for i, t in enumerate(running) if t.position >= len(t.prompt) - 1]
-        reads = []
-        if at_sot:
-            raw = logits[mx.array(at_sot)]
-            reads.append(mx.softmax(raw, axis=-1)[:, vocab.no_speech])
-            if vocab.languages:
-                reads.append(raw[:, mx.array(list(vocab.languages.values()))])
-        if sampling:
-            limits = np.array([token_limits(running[i].sampled, vocab) for i in sampling])
-            x = filter_logits(logits[mx.array(sampling)], limits, self.suppress, vocab.timestamp_begin)
-            lp = x - mx.logsumexp(x, axis=-1, keepdims=True)
-            temps = np.array([running[i].temperature for i in sampling], np.float32)
-            chosen = mx.argmax(x, axis=-1)
-            if temps.any():  # fallback rows sample, each from its own seeded stream
-                hot = [r for r, temp in enumerate(temps) if temp > 0]
-                picks = [mx.random.categorical(x[r] / float(temps[r]), key=mx.random.key(
-                    int(running[sampling[r]].rng.integers(1 << 31)))) for r in hot]
-                chosen = chosen.at[mx.array(hot)].add(mx.stack(picks) - chosen[mx.array(hot)])
-            reads += [chosen, mx.take_along_axis(lp, chosen[:, None], axis=-1)[:, 0]]
-        mx.eval(*reads, *self.cache.arrays())
-        host = [np.array(r) for r in reads]
-        for t in running:
-            t.position += 1
-        if at_sot:
-            for k, i in enumerate(at_sot):
-                running[i].no_speech_prob = float(host[0][k])
-                if vocab.languages and running[i].language is None:
-                    self._detect_language(running[i], host[1][k])
+        limits = np.zeros((len(running), 3), np.int32)
+        limits[:, 1:] = -1  # rows still fed their prompt: no limits (their choice is not read)
+        for i in sampling:
+            limits[i] = token_limits(running[i].sampled, vocab)
+        out = self.step_fn(tokens, positions, limits)
+        # Fallback rows sample at their temperature, each from its own seeded stream.
+        hot = [i for i in sampling if running[i].temperature > 0]
+        if hot:
+            picks = mx.stack([mx.random.categorical(out.logits[i] / running[i].temperature, key=mx.random.key(
+                int(running[i].rng.integers(1 << 31)))) for i in hot])
+            rows = mx.array(hot)
+            hot_logprobs = out.logits[rows, picks] - out.logz[rows]
+            mx.eval(out.readout, picks, hot_logprobs, *self.cache.arrays())
+            readout = np.array(out.readout)
+            readout[hot, TOKEN], readout[hot, LOGPROB] = np.array(picks), np.array(hot_logprobs)
+        else:
+            mx.eval(out.readout, *self.cache.arrays())
+            readout = np.array(out.readout)
         ended = []
-        if sampling:
-            chosen_host, lp_host = host[-2], host[-1]
-            for k, i in enumerate(sampling):
-                t = running[i]
-                if t.position < len(t.prompt):  # its prompt grew (the language was just detected)
-                    continue
-                token = int(chosen_host[k])
-                t.sum_logprob += float(lp_host[k])
-                t.sampled.append(token)
-                if token == vocab.eot or len(t.sampled) >= self.args.n_text_ctx // 2 \
-                        or t.position >= self.args.n_text_ctx:
-                    ended.append(t)
+        for i, t in enumerate(running):
+            if t.position == t.sot_index:
+                t.no_speech_prob = float(readout[i, NO_SPEECH])
+                if vocab.languages and t.language is None:
+                    self._detect_language(t, readout[i, LANGUAGES:])
+            t.position += 1
+            if t.position < len(t.prompt):  # still fed its prompt (or it grew: the language was just detected)
+                continue
+            token = int(readout[i, TOKEN])
+            t.sum_logprob += float(readout[i, LOGPROB])
+            t.sampled.append(token)
+            if token == vocab.eot or len(t.sampled) >= self.args.n_text_ctx // 2 \
+                    or t.position >= self.args.n_text_ctx:
+                ended.append(t)
         for t in ended:
             if t.end_window(vocab):
                 self._send_segments(t)
