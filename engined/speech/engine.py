@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
+from concurrent.futures import ThreadPoolExecutor, wait
 from pathlib import Path
 
 import mlx.core as mx
@@ -43,6 +44,11 @@ log = logging.getLogger("mlxd.engine")
 # The decoder slots' memory (self- and cross-attention K/V of every slot) is held to this, so
 # that --max-num-seqs sized for a small model does not take a large one's whole memory.
 SLOT_MEMORY = 4 << 30
+# A prefill's length is padded to a multiple of this: few shapes, so few attention plans to build
+# (cuDNN builds one per new shape, ~50 ms each on an H200).
+PREFILL_STEP = 32
+# Threads computing log-mel features (``_admit``): one keeps up with ~100 files a second.
+FEATURE_THREADS = 2
 # Windows per encoder forward: the encoder's activations grow with it; 8 keep a GPU busy.
 ENCODE_BATCH = 8
 
@@ -90,6 +96,10 @@ class SpeechEngine:
             model_id=path.name, served_model_name=name, tokenizer_dir=str(path), max_model_len=a.n_text_ctx,
             block_size=config.block_size, num_kv_blocks=0, vocab_size=a.n_vocab,
             eos_token_ids=[self.vocab.eot], tasks=["transcribe"])
+        # The log-mel features of each file, computed from its arrival on, off the engine's thread
+        # (numpy's FFT and matmul let go of the GIL): ~10 ms a file that would otherwise stall
+        # every transcription's step.
+        self._mel = ThreadPoolExecutor(FEATURE_THREADS, thread_name_prefix="speech-features")
         self.places = WaitingPlaces(config.max_waiting_requests)
         self.waiting: deque[Transcription] = deque()
         self.running: list[Transcription] = []  # running[i] holds decoder slot i
@@ -126,6 +136,7 @@ class SpeechEngine:
         req = Request(request_id, prompt_token_ids, SamplingParams(max_tokens=self.args.n_text_ctx // 2),
                       0, b"", app or "", priority, params_n, "transcribe")
         t = Transcription(req, audio, self._language_token(audio.language))
+        t.pending_features = self._mel.submit(log_mel, np.frombuffer(audio.samples, "<f4"), self.args.n_mels)
         self.requests[request_id] = t
         self.waiting.append(t)
 
@@ -181,15 +192,34 @@ class SpeechEngine:
         return outputs
 
     def _admit(self, now: float) -> None:
+        """Move waiting transcriptions whose features are ready into the free slots, by priority;
+        with none running, wait for the features of those that fit (the step has nothing else to do,
+        and they then share one encoder batch)."""
+        free = self.num_slots - len(self.running)
+        if not free or not self.waiting:
+            return
         order = sorted(self.waiting, key=lambda t: (t.req.priority, t.req.arrival_time))
-        for t in order[: self.num_slots - len(self.running)]:
+        if not self.running:
+            wait([t.pending_features for t in order[:free]])
+        for t in order:
+            if not free:
+                return
+            if not t.pending_features.done():
+                continue
             self.waiting.remove(t)
-            t.features = log_mel(t.samples, self.args.n_mels)
-            t.samples = None
+            try:
+                t.features = t.pending_features.result()
+            except Exception as e:  # this file's features failed: it fails alone
+                self._finish(t, None)
+                self._failed.append((t.req.request_id, InvalidRequestError(
+                    f"the audio's features failed: {type(e).__name__}: {e}")))
+                continue
+            t.pending_features = None
             t.content_frames = t.features.shape[1] - 1
             t.slot = len(self.running)
             self.running.append(t)
             t.req.status, t.req.first_scheduled_time = Status.RUNNING, now
+            free -= 1
 
     def _encode(self) -> None:
         """The encoder for every transcription that starts a window, ``ENCODE_BATCH`` at a time."""
@@ -202,9 +232,22 @@ class SpeechEngine:
             mel = mx.array(np.stack([w.T for w, _ in windows]))
             audio = self.model.encoder(mel.astype(self.cache.cross_k[0].dtype))
             self.model.decoder.set_cross(self.cache, [t.slot for t in batch], audio)
-            mx.async_eval(self.cache.cross_k, self.cache.cross_v)  # queued; the step's read waits
             for t, (_, size) in zip(batch, windows):
                 t.begin_window(self.vocab, size, self.args.n_text_ctx)
+            self._prefill([t for t in batch if t.sot_index])
+            mx.async_eval(self.cache.arrays())  # queued; the step's read waits for it
+
+    def _prefill(self, batch: list[Transcription]) -> None:
+        """The conditioning text before <|startoftranscript|> (up to 223 tokens of the text so far)
+        in one decoder forward for the whole batch, not one step a token; each row's length padded
+        to the longest, that to a multiple of ``PREFILL_STEP``."""
+        if not batch:
+            return
+        n = min(-(-max(t.sot_index for t in batch) // PREFILL_STEP) * PREFILL_STEP, self.args.n_text_ctx)
+        tokens = np.zeros((len(batch), n), np.int32)
+        for row, t in zip(tokens, batch):
+            row[:t.sot_index] = t.prompt[:t.sot_index]
+        self.model.decoder.prefill(self.cache, mx.array([t.slot for t in batch]), mx.array(tokens))
 
     def _decode(self) -> int:
         """One decoder forward for every transcription in flight (``step.DecodeStep``); returns

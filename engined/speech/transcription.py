@@ -3,6 +3,8 @@ window being decoded (the tokens fed so far, those sampled, their log-probabilit
 
 from __future__ import annotations
 
+from concurrent.futures import Future
+
 import numpy as np
 
 from mlxd.engined.request import Request
@@ -16,8 +18,8 @@ class Transcription:
     def __init__(self, req: Request, audio: AudioInput, language: int | None):
         self.req = req  # for the metrics and the outputs (``take_output``)
         self.audio = audio
-        self.samples: np.ndarray | None = np.frombuffer(audio.samples, "<f4")
-        self.features: np.ndarray | None = None
+        self.pending_features: Future | None = None  # until admitted (``SpeechEngine._admit``)
+        self.features: np.ndarray | None = None  # [n_mels, frames] of the whole file
         self.content_frames = 0
         self.seek = 0
         self.language = language  # its token; None: detected on the first window
@@ -55,8 +57,9 @@ class Transcription:
         self.restart()
 
     def restart(self) -> None:
-        """Decode the window again (from its prompt; the encoder's K/V are kept)."""
-        self.position = 0
+        """Decode the window again, from <|startoftranscript|>: the K/V of the encoder and of the
+        conditioning text before it (``SpeechEngine._prefill``) are kept."""
+        self.position = self.sot_index
         self.sampled = []
         self.sum_logprob = 0.0
 

@@ -142,6 +142,23 @@ class TextDecoder(nn.Module):
             cache.cross_k[i][index] = a.split(a.key(audio)).astype(cache.cross_k[i].dtype)
             cache.cross_v[i][index] = a.split(a.value(audio)).astype(cache.cross_v[i].dtype)
 
+    def prefill(self, cache: DecoderCache, slots: mx.array, tokens: mx.array) -> None:
+        """Feed ``tokens`` [R, L] at positions 0..L-1 of ``slots`` [R] in one forward, writing their
+        K/V; no logits (the step feeds the token after them). Causal, so padding at the end of a
+        row changes none of its positions, and the padding's K/V are written again before they are read."""
+        n = tokens.shape[1]
+        x = self.token_embedding(tokens) + self.positional_embedding[:n]
+        for i, block in enumerate(self.blocks):
+            a = block.attn
+            h = block.attn_ln(x)
+            k, v = a.split(a.key(h)), a.split(a.value(h))
+            cache.self_k[i][slots, :, :n] = k.astype(cache.self_k[i].dtype)
+            cache.self_v[i][slots, :, :n] = v.astype(cache.self_v[i].dtype)
+            x = x + a.attend(a.query(h), k, v, "causal")
+            c = block.cross_attn
+            x = x + c.attend(c.query(block.cross_attn_ln(x)), cache.cross_k[i][slots], cache.cross_v[i][slots])
+            x = x + block.mlp2(nn.gelu(block.mlp1(block.mlp_ln(x))))
+
     def step(self, cache: DecoderCache, tokens: mx.array, positions: mx.array) -> mx.array:
         """One token for each of slots 0..B-1: ``tokens`` and ``positions`` [B] (int32) -> logits
         [B, n_vocab] (float32). Writes each slot's K/V at its position; a slot attends to its
