@@ -1,14 +1,16 @@
 """The engine for Whisper models: transcriptions, batched across requests at every stage.
 
-Each step (1) admits waiting transcriptions into free decoder slots and computes their log-mel
-features, (2) runs the encoder once for every transcription starting a 30-second window, in one
-batch, and stores its cross-attention K/V in the window's slot, then (3) runs one decoder forward
-for every transcription in flight, each at its own position: a transcription feeding its window's
-prompt consumes one prompt token per step, one that is sampling gets its next token. A window that
-ends is judged (Whisper's temperature fallback and silence test), its segments are sent, and the
-transcription moves on to its next window, or finishes. It speaks ``engined.engine.Engine``'s
-interface (add_request / step / abort / take_errors / stats / info / metrics), so the daemon and
-the wire do not know which engine they run.
+A file's log-mel features are computed on worker threads from its arrival. Each step (1) admits
+waiting transcriptions whose features are ready into free decoder slots, (2) runs the encoder once
+for every transcription starting a 30-second window, in one batch, stores its cross-attention K/V
+in the window's slot, and feeds the window's conditioning text (the text before it) in one decoder
+forward for all of them, then (3) runs one decoder step for every transcription in flight, each
+at its own position (``step.DecodeStep``: one compiled graph, one small read-back): a
+transcription at <|startoftranscript|> or its language and task tokens is fed them, one that is
+sampling gets its next token. A window that ends is judged (Whisper's temperature fallback and
+silence test), its segments are sent, and the transcription moves on to its next window, or
+finishes. It speaks ``engined.engine.Engine``'s interface (add_request / step / abort /
+take_errors / stats / info / metrics), so the daemon and the wire do not know which engine they run.
 
 The decoder's K/V live in slot arrays of the speech wing (``whisper.DecoderCache``), not in the
 paged pool: a Whisper window's decode is at most 448 positions, and its cross-attention K/V are
