@@ -2,12 +2,13 @@
 filters, and each row's greedy token, its log-probability and the no-speech probability.
 
 For a model of Whisper's size a GPU's step is bound by the host: building the graph in Python node
-by node and launching it cost more than the device's work (on one H100, ~4 ms a step whatever the
-batch). So the step is traced once per batch size with ``mx.compile`` and replayed, its elementwise
-runs fused. A batch is padded to a power of two (at most the slot count), so a few traces serve
-every step: the step's shapes depend on its batch alone (``TextDecoder.step`` attends over the whole
-context, masked). A padded row writes its K/V into an idle slot at position 0, which the slot's next
-transcription writes again before it reads it.
+by node and launching it cost more than the device's work (on one H100 a c = 1 transcription of 46
+steps took ~200 ms, ``bench/speech_results.md``). So the step is traced with ``mx.compile`` and
+replayed, its elementwise runs fused. A batch is padded to a power of two (at most the slot count)
+and the self-attention's span (positions read, masked past each row's own) to a multiple of
+``SPAN_STEP``, so a few traces serve every step: no shape follows the positions step by step. A
+padded row writes its K/V into an idle slot at position 0, which the slot's next transcription
+writes again before it reads it.
 
 The host gets one small array per step (``readout``); the filtered logits stay on the device for the
 rows that sample at a temperature.
@@ -23,6 +24,7 @@ import numpy as np
 from mlxd.engined.speech.decoding import Vocabulary, filter_logits
 from mlxd.engined.speech.whisper import DecoderCache, Whisper
 
+SPAN_STEP = 64
 # readout's columns: the greedy token, its log-probability, the no-speech probability, then (for a
 # multilingual model) the logits of the language tokens.
 TOKEN, LOGPROB, NO_SPEECH, LANGUAGES = 0, 1, 2, 3
@@ -65,14 +67,15 @@ class DecodeStep:
             tokens, positions = np.pad(tokens, (0, pad)), np.pad(positions, (0, pad))
             limits = np.pad(limits, ((0, pad), (0, 0)))
         c = self.cache
+        span = min(-(-(int(positions.max()) + 1) // SPAN_STEP) * SPAN_STEP, c.self_k[0].shape[2])
         readout, logits, logz, c.self_k, c.self_v = self._run(
             mx.array(tokens, mx.int32), mx.array(positions, mx.int32), mx.array(limits, mx.int32),
-            c.self_k, c.self_v, c.cross_k, c.cross_v)
+            c.self_k, c.self_v, c.cross_k, c.cross_v, span)
         return StepOutput(readout[:n], logits[:n], logz[:n])
 
-    def _forward(self, tokens, positions, limits, self_k, self_v, cross_k, cross_v):
+    def _forward(self, tokens, positions, limits, self_k, self_v, cross_k, cross_v, span: int):
         slots = _Slots(list(self_k), list(self_v), cross_k, cross_v)
-        raw = self.decoder.step(slots, tokens, positions)
+        raw = self.decoder.step(slots, tokens, positions, span)
         x = filter_logits(raw, limits, self.suppress, self.vocab.timestamp_begin)
         logz = mx.logsumexp(x, axis=-1)
         chosen = mx.argmax(x, axis=-1)

@@ -159,14 +159,16 @@ class TextDecoder(nn.Module):
             x = x + c.attend(c.query(block.cross_attn_ln(x)), cache.cross_k[i][slots], cache.cross_v[i][slots])
             x = x + block.mlp2(nn.gelu(block.mlp1(block.mlp_ln(x))))
 
-    def step(self, cache: DecoderCache, tokens: mx.array, positions: mx.array) -> mx.array:
+    def step(self, cache: DecoderCache, tokens: mx.array, positions: mx.array, span: int | None = None) -> mx.array:
         """One token for each of slots 0..B-1: ``tokens`` and ``positions`` [B] (int32) -> logits
         [B, n_vocab] (float32). Writes each slot's K/V at its position; a slot attends to its
-        positions 0..position only. The shapes depend on B alone (each row attends over the whole
-        context, masked), so a compiled trace of the step serves every position."""
+        positions 0..position only, within the first ``span`` (above every position; None: the
+        whole context). The shapes depend on B and ``span`` alone, not on the positions, so a
+        compiled trace of the step serves many steps."""
         b = tokens.shape[0]
         rows = mx.arange(b)
-        mask = mx.arange(cache.self_k[0].shape[2])[None, :] <= positions[:, None]  # [B, n_text_ctx]
+        span = span or cache.self_k[0].shape[2]
+        mask = mx.arange(span)[None, :] <= positions[:, None]  # [B, span]
         mask = mask[:, None, None, :]
         x = self.token_embedding(tokens) + self.positional_embedding[positions]
         x = x[:, None, :]
@@ -176,7 +178,7 @@ class TextDecoder(nn.Module):
             dtype = cache.self_k[i].dtype
             cache.self_k[i][rows, :, positions] = a.split(a.key(h))[:, :, 0].astype(dtype)
             cache.self_v[i][rows, :, positions] = a.split(a.value(h))[:, :, 0].astype(dtype)
-            x = x + a.attend(a.query(h), cache.self_k[i][:b], cache.self_v[i][:b], mask)
+            x = x + a.attend(a.query(h), cache.self_k[i][:b, :, :span], cache.self_v[i][:b, :, :span], mask)
             c = block.cross_attn
             x = x + c.attend(c.query(block.cross_attn_ln(x)), cache.cross_k[i][:b], cache.cross_v[i][:b])
             x = x + block.mlp2(nn.gelu(block.mlp1(block.mlp_ln(x))))
