@@ -47,9 +47,9 @@ log = logging.getLogger("mlxd.engine")
 # that --max-num-seqs sized for a small model does not take a large one's whole memory.
 SLOT_MEMORY = 4 << 30
 # A prefill's length is padded to a multiple of this: few shapes, so few attention plans to build
-# (cuDNN builds one per new shape, ~50 ms each on an H200).
+# (cuDNN builds one per new shape: ~50 ms each, bench/kernels/sdpa_shapes_results.md).
 PREFILL_STEP = 32
-# Threads computing log-mel features (``_admit``): one keeps up with ~100 files a second.
+# Threads computing log-mel features (``_admit``): a 12-second file takes ~10 ms of one core.
 FEATURE_THREADS = 2
 # Windows per encoder forward: the encoder's activations grow with it; 8 keep a GPU busy.
 ENCODE_BATCH = 8
