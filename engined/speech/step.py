@@ -65,7 +65,7 @@ class DecodeStep:
         pad = min(1 << (n - 1).bit_length(), self.num_slots) - n
         if pad:
             tokens, positions = np.pad(tokens, (0, pad)), np.pad(positions, (0, pad))
-            limits = np.pad(limits, ((0, pad), (0, 0)))
+            limits = np.concatenate([limits, np.tile(np.array([0, -1, -1], np.int32), (pad, 1))])  # none barred
         c = self.cache
         span = min(-(-(int(positions.max()) + 1) // SPAN_STEP) * SPAN_STEP, c.self_k[0].shape[2])
         readout, logits, logz, c.self_k, c.self_v = self._run(
