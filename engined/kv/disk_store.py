@@ -1,69 +1,54 @@
 """Block files on disk: the prefix cache's second tier, one checksummed file per cached block.
 
-A block's file is named by its chained hash (``full_attention.hash_block``,
-which already covers the tokens before it, the cache salt and so the LoRA
-adapter), with a suffix for the groups beside the main pool (``disk_parts``),
-inside a namespace folder named by a digest of everything else that changes a
-block's content: the weights' fingerprint, the KV dtype, the block size and the
-layout of every group. Engines of different models can share
-the root; each keeps to its own namespace and budget.
+A block's file is named by its chained hash (``full_attention.hash_block``, which already covers the tokens
+before it, the cache salt and so the LoRA adapter), with a suffix for the groups beside the main pool
+(``disk_parts``), inside a namespace folder named by a digest of everything else that changes a block's
+content: the weights' fingerprint, the KV dtype, the block size and the layout of every group. Engines of
+different models can share the root; each keeps to its own namespace and budget.
 
-One file per block, not per run of blocks: the key of a block is already its
-whole prefix, so sessions that share a system prompt share its files, the LRU
-drops exactly one block's worth at a time, and a torn file costs one block.
+One file per block, not per run of blocks: the key of a block is already its whole prefix, so sessions that
+share a system prompt share its files, the LRU drops exactly one block's worth at a time, and a torn file
+costs one block.
 
-A file is a fixed header (magic, header length), a JSON header (the namespace,
-the block hash, each array's name, dtype, shape and byte range, and a CRC-32
-of the payload) and the payload. A file whose header, length or checksum
-does not match is deleted on reading and served as a miss, never as K/V.
-The checksum guards against torn and damaged files, not against an adversary
-(the folder is the user's own, 0700): CRC-32 runs at about 2 GB/s a core where
-the blake2b digest of the first version ran at 0.66 GB/s, which made the reads
-of an 8K-token prefix of an 8B model (1.2 GB) slower than recomputing it on an
-H100. Files are written to a temporary name and renamed, mode 0600 in 0700 folders.
+A file's format is ``disk_format``'s. Files are written to a temporary name and renamed, mode 0600 in 0700
+folders.
 
-Writes run on one worker thread (``_Worker``), newest first: of the blocks waiting, the one
-queued last is written first, and past ``MAX_PENDING_BYTES`` waiting the one queued first is
-dropped. The tier queues blocks in the order the pool evicted them, a prefix's tail first and
-the least recently used prefix first, so a writer that falls behind keeps the heads of the most
-recently used prefixes (a tail is no use without its head). Reads run on ``READ_THREADS`` others, so that a
-read never waits behind the writes queued before it (the evictions of the request before);
-a read of many blocks is split among them (the checksum and the copies release Python's
-lock) and lands in one array per name, stacked over the blocks (``read``), which the tier
-copies into the pool at once. The index (hash -> bytes, least
-recently used first) is rebuilt from the folder at start, oldest modification
-first, and a read touches a file so that the order survives a restart. Any
-OSError on writing (disk full, folder gone or unwritable) is logged once and
-turns the tier off; serving goes on without it. A process that exits lets the writes queued
-before it finish, for at most ``EXIT_WAIT_S`` and only while the tier is on: a disk that never answers
-(a read given up by ``disk_tier``) does not keep the engine from exiting.
+Writes run on one worker thread (``_Worker``), newest first: of the blocks waiting, the one queued last is
+written first, and past ``MAX_PENDING_BYTES`` waiting the one queued first is dropped. The tier queues blocks
+in the order the pool evicted them, a prefix's tail first and the least recently used prefix first, so a
+writer that falls behind keeps the heads of the most recently used prefixes (a tail is no use without its
+head). Reads run on ``READ_THREADS`` others, so that a read never waits behind the writes queued before it
+(the evictions of the request before); a read of many blocks is split among them (the checksum and the copies
+release Python's lock) and lands in one array per name, stacked over the blocks (``read``), which the tier
+copies into the pool at once. The index (hash -> bytes, least recently used first) is rebuilt from the folder
+at start, oldest modification first, and a read touches a file so that the order survives a restart. Any
+OSError on writing (disk full, folder gone or unwritable) is logged once and turns the tier off; serving goes
+on without it. A process that exits lets the writes queued before it finish, for at most ``EXIT_WAIT_S`` and
+only while the tier is on: a disk that never answers (a read given up by ``disk_tier``) does not keep the
+engine from exiting.
 """
 
 from __future__ import annotations
 
 import atexit
-import hashlib
 import json
 import logging
 import os
 import queue
 import string
-import struct
 import threading
 import time
-import zlib
 from collections import OrderedDict
 from concurrent.futures import Future
 from dataclasses import dataclass
 
 import numpy as np
 
+from mlxd.engined.kv.disk_format import encode, layout_dtype, namespace, read_into
 from mlxd.shared.paths import UnsafeDirectoryError, check_private_dir
 
 log = logging.getLogger("mlxd.engine")
 
-MAGIC = b"MLXDKV02"  # 01's files (blake2b digests) are foreign to this version: deleted when found
-_HEAD = struct.Struct("<8sI")  # magic, JSON header length
 # Blocks evicted faster than the disk takes them are dropped past this many bytes waiting (the tier is a
 # cache: a dropped block is recomputed later, memory is not): those evicted longest ago (``write``).
 MAX_PENDING_BYTES = 256 * 2**20
@@ -91,60 +76,6 @@ class DiskTotals:
     declined_reads: int = 0  # lookups that found blocks on disk but recomputed them (``disk_tier``: slower)
     blocks: int = 0
     bytes: int = 0
-
-
-def namespace(identity: dict) -> str:
-    """The folder name of everything besides the token chain that a block's content depends on."""
-    text = json.dumps(identity, sort_keys=True, separators=(",", ":")).encode()
-    return hashlib.blake2b(text, digest_size=16, person=b"mlxd-kv-ns").hexdigest()
-
-
-def encode(ns: str, key: bytes, arrays: dict[str, np.ndarray]) -> list:
-    """The file's bytes as buffers to write in order: header and JSON header, then each array's bytes
-    (the arrays' own buffers: a block's bytes are checksummed and written, never joined into one copy)."""
-    entries, offset, payload, crc = [], 0, [], 0
-    for name, a in arrays.items():
-        raw = memoryview(np.ascontiguousarray(a)).cast("B")
-        entries.append([name, a.dtype.str, list(a.shape), offset, raw.nbytes])
-        crc = zlib.crc32(raw, crc)
-        payload.append(raw)
-        offset += raw.nbytes
-    header = json.dumps({"ns": ns, "key": key.hex(), "arrays": entries, "crc32": crc}).encode()
-    return [_HEAD.pack(MAGIC, len(header)) + header, *payload]
-
-
-def layout_dtype(width: int) -> np.dtype:
-    """The unsigned integer dtype host copies hold arrays of ``width`` bytes an element in."""
-    return np.dtype(f"<u{width}")
-
-
-def read_into(f, ns: str, key: bytes, names: list[str], out: list[np.ndarray]) -> int | None:
-    """Read one block's file (open as ``f``) into ``out`` (one contiguous array per name, in ``names``'
-    order, of the file's dtype and shape); the file's length, or None unless it is a whole, intact
-    file of this block in that layout (``out`` is then left partly written)."""
-    try:
-        head = f.read(_HEAD.size)
-        magic, n = _HEAD.unpack(head)
-        if magic != MAGIC:
-            return None
-        header = json.loads(f.read(n))
-        if header["ns"] != ns or header["key"] != key.hex() or len(header["arrays"]) != len(names):
-            return None
-        crc, offset = 0, 0
-        for (name, dtype, shape, at, size), want, a in zip(header["arrays"], names, out):
-            if (name != want or np.dtype(dtype) != a.dtype or tuple(shape) != a.shape or at != offset
-                    or size != a.nbytes):
-                return None
-            raw = memoryview(a).cast("B")
-            if f.readinto(raw) != size:
-                return None
-            crc = zlib.crc32(raw, crc)
-            offset += size
-        if f.read(1) or crc != header["crc32"]:
-            return None
-        return _HEAD.size + n + offset
-    except (OSError, ValueError, KeyError, TypeError, struct.error):
-        return None
 
 
 class DiskStore:
@@ -182,13 +113,16 @@ class DiskStore:
         found, now = [], time.time()
         for entry in os.scandir(self.path):
             name = entry.name
-            if name.startswith(".tmp-"):
-                if now - entry.stat().st_mtime > STALE_TMP_S:
-                    _unlink(entry.path)
+            try:
+                if name.startswith(".tmp-"):
+                    if now - entry.stat().st_mtime > STALE_TMP_S:
+                        _unlink(entry.path)
+                    continue
+                if len(name) not in (32, 34) or name.strip(string.hexdigits):  # a block hash, and a part's suffix
+                    continue
+                st = entry.stat()
+            except FileNotFoundError:  # another engine of this namespace renamed or dropped it meanwhile
                 continue
-            if len(name) not in (32, 34) or name.strip(string.hexdigits):  # a block hash, and a part's suffix
-                continue
-            st = entry.stat()
             found.append((st.st_mtime, bytes.fromhex(name), st.st_size))
         for _, key, size in sorted(found):
             self.index[key] = size
