@@ -249,29 +249,22 @@ class DiskStore:
         whole; the first missing or damaged file (deleted) ends them. The reading is split among the
         read threads, each a run of the keys."""
         out = [np.empty((len(keys), *shape), layout_dtype(width)) for shape, width in layout]
-        result: Future = Future()
-        if not keys:
-            result.set_result((0, dict(zip(names, out))))
-            return result
-        per = -(-len(keys) // len(self._readers))
+        arrays = dict(zip(names, out))
+        per = -(-len(keys) // len(self._readers)) if keys else 1
         runs = [(i, keys[i:i + per]) for i in range(0, len(keys), per)]
-        lock, ends, left = threading.Lock(), [], [len(runs)]
+        reads = gather([worker.submit(self._read, run, first, names, out)
+                        for worker, (first, run) in zip(self._readers, runs)])
+        result: Future = Future()
 
         def done(f: Future) -> None:
-            with lock:
-                if f.exception() is not None:
-                    if not result.done():
-                        result.set_exception(f.exception())
-                    return
-                end, run_end = f.result()
-                if end < run_end:
-                    ends.append(end)
-                left[0] -= 1
-                if left[0] == 0 and not result.done():  # the first run cut short cuts the rest
-                    result.set_result((min(ends, default=len(keys)), dict(zip(names, out))))
+            if f.exception() is not None:
+                result.set_exception(f.exception())
+                return
+            # The first run cut short cuts the rest.
+            ends = [end for end, run_end in f.result() if end < run_end]
+            result.set_result((min(ends, default=len(keys)), arrays))
 
-        for worker, (first, run) in zip(self._readers, runs):
-            worker.submit(self._read, run, first, names, out).add_done_callback(done)
+        reads.add_done_callback(done)
         return result
 
     def _read(self, keys: list[bytes], first: int, names: list[str], out: list[np.ndarray]) -> tuple[int, int]:
@@ -315,6 +308,29 @@ class DiskStore:
 
     def _exit(self) -> None:
         self._worker.close(EXIT_WAIT_S if self.enabled else 0.0)
+
+
+def gather(futures: list[Future]) -> Future:
+    """A future of the results of ``futures`` (in order), or of the first exception among them."""
+    out: Future = Future()
+    lock, left = threading.Lock(), [len(futures)]
+
+    def done(f: Future) -> None:
+        with lock:
+            if out.done():
+                return
+            if f.exception() is not None:
+                out.set_exception(f.exception())
+                return
+            left[0] -= 1
+            if left[0] == 0:
+                out.set_result([g.result() for g in futures])
+
+    if not futures:
+        out.set_result([])
+    for f in futures:
+        f.add_done_callback(done)
+    return out
 
 
 class _Worker:

@@ -63,7 +63,6 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -73,7 +72,7 @@ import numpy as np
 from mlx.utils import tree_flatten
 
 from mlxd.engined.kv.disk_parts import UINT, Part
-from mlxd.engined.kv.disk_store import DiskStore
+from mlxd.engined.kv.disk_store import DiskStore, gather
 from mlxd.engined.kv.full_attention import extend_hashes
 from mlxd.engined.request import Request
 
@@ -102,29 +101,6 @@ class Rate:
     @property
     def value(self) -> float | None:
         return self.units / self.seconds if self.units > 0 and self.seconds > 0 else None
-
-
-def gather(futures: list[Future]) -> Future:
-    """A future of the results of ``futures`` (in order), or of the first exception among them."""
-    out: Future = Future()
-    lock, left = threading.Lock(), [len(futures)]
-
-    def done(f: Future) -> None:
-        with lock:
-            if out.done():
-                return
-            if f.exception() is not None:
-                out.set_exception(f.exception())
-                return
-            left[0] -= 1
-            if left[0] == 0:
-                out.set_result([g.result() for g in futures])
-
-    if not futures:
-        out.set_result([])
-    for f in futures:
-        f.add_done_callback(done)
-    return out
 
 
 def weights_fingerprint(model) -> str:
