@@ -27,6 +27,9 @@ output tokens/s; then mlxd / mlx_lm for total tokens/s and TTFT p50 and p99. Eve
 inside ``--budget-s``; rows are written as they come (``gpu_http.jsonl``, ``gpu_http.md`` in ``--out``).
 
     python -m bench.gpu_http --rates 2,8 --num-prompts 32,64 --out bench/results/gpu_http  # within --budget-s
+
+Over 400 lines because the checkpoint, both servers' lives, the open-loop client and the report are
+one run whose phases share their time limits and the same prompts; each part alone is a screen.
 """
 
 from __future__ import annotations

@@ -9,6 +9,9 @@ row permutation for llama, F32 norms, 2-D weights in ``qtype``);
 quantization, for parity checks. Everything is deterministic in ``seed``.
 ``seeded_rng`` prints the seeds of random tests; ``assert_greedy_equal_up_to_ties`` compares
 greedy outputs of differently packed steps.
+
+Over 400 lines because each family's config and GGUF layout is a few lines, and all of them share the
+writer, the tokenizer and the seeds; split by family, each would repeat them.
 """
 
 from __future__ import annotations

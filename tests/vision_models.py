@@ -12,6 +12,9 @@ under ``model.text_model``, an Idefics3 tower and connector, and transformers'
 4 tokens (8x8 patches, pixel-shuffled by 2) between its row/column markers.
 
 ``VLMS`` maps each family to its maker and its image token.
+
+Over 400 lines because each family's checkpoint needs its tower, projector and processor files written
+the way mlx-vlm and transformers read them, beside the shared text model and template.
 """
 
 from __future__ import annotations

@@ -9,6 +9,9 @@ Timings: the lazy graphs of many calls are built first, then evaluated with one
 synchronisation (so the times are the GPU's, plus MLX's launch work; Python's
 graph building per call is reported apart), median of several repetitions;
 inputs are random (never zeros) and larger than L2.
+
+Over 400 lines because each kernel path's correctness check and its timing use the same inputs and
+the same oracle; split, the inputs' construction would be copied.
 """
 
 from __future__ import annotations

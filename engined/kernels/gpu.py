@@ -16,6 +16,10 @@ chunks are padded at the end to a query length that is a multiple of ``SDPA_BUCK
 padded shape in batches of a power of two: fresh prompts then meet a few shapes per process, not one
 per prompt. ``paged_attention`` returns ``None`` for a configuration the kernel
 does not cover; ``attention`` then runs the reference.
+
+Over 400 lines because the step's plan (which chunks take SDPA, in which padded buckets, read in place
+or gathered) and the launches that follow it are one decision: split, the plan's dozen fields would
+become a wire between two modules that always change together.
 """
 
 from __future__ import annotations
