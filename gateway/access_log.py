@@ -3,8 +3,8 @@
 The line is written when the response has been sent: request id(s), app, method and route,
 status, prompt/cached/generated tokens, time to first token and duration. The ASGI wrapper
 opens a record for each request in a context variable; the engine client's ``add`` (called in
-that request's context, also from a streaming body's task, which inherits it) taps the
-request's output queue, so the counts come from what the engine sent, whatever the route.
+that request's context, also from a streaming body's task, which inherits it) hands each engine
+request's output queue to ``tap``, so the counts come from what the engine sent, whatever the route.
 """
 
 from __future__ import annotations
@@ -13,7 +13,6 @@ import contextvars
 import logging
 import time
 
-from mlxd.gateway.engine_client import EngineClient
 from mlxd.shared.protocol import RequestOutput
 
 log = logging.getLogger("mlxd.access")
@@ -70,18 +69,15 @@ class _Tap:
         self.queue.put_nowait(item)
 
 
-class AccessLoggedClient(EngineClient):
-    """The engine client, noting each request's outputs in the access record of its HTTP request."""
-
-    def add(self, request_id, prompt_ids, params, queue, index=0, cache_salt=None, app=None, *more, **named):
-        # The rest (priority, group, task, images, audio, ...) passes through as given: this tap must not need
-        # an edit each time a request gains an input.
-        record = _current.get()
-        if record is not None:
-            record.ids.append(request_id)
-            record.app = app or "default"
-            queue = _Tap(queue, record)
-        super().add(request_id, prompt_ids, params, queue, index, cache_salt, app, *more, **named)
+def tap(queue, request_id: str, app: str | None):
+    """What the engine client routes ``request_id``'s outputs to (``state.EngineClient``'s ``tap``): within an
+    HTTP request's record, a stand-in for ``queue`` that notes them in it; outside one, ``queue`` itself."""
+    record = _current.get()
+    if record is None:
+        return queue
+    record.ids.append(request_id)
+    record.app = app or "default"
+    return _Tap(queue, record)
 
 
 class AccessLog:

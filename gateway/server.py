@@ -83,11 +83,10 @@ from starlette.middleware.cors import CORSMiddleware
 from starlette.routing import Match
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from mlxd.gateway.engine_client import SHUTTING_DOWN
 from mlxd.gateway.errors import ANTHROPIC_PREFIX, error_response, handle_exception
 from mlxd.gateway.parsers import check_names
 from mlxd.gateway.routes import ROUTES
-from mlxd.gateway.state import Fleet, ModelRouter
+from mlxd.gateway.state import SHUTTING_DOWN, Fleet, ModelRouter
 from mlxd.shared.errors import (ForbiddenError, InvalidRequestError, MlxdError, RequestHeaderTooLargeError,
                            UnsupportedMediaTypeError)
 from mlxd.shared.serve_config import GatewayConfig
