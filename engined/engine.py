@@ -36,6 +36,7 @@ from mlxd.engined.encoders.pooling import matryoshka_dimensions, pooled_results,
 from mlxd.engined.fastpath.encode_thread import EncodeThread
 from mlxd.engined.kernels.gpu import SDPA_BUCKET
 from mlxd.engined.kv.disk_tier import weights_fingerprint
+from mlxd.engined.kv.kinds import build_manager
 from mlxd.engined.kv.manager import KVCacheManager
 from mlxd.engined.loaders import LoadedModel, load_model
 from mlxd.engined.lora.registry import LoraRegistry
@@ -485,8 +486,7 @@ def _layers_and_kv(model, config: EngineConfig, spec: SpeculativeConfig | None, 
     specs = read_layers(model)
     # The disk tier keeps the main pool's K/V alone: not a draft model's, nor another rank's.
     weights = weights_fingerprint(model) if config.kv_disk_cache and spec is None and config.num_ranks == 1 else None
-    kv = KVCacheManager.build(specs, config, dtype, settle=encoder.wait if encoder is not None else None,
-                              weights=weights)
+    kv = build_manager(specs, config, dtype, settle=encoder.wait if encoder is not None else None, weights=weights)
     if spec is not None and not kv.can_rewind:
         raise InvalidRequestError(
             "speculative decoding is not supported for this model: one of its caches cannot take "

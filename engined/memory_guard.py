@@ -9,7 +9,7 @@ to size.
 
 Admission counts on the whole capacity, but only part of it is resident: the
 pool starts with the blocks of one ``max_model_len`` request and grows in
-doubling steps as load needs (``kv.full_attention.BlockPool``), so an idle engine holds
+doubling steps as load needs (``kv.manager.BlockPool``), so an idle engine holds
 little. A growth step copies one array at a time after handing MLX's buffer
 cache back, so its transient is one array at full capacity, which must fit in
 the activations' room; the capacity is cut where it would not.

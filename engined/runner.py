@@ -261,7 +261,7 @@ class PagedAttention(nn.Module):
         return self._rope(k, positions), v
 
     def __call__(self, x: mx.array, *args, mask=None, cache=None, shared_kv=None, offset=None):
-        """``cache``: this layer's ``engined.kv.full_attention.PagedLayerStep`` (metadata, K/V arrays).
+        """``cache``: this layer's ``engined.kv.manager.PagedLayerStep`` (metadata, K/V arrays).
 
         mlx_lm's families call their attention as ``(x, mask, cache)``, with an extra leading
         input (Ministral 3's query scale) or trailing ones (Gemma 4's ``shared_kv`` and

@@ -28,7 +28,7 @@ import mlx.core as mx
 
 from mlxd.engined import kernels
 from mlxd.engined.kernels import AttentionMetadata
-from mlxd.engined.kv.full_attention import PagedArrays, PagedLayerStep
+from mlxd.engined.kv.manager import PagedArrays, PagedLayerStep
 
 log = logging.getLogger("mlxd.engine")
 

@@ -21,7 +21,7 @@ from collections.abc import Callable
 import mlx.core as mx
 import numpy as np
 
-from mlxd.engined.kv.full_attention import BlockPool, FullAttentionGroup
+from mlxd.engined.kv.manager import BlockPool, FullAttentionGroup
 from mlxd.engined.kv.group import Block
 from mlxd.engined.kv.recurrent_state import RecurrentStateGroup
 from mlxd.engined.kv.sliding_window import SlidingWindowGroup, first_visible_block

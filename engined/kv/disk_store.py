@@ -1,6 +1,6 @@
 """Block files on disk: the prefix cache's second tier, one checksummed file per cached block.
 
-A block's file is named by its chained hash (``full_attention.hash_block``, which already covers the tokens
+A block's file is named by its chained hash (``manager.hash_block``, which already covers the tokens
 before it, the cache salt and so the LoRA adapter), with a suffix for the groups beside the main pool
 (``disk_parts``), inside a namespace folder named by a digest of everything else that changes a block's
 content: the weights' fingerprint, the KV dtype, the block size and the layout of every group. Engines of

@@ -73,7 +73,7 @@ from mlx.utils import tree_flatten
 
 from mlxd.engined.kv.disk_parts import UINT, Part
 from mlxd.engined.kv.disk_store import DiskStore, gather
-from mlxd.engined.kv.full_attention import extend_hashes
+from mlxd.engined.kv.manager import extend_hashes
 from mlxd.engined.request import Request
 
 log = logging.getLogger("mlxd.engine")

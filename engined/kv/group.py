@@ -6,7 +6,7 @@ its part of allocate / commit / free. The defaults here are a group that needs
 nothing per request; a kind overrides what it keeps.
 
 A ``Block`` is what a group's tables hold and a cached prefix is made of; its
-pool (``full_attention.BlockPool``) hands it out.
+pool (``manager.BlockPool``) hands it out.
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from mlxd.engined.kv.full_attention import PagedArrays
+from mlxd.engined.kv.manager import PagedArrays
 from mlxd.engined.kv.group import KVGroup
 from mlxd.engined.model_layers import LayerSpec
 

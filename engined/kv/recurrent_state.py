@@ -35,7 +35,7 @@ from collections import OrderedDict
 import mlx.core as mx
 import numpy as np
 
-from mlxd.engined.kv.full_attention import extend_hashes
+from mlxd.engined.kv.manager import extend_hashes
 from mlxd.engined.kv.group import KVGroup
 from mlxd.engined.linear_attention import StateGroup, StatePlan, state_shapes
 from mlxd.engined.model_layers import LayerSpec

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from mlxd.engined.kv.full_attention import BlockPool, PagedArrays
+from mlxd.engined.kv.manager import BlockPool, PagedArrays
 from mlxd.engined.kv.group import Block, KVGroup
 from mlxd.engined.model_layers import LayerSpec
 from mlxd.engined.request import Request

@@ -41,6 +41,7 @@ import mlx.core as mx
 
 from mlxd.engined import memory_guard
 from mlxd.engined.device import device_kind
+from mlxd.engined.kv.kinds import build_manager
 from mlxd.engined.kv.manager import KVCacheManager
 from mlxd.engined.memory_guard import MemoryPlan
 from mlxd.engined.parallel import model_split
@@ -318,7 +319,7 @@ def serve_worker(config: EngineConfig, groups: Groups, joined: threading.Event) 
     model_split.prepare(loaded.model, groups, config)
     group = groups.link
     specs = read_layers(loaded.model)
-    kv = KVCacheManager.build(specs, config, float_dtype(loaded.model))
+    kv = build_manager(specs, config, float_dtype(loaded.model))
     runner = ModelRunner(loaded.model, specs, kv, kernels.resolve_backend(config.attention_backend))
     model_split.hand_off(loaded.model, group)
     mirror, link = Mirror(kv), Link(group)

@@ -15,7 +15,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from mlxd.engined.kv.full_attention import PagedArrays
+from mlxd.engined.kv.manager import PagedArrays
 from mlxd.engined.model_layers import LayerSpec
 from mlxd.engined.request import Request
 from mlxd.engined.runner import forward_pooled, install

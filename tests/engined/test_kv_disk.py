@@ -20,7 +20,7 @@ from mlxd import cli
 from mlxd.engined.engine import Engine
 from mlxd.engined.kv import disk_store
 from mlxd.engined.kv.disk_tier import MIN_PREFILL_SAMPLE, Rate
-from mlxd.engined.kv.full_attention import hash_block
+from mlxd.engined.kv.manager import hash_block
 from mlxd.engined.loaders import load_model
 from mlxd.engined.metrics import StatsLog
 from mlxd.flags import build_config

@@ -7,8 +7,7 @@ import mlx.core as mx
 import pytest
 
 from mlxd.engined.engine import Engine
-from mlxd.engined.kv.full_attention import BlockPool
-from mlxd.engined.kv.manager import IDLE_RELEASE_S
+from mlxd.engined.kv.manager import IDLE_RELEASE_S, BlockPool
 from mlxd.engined.loaders import load_model
 from mlxd.shared.config import EngineConfig
 from mlxd.shared.protocol import SamplingParams
