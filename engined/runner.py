@@ -1,12 +1,26 @@
 """Runs one packed step: the tokens and each layer's step object in, the sampled rows' logits out.
 
-The one change mlxd makes to an mlx_lm model, made here (``install``): its
-attention modules read the paged KV. Each attention module is swapped for a
-``PagedAttention`` that keeps the original projections, norms and RoPE,
-writes this step's K/V into the paged cache by ``slot_mapping`` and runs the
-``engined.kernels.paged_attention`` implementation chosen at start-up over the packed
-batch. Everything token-wise (embeddings, norms, MLP, MoE, head) runs
-unchanged on the packed ``[1, T, hidden]`` activations.
+The changes mlxd makes to an mlx_lm model are all made here, at install (``install``, ``hold_transposes``).
+Its attention modules read the paged KV: each is swapped for a ``PagedAttention`` that keeps the original
+projections, norms and RoPE, writes this step's K/V into the paged cache by ``slot_mapping`` and runs the
+``engined.kernels.paged_attention`` implementation chosen at start-up over the packed batch. Everything
+token-wise (embeddings, norms, MLP, MoE, head) runs unchanged on the packed ``[1, T, hidden]``
+activations, its linears rewritten only so that a step's graph has fewer nodes (at the end): a step on a
+GPU is bound by the host's cost per graph node (``bench/gpu_serving_results.md``), so
+
+- linears of one input run as one (``fuse_linears``, ``join_siblings``): one
+  matmul where several ran, as vLLM's ``QKVParallelLinear`` and
+  ``MergedColumnParallelLinear`` do. The paged attention joins its own q/k/v;
+  an MLP's gate/up, called by mlx_lm's code one by one, become
+  ``JoinedMember`` views of one ``JoinedLinears``, as the LoRA groups do for
+  both (``engined/lora/groups.py``);
+- a dense linear holds its weight's transpose (``hold_transposes``):
+  ``nn.Linear`` computes ``x @ weight.T`` (a tied LM head,
+  ``nn.Embedding.as_linear``, the same), a Transpose node per call, four per
+  decoder layer plus the LM head. The transpose is a view: made and evaluated
+  once, it is an array with the weight's memory and swapped strides, which the
+  matmul reads as it would read the node's output, so the result is the same
+  bit for bit.
 
 Per-step data arrives as mlx_lm's own ``cache`` argument: the runner passes
 the model one step object per layer (``engined.kv``: this step's metadata and
@@ -14,11 +28,17 @@ that layer's arrays), which mlx_lm hands to each layer's attention. What
 differs between families is read once from each layer (``model_layers``).
 Hybrid models' linear-attention layers are wrapped to run on per-request
 state slots (``linear_attention``).
+
+Over 400 lines because what mlxd does to a model is read in one place with the step that runs it: the
+modules swapped in at install (paged attention, joined and transposed linears, the final norm cut to the
+sampled rows) are the forward the step calls.
 """
 
 from __future__ import annotations
 
+import copy
 import functools
+import itertools
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -26,12 +46,10 @@ import numpy as np
 
 from mlxd.engined import kernels
 from mlxd.engined.fastpath.compiled_decode import CompiledDecode
-from mlxd.engined.fastpath.linears import fuse_linears, hold_transposes, join_siblings
 from mlxd.engined.kernels import gated_delta
 from mlxd.engined.kernels.qk_rope import QKRope
 from mlxd.engined.kv.manager import KVCacheManager
 from mlxd.engined.linear_attention import SlottedLinearAttention
-from mlxd.engined.lora.registry import LoraRegistry
 from mlxd.engined.model_layers import LayerSettings, LayerSpec, flat_stream, text_model, transformer_layers
 from mlxd.engined.scheduler import SchedulerOutput
 from mlxd.engined.vision.embeds import ImageEmbeds
@@ -119,7 +137,7 @@ class ModelRunner:
     """The model with its attention swapped for paged attention, run over the KV manager's groups."""
 
     def __init__(self, model: nn.Module, specs: list[LayerSpec], kv: KVCacheManager, attention_backend: str = "auto",
-                 lora: LoraRegistry | None = None, compile_decode: bool = False, images: ImageEmbeds | None = None):
+                 lora=None, compile_decode: bool = False, images: ImageEmbeds | None = None):
         self.model = model
         self.kv = kv
         # A vision-language model's image rows (engined/vision/); None: text only.
@@ -127,7 +145,8 @@ class ModelRunner:
         # Qwen-VL's per-token multi-axis positions (engined/vision/mrope.py); None: one position per token.
         self.mrope = install_mrope(model, images.tower.config) if images is not None else None
         self.head = install(model, specs, attention_backend)
-        # The adapters' slots (their layers are already in the model); None: LoRA is off.
+        # The adapters' slots (engined.lora.registry.LoraRegistry; their layers are already in the model); None: LoRA
+        # is off.
         self.lora = lora
         if lora is None:  # LoRA's groups write adapters into their bases' weights in place
             hold_transposes(model)
@@ -376,3 +395,159 @@ def install(model: nn.Module, specs: list[LayerSpec], backend: str = "auto") -> 
         raise ModelLoadError(f"{type(model).__module__}: no final norm found")
     inner_model.norm = LastTokenNorm(norm)
     return inner_model.norm
+
+
+# The linears, rewritten once at install (see the module docstring).
+
+
+def dims(linear: nn.Module) -> tuple[int, int]:
+    """(in, out) of a dense or quantized linear (quantized weights pack 32 // bits inputs per word)."""
+    out, packed = linear.weight.shape[-2:]
+    return (packed * 32 // linear.bits if "scales" in linear else packed), out
+
+
+def fuse_linears(parts: list[nn.Module]) -> nn.Module | None:
+    """One linear whose output is ``parts``' outputs side by side, or None where they cannot be one:
+    not all plain ``nn.Linear`` (or all ``nn.QuantizedLinear`` of one bit width, group size and mode),
+    a bias on some only, or different input widths.
+
+    Built from the first part with its arrays replaced by the concatenations, evaluated here so the
+    parts' arrays are freed as soon as nothing else holds them.
+    """
+    kind = type(parts[0])
+    if kind not in (nn.Linear, nn.QuantizedLinear) or any(type(p) is not kind for p in parts):
+        return None
+    settings = ("group_size", "bits", "mode") if kind is nn.QuantizedLinear else ()
+    names = ("weight", "scales", "biases") if kind is nn.QuantizedLinear else ("weight",)
+    if any(getattr(p, k, None) != getattr(parts[0], k, None) for p in parts for k in settings):
+        return None
+    if len({"bias" in p for p in parts}) > 1 or len({p.weight.shape[1] for p in parts}) > 1:
+        return None
+    fused = copy.copy(parts[0])
+    for name in names + (("bias",) if "bias" in parts[0] else ()):
+        setattr(fused, name, mx.concatenate([p[name] for p in parts], axis=0))
+    mx.eval(fused.parameters())
+    return fused
+
+
+class JoinedLinears:
+    """The joined ``base`` of members whose outputs are ``outs`` wide, in order.
+
+    The output is made at the first member's call and kept beside the array it
+    was made from; members called with that same array (mlx_lm's attention and
+    MLP pass one ``x``) take their slices, and the last one drops it, so no
+    layer's input is held past its layer. A member called with another array
+    gets an output made from that one: right for any model, merely slower for
+    one that feeds its projections apart.
+
+    The outputs are 2-D, ``[tokens, out]``, whatever the input's leading axes (the packed step's
+    ``[1, T, in]``): a matmul of a 3-D input flattens and unflattens it, two graph nodes, and what
+    follows the members (an MLP's activation and down projection, then the residual add, which
+    broadcasts) takes 2-D as well.
+    """
+
+    def __init__(self, base: nn.Module, outs: list[int]):
+        self.base = base
+        self.offsets = list(itertools.accumulate(outs, initial=0))
+        self._x: mx.array | None = None
+        self._held: list[mx.array] | None = None
+        self._left = 0
+
+    def clear(self) -> None:
+        self._x = self._held = None
+        self._left = 0
+
+    def joined(self, x: mx.array) -> mx.array:
+        """Every member's output for ``x``, side by side."""
+        return self.base(x)
+
+    def output(self, x: mx.array, member: int) -> mx.array:
+        if x is not self._x:
+            n = len(self.offsets) - 1
+            y = self.joined(x if x.ndim == 2 else x.reshape(-1, x.shape[-1]))
+            # A wider output has columns past the members' (a LoRA group's x·A): cut off and dropped.
+            cuts = self.offsets[1:] if y.shape[-1] > self.offsets[-1] else self.offsets[1:-1]
+            self._held = mx.split(y, cuts, axis=-1) if cuts else [y]
+            self._x, self._left = x, n
+        held = self._held[member]
+        self._left -= 1
+        if self._left <= 0:
+            self.clear()
+        return held
+
+
+class JoinedMember(nn.Module):
+    """One member of a ``JoinedLinears``, called as the linear it replaced; the first member holds the joined
+    linear in the module tree (``linear``)."""
+
+    def __init__(self, joined: JoinedLinears, member: int):
+        super().__init__()
+        self.joined = joined  # a plain object, outside the module tree (its members share it)
+        self.member = member
+        if member == 0:
+            self.linear = joined.base
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return self.joined.output(x, self.member)
+
+
+def join_siblings(parent: nn.Module, names: tuple[str, ...]) -> bool:
+    """Replace ``parent``'s linears ``names`` (all present, joinable by ``fuse_linears``) by views of one
+    joined linear; whether it did."""
+    if not all(name in parent for name in names):
+        return False
+    parts = [parent[name] for name in names]
+    base = fuse_linears(parts)
+    if base is None:
+        return False
+    joined = JoinedLinears(base, [dims(p)[1] for p in parts])
+    for i, name in enumerate(names):
+        setattr(parent, name, JoinedMember(joined, i))
+    return True
+
+
+def _held(module: nn.Module) -> mx.array:
+    """``module``'s weight's transpose, evaluated, kept beside it outside the parameters (so the memory guard
+    and the checkpoint's paths see the module as before). A weight assigned anew is seen by identity and
+    its view made again."""
+    weight = module["weight"]
+    if module.__dict__.get("_of") is not weight:
+        view = weight.T
+        mx.eval(view)
+        object.__setattr__(module, "_of", weight)
+        object.__setattr__(module, "_view", view)
+    return module._view
+
+
+class TransposedLinear(nn.Linear):
+    """An ``nn.Linear`` multiplying by its held transpose."""
+
+    def __call__(self, x: mx.array) -> mx.array:
+        view = _held(self)
+        return mx.addmm(self["bias"], x, view) if "bias" in self else x @ view
+
+
+class TransposedEmbedding(nn.Embedding):
+    """An ``nn.Embedding`` whose use as the tied LM head multiplies by its held transpose."""
+
+    def as_linear(self, x: mx.array) -> mx.array:
+        return x @ _held(self)
+
+
+_HELD = {nn.Linear: TransposedLinear, nn.Embedding: TransposedEmbedding}
+
+
+def hold_transposes(model: nn.Module) -> int:
+    """Make every plain ``nn.Linear`` and ``nn.Embedding`` of ``model`` hold its weight's transpose; how many.
+
+    Each instance keeps its identity (its class changes): a joined linear's
+    members call it through a reference outside the module tree
+    (``JoinedLinears.base``). Only for weights nothing writes into
+    afterwards in place: LoRA's groups fold adapters into their bases' weights,
+    so an engine with adapters does not call this.
+    """
+    modules = [m for _, m in model.named_modules() if type(m) in _HELD]
+    for module in modules:
+        module.__class__ = _HELD[type(module)]
+        _held(module)
+    return len(modules)

@@ -2,7 +2,7 @@
 
 A layer's q_proj, k_proj and v_proj are called on the same array, as are its
 MLP's gate_proj and up_proj. A group joins its members' base weights into
-one linear (``engined/fastpath/linears.py``) and their adapters into one term of
+one linear (``runner.JoinedLinears``) and their adapters into one term of
 ``n * R`` columns per slot: A ``[in, S * n * R]``, slot ``s``'s columns
 ``(s-1)*n*R`` onwards, member ``i``'s ``R`` of them at ``i*R``; B ``[S * n *
 R, out_1 + .. + out_n]``, block-diagonal (member ``i``'s rows reach only its
@@ -45,7 +45,7 @@ import mlx.nn as nn
 import numpy as np
 from mlx_lm.models.activations import swiglu
 
-from mlxd.engined.fastpath.linears import JoinedLinears, dims
+from mlxd.engined.runner import JoinedLinears, dims
 from mlxd.engined.kernels import lora_term
 
 

@@ -36,7 +36,7 @@ import numpy as np
 from mlx_lm.models.activations import swiglu
 from mlx_lm.models.switch_layers import SwitchGLU
 
-from mlxd.engined.fastpath.linears import JoinedMember, dims, fuse_linears
+from mlxd.engined.runner import JoinedMember, dims, fuse_linears
 from mlxd.engined.lora.groups import ProjectionGroup
 from mlxd.engined.model_layers import transformer_layers
 

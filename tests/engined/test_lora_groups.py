@@ -80,7 +80,7 @@ def test_a_projection_called_on_another_input_gets_its_own_product(setups):
     for (name, x), out in zip(calls, got):
         a, b = pairs[f"model.layers.0.self_attn.{name}"]
         want = np.array(getattr(base, name)(x)) + np.array(x) @ a @ b
-        # A group's outputs are [tokens, out] whatever the input's leading axes (linears.JoinedLinears).
+        # A group's outputs are [tokens, out] whatever the input's leading axes (runner.JoinedLinears).
         np.testing.assert_allclose(np.array(out), want.reshape(3, -1), rtol=1e-4, atol=1e-4, err_msg=name)
 
 

@@ -83,7 +83,7 @@ def test_q_k_v_and_gate_up_run_as_one_projection_each_with_mlx_lm_s_logits(bits,
     for layer in engine.runner.model.layers:
         attn = layer.self_attn
         assert "qkv_proj" in attn and "q_proj" not in attn and "bias" in attn.qkv_proj
-        # A plain linear holds its weight's transpose (engined.fastpath.linears).
+        # A plain linear holds its weight's transpose (engined.runner.hold_transposes).
         assert type(attn.qkv_proj).__name__ == ("QuantizedLinear" if bits else "TransposedLinear")
         gate, up = layer.mlp.gate_proj, layer.mlp.up_proj
         assert type(gate).__name__ == type(up).__name__ == "JoinedMember" and gate.joined is up.joined

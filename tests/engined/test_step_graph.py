@@ -1,5 +1,5 @@
 """A step's graph carries no node it can do without: linears hold their weight's transpose
-(engined.fastpath.linears), computing nn.Linear's outputs bit for bit, and the families of
+(engined.runner.hold_transposes), computing nn.Linear's outputs bit for bit, and the families of
 ``model_layers.FLAT_STREAM`` run on a 2-D stream, without the packed batch's reshapes and broadcasts."""
 
 import collections
@@ -10,7 +10,7 @@ import mlx.nn as nn
 import pytest
 
 from mlxd.engined.engine import Engine
-from mlxd.engined.fastpath.linears import TransposedEmbedding, TransposedLinear, hold_transposes
+from mlxd.engined.runner import TransposedEmbedding, TransposedLinear, hold_transposes
 from mlxd.engined.loaders import load_model
 from mlxd.shared.config import EngineConfig
 from mlxd.shared.protocol import SamplingParams
