@@ -358,8 +358,7 @@ class Engine:
                               else self.runner.run_pooled(batch, inflight=self._inflight))
             pooled = (pooled_results(batch, logits, hidden, self.score_ids)
                       if any(r.pooled for r, _ in batch.scheduled) else None)
-            launched = self._sample(batch, logits)
-        launched.pooled = pooled
+            launched = self._sample(batch, logits, pooled)
         self.scheduler.advance(batch)
         return launched
 
@@ -404,7 +403,7 @@ class Engine:
             self._check_grammars()
         return outputs
 
-    def _sample(self, batch: SchedulerOutput, logits: mx.array) -> LaunchedStep:
+    def _sample(self, batch: SchedulerOutput, logits: mx.array, pooled: list | None) -> LaunchedStep:
         """Sample plain rows and verify draft windows in one evaluation, launched (not read).
 
         A request whose own sampling setup raises (a parameter MLX cannot take,
@@ -417,7 +416,8 @@ class Engine:
                 rows.append((req, row))
             row += k
         try:
-            return LaunchedStep.sample(batch, rows, logits, self.sampler, self.speculator, self.runner.kv.arrays())
+            return LaunchedStep.sample(batch, rows, logits, self.sampler, self.speculator, self.runner.kv.arrays(),
+                                       pooled)
         except Exception as e:
             if self.encoder is not None:
                 self.encoder.wait()  # the trials below evaluate on the stream it encodes
@@ -430,7 +430,7 @@ class Engine:
                 self._fail(req, InvalidRequestError(f"the request could not be sampled: {type(e).__name__}: {e}"))
             batch.scheduled = [(r, n) for r, n in batch.scheduled if r not in culprits]
             return LaunchedStep.sample(batch, [(r, o) for r, o in rows if r not in culprits], logits, self.sampler,
-                                       self.speculator, self.runner.kv.arrays())
+                                       self.speculator, self.runner.kv.arrays(), pooled)
 
     def _can_sample(self, req: Request) -> bool:
         """Whether one row of this request alone samples without raising (finds a step's culprits)."""

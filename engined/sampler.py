@@ -336,7 +336,7 @@ class LaunchedStep:
                  "_pending", "_encoder", "_number")
 
     def __init__(self, batch: SchedulerOutput, reqs: list[Request], tokens: mx.array | None, feed: mx.array | None,
-                 logprob_parts, spec_results: Callable[[], dict] | None, pending: list):
+                 logprob_parts, spec_results: Callable[[], dict] | None, pooled: list | None, pending: list):
         self.batch = batch
         self.reqs = reqs  # the plain sampled requests, in the order of ``tokens``' rows
         self.tokens = tokens
@@ -348,7 +348,7 @@ class LaunchedStep:
         self.spec_results = spec_results  # verified draft windows' results, read after evaluation
         self._rows = {r: i for i, r in enumerate(reqs)}
         # Pooled requests' results (engined.encoders.pooling.pooled_results), stored when the step is read.
-        self.pooled = None
+        self.pooled = pooled
         self._pending = pending  # what ``start`` evaluates
         self._encoder: EncodeThread | None = None
         self._number = 0
@@ -356,8 +356,6 @@ class LaunchedStep:
     def start(self, encoder: EncodeThread | None = None) -> None:
         """Queue the step on the device: evaluated asynchronously here, or handed to ``encoder``'s thread."""
         pending, self._pending = self._pending, None
-        if self.pooled:  # evaluated with the step, so that reading them (``store_results``) only waits
-            pending.append([r for _, r in self.pooled])
         if encoder is None:
             mx.async_eval(pending)
         else:
@@ -365,13 +363,14 @@ class LaunchedStep:
 
     @classmethod
     def sample(cls, batch: SchedulerOutput, rows: list[tuple[Request, int]], logits: mx.array, sampler,
-               speculator, kv_arrays: list[mx.array]) -> "LaunchedStep":
+               speculator, kv_arrays: list[mx.array], pooled: list | None = None) -> "LaunchedStep":
         """Build the step's sampling: plain rows through ``sampler``, draft windows through
-        ``speculator.verify``, to be evaluated with the KV writes (``kv_arrays``) by ``start``. ``rows``:
-        (request, its first logits row)."""
+        ``speculator.verify``, to be evaluated with the KV writes (``kv_arrays``) and the pooled
+        requests' results (``pooled``: evaluated with the step, so that storing them only waits) by
+        ``start``. ``rows``: (request, its first logits row)."""
         plain = [(r, o) for r, o in rows if r not in batch.drafts]
         spec = [(r, o) for r, o in rows if r in batch.drafts]
-        pending = [kv_arrays]
+        pending = [kv_arrays] + ([[r for _, r in pooled]] if pooled else [])
         reqs = [r for r, _ in plain]
         tokens, feed, logprob_parts, spec_results = None, None, None, None
         if plain:
@@ -381,7 +380,7 @@ class LaunchedStep:
         if spec:
             arrays, spec_results = speculator.verify(logits, spec, batch.drafts)
             pending += arrays
-        return cls(batch, reqs, tokens, feed, logprob_parts, spec_results, pending)
+        return cls(batch, reqs, tokens, feed, logprob_parts, spec_results, pooled, pending)
 
     def row_of(self, req: Request) -> int:
         """The row of ``tokens`` holding the request's token (the next step's placeholder)."""
