@@ -22,7 +22,9 @@ same prompts within a run (separate caches: mlx_lm's keeps none). Each mlxd
 run reports ``cached_tokens``, its prompt tokens served from the prefix cache
 (a shared batch's requests may find the common prefix that another request
 of the batch computed), and per step the host time (inside ``step()``, not
-waiting) and the time it waited on the device (``Engine.sync_wait_s``).
+waiting) and the time it waited on the device (``Engine.sync_wait_s``), for the
+whole run and apart for its prefill phase (the steps until no prompt is left to
+compute) and its decode phase.
 
 Open loop (``--poisson RATE``): requests arrive at Poisson times, mixed
 prompts, each side in this process (mlx_lm's ``BatchGenerator`` driven as its
@@ -199,14 +201,35 @@ def run_mlxd(engine, prompts, max_tokens: int) -> tuple[float, dict]:
 
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     steps0, wait0, cached0 = engine.num_steps, engine.sync_wait_s, cached_tokens(engine)
+    # Each step's wall and wait, split at the step after which no prompt is left to compute: the prefill
+    # phase's steps (chunks, with decode rows beside them) and the decode phase's.
+    phases = {"prefill": [0, 0.0, 0.0], "decode": [0, 0.0, 0.0]}  # steps, wall s, wait s
+    counts, run = [0] * len(prompts), engine.num_steps
     t0 = time.perf_counter()
-    out = engine.generate(prompts, params)
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"run{run}-{i}", prompt, params)
+    prefilling, done = True, 0
+    while done < len(prompts):
+        t, w, n = time.perf_counter(), engine.sync_wait_s, engine.num_steps
+        outputs = engine.step()
+        phase = phases["prefill" if prefilling else "decode"]
+        phase[0] += engine.num_steps - n  # steps launched (the last call only reads the one in flight)
+        phase[1] += time.perf_counter() - t
+        phase[2] += engine.sync_wait_s - w
+        for o in outputs:
+            counts[int(o.request_id.rsplit("-", 1)[1])] += len(o.new_token_ids)
+            done += o.finish_reason is not None
+        prefilling = prefilling and any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.requests.values())
     wall = time.perf_counter() - t0
-    assert all(len(t) == max_tokens for t in out)
+    assert counts == [max_tokens] * len(prompts), counts
     steps, wait = engine.num_steps - steps0, engine.sync_wait_s - wait0
     mx.clear_cache()
     return wall, dict(steps=steps, host_ms_per_step=1e3 * (wall - wait) / steps, wait_ms_per_step=1e3 * wait / steps,
-                      cached_tokens=cached_tokens(engine) - cached0)
+                      cached_tokens=cached_tokens(engine) - cached0,
+                      **{f"{name}_steps": n for name, (n, _, _) in phases.items()},
+                      **{f"{name}_host_ms_per_step": round(1e3 * (t - w) / max(n, 1), 2)
+                         for name, (n, t, w) in phases.items()},
+                      **{f"{name}_wait_ms_per_step": round(1e3 * w / max(n, 1), 2) for name, (n, _, w) in phases.items()})
 
 
 def closed_batches(model, make_loaded, args, rows: list) -> None:
