@@ -210,6 +210,8 @@ def run_mlxd(engine, prompts, max_tokens: int) -> tuple[float, dict]:
         engine.add_request(f"run{run}-{i}", prompt, params)
     prefilling, done = True, 0
     while done < len(prompts):
+        for _, err in engine.take_errors():
+            raise err
         t, w, n = time.perf_counter(), engine.sync_wait_s, engine.num_steps
         outputs = engine.step()
         phase = phases["prefill" if prefilling else "decode"]
@@ -224,12 +226,12 @@ def run_mlxd(engine, prompts, max_tokens: int) -> tuple[float, dict]:
     assert counts == [max_tokens] * len(prompts), counts
     steps, wait = engine.num_steps - steps0, engine.sync_wait_s - wait0
     mx.clear_cache()
+    split = {}
+    for name, (n, t, w) in phases.items():
+        split |= {f"{name}_steps": n, f"{name}_host_ms_per_step": round(1e3 * (t - w) / max(n, 1), 2),
+                  f"{name}_wait_ms_per_step": round(1e3 * w / max(n, 1), 2)}
     return wall, dict(steps=steps, host_ms_per_step=1e3 * (wall - wait) / steps, wait_ms_per_step=1e3 * wait / steps,
-                      cached_tokens=cached_tokens(engine) - cached0,
-                      **{f"{name}_steps": n for name, (n, _, _) in phases.items()},
-                      **{f"{name}_host_ms_per_step": round(1e3 * (t - w) / max(n, 1), 2)
-                         for name, (n, t, w) in phases.items()},
-                      **{f"{name}_wait_ms_per_step": round(1e3 * w / max(n, 1), 2) for name, (n, _, w) in phases.items()})
+                      cached_tokens=cached_tokens(engine) - cached0, **split)
 
 
 def closed_batches(model, make_loaded, args, rows: list) -> None:
